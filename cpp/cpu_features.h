@@ -1,0 +1,24 @@
+// Runtime CPU feature detection. The build is portable (no -march=native); kernels compiled with
+// -mavx2 -mfma -mf16c are only called when these report true.
+#pragma once
+
+namespace ktq {
+
+struct CpuFeatures {
+  bool avx2 = false;
+  bool fma = false;
+  bool f16c = false;
+};
+
+// What the CPU (and OS) support, detected once.
+const CpuFeatures& cpu_features();
+
+// True when the AVX2+FMA+F16C kernels may run: the CPU has all three and neither the environment
+// variable KTQUEST_FORCE_SCALAR=1 nor set_force_scalar(true) asks for the scalar twins.
+bool use_avx2();
+
+// Force the scalar kernels (tests run both paths). Process-wide.
+void set_force_scalar(bool force);
+bool force_scalar();
+
+}  // namespace ktq
