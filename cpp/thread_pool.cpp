@@ -1,0 +1,104 @@
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KTQ_PAUSE() _mm_pause()
+#else
+#define KTQ_PAUSE() std::this_thread::yield()
+#endif
+
+namespace ktq {
+
+namespace {
+// How long an idle worker spins before sleeping. Decode calls come every few microseconds; a
+// prompt's Python-side work between calls is longer, and sleeping then is fine.
+constexpr auto kSpin = std::chrono::microseconds(200);
+}  // namespace
+
+ThreadPool& ThreadPool::global() {
+  // Leaked on purpose: joining threads during interpreter shutdown (static destruction) can deadlock.
+  static ThreadPool* pool = new ThreadPool();
+  return *pool;
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    gen_.fetch_add(1, std::memory_order_release);
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::ensure_workers(int n) {
+  while (static_cast<int>(workers_.size()) < n) {
+    const int id = static_cast<int>(workers_.size()) + 1;
+    workers_.emplace_back([this, id] { worker_loop(id); });
+  }
+}
+
+void ThreadPool::run_range(int64_t n_tasks, int n_threads, int j, Call call, void* ctx) {
+  const int64_t b = n_tasks * j / n_threads, e = n_tasks * (j + 1) / n_threads;
+  for (int64_t i = b; i < e; ++i) call(ctx, i);
+}
+
+void ThreadPool::run(int64_t n_tasks, int n_threads, Call call, void* ctx) {
+  n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, n_tasks)));
+  if (n_threads == 1) {
+    run_range(n_tasks, 1, 0, call, ctx);
+    return;
+  }
+  std::lock_guard<std::mutex> run_lk(run_mu_);
+  ensure_workers(n_threads - 1);
+  {
+    std::lock_guard<std::mutex> lk(mu_);  // pairs with the workers' predicate check: no lost wake-up
+    call_ = call;
+    ctx_ = ctx;
+    n_tasks_ = n_tasks;
+    n_threads_ = n_threads;
+    pending_.store(n_threads - 1, std::memory_order_relaxed);
+    gen_.fetch_add(1, std::memory_order_release);
+  }
+  cv_.notify_all();
+  run_range(n_tasks, n_threads, 0, call, ctx);
+  while (pending_.load(std::memory_order_acquire) != 0) KTQ_PAUSE();
+}
+
+void ThreadPool::worker_loop(int id) {
+  uint64_t seen = gen_.load(std::memory_order_acquire);
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    int spins = 0;
+    while (gen_.load(std::memory_order_acquire) == seen) {
+      KTQ_PAUSE();
+      if (++spins % 256 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        break;
+      }
+    }
+    Call call;
+    void* ctx;
+    int64_t n_tasks;
+    int n_threads;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stop_) return;
+      seen = gen_.load(std::memory_order_acquire);
+      call = call_;
+      ctx = ctx_;
+      n_tasks = n_tasks_;
+      n_threads = n_threads_;
+    }
+    if (id < n_threads) {
+      run_range(n_tasks, n_threads, id, call, ctx);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+}
+
+}  // namespace ktq
