@@ -37,7 +37,10 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::ensure_workers(int n) {
   while (static_cast<int>(workers_.size()) < n) {
     const int id = static_cast<int>(workers_.size()) + 1;
-    workers_.emplace_back([this, id] { worker_loop(id); });
+    // The generation is read here, not in the new thread: a thread that starts late must still
+    // see the job published right after this call as new.
+    const uint64_t seen = gen_.load(std::memory_order_acquire);
+    workers_.emplace_back([this, id, seen] { worker_loop(id, seen); });
   }
 }
 
@@ -68,8 +71,7 @@ void ThreadPool::run(int64_t n_tasks, int n_threads, Call call, void* ctx) {
   while (pending_.load(std::memory_order_acquire) != 0) KTQ_PAUSE();
 }
 
-void ThreadPool::worker_loop(int id) {
-  uint64_t seen = gen_.load(std::memory_order_acquire);
+void ThreadPool::worker_loop(int id, uint64_t seen) {
   for (;;) {
     const auto t0 = std::chrono::steady_clock::now();
     int spins = 0;

@@ -42,7 +42,7 @@ class ThreadPool {
   using Call = void (*)(void*, int64_t);
   void run(int64_t n_tasks, int n_threads, Call call, void* ctx);
   void ensure_workers(int n);  // n workers besides the caller
-  void worker_loop(int id);     // id >= 1
+  void worker_loop(int id, uint64_t seen);  // id >= 1
   static void run_range(int64_t n_tasks, int n_threads, int j, Call call, void* ctx);
 
   std::mutex run_mu_;  // one parallel_for at a time (callers from several Python threads queue here)
