@@ -1,0 +1,76 @@
+#include "gemv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu_features.h"
+#include "thread_pool.h"
+
+namespace ktq {
+
+// ---- scalar twins ----
+
+void quantize_q8_0_scalar(const float* src, int64_t n, int8_t* q, float* d) {
+  for (int64_t g = 0; g < n / kQ8Group; ++g) {
+    const float* s = src + g * kQ8Group;
+    float amax = 0.f;
+    for (int i = 0; i < kQ8Group; ++i) amax = std::max(amax, std::fabs(s[i]));
+    const float dg = amax / 127.f;
+    const float inv = dg != 0.f ? 1.f / dg : 0.f;
+    d[g] = dg;
+    // nearbyint rounds half to even in the default FP environment, like _mm256_cvtps_epi32.
+    for (int i = 0; i < kQ8Group; ++i) q[g * kQ8Group + i] = static_cast<int8_t>(std::nearbyint(s[i] * inv));
+  }
+}
+
+void gemv_q8_0_rows_scalar(const int8_t* qx, const float* dx, int64_t in, const int8_t* qw, const float* dw,
+                           const float* bias, float* y, int64_t o0, int64_t o1) {
+  const int64_t ng = in / kQ8Group;
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* w = qw + o * in;
+    const float* dwo = dw + o * ng;
+    float acc = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      int32_t s = 0;
+      for (int i = 0; i < kQ8Group; ++i) s += int32_t(w[g * kQ8Group + i]) * int32_t(qx[g * kQ8Group + i]);
+      acc += float(s) * (dwo[g] * dx[g]);
+    }
+    y[o] = acc + (bias ? bias[o] : 0.f);
+  }
+}
+
+// ---- dispatch ----
+
+void quantize_q8_0(const float* src, int64_t n, int8_t* q, float* d) {
+  if (use_avx2()) quantize_q8_0_avx2(src, n, q, d);
+  else quantize_q8_0_scalar(src, n, q, d);
+}
+
+void gemv_q8_0(const float* x, int64_t T, int64_t in, const int8_t* qw, const float* dw, int64_t out,
+               const float* bias, float* y, int n_threads) {
+  const int64_t ng = in / kQ8Group;
+  // qx: [T, in], dx: [T, in/32]; thread-local so concurrent calls from different threads are safe.
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> dx;
+  qx.resize(T * in);
+  dx.resize(T * ng);
+  for (int64_t t = 0; t < T; ++t) quantize_q8_0(x + t * in, in, qx.data() + t * in, dx.data() + t * ng);
+
+  const bool avx2 = use_avx2();
+  // Rows in chunks of 16 (a multiple of a cache line of scales); chunk c always covers the same rows.
+  constexpr int64_t kRowsPerTask = 16;
+  const int64_t n_tasks = (out + kRowsPerTask - 1) / kRowsPerTask;
+  auto task = [&](int64_t c) {
+    const int64_t o0 = c * kRowsPerTask, o1 = std::min(out, o0 + kRowsPerTask);
+    for (int64_t t = 0; t < T; ++t) {
+      const int8_t* qxt = qx.data() + t * in;
+      const float* dxt = dx.data() + t * ng;
+      if (avx2) gemv_q8_0_rows_avx2(qxt, dxt, in, qw, dw, bias, y + t * out, o0, o1);
+      else gemv_q8_0_rows_scalar(qxt, dxt, in, qw, dw, bias, y + t * out, o0, o1);
+    }
+  };
+  ThreadPool::global().parallel_for(n_tasks, n_threads, task);
+}
+
+}  // namespace ktq

@@ -1,0 +1,101 @@
+// AVX2 twins of gemv.cpp's kernels; compiled with -mavx2 -mfma -mf16c, called only when use_avx2().
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "gemv.h"
+
+namespace ktq {
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 int8 x 32 int8 -> 8 int32 partial sums. maddubs wants unsigned x signed: move w's sign onto x.
+inline __m256i dot32(__m256i w, __m256i x) {
+  const __m256i aw = _mm256_sign_epi8(w, w);
+  const __m256i sx = _mm256_sign_epi8(x, w);
+  const __m256i p16 = _mm256_maddubs_epi16(aw, sx);
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+}  // namespace
+
+void quantize_q8_0_avx2(const float* src, int64_t n, int8_t* q, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t g = 0; g < n / kQ8Group; ++g) {
+    const float* s = src + g * kQ8Group;
+    __m256 v0 = _mm256_loadu_ps(s), v1 = _mm256_loadu_ps(s + 8), v2 = _mm256_loadu_ps(s + 16),
+           v3 = _mm256_loadu_ps(s + 24);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float dg = amax / 127.f;
+    const float inv = dg != 0.f ? 1.f / dg : 0.f;
+    d[g] = dg;
+    const __m256 vi = _mm256_set1_ps(inv);
+    // cvtps_epi32 rounds half to even (default MXCSR), matching the scalar nearbyint.
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
+    // packs work within 128-bit lanes: fix the order with a final permute.
+    __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+    __m256i p = _mm256_packs_epi16(p01, p23);
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kQ8Group), p);
+  }
+}
+
+void gemv_q8_0_rows_avx2(const int8_t* qx, const float* dx, int64_t in, const int8_t* qw, const float* dw,
+                         const float* bias, float* y, int64_t o0, int64_t o1) {
+  const int64_t ng = in / kQ8Group;
+  int64_t o = o0;
+  // Four rows at a time share each load of x.
+  for (; o + 4 <= o1; o += 4) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
+           acc3 = _mm256_setzero_ps();
+    const int8_t* w0 = qw + (o + 0) * in;
+    const int8_t* w1 = qw + (o + 1) * in;
+    const int8_t* w2 = qw + (o + 2) * in;
+    const int8_t* w3 = qw + (o + 3) * in;
+    const float* d0 = dw + (o + 0) * ng;
+    const float* d1 = dw + (o + 1) * ng;
+    const float* d2 = dw + (o + 2) * ng;
+    const float* d3 = dw + (o + 3) * ng;
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kQ8Group));
+      const float dxg = dx[g];
+      const int64_t off = g * kQ8Group;
+#define KTQ_ROW(k)                                                                                      \
+  {                                                                                                     \
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w##k + off));                 \
+    acc##k = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w, x)), _mm256_set1_ps(d##k[g] * dxg), acc##k);  \
+  }
+      KTQ_ROW(0) KTQ_ROW(1) KTQ_ROW(2) KTQ_ROW(3)
+#undef KTQ_ROW
+    }
+    y[o + 0] = hsum(acc0) + (bias ? bias[o + 0] : 0.f);
+    y[o + 1] = hsum(acc1) + (bias ? bias[o + 1] : 0.f);
+    y[o + 2] = hsum(acc2) + (bias ? bias[o + 2] : 0.f);
+    y[o + 3] = hsum(acc3) + (bias ? bias[o + 3] : 0.f);
+  }
+  for (; o < o1; ++o) {
+    __m256 acc = _mm256_setzero_ps();
+    const int8_t* w = qw + o * in;
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kQ8Group));
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kQ8Group));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(wv, x)), _mm256_set1_ps(dw[o * ng + g] * dx[g]), acc);
+    }
+    y[o] = hsum(acc) + (bias ? bias[o] : 0.f);
+  }
+}
+
+}  // namespace ktq
