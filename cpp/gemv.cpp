@@ -57,6 +57,10 @@ void gemv_q8_0(const float* x, int64_t T, int64_t in, const int8_t* qw, const fl
   dx.resize(T * ng);
   for (int64_t t = 0; t < T; ++t) quantize_q8_0(x + t * in, in, qx.data() + t * in, dx.data() + t * ng);
 
+  // Raw pointers, not the thread_local vectors: inside the lambda on a worker thread, `qx` would name
+  // that thread's own (empty) buffer.
+  const int8_t* qxp = qx.data();
+  const float* dxp = dx.data();
   const bool avx2 = use_avx2();
   // Rows in chunks of 16 (a multiple of a cache line of scales); chunk c always covers the same rows.
   constexpr int64_t kRowsPerTask = 16;
@@ -64,8 +68,8 @@ void gemv_q8_0(const float* x, int64_t T, int64_t in, const int8_t* qw, const fl
   auto task = [&](int64_t c) {
     const int64_t o0 = c * kRowsPerTask, o1 = std::min(out, o0 + kRowsPerTask);
     for (int64_t t = 0; t < T; ++t) {
-      const int8_t* qxt = qx.data() + t * in;
-      const float* dxt = dx.data() + t * ng;
+      const int8_t* qxt = qxp + t * in;
+      const float* dxt = dxp + t * ng;
       if (avx2) gemv_q8_0_rows_avx2(qxt, dxt, in, qw, dw, bias, y + t * out, o0, o1);
       else gemv_q8_0_rows_scalar(qxt, dxt, in, qw, dw, bias, y + t * out, o0, o1);
     }

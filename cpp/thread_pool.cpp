@@ -44,31 +44,46 @@ void ThreadPool::ensure_workers(int n) {
   }
 }
 
-void ThreadPool::run_range(int64_t n_tasks, int n_threads, int j, Call call, void* ctx) {
-  const int64_t b = n_tasks * j / n_threads, e = n_tasks * (j + 1) / n_threads;
-  for (int64_t i = b; i < e; ++i) call(ctx, i);
+int64_t ThreadPool::drain(uint32_t gen, int64_t n_tasks, Call call, void* ctx) {
+  int64_t ran = 0;
+  uint64_t c = claim_.load(std::memory_order_acquire);
+  for (;;) {
+    if (static_cast<uint32_t>(c >> 32) != gen) break;
+    const int64_t i = static_cast<int64_t>(c & 0xffffffffu);
+    if (i >= n_tasks) break;
+    if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+    call(ctx, i);
+    ++ran;
+    c = claim_.load(std::memory_order_acquire);
+  }
+  if (ran) done_.fetch_add(ran, std::memory_order_acq_rel);
+  return ran;
 }
 
 void ThreadPool::run(int64_t n_tasks, int n_threads, Call call, void* ctx) {
   n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, n_tasks)));
   if (n_threads == 1) {
-    run_range(n_tasks, 1, 0, call, ctx);
+    for (int64_t i = 0; i < n_tasks; ++i) call(ctx, i);
     return;
   }
   std::lock_guard<std::mutex> run_lk(run_mu_);
   ensure_workers(n_threads - 1);
+  uint32_t gen;
   {
     std::lock_guard<std::mutex> lk(mu_);  // pairs with the workers' predicate check: no lost wake-up
     call_ = call;
     ctx_ = ctx;
     n_tasks_ = n_tasks;
     n_threads_ = n_threads;
-    pending_.store(n_threads - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    gen = static_cast<uint32_t>(gen_.load(std::memory_order_relaxed) + 1);
+    claim_.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
     gen_.fetch_add(1, std::memory_order_release);
   }
   cv_.notify_all();
-  run_range(n_tasks, n_threads, 0, call, ctx);
-  while (pending_.load(std::memory_order_acquire) != 0) KTQ_PAUSE();
+  drain(gen, n_tasks, call, ctx);
+  // Every task is claimed; wait for the ones still running on workers.
+  while (done_.load(std::memory_order_acquire) != n_tasks) KTQ_PAUSE();
 }
 
 void ThreadPool::worker_loop(int id, uint64_t seen) {
@@ -96,10 +111,7 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
       n_tasks = n_tasks_;
       n_threads = n_threads_;
     }
-    if (id < n_threads) {
-      run_range(n_tasks, n_threads, id, call, ctx);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
-    }
+    if (id < n_threads) drain(static_cast<uint32_t>(seen), n_tasks, call, ctx);
   }
 }
 

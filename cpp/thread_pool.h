@@ -1,9 +1,10 @@
 // A persistent worker pool shared by every operator (GEMV, KV-store attention).
 //
-// parallel_for(n_tasks, n_threads, fn) runs fn(i) for i in [0, n_tasks) on n_threads threads, the
-// caller being thread 0. Thread j always gets the same contiguous range of tasks
-// [j*n/nt, (j+1)*n/nt), so a kernel whose tasks write disjoint outputs (and reduce in a fixed order
-// afterwards) gives the same bits for any thread count.
+// parallel_for(n_tasks, n_threads, fn) runs fn(i) exactly once for each i in [0, n_tasks), on at most
+// n_threads threads, the caller included. Tasks are claimed one at a time from a shared counter, so a
+// worker that the OS has descheduled (a busy 2-core machine) does not stall the call: the caller takes
+// its tasks. Determinism is the kernels' contract: task i writes only outputs owned by i, and any
+// reduction over tasks happens afterwards in a fixed order; then 1 or N threads give the same bits.
 //
 // Workers spin briefly (decode issues one call per layer and op, microseconds apart), then sleep on
 // a condition variable so an idle runtime costs no CPU.
@@ -36,23 +37,25 @@ class ThreadPool {
     run(n_tasks, n_threads, call, const_cast<void*>(static_cast<const void*>(&fn)));
   }
 
-  int n_workers() const { return static_cast<int>(workers_.size()); }
-
  private:
   using Call = void (*)(void*, int64_t);
   void run(int64_t n_tasks, int n_threads, Call call, void* ctx);
   void ensure_workers(int n);  // n workers besides the caller
   void worker_loop(int id, uint64_t seen);  // id >= 1
-  static void run_range(int64_t n_tasks, int n_threads, int j, Call call, void* ctx);
+  // Claim and run tasks of job `gen` until none is left; returns how many this thread ran.
+  int64_t drain(uint32_t gen, int64_t n_tasks, Call call, void* ctx);
 
   std::mutex run_mu_;  // one parallel_for at a time (callers from several Python threads queue here)
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> gen_{0};
-  std::atomic<int> pending_{0};
+  // (job generation << 32) | next unclaimed task. The tag stops a worker that read an old job from
+  // claiming a task of the next one with the old job's function.
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int64_t> done_{0};
   bool stop_ = false;
-  // The job of generation gen_ (written before gen_ is bumped, read after it is seen).
+  // The job of generation gen_ (written under mu_ before gen_ is bumped).
   Call call_ = nullptr;
   void* ctx_ = nullptr;
   int64_t n_tasks_ = 0;
