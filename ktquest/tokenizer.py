@@ -1,0 +1,312 @@
+"""Tokenizer and chat template, built from a GGUF file's ``tokenizer.*`` metadata alone.
+
+``tokenizer.ggml.model``:
+- ``gpt2``: byte-level BPE on HF ``tokenizers``; the pre-tokenizer regexes follow llama.cpp per
+  ``tokenizer.ggml.pre`` (applied one after the other, each splitting the pieces of the previous one).
+- ``llama``: SentencePiece, from a ModelProto assembled from the GGUF tokens, scores and token types.
+
+Control tokens (GGUF token type 3) are matched in text when ``parse_special`` is on; user-defined tokens
+(type 4) always are, as in llama.cpp. Both encode as single tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from datetime import datetime
+from typing import Any, Iterable, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import sentencepiece
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# GGUF token types (gguf.TokenType); SentencePiece's piece types use the same numbers.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# ---- pre-tokenizer regexes (llama.cpp, llama-vocab.cpp) ----
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_REGEXES: dict[str, list[str]] = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
+    "gpt-2": [_GPT2],
+    "smollm": [r"\p{N}", _GPT2],  # StarCoder family: single digits, then GPT-2
+    "llama3": [_LLAMA3],
+    "qwen2": [_QWEN2],
+}
+_PRE_ALIASES = {
+    "mpt": "gpt-2", "olmo": "gpt-2", "jais": "gpt-2", "phi-2": "gpt-2",
+    "starcoder": "smollm", "refact": "smollm", "command-r": "smollm", "codeshell": "smollm",
+    "exaone": "smollm", "minerva-7b": "smollm",
+    "llama-bpe": "llama3", "llama-v3": "llama3", "falcon3": "llama3", "pixtral": "llama3",
+    "qwen2.5": "qwen2", "qwen-2.5": "qwen2", "deepseek-r1-qwen": "qwen2", "stablelm2": "qwen2",
+}
+_IGNORE_MERGES = {"llama3"}  # llama.cpp looks whole pieces up in the vocab first for these
+
+# Texts llama.cpp recognises as end-of-turn / end-of-generation when the metadata names none.
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
+              "<|eom_id|>", "<｜end▁of▁sentence｜>")
+
+_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+           " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+class TokenizerError(ValueError):
+    """The GGUF tokenizer metadata is missing a key or names an unsupported tokenizer."""
+
+
+class Tokenizer:
+    """Text <-> token ids plus the model's chat template.  Build with ``from_gguf_metadata``."""
+
+    def __init__(self, metadata: dict[str, Any]):
+        md = metadata
+        try:
+            self.kind: str = md["tokenizer.ggml.model"]
+            self.tokens: list[str] = list(md["tokenizer.ggml.tokens"])
+        except KeyError as e:
+            raise TokenizerError(f"GGUF metadata has no {e.args[0]!r}: cannot build the tokenizer") from None
+        n = len(self.tokens)
+        self.token_types: list[int] = list(md.get("tokenizer.ggml.token_type", [NORMAL] * n))
+        spm = self.kind == "llama"
+        self.bos_id: int | None = md.get("tokenizer.ggml.bos_token_id", 1 if spm else None)
+        self.eos_id: int | None = md.get("tokenizer.ggml.eos_token_id", 2 if spm else None)
+        self.add_bos: bool = bool(md.get("tokenizer.ggml.add_bos_token", spm)) and self.bos_id is not None
+        self.chat_template: str = md.get("tokenizer.chat_template") or _CHATML
+        self.eot_ids: frozenset[int] = _find_eot_ids(md, self.tokens)
+        self.stop_ids: frozenset[int] = self.eot_ids | ({self.eos_id} if self.eos_id is not None else set())
+        if self.kind == "gpt2":
+            self._backend: _Backend = _ByteLevelBPE(md, self.tokens, self.token_types)
+        elif spm:
+            self._backend = _SentencePiece(md, self.tokens, self.token_types)
+        else:
+            raise TokenizerError(f"tokenizer.ggml.model={self.kind!r} is not supported: expected 'gpt2' or 'llama'")
+        self._template = _jinja_env().from_string(self.chat_template)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """``metadata``: the GGUF ``tokenizer.*`` keys as plain Python values."""
+        return cls(metadata)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """text -> ids.  ``add_bos`` None = the GGUF default; ``parse_special`` matches control tokens."""
+        ids = self._backend.encode(text, parse_special)
+        if self.add_bos if add_bos is None else add_bos:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """ids -> text; control tokens are written out unless ``skip_special``."""
+        return self._backend.decode(list(ids), skip_special)
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    # ---- chat ----
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template (ChatML if none)."""
+        bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
+        eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     bos_token=bos, eos_token=eos)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of a rendered chat: BOS per the GGUF default unless the template already wrote it."""
+        bos = self.tokens[self.bos_id] if self.bos_id is not None else None
+        add_bos = self.add_bos and not (bos and text.startswith(bos))
+        return self.encode(text, add_bos=add_bos, parse_special=True)
+
+
+class StreamDecoder:
+    """Turns ids arriving one at a time into text, holding back bytes of an unfinished UTF-8 character.
+
+    Decodes a short window of recent ids and emits what it adds to the window's already-emitted text,
+    so SentencePiece's leading-space rules and multi-token characters come out exactly as ``decode``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._start = 0  # window start
+        self._done = 0  # ids[start:done] are already emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ('' while a character is still incomplete)."""
+        self._ids.append(token_id)
+        prev = self._tok.decode(self._ids[self._start:self._done])
+        text = self._tok.decode(self._ids[self._start:])
+        if text.endswith("\ufffd"):
+            return ""
+        self._start, self._done = self._done, len(self._ids)
+        return text[len(prev):]
+
+    def flush(self) -> str:
+        """The held-back rest (replacement characters for bytes that never completed)."""
+        prev = self._tok.decode(self._ids[self._start:self._done])
+        text = self._tok.decode(self._ids[self._start:])
+        self._start = self._done = len(self._ids)
+        return text[len(prev):]
+
+
+# ---- backends ----
+
+
+class _Backend:
+    def encode(self, text: str, parse_special: bool) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        raise NotImplementedError
+
+
+class _ByteLevelBPE(_Backend):
+    def __init__(self, md: dict[str, Any], tokens: list[str], types: list[int]):
+        pre = md.get("tokenizer.ggml.pre", "default")
+        pre = _PRE_ALIASES.get(pre, pre)
+        regexes = _PRE_REGEXES.get(pre, _PRE_REGEXES["gpt-2"])  # unknown names: plain GPT-2
+        merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        self.tk = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+        self.tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        self.tk.decoder = decoders.ByteLevel()
+        self.tk.add_tokens([AddedToken(t, special=(ty == CONTROL), normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+
+    def encode(self, text: str, parse_special: bool) -> list[int]:
+        self.tk.encode_special_tokens = not parse_special
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        return self.tk.decode(ids, skip_special_tokens=skip_special)
+
+
+class _SentencePiece(_Backend):
+    def __init__(self, md: dict[str, Any], tokens: list[str], types: list[int]):
+        scores = list(md.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+        types = list(types)
+        unk = md.get("tokenizer.ggml.unknown_token_id", 0)
+        if UNKNOWN not in types:  # SentencePiece requires exactly one unknown piece
+            types[unk] = UNKNOWN
+        proto = _model_proto(tokens, scores, types,
+                             add_dummy_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)),
+                             remove_extra_whitespaces=bool(md.get("tokenizer.ggml.remove_extra_whitespaces", False)))
+        self.sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        self.tokens = tokens
+        self.special = {i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)}
+        # Control tokens never come out of SentencePiece's own encoder: split the text on them first.
+        # Longest first so that a token containing another one wins.
+        texts = sorted({tokens[i] for i in self.special if tokens[i]}, key=len, reverse=True)
+        self.split_re = re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+        self.special_id = {tokens[i]: i for i in self.special}
+
+    def encode(self, text: str, parse_special: bool) -> list[int]:
+        parts = self.split_re.split(text) if (parse_special and self.split_re) else [text]
+        ids: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2:  # odd parts are the separators, i.e. special tokens
+                ids.append(self.special_id[part])
+            elif part:
+                # Each text run follows the start or a special token: SentencePiece's dummy-prefix
+                # space goes in front of each, as llama.cpp does.
+                ids.extend(self.sp.encode(part))
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        out, run = [], []
+        for i in ids:
+            if i in self.special:
+                out.append(self.sp.decode(run))
+                run = []
+                if not skip_special:
+                    out.append(self.tokens[i])
+            else:
+                run.append(i)
+        out.append(self.sp.decode(run))
+        return "".join(out)
+
+
+# ---- helpers ----
+
+
+def _find_eot_ids(md: dict[str, Any], tokens: list[str]) -> frozenset[int]:
+    ids = {md[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md}
+    index = {t: i for i, t in enumerate(tokens) if t in _EOT_TEXTS}
+    ids.update(index.values())
+    return frozenset(i for i in ids if 0 <= i < len(tokens))
+
+
+def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The environment HF transformers renders chat templates in."""
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _model_proto(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *,
+                 add_dummy_prefix: bool, remove_extra_whitespaces: bool) -> bytes:
+    """Serialize a sentencepiece ModelProto (field numbers from sentencepiece_model.proto).
+
+    Written by hand so that the ``protobuf`` package is not needed just to assemble one message.
+    """
+    def key(field: int, wire: int) -> bytes:
+        return _varint(field << 3 | wire)
+
+    def string(field: int, s: str | bytes) -> bytes:
+        b = s.encode() if isinstance(s, str) else s
+        return key(field, 2) + _varint(len(b)) + b
+
+    def uint(field: int, v: int) -> bytes:
+        return key(field, 0) + _varint(v)
+
+    pieces = b"".join(
+        string(1, string(1, t) + key(2, 5) + struct.pack("<f", s) + uint(3, ty))
+        for t, s, ty in zip(tokens, scores, types))
+    # llama.cpp tokenizes "llama" vocabularies as BPE whose merge priority is the piece score.
+    trainer = (uint(3, 2)  # model_type BPE
+               + uint(4, len(tokens))  # vocab_size
+               + uint(35, int(BYTE in types)))  # byte_fallback when <0xXX> pieces exist
+    normalizer = (string(1, "identity") + uint(3, int(add_dummy_prefix))
+                  + uint(4, int(remove_extra_whitespaces)) + uint(5, 1))  # escape_whitespaces
+    return pieces + string(2, trainer) + string(3, normalizer)
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def common_prefix_len(a: Iterable[int], b: Iterable[int]) -> int:
+    """Number of leading ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,268 @@
+"""Tokenizer from GGUF metadata: byte-level BPE (the bundled SmolLM2) and SentencePiece (a tiny synthetic vocab).
+
+References: HF transformers' own GGUF tokenizer conversion for ids and the chat template, jinja2 for the
+template, and hand-derived splits for the pre-tokenizer regexes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from gguf import GGUFReader
+from tokenizers import pre_tokenizers
+
+from ktquest.bundled import bundled_model_path
+from ktquest.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer, TokenizerError
+
+TEXTS = [
+    "Hello world",
+    "The capital of France is Paris.",
+    "  leading spaces, trailing spaces   ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "unicode: héllo wörld, naïve café, Ελληνικά, русский, 日本語のテキスト, 한국어",
+    "emoji: 😀👍🏽 👨‍👩‍👧 🇫🇷",
+    "code: def f(x):\n    return x ** 2  # square\n\tif a != b: print(f'{a!r}')",
+    "numbers 1234567 3.14159 -42 1e-9 2024-11-22",
+    "I'm sure they've said it's OK, we'll see; you'd DON'T",
+    "whitespace runs:      \n\n\n    \t\t  x",
+    "",
+]
+
+
+def _gguf_tokenizer_metadata(path) -> dict:
+    reader = GGUFReader(path)
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+@pytest.fixture(scope="module")
+def smol_md() -> dict:
+    return _gguf_tokenizer_metadata(bundled_model_path())
+
+
+@pytest.fixture(scope="module")
+def smol(smol_md) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(smol_md)
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    """transformers' own conversion of the same GGUF: an independent reference (offline, ~10 s)."""
+    transformers = pytest.importorskip("transformers")
+    path = bundled_model_path()
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+# ---- byte-level BPE: the bundled SmolLM2 tokenizer ----
+
+
+def test_bundled_metadata_facts(smol):
+    assert smol.kind == "gpt2" and smol.vocab_size == 49152
+    assert (smol.bos_id, smol.eos_id, smol.add_bos) == (1, 2, False)
+    assert smol.stop_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(smol, text):
+    assert smol.decode(smol.encode(text)) == text
+
+
+def test_known_ids(smol):
+    # "Hello"=19556, " world"=905, " "=216 then one token per digit (SmolLM splits digits), "\n"=198
+    assert smol.encode("Hello world") == [19556, 905]
+    assert smol.encode(" 2024\n") == [216, 34, 32, 34, 36, 198]
+    assert smol.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
+
+
+def test_matches_transformers(smol, hf_smol):
+    for text in TEXTS:
+        assert smol.encode(text) == hf_smol.encode(text, add_special_tokens=False), text
+
+
+def test_special_tokens_are_single_tokens(smol):
+    for tid in range(17):  # <|endoftext|> ... <empty_output>: all control tokens
+        text = smol.tokens[tid]
+        assert smol.encode(text) == [tid]
+        assert smol.encode(f"a{text}b")[1] == tid
+    # without parse_special the same text is just characters
+    plain = smol.encode("<|im_start|>", parse_special=False)
+    assert 1 not in plain and smol.decode(plain) == "<|im_start|>"
+
+
+def test_decode_skip_special(smol):
+    ids = smol.encode("<|im_start|>assistant\nParis<|im_end|>")
+    assert smol.decode(ids, skip_special=True) == "assistant\nParis"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decoder_matches_decode(smol, text):
+    ids = smol.encode(text)
+    dec = smol.stream_decoder()
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == smol.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_decoder_holds_back_partial_utf8(smol):
+    ids = smol.encode("😀")
+    assert len(ids) > 1  # one emoji = several byte tokens
+    dec = smol.stream_decoder()
+    assert [dec.push(i) for i in ids] == [""] * (len(ids) - 1) + ["😀"]
+    dec = smol.stream_decoder()
+    dec.push(ids[0])
+    assert dec.flush() == "\ufffd"  # an unfinished character comes out as a replacement at the end
+
+
+# ---- pre-tokenizer regexes per tokenizer.ggml.pre ----
+
+_BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def _byte_level_md(pre: str | None) -> dict:
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": _BYTES, "tokenizer.ggml.merges": []}
+    if pre is not None:
+        md["tokenizer.ggml.pre"] = pre
+    return md
+
+
+PRE_TEXT = "I'm 12345 abc!!\n\n  x"
+PRE_SPLITS = {
+    "gpt-2": ["I", "'m", "Ġ12345", "Ġabc", "!!", "ĊĊĠ", "Ġx"],
+    "smollm": ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġabc", "!!", "ĊĊĠ", "Ġx"],
+    "llama-bpe": ["I", "'m", "Ġ", "123", "45", "Ġabc", "!!ĊĊ", "Ġ", "Ġx"],
+    "qwen2": ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġabc", "!!ĊĊ", "Ġ", "Ġx"],
+    "some-new-model": ["I", "'m", "Ġ12345", "Ġabc", "!!", "ĊĊĠ", "Ġx"],  # unknown: GPT-2
+}
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_SPLITS))
+def test_pre_tokenizer_splits(pre):
+    tok = Tokenizer.from_gguf_metadata(_byte_level_md(pre))
+    pieces = [p for p, _ in tok._backend.tk.pre_tokenizer.pre_tokenize_str(PRE_TEXT)]
+    assert pieces == PRE_SPLITS[pre]
+    assert tok.decode(tok.encode(PRE_TEXT)) == PRE_TEXT
+
+
+def test_default_pre_tokenizer_splits_punctuation_runs():
+    tok = Tokenizer.from_gguf_metadata(_byte_level_md(None))  # no key = llama.cpp's "default"
+    pieces = [p for p, _ in tok._backend.tk.pre_tokenizer.pre_tokenize_str("a...b 12345")]
+    assert pieces == ["a", "...", "b", "Ġ", "123", "45"]
+
+
+# ---- SentencePiece: a tiny llama-style vocabulary ----
+
+_SP_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "▁h", "▁he", "llo", "▁hello", "▁w", "or", "ld",
+              "▁wor", "▁world"]
+
+
+def _sp_md(**extra) -> dict:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SP_PIECES + ["<tool>", "<|eot|>"]
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(_SP_PIECES) + [USER_DEFINED, CONTROL]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(_SP_PIECES))] + [0.0, 0.0]
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+          "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+          "tokenizer.ggml.eot_token_id": len(tokens) - 1}
+    md.update(extra)
+    return md
+
+
+@pytest.fixture(scope="module")
+def sp() -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(_sp_md())
+
+
+def _ids(sp: Tokenizer, *pieces: str) -> list[int]:
+    return [sp.tokens.index(p) for p in pieces]
+
+
+def test_sentencepiece_known_ids(sp):
+    assert sp.add_bos  # llama default
+    assert sp.encode("hello world") == [1] + _ids(sp, "▁hello", "▁world")
+    assert sp.encode("hello world", add_bos=False) == _ids(sp, "▁hello", "▁world")
+    # é is not in the vocab: byte fallback to its two UTF-8 bytes
+    assert sp.encode("hello é", add_bos=False) == _ids(sp, "▁hello", "▁", "<0xC3>", "<0xA9>")
+
+
+def test_sentencepiece_special_tokens(sp):
+    eot = sp.tokens.index("<|eot|>")
+    # a control token is one id; the text after it gets the dummy-prefix space, as in llama.cpp
+    assert sp.encode("hello<|eot|>world", add_bos=False) == _ids(sp, "▁hello") + [eot] + _ids(sp, "▁world")
+    assert eot not in sp.encode("<|eot|>", add_bos=False, parse_special=False)
+    assert sp.tokens.index("<tool>") in sp.encode("hello<tool>", add_bos=False)  # user-defined: always
+    assert sp.stop_ids == {2, eot} and sp.eot_ids == {eot}
+
+
+@pytest.mark.parametrize("text", ["hello world", "  two  spaces ", "héllo 😀 wörld", "tab\tnl\n", "a<|eot|>b", ""])
+def test_sentencepiece_round_trip(sp, text):
+    ids = sp.encode(text, add_bos=False)
+    assert sp.decode(ids) == text
+    dec = sp.stream_decoder()
+    assert "".join([dec.push(i) for i in ids] + [dec.flush()]) == text
+
+
+def test_sentencepiece_without_space_prefix():
+    sp = Tokenizer.from_gguf_metadata(_sp_md(**{"tokenizer.ggml.add_space_prefix": False}))
+    assert sp.encode("hello", add_bos=False) == _ids(sp, "h", "e", "llo")
+
+
+def test_bad_metadata():
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.tokens"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
+    with pytest.raises(TokenizerError, match="'bert' is not supported"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+
+
+# ---- chat template ----
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy? Ünïcödé 😀"},
+]
+
+
+def test_chat_template_bundled(smol):
+    assert smol.apply_chat_template(MESSAGES[1:2]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert smol.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("😀<|im_end|>\n")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_chat_template_matches_jinja2_and_transformers(smol, smol_md, hf_smol, n):
+    import jinja2
+
+    msgs = MESSAGES[:n]
+    ref = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
+        smol_md["tokenizer.chat_template"]).render(messages=msgs, add_generation_prompt=True)
+    ours = smol.apply_chat_template(msgs)
+    assert ours == ref
+    assert ours == hf_smol.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_chat_template_helpers():
+    md = _byte_level_md("gpt-2") | {
+        "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}"
+                                   "{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+                                   "[{{ m['role'] }}]{{ m['content'] | tojson }}{% endfor %}"
+                                   "{% if add_generation_prompt %}{{ strftime_now('%Y') | length }}{% endif %}",
+        "tokenizer.ggml.bos_token_id": _BYTES.index("b")}
+    tok = Tokenizer.from_gguf_metadata(md)
+    assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == 'b[user]"é"4'
+    import jinja2
+
+    with pytest.raises(jinja2.TemplateError, match="no tools"):
+        tok.apply_chat_template([{"role": "tool", "content": ""}])
+
+
+def test_chat_template_fallback_is_chatml():
+    tok = Tokenizer.from_gguf_metadata(_byte_level_md("gpt-2"))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_sandboxed_template():
+    import jinja2.exceptions
+
+    md = _byte_level_md("gpt-2") | {"tokenizer.chat_template": "{{ messages.__class__.__mro__ }}"}
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        Tokenizer.from_gguf_metadata(md).apply_chat_template([])
