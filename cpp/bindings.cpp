@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "cpu_features.h"
+#include "kv_store.h"
 #include "gemv.h"
 
 namespace py = pybind11;
@@ -97,6 +98,230 @@ void bind_gemv(py::module_& m) {
      "y[T, out] = x[T, in] @ dequant(qw, dw)^T (+ bias); x is quantized to Q8_0 per row.");
 }
 
+// ---- KV store and sparse attention (cpp/kv_store.*, cpp/sparse_attn.cpp) ----
+// Arrays arrive as numpy views of torch tensors (ktquest/ops.py makes them); every one is checked for
+// dtype, shape and C-contiguity here, semantic errors (capacity, ids, non-finite values) are thrown by
+// the store before it writes anything. The GIL is released around every call into the store.
+template <class T>
+py::array_t<T> kv_arg(const py::handle& obj, const char* name, std::initializer_list<int64_t> shape) {
+  if (!py::isinstance<py::array>(obj) || !py::isinstance<py::array_t<T>>(obj))
+    throw py::type_error(std::string(name) + ": expected a numpy array of dtype " +
+                         py::str(py::dtype::of<T>()).cast<std::string>() + ", got " +
+                         (py::isinstance<py::array>(obj) ? "dtype " + py::str(obj.attr("dtype")).cast<std::string>()
+                                                         : py::str(py::type::of(obj)).cast<std::string>()));
+  auto a = py::reinterpret_borrow<py::array_t<T>>(obj);
+  std::string want = "[", got = "[";
+  bool ok = a.ndim() == py::ssize_t(shape.size());
+  int i = 0;
+  for (int64_t s : shape) {
+    want += (i ? ", " : "") + (s < 0 ? std::string("*") : std::to_string(s));
+    if (ok && s >= 0 && a.shape(i) != s) ok = false;
+    ++i;
+  }
+  for (py::ssize_t j = 0; j < a.ndim(); ++j) got += (j ? ", " : "") + std::to_string(a.shape(j));
+  if (!ok) throw py::value_error(std::string(name) + ": expected shape " + want + "], got " + got + "]");
+  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + ": must be C-contiguous");
+  return a;
+}
+
+template <class E>
+E kv_enum(const std::string& s, const char* what, std::initializer_list<std::pair<const char*, E>> names) {
+  std::string allowed;
+  for (const auto& [n, e] : names) {
+    if (s == n) return e;
+    allowed += (allowed.empty() ? "" : ", ") + std::string(n);
+  }
+  throw py::value_error(std::string(what) + " '" + s + "' is not one of " + allowed);
+}
+
+ktq::HeadMode kv_mode(const std::string& s) {
+  return kv_enum<ktq::HeadMode>(s, "head_select_mode", {{"SHARED", ktq::HeadMode::SHARED}, {"SEPARATE", ktq::HeadMode::SEPARATE}});
+}
+
+// Checks q [H, D] and returns H.
+int kv_q(const ktq::KVStore& st, const py::handle& q_obj, py::array_t<float>& q) {
+  q = kv_arg<float>(q_obj, "q", {-1, st.config().head_dim});
+  return int(q.shape(0));
+}
+
+// The arrays of a selection request; they stay alive (and borrowed by `req`) for the call.
+struct KVSelectArgs {
+  py::array_t<int32_t> k;
+  py::array_t<int64_t> exclude;
+  py::array_t<int32_t> allowed;
+  py::array_t<int32_t> out_ids;
+  ktq::SelectRequest req;
+};
+
+void kv_select_args(const ktq::KVStore& st, KVSelectArgs& a, const std::string& mode, const py::handle& k,
+                    const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+  a.req.mode = kv_mode(mode);
+  const int n_sets = a.req.mode == ktq::HeadMode::SHARED ? 1 : st.config().n_kv_heads;
+  a.k = kv_arg<int32_t>(k, "k", {n_sets});
+  a.exclude = kv_arg<int64_t>(exclude, "exclude", {-1, 2});
+  a.out_ids = kv_arg<int32_t>(out_ids, "out_ids", {n_sets, -1});
+  a.req.k_per_set = a.k.data();
+  a.req.exclude = a.exclude.data();
+  a.req.n_exclude = int(a.exclude.shape(0));
+  if (!allowed.is_none()) {
+    a.allowed = kv_arg<int32_t>(allowed, "allowed", {n_sets, -1});
+    a.req.allowed = a.allowed.data();
+    a.req.allowed_cols = int(a.allowed.shape(1));
+  }
+  if (!a.out_ids.writeable()) throw py::value_error("out_ids: must be writeable");
+}
+
+void bind_kv_store(py::module_& m) {
+  using ktq::KVStore;
+  py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest.ops).")
+      .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
+                       const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num) {
+             ktq::StoreConfig c;
+             c.n_layers = n_layers;
+             c.n_kv_heads = n_kv_heads;
+             c.head_dim = head_dim;
+             c.max_seq_len = max_seq_len;
+             c.block_size = block_size;
+             c.kv_type = kv_enum<ktq::KVType>(kv_type, "kv_type",
+                                              {{"FP32", ktq::KVType::FP32}, {"FP16", ktq::KVType::FP16},
+                                               {"BF16", ktq::KVType::BF16}, {"Q8_0", ktq::KVType::Q8_0},
+                                               {"Q4_0", ktq::KVType::Q4_0}});
+             c.anchor_type = kv_enum<ktq::AnchorType>(
+                 anchor_type, "anchor_type",
+                 {{"QUEST", ktq::AnchorType::QUEST}, {"BLOCK_MAX", ktq::AnchorType::BLOCK_MAX},
+                  {"BLOCK_MEAN", ktq::AnchorType::BLOCK_MEAN}, {"FIXED", ktq::AnchorType::FIXED},
+                  {"DYNAMIC", ktq::AnchorType::DYNAMIC}});
+             c.anchor_num = anchor_num;
+             c.threads_num = threads_num;
+             return new KVStore(c);
+           }),
+           py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
+           py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
+           py::arg("threads_num"))
+      .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
+      .def("length", &KVStore::length, py::arg("layer"))
+      .def("n_blocks", &KVStore::n_blocks, py::arg("layer"))
+      .def("nbytes", &KVStore::nbytes)
+      .def("reserved_bytes", &KVStore::reserved_bytes)
+      .def("append", [](KVStore& st, int layer, const py::handle& k_obj, const py::handle& v_obj,
+                        const std::string& dtype, const py::handle& imp_obj) {
+        const int H = st.config().n_kv_heads, D = st.config().head_dim;
+        ktq::InType in;
+        py::array k, v;
+        auto same = [&](auto tag) {
+          using T = decltype(tag);
+          auto ka = kv_arg<T>(k_obj, "k", {-1, H, D});
+          auto va = kv_arg<T>(v_obj, "v", {ka.shape(0), H, D});
+          k = ka, v = va;
+        };
+        if (dtype == "float32") in = ktq::InType::F32, same(float{});
+        else if (dtype == "float16") in = ktq::InType::F16, same(int16_t{});  // raw fp16 bits
+        else if (dtype == "bfloat16") in = ktq::InType::BF16, same(int16_t{});  // raw bf16 bits
+        else throw py::value_error("k/v dtype '" + dtype + "' is not one of float32, float16, bfloat16");
+        const int64_t T = k.shape(0);
+        const float* imp = nullptr;
+        py::array_t<float> ia;
+        if (!imp_obj.is_none()) {
+          ia = kv_arg<float>(imp_obj, "importance", {T, H});
+          imp = ia.data();
+        }
+        const void* kp = k.data();
+        const void* vp = v.data();
+        py::gil_scoped_release nogil;
+        st.append(layer, kp, vp, in, T, imp);
+      }, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("dtype"), py::arg("importance"),
+         "k, v: [T, KVH, D] (float32, or float16/bfloat16 as int16 bits named by dtype); importance [T, KVH] or None.")
+      .def("read", [](const KVStore& st, int layer) {
+        const int64_t T = st.length(layer);
+        const int H = st.config().n_kv_heads, D = st.config().head_dim;
+        py::array_t<float> k({T, int64_t(H), int64_t(D)}), v({T, int64_t(H), int64_t(D)});
+        float *kp = k.mutable_data(), *vp = v.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.read(layer, kp, vp);
+        }
+        return py::make_tuple(k, v);
+      }, py::arg("layer"), "Dequantised (k, v), each [length, KVH, D] fp32.")
+      .def("read_anchors", [](const KVStore& st, int layer) {
+        const int64_t nb = st.n_blocks(layer);
+        const int64_t H = st.config().n_kv_heads, D = st.config().head_dim, A = st.anchor_slots();
+        py::array_t<float> a({H, nb, A, D});
+        py::array_t<int32_t> c({H, nb});
+        float* ap = a.mutable_data();
+        int32_t* cp = c.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.read_anchors(layer, ap, cp);
+        }
+        return py::make_tuple(a, c);
+      }, py::arg("layer"), "(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32).")
+      .def("block_scores", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
+        py::array_t<float> q;
+        const int H = kv_q(st, q_obj, q);
+        const ktq::HeadMode hm = kv_mode(mode);
+        const int64_t nb = st.n_blocks(layer);
+        py::array_t<float> out({int64_t(hm == ktq::HeadMode::SHARED ? 1 : st.config().n_kv_heads), nb});
+        const float* qp = q.data();
+        float* op = out.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.block_scores(layer, qp, H, hm, op);
+        }
+        return out;
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), "Unscaled block scores [n_sets, n_blocks].")
+      .def("select", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode, const py::handle& k,
+                        const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+        py::array_t<float> q;
+        const int H = kv_q(st, q_obj, q);
+        KVSelectArgs a;
+        kv_select_args(st, a, mode, k, exclude, allowed, out_ids);
+        const float* qp = q.data();
+        int32_t* ip = a.out_ids.mutable_data();
+        const int cols = int(a.out_ids.shape(1));
+        py::gil_scoped_release nogil;
+        st.select(layer, qp, H, a.req, ip, cols);
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
+         py::arg("out_ids"))
+      .def("attend", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& blocks_obj,
+                        const py::handle& out_obj, const py::handle& lse_obj) {
+        py::array_t<float> q;
+        const int H = kv_q(st, q_obj, q);
+        auto blocks = kv_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
+        auto out = kv_arg<float>(out_obj, "out", {H, st.config().head_dim});
+        auto lse = kv_arg<float>(lse_obj, "lse", {H});
+        if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
+        const ktq::BlockSets b{blocks.data(), int(blocks.shape(0)), int(blocks.shape(1))};
+        const float* qp = q.data();
+        float* op = out.mutable_data();
+        float* lp = lse.mutable_data();
+        py::gil_scoped_release nogil;
+        st.attend(layer, qp, H, b, op, lp);
+      }, py::arg("layer"), py::arg("q"), py::arg("blocks"), py::arg("out"), py::arg("lse"))
+      .def("select_attend", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
+                               const py::handle& k, const py::handle& exclude, const py::handle& allowed,
+                               const py::handle& out_ids, const py::handle& out_obj, const py::handle& lse_obj) {
+        py::array_t<float> q;
+        const int H = kv_q(st, q_obj, q);
+        KVSelectArgs a;
+        kv_select_args(st, a, mode, k, exclude, allowed, out_ids);
+        auto out = kv_arg<float>(out_obj, "out", {H, st.config().head_dim});
+        auto lse = kv_arg<float>(lse_obj, "lse", {H});
+        if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
+        const float* qp = q.data();
+        int32_t* ip = a.out_ids.mutable_data();
+        const int cols = int(a.out_ids.shape(1));
+        float* op = out.mutable_data();
+        float* lp = lse.mutable_data();
+        py::gil_scoped_release nogil;
+        st.select_attend(layer, qp, H, a.req, ip, cols, op, lp);
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
+         py::arg("out_ids"), py::arg("out"), py::arg("lse"))
+      .def("last_timing", [](const KVStore& st) {
+        const ktq::StageTiming t = st.last_timing();
+        return py::make_tuple(t.score_s, t.topk_s, t.attend_s);
+      }, "(score_s, topk_s, attend_s) of the last select/attend call.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -104,4 +329,5 @@ PYBIND11_MODULE(_C, m) {
   bind_cpu(m);
   bind_gemv(m);
   // ---- further sections are added below, one bind_* function per area ----
+  bind_kv_store(m);
 }

@@ -1,0 +1,46 @@
+// Kernels of the decode step on raw pointers: block scoring and one-block attention.
+// Scalar twins in attn_kernels.cpp, AVX2/FMA/F16C versions in attn_kernels_avx2.cpp (D % 8 == 0);
+// sparse_attn.cpp picks one per call from use_avx2().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kv_codec.h"
+
+namespace ktq {
+
+// ---- contracts (both twins) ----
+//
+// attend_tile: attention of G query heads of one KV head to n rows (one block tile, n <= block_size), folded into a
+// running online-softmax state (flash-decoding partial):
+//   q:   [G, D]  already scaled by 1 / sqrt(D)
+//   k,v: tiles: n rows of kv_row_bytes(t, D), then (Q8_0/Q4_0) fp32 scales [*, D/32] at scale_off
+//   m:   [G] running max of the logits (-inf before the first row), l: [G] sum of exp(logit - m),
+//   acc: [G, D] sum of exp(logit - m) * v (unnormalised)
+//   s:   scratch, at least G * round_up(n, 8) + D floats
+// Subtracting the running max before exp keeps every exp argument <= 0: no overflow for any logit.
+
+// score_linear: linear block scores (QUEST / BLOCK_MAX / BLOCK_MEAN): out[i] (+)= dot(qe, a[i]).
+//   a: [n, L] fp32 anchors, qe: [L] the KV head's scoring vector.
+
+// score_max: max-over-anchors block scores (FIXED / DYNAMIC): out[i] (+)= sum_g max_{j < cnt[i]} dot(q_g, a[i, j]).
+//   a: [n, A, D] fp32, cnt: [n] (>= 1), q: [G, D] unscaled, s: scratch of G * round_up(A, 8) + D floats.
+
+namespace scalar {
+void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
+                 int n, float* s, float* m, float* l, float* acc);
+void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
+void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
+               bool accumulate, float* s);
+}  // namespace scalar
+
+namespace avx2 {  // require D % 8 == 0
+void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
+                 int n, float* s, float* m, float* l, float* acc);
+void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
+void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
+               bool accumulate, float* s);
+}  // namespace avx2
+
+}  // namespace ktq

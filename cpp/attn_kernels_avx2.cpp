@@ -1,0 +1,258 @@
+// AVX2/FMA/F16C decode kernels (contracts in attn_kernels.h); compiled with -mavx2 -mfma -mf16c and
+// called only when use_avx2() and D % 8 == 0. Scalar twins: attn_kernels.cpp.
+//
+// Register blocking: K rows are decoded 8 values at a time and multiplied into NG query heads at once
+// (the KV head's GQA group), so every K/V byte is read and converted once per group, not per head.
+// Several rows (logits) or column chunks (values) are in flight together so the FMA chains overlap.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "attn_kernels.h"
+
+namespace ktq::avx2 {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (Cephes polynomial, ~1 ulp); x < -87.3 (incl. -inf) gives exactly 0.
+inline __m256 exp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.f));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
+}
+
+// ---- row decoders: 8 fp32 values of chunk c (elements 8c .. 8c+7) of one stored row ----
+
+struct DecF32 {
+  static __m256 load(const uint8_t* row, const float*, int c) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + 8 * c);
+  }
+};
+struct DecF16 {
+  static __m256 load(const uint8_t* row, const float*, int c) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+  }
+};
+struct DecBF16 {
+  static __m256 load(const uint8_t* row, const float*, int c) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+};
+struct DecQ8 {
+  static __m256 load(const uint8_t* row, const float* sc, int c) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+    return _mm256_mul_ps(_mm256_set1_ps(sc[c >> 2]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+  }
+};
+struct DecQ4 {
+  // Group g = c / 4 is 16 bytes: chunks 0, 1 are the low nibbles of bytes 0-7, 8-15; chunks 2, 3 the high.
+  static __m256 load(const uint8_t* row, const float* sc, int c) {
+    const int sub = c & 3;
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (c >> 2) * 16 + (sub & 1) * 8));
+    if (sub >= 2) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(b), _mm256_set1_epi32(8));
+    return _mm256_mul_ps(_mm256_set1_ps(sc[c >> 2]), _mm256_cvtepi32_ps(q));
+  }
+};
+
+// ---- logits: s[g * ss + r] = dot(q_g, k_r) for NT rows from r0 ----
+
+template <class Dc, int NG, int NT>
+inline void logits_rows(const uint8_t* k, const float* ksc, size_t rb, int ns, int r0, int D, const float* q,
+                        float* s, int ss) {
+  __m256 acc[NT][NG];
+  for (int r = 0; r < NT; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_setzero_ps();
+  for (int c = 0; c < D / 8; ++c) {
+    __m256 qv[NG];
+    for (int g = 0; g < NG; ++g) qv[g] = _mm256_loadu_ps(q + g * D + 8 * c);
+    for (int r = 0; r < NT; ++r) {
+      const __m256 kv = Dc::load(k + (r0 + r) * rb, ksc + (r0 + r) * ns, c);
+      for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_fmadd_ps(qv[g], kv, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int g = 0; g < NG; ++g) s[g * ss + r0 + r] = hsum(acc[r][g]);
+}
+
+template <class Dc, int NG>
+void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D, const float* q, float* s, int ss) {
+  constexpr int NT = NG <= 2 ? 4 : NG <= 4 ? 2 : 1;  // NT * NG <= 8 accumulators
+  int r = 0;
+  for (; r + NT <= n; r += NT) logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, s, ss);
+  for (; r < n; ++r) logits_rows<Dc, NG, 1>(k, ksc, rb, ns, r, D, q, s, ss);
+}
+
+// ---- values: acc[g, chunk c0 .. c0+NC) += sum_r p[g, r] * v_r ----
+
+template <class Dc, int NG, int NC>
+inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int c0, int D, const float* p,
+                       int ps, float* acc) {
+  __m256 a[NC][NG];
+  for (int j = 0; j < NC; ++j)
+    for (int g = 0; g < NG; ++g) a[j][g] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
+  for (int r = 0; r < n; ++r) {
+    __m256 pv[NG];
+    for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(p + g * ps + r);
+    for (int j = 0; j < NC; ++j) {
+      const __m256 vv = Dc::load(v + r * rb, vsc + r * ns, c0 + j);
+      for (int g = 0; g < NG; ++g) a[j][g] = _mm256_fmadd_ps(pv[g], vv, a[j][g]);
+    }
+  }
+  for (int j = 0; j < NC; ++j)
+    for (int g = 0; g < NG; ++g) _mm256_storeu_ps(acc + g * D + 8 * (c0 + j), a[j][g]);
+}
+
+template <class Dc, int NG>
+void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, const float* p, int ps, float* acc) {
+  constexpr int NC = NG <= 2 ? 4 : NG <= 4 ? 2 : 1;
+  int c = 0;
+  for (; c + NC <= D / 8; c += NC) accum_cols<Dc, NG, NC>(v, vsc, rb, ns, n, c, D, p, ps, acc);
+  for (; c < D / 8; ++c) accum_cols<Dc, NG, 1>(v, vsc, rb, ns, n, c, D, p, ps, acc);
+}
+
+// ---- one block for NG <= 8 heads ----
+
+template <class Dc, int NG>
+void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const float* vsc, size_t rb, int ns, int n,
+                int D, int qstride, const float* q, float* s, int ss, float* m, float* l, float* acc) {
+  logits<Dc, NG>(k, ksc, rb, ns, n, D, q, s, ss);
+  for (int g = 0; g < NG; ++g) {
+    float* sg = s + g * ss;
+    for (int r = n; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
+    __m256 mx = _mm256_set1_ps(kNegInf);
+    for (int r = 0; r < ss; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
+    const float m_new = std::max(m[g], hmax(mx));
+    const __m256 vm = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int r = 0; r < ss; r += 8) {
+      const __m256 pr = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + r), vm));
+      _mm256_storeu_ps(sg + r, pr);
+      sum = _mm256_add_ps(sum, pr);
+    }
+    // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first block).
+    const float alpha = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(m[g] - m_new)));
+    m[g] = m_new;
+    l[g] = l[g] * alpha + hsum(sum);
+    if (alpha != 1.f) {
+      const __m256 va = _mm256_set1_ps(alpha);
+      float* ag = acc + g * qstride;
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
+    }
+  }
+  accum<Dc, NG>(v, vsc, rb, ns, n, D, s, ss, acc);
+}
+
+template <class Dc>
+void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off, int n,
+              float* s, float* m, float* l, float* acc) {
+  const size_t rb = kv_row_bytes(t, D);
+  const int ns = kv_row_scales(t, D);
+  const float* ksc = reinterpret_cast<const float*>(k + scale_off);
+  const float* vsc = reinterpret_cast<const float*>(v + scale_off);
+  const int ss = (n + 7) & ~7;
+  // Heads in batches of up to 8 (registers); larger groups re-read the tile from L1.
+  for (int g0 = 0; g0 < G; g0 += 8) {
+    const int ng = std::min(8, G - g0);
+    const float* qg = q + g0 * D;
+    float *mg = m + g0, *lg = l + g0, *ag = acc + g0 * D;
+    switch (ng) {
+#define KTQ_CASE(N) \
+  case N: tile_group<Dc, N>(k, v, ksc, vsc, rb, ns, n, D, D, qg, s, ss, mg, lg, ag); break;
+      KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
+#undef KTQ_CASE
+    }
+  }
+}
+
+}  // namespace
+
+// ---- entry points ----
+
+void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
+                 int n, float* s, float* m, float* l, float* acc) {
+  switch (t) {
+    case KVType::FP32: tile_any<DecF32>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
+    case KVType::FP16: tile_any<DecF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
+    case KVType::BF16: tile_any<DecBF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
+    case KVType::Q8_0: tile_any<DecQ8>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
+    case KVType::Q4_0: tile_any<DecQ4>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
+  }
+}
+
+void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
+  // A pure stream over the anchors: 4 independent FMA chains, one horizontal sum per block.
+  for (int64_t i = 0; i < n; ++i) {
+    const float* ai = a + i * L;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int c = 0;
+    for (; c + 32 <= L; c += 32) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c), _mm256_loadu_ps(ai + c), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c + 8), _mm256_loadu_ps(ai + c + 8), s1);
+      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c + 16), _mm256_loadu_ps(ai + c + 16), s2);
+      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c + 24), _mm256_loadu_ps(ai + c + 24), s3);
+    }
+    for (; c < L; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c), _mm256_loadu_ps(ai + c), s0);
+    const float sc = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    out[i] = accumulate ? out[i] + sc : sc;
+  }
+}
+
+void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
+               bool accumulate, float* s) {
+  const size_t rb = size_t(D) * 4;
+  const int ss = (A + 7) & ~7;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* ai = reinterpret_cast<const uint8_t*>(a + i * int64_t(A) * D);
+    const int na = cnt[i];
+    float sc = 0.f;
+    for (int g0 = 0; g0 < G; g0 += 8) {
+      const int ng = std::min(8, G - g0);
+      switch (ng) {
+#define KTQ_CASE(N) \
+  case N: logits<DecF32, N>(ai, nullptr, rb, 0, na, D, q + g0 * D, s, ss); break;
+        KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
+#undef KTQ_CASE
+      }
+      for (int g = 0; g < ng; ++g) {
+        float best = kNegInf;
+        for (int j = 0; j < na; ++j) best = std::max(best, s[g * ss + j]);
+        sc += best;
+      }
+    }
+    out[i] = accumulate ? out[i] + sc : sc;
+  }
+}
+
+}  // namespace ktq::avx2

@@ -1,0 +1,175 @@
+// The KV store: per layer and per KV head, keys and values in blocks of `block_size` tokens, plus one
+// set of block anchors per KV head that the decode step scores to pick the blocks worth attending.
+//
+// ---- layout (one layer) ----
+//   k, v:     [KVH, max_blocks, tile]   tile = [block_size rows of kv_row_bytes | block_size x D/32 fp32
+//                                                scales (Q8_0/Q4_0 only)], padded to 64 bytes
+//   anchors:  [KVH, max_blocks, A, D]   fp32 (A = 2 for QUEST: min then max; 1 for BLOCK_MAX/BLOCK_MEAN;
+//                                                anchor_num for FIXED/DYNAMIC)
+//   n_anchor: [KVH, max_blocks]         int32 valid anchors (FIXED/DYNAMIC; partial blocks have fewer)
+//   sums:     [KVH, max_blocks, D]      fp32 running key sums (BLOCK_MEAN)
+//   imp, pos: [KVH, max_blocks, A]      anchor importance / token position (DYNAMIC)
+// Why head-major with whole-block tiles: attention runs per KV head over a sorted list of selected
+// blocks, so each (head, block) is one contiguous run of K rows and one of V rows (a 64-token FP16 tile
+// of D = 128 is 16 KiB: long sequential streams for the hardware prefetcher), and adjacent selected
+// blocks are adjacent in memory; with a full budget a head is one sequential sweep. Scoring reads
+// only `anchors`, also head-major and contiguous per block, so it streams A*D floats per block and
+// never touches K or V. Anchors are fp32 and are computed from the *stored* (rounded/quantised) keys,
+// so the QUEST bound holds for exactly the keys attention reads.
+//
+// Memory: capacity (max_seq_len) is reserved as address space per layer at construction (mmap,
+// MAP_NORESERVE); the OS commits pages only as blocks are written, so nbytes() — the bytes of the
+// blocks in use — is what the store really holds. Appending past max_seq_len throws before writing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "kv_codec.h"
+
+namespace ktq {
+
+enum class AnchorType : int { QUEST = 0, BLOCK_MAX = 1, BLOCK_MEAN = 2, FIXED = 3, DYNAMIC = 4 };
+enum class HeadMode : int { SHARED = 0, SEPARATE = 1 };
+
+const char* anchor_type_name(AnchorType t);
+
+struct StoreConfig {
+  int n_layers = 1;
+  int n_kv_heads = 1;
+  int head_dim = 64;
+  int64_t max_seq_len = 0;
+  int block_size = 64;
+  KVType kv_type = KVType::FP16;
+  AnchorType anchor_type = AnchorType::QUEST;
+  int anchor_num = 2;  // FIXED/DYNAMIC: anchors per block; QUEST always 2, BLOCK_MAX/MEAN always 1
+  int threads_num = 1;
+};
+
+// Wall time of the stages of the last select/attend call, seconds.
+struct StageTiming {
+  double score_s = 0, topk_s = 0, attend_s = 0;
+};
+
+// Which blocks to keep (all pointers borrowed for the call). n_sets = 1 (SHARED) or KVH (SEPARATE).
+struct SelectRequest {
+  HeadMode mode = HeadMode::SEPARATE;
+  const int32_t* k_per_set = nullptr;  // [n_sets] blocks to keep per set
+  const int64_t* exclude = nullptr;    // [n_exclude, 2] half-open block ranges [b0, b1), never selected
+  int n_exclude = 0;
+  const int32_t* allowed = nullptr;  // [n_sets, allowed_cols] candidate block ids, -1 = padding; null = all
+  int allowed_cols = 0;
+};
+
+// Selected blocks: [n_sets, cols], ascending ids then -1 padding; n_sets = 1 means "every KV head".
+struct BlockSets {
+  const int32_t* ids = nullptr;
+  int n_sets = 1;
+  int cols = 0;
+};
+
+class KVStore {
+ public:
+  explicit KVStore(const StoreConfig& cfg);
+  ~KVStore();
+  KVStore(const KVStore&) = delete;
+  KVStore& operator=(const KVStore&) = delete;
+
+  const StoreConfig& config() const { return cfg_; }
+  int anchor_slots() const { return A_; }  // A in the layout above
+  int64_t max_blocks() const { return max_blocks_; }
+  int64_t length(int layer) const;
+  int64_t n_blocks(int layer) const;
+  size_t nbytes() const;          // bytes of the blocks in use (K, V, scales, anchors, bookkeeping)
+  size_t reserved_bytes() const;  // address space reserved for max_seq_len
+
+  // k, v: [T, KVH, D] in `in`; importance: [T, KVH] fp32 or null (DYNAMIC: a token without importance
+  // only fills a free anchor slot). Throws (nothing written) past max_seq_len or on non-finite input.
+  void append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance);
+  // Dequantised copy of what is stored. k, v: [length, KVH, D] fp32.
+  void read(int layer, float* k, float* v) const;
+  // anchors: [KVH, n_blocks, A, D], counts: [KVH, n_blocks] (valid anchors per block).
+  void read_anchors(int layer, float* anchors, int32_t* counts) const;
+
+  // q: [H, D] fp32 (H a multiple of KVH). Unscaled block scores, summed over the query heads of each
+  // KV head (SEPARATE: out [KVH, n_blocks]) or over all heads (SHARED: out [n_blocks]).
+  void block_scores(int layer, const float* q, int H, HeadMode mode, float* out);
+  // Top-k blocks per set: out_ids [n_sets, out_cols], ascending, -1 padded. Ties -> lower block id.
+  void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  // softmax(q K^T / sqrt(D)) V over the given blocks. out: [H, D], lse: [H] (natural log, -inf and a
+  // zero row for a head with no block).
+  void attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse);
+  // select + attend in one call (the decode hot path).
+  void select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
+                     float* out, float* lse);
+  StageTiming last_timing() const;
+
+ private:
+  struct Layer {
+    uint8_t* k = nullptr;  // [KVH, max_blocks, tile_bytes_]
+    uint8_t* v = nullptr;
+    float* anchors = nullptr;   // [KVH, max_blocks, A, D]
+    int32_t* n_anchor = nullptr;  // [KVH, max_blocks]
+    float* sums = nullptr;      // [KVH, max_blocks, D]   BLOCK_MEAN
+    float* imp = nullptr;       // [KVH, max_blocks, A]   DYNAMIC
+    int32_t* pos = nullptr;     // [KVH, max_blocks, A]   DYNAMIC
+    int64_t len = 0;
+  };
+
+  // ---- layout helpers ----
+  uint8_t* k_tile(const Layer& L, int h, int64_t b) const { return L.k + (h * max_blocks_ + b) * tile_bytes_; }
+  uint8_t* v_tile(const Layer& L, int h, int64_t b) const { return L.v + (h * max_blocks_ + b) * tile_bytes_; }
+  float* anchor_at(const Layer& L, int h, int64_t b) const {
+    return L.anchors + (h * max_blocks_ + b) * int64_t(A_) * cfg_.head_dim;
+  }
+  const Layer& layer_at(int layer) const;
+  void check_q(const float* q, int H) const;
+
+  // ---- append (kv_store.cpp) ----
+  void update_anchors(Layer& L, int h, int64_t pos, const float* key, float importance);
+
+  // ---- selection and attention (sparse_attn.cpp), called with mu_ held ----
+  struct Cand {  // a top-k candidate; better(): higher score, then the lower block id
+    float score;
+    int32_t id;
+  };
+  // Candidate blocks of one set as runs of consecutive ids: [start[i], start[i] + len[i]), ascending;
+  // prefix[i] = candidates before run i (prefix.back() = all of them).
+  struct Runs {
+    std::vector<int32_t> start, len;
+    std::vector<int64_t> prefix;
+  };
+  void prepare_query(const float* q, int H);  // fills qs_, qe_, qraw_
+  void build_runs(int64_t nb, int n_sets, const SelectRequest* req);  // fills runs_
+  void score_runs(const Layer& L, int H, HeadMode mode, float* scores);
+  void select_locked(const Layer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  void attend_locked(const Layer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse);
+
+  StoreConfig cfg_;
+  int A_ = 2;
+  int64_t max_blocks_ = 0;
+  size_t tile_bytes_ = 0;   // one (head, block) tile of K or V
+  size_t row_bytes_ = 0;    // one stored row
+  size_t scale_off_ = 0;    // offset of the scales inside a tile
+  std::vector<Layer> layers_;
+  std::vector<std::pair<void*, size_t>> maps_;  // reserved regions, unmapped in the destructor
+
+  // Per-call workspaces, grown on demand and reused (no allocation on the decode path once warm).
+  mutable std::mutex mu_;  // one operation at a time per store (the GIL is released during calls)
+  std::vector<float> qs_;                  // [H, D] q / sqrt(D)
+  std::vector<float> qe_;                  // [KVH, A*D] per-head scoring vectors (QUEST/BLOCK_*)
+  const float* qraw_ = nullptr;            // [H, D] the caller's q (FIXED/DYNAMIC scoring), this call only
+  std::vector<std::pair<int64_t, int64_t>> excl_;  // merged exclusion ranges
+  std::vector<int32_t> ids_;               // allowed ids, sorted
+  std::vector<Runs> runs_;                 // [n_sets]
+  std::vector<float> scores_;              // [n_sets, n_blocks]
+  std::vector<Cand> heap_;                 // top-k heaps, [n_sets, k_max]
+  std::vector<int64_t> task_start_;        // task ranges per set / head
+  std::vector<int64_t> count_;             // [KVH] selected blocks per head
+  std::vector<float> part_;                // split-K partials: [n_tasks, G, D + 2]
+  StageTiming timing_;
+};
+
+}  // namespace ktq

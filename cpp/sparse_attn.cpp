@@ -1,0 +1,366 @@
+// The decode step of one layer: score the blocks from their anchors, keep the top-k per KV head (or
+// shared), attend to the kept blocks with a split-K online softmax. Kernels: attn_kernels*.cpp.
+//
+// Determinism: every parallel task writes only its own outputs (scores of its blocks, a partial
+// (m, l, acc) of its chunk), task boundaries depend only on the problem — never on threads_num — and
+// partials are merged afterwards in chunk order. So 1, 2 or 8 threads give the same bits.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "attn_kernels.h"
+#include "cpu_features.h"
+#include "kv_store.h"
+#include "thread_pool.h"
+
+namespace ktq {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kScoreBlocksPerTask = 128;  // scoring task: this many blocks of one set
+constexpr int64_t kChunkTokens = 256;         // split-K: at least this many tokens per attention task
+constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Per-thread kernel scratch (logits, a decoded row); grows once per worker thread.
+float* thread_scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+}  // namespace
+
+// ---- query preparation ----
+
+void KVStore::check_q(const float* q, int H) const {
+  const int KVH = cfg_.n_kv_heads;
+  if (H < 1 || H % KVH != 0)
+    throw std::invalid_argument("q has " + std::to_string(H) + " heads: must be a positive multiple of n_kv_heads=" +
+                                std::to_string(KVH) + " (GQA)");
+  for (int64_t i = 0; i < int64_t(H) * cfg_.head_dim; ++i)
+    if (!std::isfinite(q[i]))
+      throw std::invalid_argument("q contains a non-finite value at head " + std::to_string(i / cfg_.head_dim) +
+                                  ", dim " + std::to_string(i % cfg_.head_dim));
+}
+
+void KVStore::prepare_query(const float* q, int H) {
+  check_q(q, H);
+  qraw_ = q;
+  const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, G = H / KVH;
+  qs_.resize(size_t(H) * D);
+  const float scale = 1.f / std::sqrt(float(D));
+  for (int64_t i = 0; i < int64_t(H) * D; ++i) qs_[i] = q[i] * scale;
+  // Linear anchor scores fold the GQA group into one vector per KV head:
+  //   QUEST  sum_g sum_d max(q_gd min_d, q_gd max_d) = sum_d (Q-_d min_d + Q+_d max_d),
+  //          Q- = sum_g min(q_g, 0), Q+ = sum_g max(q_g, 0) (min_d <= max_d), laid out like [min | max];
+  //   BLOCK_MAX / BLOCK_MEAN  sum_g q_g . a = (sum_g q_g) . a.
+  const int L = A_ * D;
+  qe_.assign(size_t(KVH) * L, 0.f);
+  for (int h = 0; h < KVH; ++h)
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + (size_t(h) * G + g) * D;
+      float* e = qe_.data() + size_t(h) * L;
+      if (cfg_.anchor_type == AnchorType::QUEST)
+        for (int d = 0; d < D; ++d) {
+          e[d] += std::min(qg[d], 0.f);
+          e[D + d] += std::max(qg[d], 0.f);
+        }
+      else if (cfg_.anchor_type == AnchorType::BLOCK_MAX || cfg_.anchor_type == AnchorType::BLOCK_MEAN)
+        for (int d = 0; d < D; ++d) e[d] += qg[d];
+    }
+}
+
+// ---- candidates ----
+
+void KVStore::build_runs(int64_t nb, int n_sets, const SelectRequest* req) {
+  // Exclusion ranges, clamped to [0, nb), sorted and merged.
+  excl_.clear();
+  if (req)
+    for (int i = 0; i < req->n_exclude; ++i) {
+      const int64_t b0 = req->exclude[2 * i], b1 = req->exclude[2 * i + 1];
+      if (b0 < 0 || b1 < b0)
+        throw std::invalid_argument("exclude range (" + std::to_string(b0) + ", " + std::to_string(b1) +
+                                    ") is invalid: need 0 <= b0 <= b1 (half-open block range)");
+      if (std::min(b1, nb) > b0) excl_.emplace_back(b0, std::min(b1, nb));
+    }
+  std::sort(excl_.begin(), excl_.end());
+  size_t m = 0;
+  for (size_t i = 0; i < excl_.size(); ++i) {
+    if (m > 0 && excl_[i].first <= excl_[m - 1].second) excl_[m - 1].second = std::max(excl_[m - 1].second, excl_[i].second);
+    else excl_[m++] = excl_[i];
+  }
+  excl_.resize(m);
+
+  runs_.resize(n_sets);
+  for (int s = 0; s < n_sets; ++s) {
+    Runs& R = runs_[s];
+    R.start.clear();
+    R.len.clear();
+    R.prefix.assign(1, 0);
+    auto add = [&](int64_t b, int64_t n) {  // append [b, b + n), merging with the previous run
+      if (n <= 0) return;
+      if (!R.start.empty() && R.start.back() + R.len.back() == b) R.len.back() += int32_t(n);
+      else R.start.push_back(int32_t(b)), R.len.push_back(int32_t(n));
+    };
+    if (req && req->allowed) {
+      const int32_t* row = req->allowed + int64_t(s) * req->allowed_cols;
+      ids_.clear();
+      for (int i = 0; i < req->allowed_cols; ++i) {
+        if (row[i] == -1) continue;  // padding
+        if (row[i] < 0 || row[i] >= nb)
+          throw std::out_of_range("allowed block id " + std::to_string(row[i]) + " (set " + std::to_string(s) +
+                                  ") is out of range: the layer has " + std::to_string(nb) + " blocks");
+        ids_.push_back(row[i]);
+      }
+      std::sort(ids_.begin(), ids_.end());
+      ids_.erase(std::unique(ids_.begin(), ids_.end()), ids_.end());
+      size_t e = 0;
+      for (int32_t b : ids_) {
+        while (e < excl_.size() && excl_[e].second <= b) ++e;
+        if (e < excl_.size() && excl_[e].first <= b) continue;
+        add(b, 1);
+      }
+    } else {
+      int64_t b = 0;
+      for (const auto& [e0, e1] : excl_) add(b, e0 - b), b = e1;
+      add(b, nb - b);
+    }
+    for (size_t i = 0; i < R.len.size(); ++i) R.prefix.push_back(R.prefix.back() + R.len[i]);
+  }
+}
+
+// ---- scoring ----
+
+// scores: [n_sets, nb]; only the candidates of runs_ are written. Scoring reads the A*D anchor floats
+// of each candidate block and KV head, nothing else (never K or V).
+void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
+  const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, G = H / KVH, A = A_;
+  const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
+  const int n_sets = int(runs_.size());
+  const bool simd = use_avx2() && D % 8 == 0;
+  const bool linear = cfg_.anchor_type == AnchorType::QUEST || cfg_.anchor_type == AnchorType::BLOCK_MAX ||
+                      cfg_.anchor_type == AnchorType::BLOCK_MEAN;
+  // out[0, n) (+)= scores of blocks [b, b + n) for KV head h.
+  auto score_run = [&](int h, int64_t b, int64_t n, float* out, bool accumulate) {
+    const float* a = anchor_at(L, h, b);
+    if (linear) {
+      const float* qe = qe_.data() + size_t(h) * A * D;
+      if (simd) avx2::score_linear(a, n, A * D, qe, out, accumulate);
+      else scalar::score_linear(a, n, A * D, qe, out, accumulate);
+    } else {
+      const int32_t* cnt = L.n_anchor + h * max_blocks_ + b;
+      const float* qh = qraw_ + size_t(h) * G * D;
+      float* s = thread_scratch(size_t(G) * ((A + 7) & ~7) + D);
+      if (simd) avx2::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
+      else scalar::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
+    }
+  };
+  // Tasks: kScoreBlocksPerTask candidates of one set each.
+  task_start_.assign(1, 0);
+  for (int s = 0; s < n_sets; ++s)
+    task_start_.push_back(task_start_.back() + (runs_[s].prefix.back() + kScoreBlocksPerTask - 1) / kScoreBlocksPerTask);
+  ThreadPool::global().parallel_for(task_start_.back(), cfg_.threads_num, [&](int64_t task) {
+    const int s = int(std::upper_bound(task_start_.begin(), task_start_.end(), task) - task_start_.begin()) - 1;
+    const Runs& R = runs_[s];
+    const int64_t i0 = (task - task_start_[s]) * kScoreBlocksPerTask;
+    const int64_t i1 = std::min(R.prefix.back(), i0 + kScoreBlocksPerTask);
+    float* out = scores + s * nb;
+    // SHARED sums every KV head's score (in head order); SEPARATE scores the set's own head.
+    const int h0 = mode == HeadMode::SHARED ? 0 : s, h1 = mode == HeadMode::SHARED ? KVH : s + 1;
+    size_t r = std::upper_bound(R.prefix.begin(), R.prefix.end(), i0) - R.prefix.begin() - 1;
+    for (int64_t i = i0; i < i1; ++r) {  // candidates [i, j) lie in run r
+      const int64_t off = i - R.prefix[r], j = std::min(i1, R.prefix[r + 1]);
+      const int64_t b = R.start[r] + off;
+      for (int h = h0; h < h1; ++h) score_run(h, b, j - i, out + b, h > h0);
+      i = j;
+    }
+  });
+}
+
+// ---- top-k ----
+
+void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {
+  const auto t0 = Clock::now();
+  const int KVH = cfg_.n_kv_heads;
+  const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
+  const int n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
+  build_runs(nb, n_sets, &req);
+  int64_t kmax = 0;
+  for (int s = 0; s < n_sets; ++s) {
+    if (req.k_per_set[s] < 0)
+      throw std::invalid_argument("k must be >= 0, got " + std::to_string(req.k_per_set[s]) + " for set " +
+                                  std::to_string(s));
+    const int64_t need = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
+    if (need > out_cols)
+      throw std::invalid_argument("the output has room for " + std::to_string(out_cols) + " blocks per set, set " +
+                                  std::to_string(s) + " selects " + std::to_string(need));
+    kmax = std::max(kmax, need);
+  }
+  scores_.resize(size_t(n_sets) * nb);
+  score_runs(L, H, req.mode, scores_.data());
+  const auto t1 = Clock::now();
+  timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
+
+  // Stream the candidates in ascending id order through a k-heap whose top is the worst kept block.
+  heap_.resize(size_t(n_sets) * std::max<int64_t>(kmax, 1));
+  // Heap order: a better block (higher score, then lower id) sorts below, so heap[0] is the worst kept.
+  auto heap_less = [](const Cand& a, const Cand& b) {
+    return a.score > b.score || (a.score == b.score && a.id < b.id);
+  };
+  ThreadPool::global().parallel_for(n_sets, cfg_.threads_num, [&](int64_t s) {
+    const Runs& R = runs_[s];
+    const int64_t k = std::min<int64_t>(req.k_per_set[s], R.prefix.back());
+    Cand* heap = heap_.data() + s * kmax;
+    const float* sc = scores_.data() + s * nb;
+    int64_t n = 0;
+    if (k > 0)
+      for (size_t r = 0; r < R.start.size(); ++r)
+        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
+          const Cand c{std::isnan(sc[b]) ? kNegInf : sc[b], b};
+          if (n < k) {
+            heap[n++] = c;
+            std::push_heap(heap, heap + n, heap_less);
+          } else if (c.score > heap[0].score) {  // a later id never wins a tie
+            std::pop_heap(heap, heap + n, heap_less);
+            heap[n - 1] = c;
+            std::push_heap(heap, heap + n, heap_less);
+          }
+        }
+    int32_t* row = out_ids + s * int64_t(out_cols);
+    for (int64_t i = 0; i < n; ++i) row[i] = heap[i].id;
+    std::sort(row, row + n);
+    std::fill(row + n, row + out_cols, -1);
+  });
+  timing_.topk_s = seconds_since(t1);
+}
+
+// ---- attention ----
+
+void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool validate, float* out, float* lse) {
+  const auto t0 = Clock::now();
+  const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, G = H / KVH, bs = cfg_.block_size;
+  const int64_t nb = (L.len + bs - 1) / bs;
+  auto row_of = [&](int h) { return bsets.ids + int64_t(bsets.n_sets == 1 ? 0 : h) * bsets.cols; };
+  // Valid ids of a row: strictly ascending in [0, nb), then -1 padding only.
+  std::vector<int64_t>& count = count_;  // count[h]: valid ids of head h
+  count.assign(KVH, 0);
+  int64_t cmax = 0;
+  for (int h = 0; h < KVH; ++h) {
+    const int32_t* row = row_of(h);
+    int64_t c = 0;
+    while (c < bsets.cols && row[c] != -1) ++c;
+    if (validate && (bsets.n_sets == 1 ? h == 0 : true))
+      for (int64_t i = 0; i < bsets.cols; ++i) {
+        if (i >= c && row[i] != -1)
+          throw std::invalid_argument("block ids: -1 padding must come last (set " + std::to_string(h) + ")");
+        if (i < c && (row[i] < 0 || row[i] >= nb))
+          throw std::out_of_range("block id " + std::to_string(row[i]) + " is out of range: the layer has " +
+                                  std::to_string(nb) + " blocks");
+        if (i < c && i > 0 && row[i] <= row[i - 1])
+          throw std::invalid_argument("block ids must be strictly ascending (sorted, no duplicates) per KV head, got " +
+                                      std::to_string(row[i - 1]) + " then " + std::to_string(row[i]));
+      }
+    count[h] = c;
+    cmax = std::max(cmax, c);
+  }
+  // Split-K: each head's blocks in chunks of cb; cb depends on the selection only.
+  const int64_t cb = std::max((kChunkTokens + bs - 1) / bs, (cmax + kMaxChunksPerHead - 1) / kMaxChunksPerHead);
+  std::vector<int64_t>& tstart = task_start_;  // tasks of head h: [tstart[h], tstart[h + 1])
+  tstart.assign(KVH + 1, 0);
+  for (int h = 0; h < KVH; ++h) tstart[h + 1] = tstart[h] + (count[h] + cb - 1) / cb;
+  const int64_t n_tasks = tstart[KVH];
+  const size_t pstride = size_t(G) * (D + 2);  // partial: m [G], l [G], acc [G, D]
+  part_.resize(n_tasks * pstride);
+  const bool simd = use_avx2() && D % 8 == 0;
+  const KVType kt = cfg_.kv_type;
+  ThreadPool::global().parallel_for(n_tasks, cfg_.threads_num, [&](int64_t task) {
+    const int h = int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
+    const int64_t j0 = (task - tstart[h]) * cb, j1 = std::min(count[h], j0 + cb);
+    float* m = part_.data() + task * pstride;
+    float* l = m + G;
+    float* acc = l + G;
+    std::fill(m, m + G, kNegInf);
+    std::fill(l, l + G + size_t(G) * D, 0.f);
+    float* s = thread_scratch(size_t(G) * ((bs + 7) & ~7) + D);
+    const float* q = qs_.data() + size_t(h) * G * D;
+    const int32_t* row = row_of(h);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t b = row[j];
+      const int n = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
+      const uint8_t* kt_ = k_tile(L, h, b);
+      const uint8_t* vt_ = v_tile(L, h, b);
+      if (simd) avx2::attend_tile(kt, D, G, q, kt_, vt_, scale_off_, n, s, m, l, acc);
+      else scalar::attend_tile(kt, D, G, q, kt_, vt_, scale_off_, n, s, m, l, acc);
+    }
+  });
+  // Merge the partials of each head in chunk order: out = sum_i w_i acc_i / sum_i w_i l_i, w_i = e^(m_i - M).
+  for (int h = 0; h < KVH; ++h)
+    for (int g = 0; g < G; ++g) {
+      float* o = out + (size_t(h) * G + g) * D;
+      std::fill(o, o + D, 0.f);
+      float M = kNegInf;
+      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) M = std::max(M, part_[t * pstride + g]);
+      if (M == kNegInf) {  // no block for this head
+        lse[h * G + g] = kNegInf;
+        continue;
+      }
+      float sum = 0.f;
+      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) {
+        const float* P = part_.data() + t * pstride;
+        const float w = std::exp(P[g] - M);
+        sum += w * P[G + g];
+        const float* a = P + 2 * G + size_t(g) * D;
+        for (int d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      for (int d = 0; d < D; ++d) o[d] /= sum;
+      lse[h * G + g] = M + std::log(sum);
+    }
+  timing_.attend_s = seconds_since(t0);
+}
+
+// ---- entry points ----
+
+void KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, float* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const Layer& L = layer_at(layer);
+  prepare_query(q, H);
+  build_runs((L.len + cfg_.block_size - 1) / cfg_.block_size, mode == HeadMode::SHARED ? 1 : cfg_.n_kv_heads, nullptr);
+  score_runs(L, H, mode, out);
+}
+
+void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const Layer& L = layer_at(layer);
+  prepare_query(q, H);
+  select_locked(L, H, req, out_ids, out_cols);
+}
+
+void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const Layer& L = layer_at(layer);
+  if (blocks.n_sets != 1 && blocks.n_sets != cfg_.n_kv_heads)
+    throw std::invalid_argument("blocks: expected 1 (shared) or n_kv_heads=" + std::to_string(cfg_.n_kv_heads) +
+                                " rows, got " + std::to_string(blocks.n_sets));
+  prepare_query(q, H);
+  timing_ = StageTiming{};
+  attend_locked(L, H, blocks, true, out, lse);
+}
+
+void KVStore::select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids,
+                            int out_cols, float* out, float* lse) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const Layer& L = layer_at(layer);
+  prepare_query(q, H);
+  select_locked(L, H, req, out_ids, out_cols);
+  const int n_sets = req.mode == HeadMode::SHARED ? 1 : cfg_.n_kv_heads;
+  attend_locked(L, H, BlockSets{out_ids, n_sets, out_cols}, false, out, lse);
+}
+
+}  // namespace ktq

@@ -1,0 +1,264 @@
+"""Checked Python facade of the native KV store and sparse decode attention (``ktquest._C.KVStore``).
+
+One ``KVStore`` holds every layer's keys and values in blocks of ``block_size`` tokens, in C++ memory, with
+block anchors kept up to date as tokens arrive. A decode step of one layer is one call::
+
+    out, lse, blocks = store.select_attend(layer, q, k=32, exclude_ranges=[(0, 1), (nb - 16, nb)])
+
+which scores the candidate blocks from their anchors, keeps the top ``k`` (per KV head, or shared), and
+attends to them: ``out [H, D]`` and ``lse [H]`` in fp32, to be merged with attention computed elsewhere
+(the initial and local windows) by :func:`merge_attention`.
+
+Every argument is checked here (torch dtype, shape, contiguity, device) and again in the binding; errors
+are ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument, never a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ktquest import _C
+
+KV_TYPES = ("FP32", "FP16", "BF16", "Q8_0", "Q4_0")
+ANCHOR_TYPES = ("QUEST", "BLOCK_MAX", "BLOCK_MEAN", "FIXED", "DYNAMIC")
+HEAD_MODES = ("SHARED", "SEPARATE")
+
+_IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_NO_RANGES = np.zeros((0, 2), np.int64)
+
+
+def _name(value: str, what: str, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.upper() not in allowed:
+        raise ValueError(f"{what}={value!r} is not allowed: one of {', '.join(allowed)}")
+    return value.upper()
+
+
+def _int(value, what: str, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise ValueError(f"{what}={value!r} is not allowed: an integer >= {lo}")
+    return int(value)
+
+
+def _tensor(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{what}: dtype {x.dtype} is not supported: one of {', '.join(map(str, dtypes))}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{what}: must be on the CPU, got {x.device}")
+    if x.dim() != ndim:
+        raise ValueError(f"{what}: expected {ndim} dimensions, got shape {list(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: must be contiguous (call .contiguous())")
+    return x.detach()
+
+
+def _padded_ids(rows, what: str, n_rows: int) -> np.ndarray:
+    """Block ids per set -> int32 [n_rows, N], -1 padded. rows: a [n_rows, N] int tensor or lists."""
+    if isinstance(rows, torch.Tensor):
+        if rows.dtype not in (torch.int32, torch.int64) or rows.device.type != "cpu":
+            raise TypeError(f"{what}: expected a CPU int32/int64 tensor, got {rows.dtype} on {rows.device}")
+        t = rows.reshape(1, -1) if rows.dim() == 1 and n_rows == 1 else rows
+        if t.dim() != 2 or t.shape[0] != n_rows:
+            raise ValueError(f"{what}: expected {n_rows} row(s) of block ids, got shape {list(rows.shape)}")
+        return t.to(torch.int32).contiguous().numpy()
+    if not isinstance(rows, Sequence):
+        raise TypeError(f"{what}: expected a tensor or a list of block-id lists, got {type(rows).__name__}")
+    if n_rows == 1 and (len(rows) == 0 or not isinstance(rows[0], (Sequence, torch.Tensor, np.ndarray))):
+        rows = [rows]
+    if len(rows) != n_rows:
+        raise ValueError(f"{what}: expected {n_rows} list(s) of block ids (one per set), got {len(rows)}")
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((n_rows, width), -1, np.int32)
+    for i, r in enumerate(rows):
+        ids = np.asarray(r, dtype=np.int64).reshape(-1)
+        if np.any(ids < 0) or np.any(ids > np.iinfo(np.int32).max):
+            raise IndexError(f"{what}: block ids must be >= 0, got {ids[ids < 0][:3].tolist()} in row {i}")
+        out[i, : len(ids)] = ids
+    return out
+
+
+class KVStore:
+    """KV cache of ``n_layers`` layers, ``n_kv_heads`` heads of ``head_dim``, up to ``max_seq_len`` tokens.
+
+    kv_type: FP32, FP16, BF16, Q8_0 or Q4_0 (Q types need head_dim % 32 == 0; rounding in cpp/kv_codec.h).
+    anchor_type: QUEST (element-wise min/max keys, scores are upper bounds of q.k), BLOCK_MAX (element-wise
+    max key), BLOCK_MEAN (mean key), FIXED (``anchor_num`` tokens at a fixed stride, the first at 0), DYNAMIC
+    (the ``anchor_num`` tokens of highest caller-given importance). threads_num: operator threads.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int, block_size: int = 64,
+                 kv_type: str = "FP16", anchor_type: str = "QUEST", anchor_num: int = 2, threads_num: int = 1):
+        self.n_layers = _int(n_layers, "n_layers", 1)
+        self.n_kv_heads = _int(n_kv_heads, "n_kv_heads", 1)
+        self.head_dim = _int(head_dim, "head_dim", 1)
+        self.max_seq_len = _int(max_seq_len, "max_seq_len", 1)
+        self.block_size = _int(block_size, "block_size", 1)
+        self.kv_type = _name(kv_type, "kv_type", KV_TYPES)
+        self.anchor_type = _name(anchor_type, "anchor_type", ANCHOR_TYPES)
+        self.anchor_num = _int(anchor_num, "anchor_num", 1)
+        self.threads_num = _int(threads_num, "threads_num", 1)
+        self._st = _C.KVStore(self.n_layers, self.n_kv_heads, self.head_dim, self.max_seq_len, self.block_size,
+                              self.kv_type, self.anchor_type, self.anchor_num, self.threads_num)
+        self._k_cache: dict[tuple[str, object], np.ndarray] = {}
+
+    # ---- contents ----
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, importance: torch.Tensor | None = None) -> None:
+        """Append T tokens. k, v: [T, KVH, D] fp32/fp16/bf16 (same dtype); importance: [T, KVH] fp32 or None."""
+        k = _tensor(k, "k", tuple(_IN_DTYPES), 3)
+        v = _tensor(v, "v", (k.dtype,), 3)
+        shape = [k.shape[0], self.n_kv_heads, self.head_dim]
+        for name, x in (("k", k), ("v", v)):
+            if list(x.shape) != shape:
+                raise ValueError(f"{name}: expected shape [T, n_kv_heads, head_dim] = {shape}, got {list(x.shape)}")
+        imp = None
+        if importance is not None:
+            imp = _tensor(importance, "importance", (torch.float32,), 2).numpy()
+        dtype = _IN_DTYPES[k.dtype]
+        if k.dtype != torch.float32:  # numpy has no bfloat16: hand over the raw 16-bit patterns
+            k, v = k.view(torch.int16), v.view(torch.int16)
+        self._st.append(layer, k.numpy(), v.numpy(), dtype, imp)
+
+    def length(self, layer: int) -> int:
+        return self._st.length(layer)
+
+    def n_blocks(self, layer: int) -> int:
+        return self._st.n_blocks(layer)
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks in use (K, V, scales, anchors); capacity is reserved lazily."""
+        return self._st.nbytes()
+
+    def reserved_bytes(self) -> int:
+        """Address space reserved for max_seq_len (committed by the OS only as blocks fill)."""
+        return self._st.reserved_bytes()
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What is stored, dequantised: (k, v), each [length, KVH, D] fp32."""
+        k, v = self._st.read(layer)
+        return torch.from_numpy(k), torch.from_numpy(v)
+
+    def anchors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32): QUEST A=2 (min, max)."""
+        a, c = self._st.read_anchors(layer)
+        return torch.from_numpy(a), torch.from_numpy(c)
+
+    # ---- decode ----
+
+    def _q(self, q) -> np.ndarray:
+        q = _tensor(q, "q", (torch.float32,), 2)
+        if q.shape[1] != self.head_dim or q.shape[0] % self.n_kv_heads != 0:
+            raise ValueError(f"q: expected [H, head_dim={self.head_dim}] with H a multiple of n_kv_heads="
+                             f"{self.n_kv_heads}, got {list(q.shape)}")
+        return q.numpy()
+
+    def _k(self, k, mode: str) -> np.ndarray:
+        key = (mode, k if isinstance(k, int) else tuple(k) if isinstance(k, Sequence) else None)
+        arr = self._k_cache.get(key) if key[1] is not None else None
+        if arr is not None:
+            return arr
+        n_sets = 1 if mode == "SHARED" else self.n_kv_heads
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            ks = [_int(k, "k")] * n_sets
+        elif mode == "SEPARATE" and isinstance(k, (Sequence, torch.Tensor)) and len(k) == n_sets:
+            ks = [_int(int(x), f"k[{i}]") for i, x in enumerate(k)]
+        else:
+            raise ValueError(f"k={k!r} is not allowed: an integer >= 0, or (SEPARATE) one per KV head "
+                             f"({self.n_kv_heads})")
+        arr = np.asarray(ks, np.int32)
+        if key[1] is not None and len(self._k_cache) < 64:
+            self._k_cache[key] = arr
+        return arr
+
+    def _request(self, layer, q, k, mode, exclude_ranges, allowed):
+        mode = _name(mode, "mode", HEAD_MODES)
+        n_sets = 1 if mode == "SHARED" else self.n_kv_heads
+        ks = self._k(k, mode)
+        if exclude_ranges is None or len(exclude_ranges) == 0:
+            excl = _NO_RANGES
+        else:
+            excl = np.asarray(exclude_ranges, np.int64)
+            if excl.ndim != 2 or excl.shape[1] != 2:
+                raise ValueError(f"exclude_ranges: expected a list of (b0, b1) block ranges, got {exclude_ranges!r}")
+        allow = None if allowed is None else _padded_ids(allowed, "allowed", n_sets)
+        n_blocks = self._st.n_blocks(layer)
+        cols = max(0, min(int(ks.max()), n_blocks if allow is None else allow.shape[1]))
+        return mode, n_sets, ks, excl, allow, cols
+
+    def block_scores(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
+        """Unscaled anchor scores of every block, summed over each KV head's query group (SEPARATE:
+        [KVH, n_blocks]) or over all heads (SHARED: [n_blocks]). q: [H, D] fp32."""
+        mode = _name(mode, "mode", HEAD_MODES)
+        s = torch.from_numpy(self._st.block_scores(layer, self._q(q), mode))
+        return s[0] if mode == "SHARED" else s
+
+    def select(self, layer: int, q: torch.Tensor, k: int | Sequence[int], mode: str = "SEPARATE",
+               exclude_ranges: Sequence[tuple[int, int]] = (), allowed=None) -> torch.Tensor:
+        """Top-k blocks by anchor score (ties: the lower block id). Candidates: every block, or ``allowed``
+        (one id list per KV head, or one list for SHARED), minus the half-open block ``exclude_ranges``.
+        k: an int, or one per KV head (SEPARATE). Returns int32 ascending ids, -1 padded:
+        [KVH, k_max] (SEPARATE) or [k] (SHARED)."""
+        qn = self._q(q)
+        mode, n_sets, ks, excl, allow, cols = self._request(layer, q, k, mode, exclude_ranges, allowed)
+        ids = torch.empty(n_sets, cols, dtype=torch.int32)
+        self._st.select(layer, qn, mode, ks, excl, allow, ids.numpy())
+        return ids[0] if mode == "SHARED" else ids
+
+    def attend(self, layer: int, q: torch.Tensor, blocks, out: torch.Tensor | None = None,
+               lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """softmax(q K^T / sqrt(D)) V over ``blocks`` (ascending ids: [N] shared by every KV head, or one row
+        per KV head, -1 padded). Returns out [H, D] and lse [H] (natural log; -inf for no block), fp32."""
+        qn = self._q(q)
+        H = qn.shape[0]
+        if isinstance(blocks, torch.Tensor) and blocks.dim() == 1:
+            b = _padded_ids(blocks, "blocks", 1)
+        elif isinstance(blocks, torch.Tensor):
+            b = _padded_ids(blocks, "blocks", blocks.shape[0] if blocks.dim() == 2 else -1)
+        else:
+            shared = len(blocks) == 0 or not isinstance(blocks[0], (Sequence, torch.Tensor, np.ndarray))
+            b = _padded_ids(blocks, "blocks", 1 if shared else self.n_kv_heads)
+        out, lse = self._outputs(H, out, lse)
+        self._st.attend(layer, qn, b, out.numpy(), lse.numpy())
+        return out, lse
+
+    def select_attend(self, layer: int, q: torch.Tensor, k: int | Sequence[int], mode: str = "SEPARATE",
+                      exclude_ranges: Sequence[tuple[int, int]] = (), allowed=None, out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks)."""
+        qn = self._q(q)
+        mode, n_sets, ks, excl, allow, cols = self._request(layer, q, k, mode, exclude_ranges, allowed)
+        ids = torch.empty(n_sets, cols, dtype=torch.int32)
+        out, lse = self._outputs(qn.shape[0], out, lse)
+        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids.numpy(), out.numpy(), lse.numpy())
+        return out, lse, (ids[0] if mode == "SHARED" else ids)
+
+    def last_timing(self) -> dict[str, float]:
+        """Milliseconds of the stages of the last select/attend call: score, topk, attend."""
+        s, t, a = self._st.last_timing()
+        return {"score_ms": s * 1e3, "topk_ms": t * 1e3, "attend_ms": a * 1e3}
+
+    def _outputs(self, H: int, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+        if out is None:
+            out = torch.empty(H, self.head_dim)
+        elif list(_tensor(out, "out", (torch.float32,), 2).shape) != [H, self.head_dim]:
+            raise ValueError(f"out: expected shape [{H}, {self.head_dim}], got {list(out.shape)}")
+        if lse is None:
+            lse = torch.empty(H)
+        elif list(_tensor(lse, "lse", (torch.float32,), 1).shape) != [H]:
+            raise ValueError(f"lse: expected shape [{H}], got {list(lse.shape)}")
+        return out, lse
+
+
+def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+                    lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax merge of attention over two disjoint key sets. out*: [..., H, D], lse*: [..., H]
+    (natural log; -inf = empty part). Returns (out, lse) of the union."""
+    lse = torch.logaddexp(lse1, lse2)
+    live = torch.isfinite(lse)  # both parts empty: lse = -inf, out = 0
+    w1 = torch.where(live, torch.exp(lse1 - lse), torch.zeros_like(lse))
+    w2 = torch.where(live, torch.exp(lse2 - lse), torch.zeros_like(lse))
+    return out1 * w1.unsqueeze(-1) + out2 * w2.unsqueeze(-1), lse
