@@ -195,7 +195,8 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
 def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, [rows, cols] (biases only when ``a.qkv_bias``)."""
     q_rows, kv_rows = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (a.vocab_size, a.dim), "output_norm.weight": (a.dim,)}
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (a.vocab_size, a.dim),
+                                          "output_norm.weight": (a.dim,)}
     if not a.tie_embeddings:
         shapes["output.weight"] = (a.vocab_size, a.dim)
     for i in range(a.n_layers):
@@ -212,7 +213,8 @@ def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
             p + "ffn_down.weight": (a.dim, a.ffn_dim),
         }
         if a.qkv_bias:
-            shapes |= {p + "attn_q.bias": (q_rows,), p + "attn_k.bias": (kv_rows,), p + "attn_v.bias": (kv_rows,)}
+            shapes |= {p + "attn_q.bias": (q_rows,), p + "attn_k.bias": (kv_rows,),
+                       p + "attn_v.bias": (kv_rows,)}
     return shapes
 
 
@@ -223,13 +225,14 @@ def _rope_scaling(path: Path, md: dict[str, Any], arch: str, tensors: GGUFTensor
     if "rope_freqs.weight" in tensors:
         n = math.prod(tensors.shape("rope_freqs.weight"))
         if n != head_dim // 2:
-            raise GGUFError(f"{path}: tensor 'rope_freqs.weight' has {n} values, expected head_dim/2 = {head_dim // 2}")
+            raise GGUFError(f"{path}: tensor 'rope_freqs.weight' has {n} values, "
+                            f"expected head_dim/2 = {head_dim // 2}")
         freq_factors = tuple(float(x) for x in tensors["rope_freqs.weight"].reshape(-1))
     if kind == "none" and freq_factors is None:
         return None
     if kind not in ("none", "linear", "yarn"):
-        raise GGUFError(f"{path}: unsupported {arch}.rope.scaling.type {kind!r} (supported: none, linear, yarn, "
-                        f"and llama3-style rope_freqs.weight)")
+        raise GGUFError(f"{path}: unsupported {arch}.rope.scaling.type {kind!r} "
+                        f"(supported: none, linear, yarn, and llama3-style rope_freqs.weight)")
     factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0))
     if kind != "none" and factor <= 0:
         raise GGUFError(f"{path}: {arch}.rope.scaling.factor={factor} must be > 0")
@@ -256,7 +259,8 @@ def _model_args(path: Path, md: dict[str, Any], tensors: GGUFTensors) -> ModelAr
 
     arch = need("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise GGUFError(f"{path}: unsupported architecture {arch!r} "
+                        f"(supported: {', '.join(SUPPORTED_ARCHS)})")
     dim = int(need(f"{arch}.embedding_length"))
     n_heads = int(need(f"{arch}.attention.head_count"))
     n_kv_heads = int(md.get(f"{arch}.attention.head_count_kv", n_heads))
@@ -300,7 +304,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
     path = Path(path)
     reader = _open_reader(path)
     try:
-        metadata = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+        metadata = {name: _field_value(f) for name, f in reader.fields.items()
+                    if not name.startswith("GGUF.")}  # GGUF.version etc.: the reader's own bookkeeping
     except (ValueError, IndexError, UnicodeDecodeError) as e:
         raise GGUFError(f"{path}: corrupt metadata ({type(e).__name__}: {e})") from None
     tensors = GGUFTensors(path, reader)

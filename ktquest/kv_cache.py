@@ -49,8 +49,8 @@ class DenseKVCache:
             # decode: the one query sees everything; a chunk from 0: plain top-left causal.
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=t > 1, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=self._chunk_mask(start_pos, t),
-                                                 enable_gqa=True)
+            mask = self._chunk_mask(start_pos, t)  # [T, end]
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
         if layer_idx == self.n_layers - 1:
             self.pos = end
         return out[0].transpose(0, 1)  # [T, H, D]
@@ -70,8 +70,8 @@ class DenseKVCache:
         if end > self.max_seq_len:
             raise ValueError(f"KV cache overflow: positions {start_pos}..{end - 1} do not fit in "
                              f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
-        raise ValueError(f"KV cache: cannot write positions {start_pos}..{end - 1}: the cache holds {self.pos} "
-                         f"tokens, so a chunk must start at 0..{self.pos}")
+        raise ValueError(f"KV cache: cannot write positions {start_pos}..{end - 1}: the cache holds "
+                         f"{self.pos} tokens, so a chunk must start at 0..{self.pos}")
 
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""

@@ -28,7 +28,8 @@ BPE_CORPUS = [
 ] * 4
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "'<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
@@ -92,8 +93,9 @@ TINY_SPECS = {
     "llama": TinySpec("llama", tied=False),
     "llama_tied": TinySpec("llama", tied=True),
     "llama_linear": TinySpec("llama", tied=True, rope={"rope_type": "linear", "factor": 2.0}),
-    "llama3": TinySpec("llama", tied=False, rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3": TinySpec("llama", tied=False, rope={"rope_type": "llama3", "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64}),
     "qwen2": TinySpec("qwen2", tied=True),
     "qwen2_untied": TinySpec("qwen2", tied=False, rope_theta=1e6),
     "qwen2_yarn": TinySpec("qwen2", tied=True, rope={"rope_type": "yarn", "factor": 4.0,
@@ -108,8 +110,9 @@ def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.M
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                              "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
     cfg = config_cls(
-        vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn, num_hidden_layers=spec.n_layers,
-        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
+        vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
+        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
         rms_norm_eps=spec.eps, tie_word_embeddings=spec.tied,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope or {})},
     )
@@ -154,12 +157,14 @@ def llama3_rope_freqs(spec: TinySpec) -> np.ndarray:
 def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array [rows, cols], llama Q/K permuted like the converter does."""
     sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
-    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"],
+           "output_norm.weight": sd["model.norm.weight"]}
     if not spec.tied:
         out["output.weight"] = sd["lm_head.weight"]
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}
     for i in range(spec.n_layers):
         for hf_name, g_name in names.items():
             for kind in ("weight", "bias"):

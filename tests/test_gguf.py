@@ -83,7 +83,7 @@ def test_dequantize_f64():
 
 
 def test_quantize_roundtrip_is_close():
-    """The dequantized values are the data (within each type's quantization error), not just 'equal to gguf'."""
+    """Dequantized values are the data (within each type's quantization error), not just 'equal to gguf'."""
     x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
     for qtype, atol in [(Q.F16, 2e-3), (Q.Q8_0, 0.03), (Q.Q5_0, 0.15), (Q.Q4_1, 0.3)]:
         np.testing.assert_allclose(dequantize_tensor(gguf.quants.quantize(x, qtype), qtype), x, atol=atol)
@@ -121,7 +121,7 @@ def test_every_type_through_a_file(tmp_path):
         (w.add_uint32 if isinstance(v, int) else w.add_float32)(k, v)
     for name, t in tensors.items():
         w.add_tensor(name, t)
-    for (name, raw), qtype in zip(extras.items(), QUANTIZABLE + RAW_ONLY):
+    for (name, raw), qtype in zip(extras.items(), QUANTIZABLE + RAW_ONLY, strict=True):
         if raw.dtype == np.uint8:
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
         else:  # F16 and BF16 come back from quantize() as 2-byte elements
@@ -133,7 +133,7 @@ def test_every_type_through_a_file(tmp_path):
     w.close()
 
     c = read_gguf(path)
-    for (name, raw), qtype in zip(extras.items(), QUANTIZABLE + RAW_ONLY):
+    for (name, raw), qtype in zip(extras.items(), QUANTIZABLE + RAW_ONLY, strict=True):
         assert c.tensors.type_name(name) == qtype.name
         assert c.tensors.shape(name) == (2, 256)
         np.testing.assert_array_equal(c.tensors[name], gguf.quants.dequantize(raw, qtype))

@@ -81,7 +81,8 @@ def test_logits_match_hf(tiny_model):
     with torch.inference_mode():
         expected = hf(tokens[None]).logits[0]  # [48, V]
         cache = make_cache(model, 64)
-        got = [model(tokens[0:17], 0, cache), model(tokens[17:24], 17, cache), model(tokens[24:40], 24, cache)]
+        got = [model(tokens[0:17], 0, cache), model(tokens[17:24], 17, cache),
+               model(tokens[24:40], 24, cache)]
         got += [model(tokens[i:i + 1], i, cache) for i in range(40, 48)]  # decode, one token at a time
     torch.testing.assert_close(torch.cat(got), expected, atol=FP32_ATOL, rtol=FP32_RTOL)
 

@@ -1,4 +1,4 @@
-"""The llama family (archs ``llama`` and ``qwen2``): Transformer -> Block -> Attention / FeedForward / RMSNorm.
+"""The llama family (``llama``, ``qwen2``): Transformer -> Block -> Attention / FeedForward / RMSNorm.
 
 Batch size is always 1, so activations are [T, ...] with no batch dimension. Weights arrive in the
 Hugging Face layout (the loader un-permutes llama's Q/K), so RoPE is rotate-half for both archs: rotary
@@ -45,7 +45,7 @@ def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
         return inv_freq / s.factor, 1.0
     if s.type == "yarn":
         # YaRN: extrapolate (keep) the fast-rotating dims, interpolate (divide by factor) the slow ones,
-        # with a linear ramp between the dims that turn beta_fast and beta_slow times over the original context.
+        # with a linear ramp between the dims turning beta_fast and beta_slow times over the trained context.
         orig = s.original_context_length or args.context_length
 
         def correction_dim(n_rot: float) -> float:
@@ -101,7 +101,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # One fused projection: rows [q (H*D) | k (KVH*D) | v (KVH*D)].
         wqkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
-        bqkv = torch.cat([w[p + "attn_q.bias"], w[p + "attn_k.bias"], w[p + "attn_v.bias"]]) if args.qkv_bias else None
+        bqkv = None
+        if args.qkv_bias:
+            bqkv = torch.cat([w[p + "attn_q.bias"], w[p + "attn_k.bias"], w[p + "attn_v.bias"]])
         self.wqkv = Linear(wqkv, bqkv)
         self.wo = Linear(w[p + "attn_output.weight"])
 

@@ -1,0 +1,150 @@
+"""Generation: chunked prefill, one-token decode, sampling, and the loop that ties them together.
+
+The cache holds the conversation so far; ``generate`` appends one turn: it prefills the new prompt
+tokens at ``cache.pos`` and decodes after them. Invariant on return (also after Ctrl-C):
+
+    cache.pos == pos_before + result.n_prompt + len(result.tokens)
+
+i.e. every token in the cache was either given as a prompt or generated *and returned*. A generated
+token is fed to the model (so it is in the cache) before it is handed to ``on_token``; this includes the
+stop token, so the next turn can continue right after it. The extra forward pass this costs at the end of
+a reply (the logits of the last token are not used) keeps the cache a faithful transcript.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ktquest.config import GenerationConfig
+
+StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    tokens: list[int]  # generated, including the stop token when stopped_by == "eos"
+    n_prompt: int  # prompt tokens added to the cache (0 if prefill was interrupted)
+    prefill_s: float
+    decode_s: float
+    stopped_by: StopReason
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.n_prompt / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def _as_tokens(tokens: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(tokens, dtype=torch.long, device=device).reshape(-1)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return model.tok_embeddings.device
+
+
+@torch.inference_mode()
+def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
+            on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """Feed ``tokens`` [N] at cache.pos in chunks of ``chunk_size``; returns the last token's logits [V].
+
+    Only the last chunk computes logits (for its last position). on_progress(done, total) after each chunk.
+    """
+    tokens = _as_tokens(tokens, _device(model))
+    n = tokens.shape[0]
+    if n == 0:
+        raise ValueError("prefill: no tokens")
+    if chunk_size < 1:
+        raise ValueError(f"prefill: chunk_size={chunk_size} must be >= 1")
+    if cache.pos + n > cache.max_seq_len:
+        raise ValueError(f"KV cache overflow: {n} prompt tokens after the {cache.pos} held do not fit in "
+                         f"max_seq_len={cache.max_seq_len}")
+    logits = None
+    for done in range(0, n, chunk_size):
+        chunk = tokens[done: done + chunk_size]  # [C]
+        logits = model(chunk, cache.pos, cache, last_only=True)  # [1, V]
+        if on_progress is not None:
+            on_progress(min(done + chunk_size, n), n)
+    return logits[0]
+
+
+@torch.inference_mode()
+def decode_one_token(model, cache, token: int) -> torch.Tensor:
+    """Feed one token at cache.pos; returns its logits [V]."""
+    x = torch.tensor([token], dtype=torch.long, device=_device(model))  # [1]
+    return model(x, cache.pos, cache)[0]
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+           generator: torch.Generator | None = None) -> int:
+    """logits [V] -> a token id. temperature 0 = greedy argmax; top_k 0 / top_p 1 = off."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        values, ids = torch.topk(logits, top_k)  # sorted, descending
+    else:
+        values, ids = torch.sort(logits, descending=True)
+    probs = torch.softmax(values, dim=-1)
+    if top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (always at least the most likely token).
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    choice = torch.multinomial(probs, 1, generator=generator)
+    return int(ids[choice])
+
+
+def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: GenerationConfig,
+             stop_ids: set[int], chunk_size: int,
+             on_token: Callable[[int], None] | None = None,
+             on_progress: Callable[[int, int], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+    """Prefill ``prompt_tokens`` at cache.pos, then sample until a stop id, max_new_tokens or a full cache.
+
+    Sampling is seeded from ``gen.seed``. ``should_stop()`` is polled between tokens; it and Ctrl-C
+    (KeyboardInterrupt) end generation with stopped_by="interrupted" and the cache invariant of the module
+    docstring intact. The prompt must fit in the cache (ValueError otherwise, nothing changed).
+    """
+    generator = torch.Generator(device="cpu").manual_seed(gen.seed)
+    pos0 = cache.pos
+    n_prompt = len(prompt_tokens)
+    tokens: list[int] = []
+    prefill_s = decode_s = 0.0
+    stopped_by: StopReason = "max_new_tokens"
+    t0 = time.perf_counter()
+    try:
+        logits = prefill(model, cache, prompt_tokens, chunk_size, on_progress)
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(gen.max_new_tokens):
+            if should_stop is not None and should_stop():
+                stopped_by = "interrupted"
+                break
+            if cache.pos >= cache.max_seq_len:
+                stopped_by = "max_seq_len"
+                break
+            token = sample(logits, gen.temperature, gen.top_k, gen.top_p, generator)
+            logits = decode_one_token(model, cache, token)  # token is now in the cache
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop_ids:
+                stopped_by = "eos"
+                break
+        decode_s = time.perf_counter() - t0
+    except KeyboardInterrupt:
+        stopped_by = "interrupted"
+        if prefill_s == 0.0:  # interrupted during prefill: drop the partial prompt
+            prefill_s, n_prompt = time.perf_counter() - t0, 0
+        else:
+            decode_s = time.perf_counter() - t0
+        cache.truncate(min(cache.pos, pos0 + n_prompt + len(tokens)))
+    return GenerationResult(tokens=tokens, n_prompt=n_prompt, prefill_s=prefill_s, decode_s=decode_s,
+                            stopped_by=stopped_by)

@@ -1,0 +1,230 @@
+"""Sampling, the generation loop (stops, seeds, multi-turn, interrupts) and the dense cache's bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktquest.config import GenerationConfig
+from ktquest.generate import decode_one_token, generate, prefill, sample
+from ktquest.gguf_loader import load_model
+from ktquest.kv_cache import DenseKVCache
+
+FP32_ATOL = 1e-4
+FP32_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    model, _ = load_model(tiny_llama.path)
+    return model, tiny_llama.hf_model
+
+
+def make_cache(model, max_seq_len: int = 64) -> DenseKVCache:
+    a = model.args
+    return DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_seq_len)
+
+
+PROMPT = [5, 17, 42, 9, 100, 3, 250, 77, 8]
+
+
+# ---- sampling ----
+
+
+def random_logits(seed: int = 0, n: int = 300) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    for seed in range(5):
+        logits = random_logits(seed)
+        assert sample(logits, 0.0, 0, 1.0) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (0, 1e-6), (5, 1e-6)])
+def test_top_k_one_and_tiny_top_p_are_greedy(top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    for seed in range(5):
+        logits = random_logits(seed)
+        assert sample(logits, 1.5, top_k, top_p, g) == int(logits.argmax())
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = random_logits()
+    assert sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(7)) == \
+        sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(7))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    seq1 = [sample(logits, 1.0, 40, 0.9, g1) for _ in range(50)]
+    seq2 = [sample(logits, 1.0, 40, 0.9, g2) for _ in range(50)]
+    assert seq1 == seq2 and len(set(seq1)) > 1
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = random_logits()
+    order = torch.argsort(logits, descending=True).tolist()
+    g = torch.Generator().manual_seed(0)
+    assert {sample(logits, 1.0, 3, 1.0, g) for _ in range(200)} <= set(order[:3])
+    probs = torch.softmax(logits, -1)[order]
+    n_nucleus = int((torch.cumsum(probs, 0) < 0.5).sum()) + 1  # smallest prefix with mass >= 0.5
+    assert {sample(logits, 1.0, 0, 0.5, g) for _ in range(300)} <= set(order[:n_nucleus])
+
+
+# ---- generation ----
+
+
+def hf_greedy(hf, tokens: list[int], n: int) -> list[int]:
+    out = list(tokens)
+    with torch.inference_mode():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(tokens):]
+
+
+def test_greedy_generation_matches_hf(llama):
+    model, hf = llama
+    cache = make_cache(model)
+    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=8), stop_ids=set(), chunk_size=4)
+    assert res.tokens == hf_greedy(hf, PROMPT, 8)
+    assert res.stopped_by == "max_new_tokens" and res.n_prompt == len(PROMPT)
+    assert cache.pos == len(PROMPT) + 8  # every returned token is in the cache
+    assert res.prefill_s > 0 and res.decode_s > 0 and res.decode_tok_s > 0 and res.prefill_tok_s > 0
+
+
+def test_stops_at_eos_and_keeps_it_in_the_cache(llama):
+    model, hf = llama
+    expected = hf_greedy(hf, PROMPT, 6)
+    stop = expected[3]
+    first = expected.index(stop)
+    cache = make_cache(model)
+    streamed = []
+    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=20), stop_ids={stop, 10_000},
+                   chunk_size=64, on_token=streamed.append)
+    assert res.stopped_by == "eos" and res.tokens == expected[: first + 1] == streamed
+    assert cache.pos == len(PROMPT) + len(res.tokens)
+
+
+def test_multi_turn_continues_the_cache(llama):
+    """Two turns on one cache == one prefill of the whole transcript."""
+    model, _ = llama
+    gen = GenerationConfig(max_new_tokens=5)
+    cache = make_cache(model)
+    r1 = generate(model, cache, PROMPT, gen, set(), chunk_size=4)
+    turn2 = [11, 12, 13]
+    r2 = generate(model, cache, turn2, gen, set(), chunk_size=4)
+    fresh = make_cache(model)
+    r = generate(model, fresh, PROMPT + r1.tokens + turn2, gen, set(), chunk_size=4)
+    assert r2.tokens == r.tokens and cache.pos == fresh.pos
+
+
+def test_seeded_generation_is_reproducible(llama):
+    model, _ = llama
+    gen = GenerationConfig(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.95, seed=123)
+    runs = [generate(model, make_cache(model), PROMPT, gen, set(), chunk_size=3).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_should_stop_interrupts(llama):
+    model, _ = llama
+    cache = make_cache(model)
+    seen = []
+    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=20), set(), chunk_size=4,
+                   on_token=seen.append, should_stop=lambda: len(seen) >= 3)
+    assert res.stopped_by == "interrupted" and len(res.tokens) == 3
+    assert cache.pos == len(PROMPT) + 3
+
+
+class InterruptingCache(DenseKVCache):
+    """Raises KeyboardInterrupt inside a forward pass (at ``layer``) on the ``at``-th call of that layer."""
+
+    def __init__(self, *args, layer: int, at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layer, self.at, self.calls = layer, at, 0
+
+    def attend(self, layer_idx, q, k, v, start_pos):
+        out = super().attend(layer_idx, q, k, v, start_pos)
+        if layer_idx == self.layer:
+            self.calls += 1
+            if self.calls == self.at:
+                raise KeyboardInterrupt
+        return out
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # mid-pass, and after the last layer stored its k/v
+def test_ctrl_c_during_decode_leaves_the_cache_consistent(llama, layer):
+    model, _ = llama
+    a = model.args
+    cache = InterruptingCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, layer=layer, at=1 + 4)  # 5th forward
+    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=20), set(), chunk_size=64)
+    assert res.stopped_by == "interrupted"
+    assert len(res.tokens) == 3 and cache.pos == len(PROMPT) + 3  # the 4th token's pass was interrupted
+    # The cache is a faithful transcript: carrying on gives what an uninterrupted run gives.
+    full = generate(model, make_cache(model), PROMPT, GenerationConfig(max_new_tokens=5), set(), 64)
+    assert res.tokens == full.tokens[:3]
+    cache.at = -1
+    assert int(decode_one_token(model, cache, full.tokens[3]).argmax()) == full.tokens[4]
+
+
+def test_ctrl_c_during_prefill_drops_the_partial_prompt(llama):
+    model, _ = llama
+    a = model.args
+    cache = InterruptingCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, layer=1, at=3)  # 2nd chunk of PROMPT
+    prefill(model, cache, [1, 2, 3], chunk_size=8)  # an earlier turn: stays
+    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=5), set(), chunk_size=4)
+    assert res.stopped_by == "interrupted" and res.tokens == [] and res.n_prompt == 0
+    assert cache.pos == 3
+
+
+def test_stops_when_the_cache_is_full(llama):
+    model, _ = llama
+    cache = make_cache(model, max_seq_len=len(PROMPT) + 4)
+    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=50), set(), chunk_size=4)
+    assert res.stopped_by == "max_seq_len" and len(res.tokens) == 4 and cache.pos == cache.max_seq_len
+
+
+def test_prompt_that_does_not_fit_raises_before_any_work(llama):
+    model, _ = llama
+    cache = make_cache(model, max_seq_len=16)
+    prefill(model, cache, PROMPT, chunk_size=4)
+    with pytest.raises(ValueError, match=r"overflow.*max_seq_len=16"):
+        generate(model, cache, PROMPT, GenerationConfig(), set(), chunk_size=4)
+    assert cache.pos == len(PROMPT)
+
+
+# ---- the dense cache ----
+
+
+def test_cache_overflow_is_an_error():
+    cache = DenseKVCache(n_layers=1, n_kv_heads=1, head_dim=4, max_seq_len=8)
+    x = torch.zeros(5, 1, 4)
+    cache.attend(0, x, x, x, 0)
+    with pytest.raises(ValueError, match=r"positions 5\.\.9 do not fit in max_seq_len=8"):
+        cache.attend(0, x, x, x, 5)
+    with pytest.raises(ValueError, match="holds 5 tokens"):
+        cache.attend(0, x[:1], x[:1], x[:1], 6)  # a gap
+    assert cache.pos == 5
+
+
+def test_truncate_and_reset(llama):
+    model, _ = llama
+    cache = make_cache(model)
+    prefill(model, cache, PROMPT, chunk_size=4)
+    wrong = decode_one_token(model, cache, 99)  # a token we then take back
+    cache.truncate(len(PROMPT))
+    right = decode_one_token(model, cache, 7)
+    fresh = make_cache(model)
+    prefill(model, fresh, PROMPT + [7], chunk_size=64)
+    with torch.inference_mode():
+        expected = model(torch.tensor(PROMPT + [7]), 0, make_cache(model))[-1]
+    torch.testing.assert_close(right, expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+    assert not torch.allclose(wrong, right)
+    with pytest.raises(ValueError, match="between 0 and the 10 tokens"):
+        cache.truncate(11)
+    cache.reset()
+    assert cache.pos == 0
+    again = prefill(model, cache, PROMPT + [7], chunk_size=3)
+    torch.testing.assert_close(again, expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_nbytes():
+    cache = DenseKVCache(n_layers=3, n_kv_heads=2, head_dim=8, max_seq_len=10)
+    assert cache.nbytes() == 2 * 3 * 2 * 10 * 8 * 4
