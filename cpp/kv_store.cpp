@@ -89,7 +89,7 @@ KVStore::KVStore(const StoreConfig& c) : cfg_(c) {
       L.v = static_cast<uint8_t*>(grab(hb * tile_bytes_));
       L.anchors = static_cast<float*>(grab(hb * A_ * D * 4));
       L.n_anchor = static_cast<int32_t*>(grab(hb * 4));
-      if (c.anchor_type == AnchorType::BLOCK_MEAN) L.sums = static_cast<float*>(grab(hb * D * 4));
+      if (c.anchor_type == AnchorType::BLOCK_MEAN) L.sums = static_cast<double*>(grab(hb * D * 8));
       if (c.anchor_type == AnchorType::DYNAMIC) {
         L.imp = static_cast<float*>(grab(hb * A_ * 4));
         L.pos = static_cast<int32_t*>(grab(hb * A_ * 4));
@@ -128,7 +128,7 @@ size_t KVStore::nbytes() const {
   std::lock_guard<std::mutex> lk(mu_);
   const int D = cfg_.head_dim;
   size_t per_block = 2 * tile_bytes_ + size_t(A_) * D * 4 + 4;  // K, V, anchors, anchor count
-  if (cfg_.anchor_type == AnchorType::BLOCK_MEAN) per_block += size_t(D) * 4;
+  if (cfg_.anchor_type == AnchorType::BLOCK_MEAN) per_block += size_t(D) * 8;
   if (cfg_.anchor_type == AnchorType::DYNAMIC) per_block += size_t(A_) * 8;
   size_t total = 0;
   for (const Layer& L : layers_) total += size_t((L.len + cfg_.block_size - 1) / cfg_.block_size) * per_block;
@@ -174,13 +174,10 @@ void KVStore::update_anchors(Layer& L, int h, int64_t pos, const float* key, flo
         for (int d = 0; d < D; ++d) a[d] = std::max(a[d], key[d]);
       cnt = 1;
       break;
-    case AnchorType::BLOCK_MEAN: {  // the mean of the keys so far: one fp32 division of the running sum
-      float* sum = L.sums + (h * max_blocks_ + b) * D;
-      if (r == 0) std::memcpy(sum, key, D * 4);
-      else
-        for (int d = 0; d < D; ++d) sum[d] += key[d];
-      const float n = float(r + 1);
-      for (int d = 0; d < D; ++d) a[d] = sum[d] / n;
+    case AnchorType::BLOCK_MEAN: {  // mean = fp64 running sum / count, rounded once to fp32
+      double* sum = L.sums + (h * max_blocks_ + b) * D;
+      for (int d = 0; d < D; ++d) sum[d] = (r == 0 ? 0.0 : sum[d]) + double(key[d]);
+      for (int d = 0; d < D; ++d) a[d] = float(sum[d] / double(r + 1));
       cnt = 1;
       break;
     }

@@ -7,7 +7,7 @@
 //   anchors:  [KVH, max_blocks, A, D]   fp32 (A = 2 for QUEST: min then max; 1 for BLOCK_MAX/BLOCK_MEAN;
 //                                                anchor_num for FIXED/DYNAMIC)
 //   n_anchor: [KVH, max_blocks]         int32 valid anchors (FIXED/DYNAMIC; partial blocks have fewer)
-//   sums:     [KVH, max_blocks, D]      fp32 running key sums (BLOCK_MEAN)
+//   sums:     [KVH, max_blocks, D]      fp64 running key sums (BLOCK_MEAN; exact for FP16/BF16 keys)
 //   imp, pos: [KVH, max_blocks, A]      anchor importance / token position (DYNAMIC)
 // Why head-major with whole-block tiles: attention runs per KV head over a sorted list of selected
 // blocks, so each (head, block) is one contiguous run of K rows and one of V rows (a 64-token FP16 tile
@@ -112,7 +112,7 @@ class KVStore {
     uint8_t* v = nullptr;
     float* anchors = nullptr;   // [KVH, max_blocks, A, D]
     int32_t* n_anchor = nullptr;  // [KVH, max_blocks]
-    float* sums = nullptr;      // [KVH, max_blocks, D]   BLOCK_MEAN
+    double* sums = nullptr;     // [KVH, max_blocks, D]   BLOCK_MEAN
     float* imp = nullptr;       // [KVH, max_blocks, A]   DYNAMIC
     int32_t* pos = nullptr;     // [KVH, max_blocks, A]   DYNAMIC
     int64_t len = 0;

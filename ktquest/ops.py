@@ -152,7 +152,7 @@ class KVStore:
     def _q(self, q) -> np.ndarray:
         q = _tensor(q, "q", (torch.float32,), 2)
         if q.shape[1] != self.head_dim or q.shape[0] % self.n_kv_heads != 0:
-            raise ValueError(f"q: expected [H, head_dim={self.head_dim}] with H a multiple of n_kv_heads="
+            raise ValueError(f"q: expected shape [H, head_dim={self.head_dim}] with H a multiple of n_kv_heads="
                              f"{self.n_kv_heads}, got {list(q.shape)}")
         return q.numpy()
 

@@ -1,0 +1,293 @@
+"""KV store (cpp/kv_store.*, cpp/kv_codec*): storage formats, incremental anchors, capacity, checked boundary.
+
+The torch references below say what the store must hold: every stored row is the reference codec of the
+appended row, and every block's anchors are computed from the stored (rounded) keys.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ktquest import _C
+from ktquest.ops import KVStore
+
+# ---- torch references ----
+
+
+def ref_codec(x: torch.Tensor, kv_type: str) -> torch.Tensor:
+    """What the store keeps for fp32 rows x [..., D] (D % 32 == 0 for Q types), dequantised to fp32."""
+    if kv_type == "FP32":
+        return x.clone()
+    if kv_type == "FP16":
+        return x.half().float()  # round-to-nearest-even
+    if kv_type == "BF16":
+        return x.bfloat16().float()
+    g = x.reshape(*x.shape[:-1], -1, 32)
+    if kv_type == "Q8_0":  # d = absmax / 127, q = round_half_even(x / d)
+        d = g.abs().amax(-1, keepdim=True) / 127.0
+        q = torch.where(d != 0, torch.round(g / d), torch.zeros_like(g)).clamp(-127, 127)
+        return (d * q).reshape(x.shape)
+    if kv_type == "Q4_0":  # max = the value of largest magnitude (first on ties), d = max / -8
+        idx = g.abs().argmax(-1, keepdim=True)  # argmax returns the first maximal index
+        d = torch.gather(g, -1, idx) / -8.0
+        q = torch.where(d != 0, torch.round(g / d) + 8, torch.full_like(g, 8.0)).clamp(0, 15)
+        return (d * (q - 8)).reshape(x.shape)
+    raise ValueError(kv_type)
+
+
+def fixed_positions(block_size: int, anchor_num: int) -> list[int]:
+    return [j * block_size // anchor_num for j in range(anchor_num)]
+
+
+def ref_anchor_lists(k: torch.Tensor, block_size: int, anchor_type: str, anchor_num: int,
+                     importance: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
+    """Per KV head, per block: the anchor rows [A_b, D] (fp32) the store must hold. k: [T, KVH, D] stored keys."""
+    T, KVH, _ = k.shape
+    out = []
+    for h in range(KVH):
+        rows = []
+        for b0 in range(0, T, block_size):
+            kb = k[b0:b0 + block_size, h].double()  # [n, D]
+            if anchor_type == "QUEST":
+                rows.append(torch.stack([kb.min(0).values, kb.max(0).values]).float())
+            elif anchor_type == "BLOCK_MAX":
+                rows.append(kb.max(0).values[None].float())
+            elif anchor_type == "BLOCK_MEAN":  # fp64 sum and division, one rounding to fp32
+                rows.append((kb.sum(0) / kb.shape[0]).float()[None])
+            elif anchor_type == "FIXED":
+                rows.append(kb[[p for p in fixed_positions(block_size, anchor_num) if p < kb.shape[0]]].float())
+            elif anchor_type == "DYNAMIC":  # highest importance first, earlier token on ties
+                imp = importance[b0:b0 + block_size, h].tolist()
+                order = sorted(range(len(imp)), key=lambda i: (-imp[i], i))[:anchor_num]
+                rows.append(kb[sorted(order)].float())
+        out.append(rows)
+    return out
+
+
+# ---- helpers ----
+
+
+@pytest.fixture(params=[False, True], ids=["avx2", "scalar"])
+def force_scalar(request):
+    _C.set_force_scalar(request.param)
+    yield request.param
+    _C.set_force_scalar(False)
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def append_in_chunks(store: KVStore, layer: int, k, v, importance=None, chunks=(5, 1, 1, 37)):
+    """A prefill in uneven chunks, then single decode tokens: the incremental paths all run."""
+    t = 0
+    for n in chunks:
+        n = min(n, k.shape[0] - t)
+        if n > 0:
+            store.append(layer, k[t:t + n], v[t:t + n], None if importance is None else importance[t:t + n])
+        t += n
+    mid = t + (k.shape[0] - t) // 2
+    store.append(layer, k[t:mid], v[t:mid], None if importance is None else importance[t:mid])
+    for i in range(mid, k.shape[0]):
+        store.append(layer, k[i:i + 1], v[i:i + 1], None if importance is None else importance[i:i + 1])
+
+
+def sorted_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows in a canonical order (DYNAMIC anchor slots are unordered)."""
+    key = x.double() @ torch.linspace(1, 2, x.shape[-1], dtype=torch.float64)
+    return x[torch.argsort(key)]
+
+
+# ---- storage formats ----
+
+
+@pytest.mark.parametrize("kv_type", ["FP32", "FP16", "BF16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_stored_rows_equal_reference_codec(force_scalar, kv_type, in_dtype):
+    T, KVH, D = 83, 3, 64
+    k = randn(T, KVH, D, seed=1, scale=2.0).to(in_dtype)
+    v = randn(T, KVH, D, seed=2).to(in_dtype)
+    k[3, 1, :32] = 0.0  # an all-zero group: scale 0
+    k[4, 0, 5] = -k[4, 0].abs().max() - 1  # a negative group maximum (Q4_0 sign)
+    store = KVStore(2, KVH, D, 100, block_size=16, kv_type=kv_type, threads_num=2)
+    append_in_chunks(store, 1, k, v)
+    ks, vs = store.read(1)
+    assert store.length(1) == T and store.length(0) == 0
+    torch.testing.assert_close(ks, ref_codec(k.float(), kv_type), rtol=0, atol=0)
+    torch.testing.assert_close(vs, ref_codec(v.float(), kv_type), rtol=0, atol=0)
+
+
+def test_fp16_rounding_is_bit_exact_on_edge_values(force_scalar):
+    """Round-to-nearest-even incl. ties, subnormals and the largest finite halves, in both paths."""
+    f16 = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()  # all finite +
+    lo, hi = f16[:-1].double(), f16[1:].double()
+    mids = ((lo + hi) / 2).float()  # exact ties (representable in fp32)
+    edge = torch.tensor([65504.0, 65519.99, -65519.99, 2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0001, 1e-30, -0.0])
+    x = torch.cat([f16, -f16, mids, -mids, torch.nextafter(mids, torch.tensor(np.inf)), edge, randn(4096) * 1e3])
+    n = x.numel() // 64 * 64
+    x = x[:n].reshape(-1, 1, 64)
+    store = KVStore(1, 1, 64, x.shape[0], block_size=64, kv_type="FP16")
+    store.append(0, x, x)
+    ks, _ = store.read(0)
+    assert torch.equal(ks.view(torch.int32), x.half().float().view(torch.int32))
+
+
+@pytest.mark.parametrize("kv_type", ["FP16", "BF16", "Q8_0", "Q4_0"])
+def test_scalar_and_avx2_store_the_same_bits(kv_type):
+    T, KVH, D = 70, 2, 96
+    k, v = randn(T, KVH, D, seed=3, scale=3.0), randn(T, KVH, D, seed=4)
+    got = []
+    for scalar in (False, True):
+        _C.set_force_scalar(scalar)
+        try:
+            store = KVStore(1, KVH, D, T, block_size=16, kv_type=kv_type)
+            store.append(0, k, v)
+            got.append(store.read(0) + store.anchors(0))
+        finally:
+            _C.set_force_scalar(False)
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
+# ---- anchors ----
+
+
+ANCHOR_CASES = [("QUEST", 2), ("BLOCK_MAX", 1), ("BLOCK_MEAN", 1), ("FIXED", 1), ("FIXED", 3), ("DYNAMIC", 4)]
+
+
+@pytest.mark.parametrize("anchor_type,anchor_num,block_size,T", [
+    (a, n, bs, T) for a, n in ANCHOR_CASES for bs, T in [(1, 7), (16, 129), (64, 150), (128, 129)] if n <= bs
+] + [("FIXED", 1, 1, 7), ("DYNAMIC", 1, 1, 7)])
+def test_anchors_follow_appends(force_scalar, anchor_type, anchor_num, block_size, T):
+    KVH, D = 2, 64
+    k, v = randn(T, KVH, D, seed=5), randn(T, KVH, D, seed=6)
+    imp = torch.randint(0, 4, (T, KVH), generator=torch.Generator().manual_seed(7)).float()  # many ties
+    store = KVStore(1, KVH, D, T, block_size=block_size, kv_type="FP16", anchor_type=anchor_type,
+                    anchor_num=anchor_num)
+    append_in_chunks(store, 0, k, v, imp if anchor_type == "DYNAMIC" else None)
+    ks, _ = store.read(0)
+    anchors, counts = store.anchors(0)
+    nb = (T + block_size - 1) // block_size
+    assert store.n_blocks(0) == nb and anchors.shape[:2] == (KVH, nb)
+    ref = ref_anchor_lists(ks, block_size, anchor_type, anchor_num, imp)
+    for h in range(KVH):
+        for b in range(nb):
+            n = ref[h][b].shape[0]
+            if anchor_type in ("FIXED", "DYNAMIC"):
+                assert counts[h, b] == n
+            got = anchors[h, b, :n]
+            if anchor_type == "DYNAMIC":
+                got, want = sorted_rows(got), sorted_rows(ref[h][b])
+            else:
+                want = ref[h][b]
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_dynamic_tokens_without_importance_only_fill_free_slots():
+    KVH, D, bs = 1, 32, 8
+    k = randn(8, KVH, D, seed=8)
+    store = KVStore(1, KVH, D, 64, block_size=bs, kv_type="FP32", anchor_type="DYNAMIC", anchor_num=2)
+    store.append(0, k[:2], k[:2])  # no importance: fill the two slots
+    store.append(0, k[2:4], k[2:4], torch.tensor([[5.0], [1.0]]))  # each evicts the later "no importance" one
+    store.append(0, k[4:8], k[4:8])  # never evict
+    a, c = store.anchors(0)
+    assert c[0, 0] == 2
+    torch.testing.assert_close(sorted_rows(a[0, 0]), sorted_rows(k[[2, 3], 0]), rtol=0, atol=0)
+
+
+# ---- capacity and bytes ----
+
+
+def test_capacity_is_a_clear_error_and_writes_nothing():
+    KVH, D = 2, 32
+    store = KVStore(2, KVH, D, 40, block_size=16, kv_type="Q8_0")
+    k = randn(41, KVH, D)
+    with pytest.raises(ValueError, match="max_seq_len=40"):
+        store.append(0, k, k)
+    assert store.length(0) == 0
+    store.append(0, k[:39], k[:39])
+    with pytest.raises(ValueError, match="holds 39 tokens"):
+        store.append(0, k[:2], k[:2])
+    store.append(0, k[39:40], k[39:40])
+    assert store.length(0) == 40
+    torch.testing.assert_close(store.read(0)[0], ref_codec(k[:40], "Q8_0"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_type,row_bytes,scale_bytes", [("FP32", 256, 0), ("FP16", 128, 0), ("BF16", 128, 0),
+                                                           ("Q8_0", 64, 8), ("Q4_0", 32, 8)])
+def test_nbytes_counts_the_blocks_in_use(kv_type, row_bytes, scale_bytes):
+    KVH, D, bs = 3, 64, 16
+    store = KVStore(2, KVH, D, 1 << 20, block_size=bs, kv_type=kv_type, anchor_type="QUEST")
+    assert store.nbytes() == 0
+    assert store.reserved_bytes() >= 2 * 2 * KVH * (1 << 20) * row_bytes  # address space, not memory
+    store.append(1, randn(17, KVH, D), randn(17, KVH, D))
+    tile = -(-bs * (row_bytes + scale_bytes) // 64) * 64
+    per_block = 2 * tile + 2 * D * 4 + 4  # K, V tiles, QUEST min/max anchors, anchor count
+    assert store.nbytes() == 2 * KVH * per_block
+
+
+# ---- checked boundary ----
+
+
+def test_constructor_rejects_bad_configs():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KVStore(1, 1, 48, 64, kv_type="Q4_0")
+    with pytest.raises(ValueError, match="anchor_num"):
+        KVStore(1, 1, 64, 64, block_size=4, anchor_type="FIXED", anchor_num=5)
+    with pytest.raises(ValueError, match="kv_type"):
+        KVStore(1, 1, 64, 64, kv_type="INT3")
+    with pytest.raises(ValueError, match="block_size"):
+        KVStore(1, 1, 64, 64, block_size=0)
+    with pytest.raises(ValueError, match="anchor_type"):
+        _C.KVStore(1, 1, 64, 64, 16, "FP16", "quest?", 2, 1)
+
+
+def test_append_rejects_bad_input():
+    KVH, D = 2, 32
+    store = KVStore(2, KVH, D, 64, block_size=16, kv_type="FP16")
+    k = randn(4, KVH, D)
+    with pytest.raises(TypeError, match="dtype"):
+        store.append(0, k.double(), k.double())
+    with pytest.raises(TypeError, match="dtype"):
+        store.append(0, k, k.half())
+    with pytest.raises(ValueError, match="shape"):
+        store.append(0, k[:, :1].contiguous(), k[:, :1].contiguous())
+    with pytest.raises(ValueError, match="shape"):
+        store.append(0, k, k[:3])
+    with pytest.raises(ValueError, match="contiguous"):
+        store.append(0, k.transpose(0, 1), k.transpose(0, 1))
+    with pytest.raises(IndexError, match="layer 2"):
+        store.append(2, k, k)
+    with pytest.raises(IndexError, match="layer -1"):
+        store.length(-1)
+    with pytest.raises(ValueError, match="importance"):
+        store.append(0, k, k, torch.ones(4, KVH + 1))
+    for bad in (float("nan"), float("inf")):
+        kb = k.clone()
+        kb[2, 1, 7] = bad
+        with pytest.raises(ValueError, match="non-finite.*token 2, kv head 1"):
+            store.append(0, kb, k)
+        with pytest.raises(ValueError, match="non-finite"):
+            store.append(0, k, kb)
+    with pytest.raises(ValueError, match="overflows kv_type FP16"):
+        store.append(0, k * 1e5, k)
+    with pytest.raises(ValueError, match="importance contains a non-finite"):
+        store.append(0, k, k, torch.full((4, KVH), float("nan")))
+    assert store.length(0) == 0  # nothing was written by any failed call
+
+
+def test_native_binding_checks_arrays_without_the_facade():
+    st = _C.KVStore(1, 2, 32, 64, 16, "FP32", "QUEST", 2, 1)
+    k = np.zeros((3, 2, 32), np.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        st.append(0, k.astype(np.float64), k, "float32", None)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        st.append(0, np.asfortranarray(k), k, "float32", None)
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        st.append(0, k, k, "int8", None)
+    with pytest.raises(TypeError):
+        st.append(0, "not an array", k, "float32", None)
+    with pytest.raises(ValueError, match="shape"):
+        st.append(0, k, k[:2], "float32", None)

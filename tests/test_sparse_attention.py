@@ -1,0 +1,418 @@
+"""Block scoring, top-k selection and sparse attention (cpp/sparse_attn.cpp, cpp/attn_kernels*) against torch.
+
+Contracts: a budget covering every block equals torch dense SDPA; the LSE merge of two disjoint parts
+equals attention over their union; selection equals a torch top-k (ties -> lower block id) of the torch
+scores; QUEST scores bound every q.k of their block; 1, 2 and 8 threads give the same bits; the scalar
+and AVX2 kernels agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_kv_store import ANCHOR_CASES, ref_anchor_lists
+
+from ktquest import _C
+from ktquest.ops import KVStore, merge_attention
+
+# ---- torch references ----
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense torch SDPA for one decode query. q: [H, D], k, v: [T, KVH, D] -> [H, D] (GQA groups of H/KVH)."""
+    H, D = q.shape
+    KVH = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(1, KVH, H // KVH, D), k.permute(1, 0, 2)[None],
+                                         v.permute(1, 0, 2)[None])
+    return out.reshape(H, D)
+
+
+def ref_lse(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """logsumexp of the scaled logits per query head [H] (fp64 math)."""
+    H, D = q.shape
+    KVH = k.shape[1]
+    logits = torch.einsum("hgd,thd->hgt", q.double().reshape(KVH, H // KVH, D), k.double()) / math.sqrt(D)
+    return torch.logsumexp(logits, -1).reshape(H).float()
+
+
+def ref_scores(q: torch.Tensor, anchors: list[list[torch.Tensor]], anchor_type: str, mode: str) -> torch.Tensor:
+    """Block scores in fp64: per KV head the sum over its query group; SHARED sums every head -> [n_sets, nb]."""
+    KVH = len(anchors)
+    G = q.shape[0] // KVH
+    out = torch.zeros(KVH, len(anchors[0]), dtype=torch.float64)
+    for h in range(KVH):
+        qg = q[h * G:(h + 1) * G].double()  # [G, D]
+        for b, a in enumerate(anchors[h]):
+            a = a.double()
+            if anchor_type == "QUEST":  # sum_d max(q_d min_d, q_d max_d): an upper bound of q.k in the block
+                out[h, b] = torch.maximum(qg * a[0], qg * a[1]).sum()
+            elif anchor_type in ("BLOCK_MAX", "BLOCK_MEAN"):
+                out[h, b] = (qg @ a[0]).sum()
+            else:  # FIXED / DYNAMIC: the best anchor per query head
+                out[h, b] = (qg @ a.T).max(-1).values.sum()
+    return out.sum(0, keepdim=True) if mode == "SHARED" else out
+
+
+def ref_topk(scores: torch.Tensor, candidates: list[int], k: int) -> list[int]:
+    """torch top-k with the kernel's tie rule (equal scores: the lower block id), ids ascending."""
+    cand = torch.tensor(candidates, dtype=torch.long)
+    order = torch.sort(-scores[cand], stable=True).indices  # stable: ties stay in ascending-id order
+    return sorted(cand[order[:k]].tolist())
+
+
+# Tolerances. Against SDPA on the stored (dequantised) K/V only fp32 summation order differs:
+FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
+# Against the original fp32 K/V (N(0, 1) data), the storage rounding dominates; per element it is at most
+# FP16 2^-11 and BF16 2^-8 relative, Q8_0 absmax/254 and Q4_0 absmax/16 absolute per group of 32 (absmax
+# of 32 normals is ~2.5), then averaged by the softmax. Bounds ~3-5x the worst error measured on these sizes:
+STORAGE_ATOL = {"FP32": 1e-5, "FP16": 2e-3, "BF16": 1.5e-2, "Q8_0": 3e-2, "Q4_0": 0.3}
+SCORE_RTOL, SCORE_ATOL = 1e-5, 1e-4  # fp32 anchor dot products vs fp64
+
+
+# ---- helpers ----
+
+
+@pytest.fixture(params=[False, True], ids=["avx2", "scalar"])
+def force_scalar(request):
+    _C.set_force_scalar(request.param)
+    yield request.param
+    _C.set_force_scalar(False)
+
+
+def make(T, KVH, G, D, bs, kv_type="FP16", anchor_type="QUEST", anchor_num=2, threads=2, seed=0, integer=False,
+         importance=False):
+    """A store with T random tokens; integer=True draws small integers (every score exact in fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    if integer:
+        k = torch.randint(-3, 4, (T, KVH, D), generator=g).float()
+        q = torch.randint(-3, 4, (G * KVH, D), generator=g).float()
+    else:
+        k = torch.randn(T, KVH, D, generator=g)
+        q = torch.randn(G * KVH, D, generator=g)
+    v = torch.randn(T, KVH, D, generator=g)
+    imp = torch.randint(0, 5, (T, KVH), generator=g).float() if importance else None
+    store = KVStore(1, KVH, D, T + 8, block_size=bs, kv_type=kv_type, anchor_type=anchor_type,
+                    anchor_num=anchor_num, threads_num=threads)
+    half = T // 2
+    store.append(0, k[:half], v[:half], None if imp is None else imp[:half])
+    store.append(0, k[half:], v[half:], None if imp is None else imp[half:])
+    return store, q, k, v, imp
+
+
+def block_tokens(blocks: list[int], bs: int, T: int) -> list[int]:
+    return [t for b in blocks for t in range(b * bs, min(T, (b + 1) * bs))]
+
+
+def ref_sparse(q, ks, vs, rows: list[list[int]], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each KV head's query group to the tokens of its blocks (rows: one list per KV head)."""
+    T, KVH, D = ks.shape
+    G = q.shape[0] // KVH
+    out, lse = torch.zeros(q.shape), torch.full((q.shape[0],), float("-inf"))
+    for h in range(KVH):
+        idx = block_tokens(rows[h], bs, T)
+        if idx:
+            qh = q[h * G:(h + 1) * G]
+            kh, vh = ks[idx, h:h + 1], vs[idx, h:h + 1]
+            out[h * G:(h + 1) * G] = sdpa(qh, kh, vh)
+            lse[h * G:(h + 1) * G] = ref_lse(qh, kh)
+    return out, lse
+
+
+def rows_of(blocks: torch.Tensor, KVH: int) -> list[list[int]]:
+    rows = [blocks.tolist()] * KVH if blocks.dim() == 1 else blocks.tolist()
+    return [[b for b in r if b >= 0] for r in rows]
+
+
+# ---- scores ----
+
+
+@pytest.mark.parametrize("anchor_type,anchor_num", ANCHOR_CASES)
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 128), (4, 64), (8, 128)])
+def test_block_scores_match_reference(force_scalar, anchor_type, anchor_num, mode, G, D):
+    T, KVH, bs = 150, 2, 16
+    store, q, *_, imp = make(T, KVH, G, D, bs, anchor_type=anchor_type, anchor_num=anchor_num, importance=True)
+    ks, _ = store.read(0)
+    ref = ref_scores(q, ref_anchor_lists(ks, bs, anchor_type, anchor_num, imp), anchor_type, mode)
+    got = store.block_scores(0, q, mode)
+    torch.testing.assert_close(got.double(), ref[0] if mode == "SHARED" else ref, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+
+
+@settings(max_examples=40, deadline=None)
+@given(KVH=st.integers(1, 2), G=st.integers(1, 3), D=st.sampled_from([8, 19, 32, 64]), bs=st.integers(1, 20),
+       T=st.integers(1, 90), kv_type=st.sampled_from(["FP32", "FP16", "Q8_0"]), scale=st.floats(0.01, 100.0),
+       seed=st.integers(0, 2**16), scalar=st.booleans())
+def test_quest_scores_bound_every_dot_product(KVH, G, D, bs, T, kv_type, scale, seed, scalar):
+    if kv_type == "Q8_0" and D % 32:
+        kv_type = "FP16"
+    _C.set_force_scalar(scalar)
+    try:
+        store, q, *_ = make(T, KVH, G, D, bs, kv_type=kv_type, seed=seed)
+        q = q * scale
+        ks, _ = store.read(0)
+        scores = store.block_scores(0, q, "SEPARATE")  # [KVH, nb]
+    finally:
+        _C.set_force_scalar(False)
+    for h in range(KVH):
+        qh = q[h * G:(h + 1) * G].double()
+        for b in range(scores.shape[1]):
+            kb = ks[b * bs:(b + 1) * bs, h].double()  # [n, D]
+            best = (qh @ kb.T).max(-1).values.sum()  # for each query head the largest q.k in the block
+            slack = 1e-5 * (qh.abs() @ kb.abs().max(0).values).sum() + 1e-6  # fp32 rounding of the score
+            assert scores[h, b] >= best - slack
+
+
+# ---- selection ----
+
+
+@pytest.mark.parametrize("anchor_type,anchor_num", ANCHOR_CASES)
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode):
+    """Integer data: every score is exact in fp32, so ties are real and the tie rule is checked exactly."""
+    T, KVH, G, D, bs = 301, 3, 3, 64, 8
+    store, q, *_, imp = make(T, KVH, G, D, bs, kv_type="BF16", anchor_type=anchor_type, anchor_num=anchor_num,
+                             integer=True, importance=True)
+    ks, _ = store.read(0)
+    ref = ref_scores(q, ref_anchor_lists(ks, bs, anchor_type, anchor_num, imp), anchor_type, mode)
+    nb, n_sets = store.n_blocks(0), ref.shape[0]
+    # BLOCK_MEAN anchors are rounded means: fp32 products may break exact ties differently than fp64.
+    tol = 1e-4 if anchor_type == "BLOCK_MEAN" else 0.0
+    gen = torch.Generator().manual_seed(1)
+    allowed = [sorted(torch.randperm(nb, generator=gen)[:20].tolist()) for _ in range(n_sets)]
+    per_head_k = [5, 0, 40] if mode == "SEPARATE" else 7
+    cases = [dict(k=7), dict(k=7, exclude_ranges=[(0, 1), (nb - 4, nb + 10), (2, 2)]), dict(k=6, allowed=allowed),
+             dict(k=per_head_k, exclude_ranges=[(3, 9)]), dict(k=nb + 5), dict(k=0)]
+    for case in cases:
+        got = store.select(0, q, mode=mode, **case)
+        got_rows = [got.tolist()] if mode == "SHARED" else got.tolist()
+        for s in range(n_sets):
+            cand = allowed[s] if "allowed" in case else list(range(nb))
+            cand = [b for b in cand if not any(b0 <= b < b1 for b0, b1 in case.get("exclude_ranges", []))]
+            k = case["k"] if isinstance(case["k"], int) else case["k"][s]
+            want = ref_topk(ref[s], cand, k)
+            sel = [b for b in got_rows[s] if b >= 0]
+            assert len(sel) == len(want), case
+            if tol == 0 or sel == want:
+                assert sel == want, case
+            else:  # only blocks tied (within tol) with the k-th score may differ
+                kth = sorted(ref[s][cand].tolist(), reverse=True)[k - 1]
+                assert all(abs(ref[s][b] - kth) <= tol for b in set(sel) ^ set(want)), case
+
+
+def test_select_attend_is_select_then_attend(force_scalar):
+    store, q, *_ = make(700, 2, 4, 64, 16)
+    for mode in ("SHARED", "SEPARATE"):
+        out, lse, blocks = store.select_attend(0, q, 9, mode, exclude_ranges=[(0, 1)])
+        assert torch.equal(blocks, store.select(0, q, 9, mode, exclude_ranges=[(0, 1)]))
+        out2, lse2 = store.attend(0, q, blocks)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+# ---- attention ----
+
+FULL_CASES = [  # kv_type, G, D, block_size, T
+    ("FP32", 1, 64, 1, 7), ("FP32", 3, 128, 16, 129), ("FP32", 4, 64, 64, 150), ("FP32", 8, 128, 128, 300),
+    ("FP16", 3, 64, 64, 1000), ("FP16", 8, 128, 16, 19), ("FP16", 12, 64, 16, 77),  # G > 8: heads in batches
+    ("BF16", 4, 64, 128, 129), ("BF16", 1, 128, 1, 19), ("Q8_0", 3, 64, 64, 150), ("Q8_0", 8, 128, 16, 129),
+    ("Q4_0", 4, 128, 64, 200), ("Q4_0", 1, 64, 128, 129), ("FP32", 3, 20, 16, 50),  # D % 8 != 0: scalar kernels
+]
+
+
+@pytest.mark.parametrize("kv_type,G,D,bs,T", FULL_CASES)
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_full_budget_equals_dense_sdpa(force_scalar, kv_type, G, D, bs, T, mode):
+    KVH = 2
+    store, q, k, v, _ = make(T, KVH, G, D, bs, kv_type=kv_type)
+    ks, vs = store.read(0)
+    nb = store.n_blocks(0)
+    out, lse, blocks = store.select_attend(0, q, nb, mode)
+    assert rows_of(blocks, KVH) == [list(range(nb))] * KVH
+    torch.testing.assert_close(out, sdpa(q, ks, vs), rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(lse, ref_lse(q, ks), rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(out, sdpa(q, k, v), rtol=0, atol=STORAGE_ATOL[kv_type])
+
+
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+@pytest.mark.parametrize("kv_type,bs,T", [("FP16", 16, 999), ("Q4_0", 64, 1000), ("FP32", 1, 90)])
+def test_sparse_output_is_attention_over_the_selected_blocks(force_scalar, mode, kv_type, bs, T):
+    KVH, G, D = 3, 3, 64
+    store, q, *_ = make(T, KVH, G, D, bs, kv_type=kv_type)
+    ks, vs = store.read(0)
+    nb = store.n_blocks(0)
+    k = [5, 1, 9] if mode == "SEPARATE" else 6
+    out, lse, blocks = store.select_attend(0, q, k, mode, exclude_ranges=[(0, 1), (nb - 2, nb)])
+    rows = rows_of(blocks, KVH)
+    assert all(0 not in r and nb - 1 not in r for r in rows)  # the partial last block was excluded...
+    ref_out, ref_l = ref_sparse(q, ks, vs, rows, bs)
+    torch.testing.assert_close(out, ref_out, rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(lse, ref_l, rtol=FP32_RTOL, atol=FP32_ATOL)
+    rows = [[0, nb - 1]] * KVH  # ...so attend to it (and block 0) explicitly
+    out, lse = store.attend(0, q, torch.tensor(rows, dtype=torch.int32))
+    ref_out, ref_l = ref_sparse(q, ks, vs, rows, bs)
+    torch.testing.assert_close(out, ref_out, rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(lse, ref_l, rtol=FP32_RTOL, atol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("kv_type", ["FP32", "FP16", "Q8_0"])
+def test_lse_merge_of_disjoint_parts_equals_the_union(force_scalar, kv_type):
+    T, KVH, G, D, bs = 1100, 2, 4, 128, 64
+    store, q, *_ = make(T, KVH, G, D, bs, kv_type=kv_type)
+    ks, vs = store.read(0)
+    nb = store.n_blocks(0)
+    gen = torch.Generator().manual_seed(3)
+    part1 = [sorted(torch.randperm(nb, generator=gen)[: nb // 3].tolist()) for _ in range(KVH)]
+    part1[1] = []  # an empty part for head 1: lse = -inf
+    part2 = [sorted(set(range(nb)) - set(p)) for p in part1]
+    o1, l1 = store.attend(0, q, part1)
+    o2, l2 = store.attend(0, q, part2)
+    assert torch.all(l1[G:2 * G] == float("-inf")) and torch.all(o1[G:2 * G] == 0)
+    out, lse = merge_attention(o1, l1, o2, l2)
+    torch.testing.assert_close(out, sdpa(q, ks, vs), rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(lse, ref_lse(q, ks), rtol=FP32_RTOL, atol=FP32_ATOL)
+    # merging with attention computed elsewhere (torch, on the tokens outside the store's blocks)
+    split = 5 * bs
+    o_a, l_a = store.attend(0, q, [list(range(5, nb))] * KVH)
+    o_b, l_b = sdpa(q, ks[:split], vs[:split]), ref_lse(q, ks[:split])
+    out, lse = merge_attention(o_a, l_a, o_b, l_b)
+    torch.testing.assert_close(out, sdpa(q, ks, vs), rtol=FP32_RTOL, atol=FP32_ATOL)
+
+
+def test_merge_attention_of_two_empty_parts_is_empty():
+    o = torch.zeros(2, 4)
+    ninf = torch.full((2,), float("-inf"))
+    out, lse = merge_attention(o, ninf, o, ninf)
+    assert torch.equal(out, o) and torch.equal(lse, ninf)
+
+
+def test_no_block_gives_zero_output_and_minus_inf_lse():
+    store, q, *_ = make(100, 2, 3, 64, 16)
+    out, lse, blocks = store.select_attend(0, q, 0, "SEPARATE")
+    assert blocks.shape == (2, 0) and torch.all(out == 0) and torch.all(lse == float("-inf"))
+    out, lse = store.attend(0, q, [])
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_large_logits_do_not_overflow(force_scalar):
+    store, q, *_ = make(500, 2, 3, 64, 16, kv_type="FP32")
+    q = q * 400.0  # logits in the thousands: exp would overflow without the running max
+    ks, vs = store.read(0)
+    out, lse, _ = store.select_attend(0, q, store.n_blocks(0))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out, sdpa(q.double(), ks.double(), vs.double()).float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse(q, ks), rtol=FP32_RTOL, atol=1e-3)
+
+
+# ---- threads and kernels ----
+
+
+@pytest.mark.parametrize("anchor_type,anchor_num", [("QUEST", 2), ("FIXED", 4)])
+def test_thread_counts_give_identical_bits(anchor_type, anchor_num):
+    results = []
+    for threads in (1, 2, 8):
+        store, q, *_ = make(4000, 2, 4, 64, 16, anchor_type=anchor_type, anchor_num=anchor_num, threads=threads)
+        nb = store.n_blocks(0)
+        results.append([*store.select_attend(0, q, 120, "SEPARATE"), *store.select_attend(0, q, nb, "SHARED"),
+                        store.block_scores(0, q, "SHARED")])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_type", ["FP32", "FP16", "BF16", "Q8_0", "Q4_0"])
+def test_scalar_and_avx2_agree(kv_type):
+    if not _C.cpu_features()["avx2"]:
+        pytest.skip("no AVX2 on this CPU")
+    got = []
+    store, q, *_ = make(900, 2, 4, 128, 16, kv_type=kv_type, integer=True)
+    q = q / 8  # integer keys: exact scores (same selection), moderate logits
+    for scalar in (False, True):
+        _C.set_force_scalar(scalar)
+        try:
+            got.append(store.select_attend(0, q, 17, "SEPARATE") + (store.block_scores(0, q, "SHARED"),))
+        finally:
+            _C.set_force_scalar(False)
+    (o1, l1, b1, s1), (o2, l2, b2, s2) = got
+    assert torch.equal(b1, b2)
+    torch.testing.assert_close(o1, o2, rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(l1, l2, rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(s1, s2, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+
+
+def test_timing_is_reported():
+    store, q, *_ = make(2000, 2, 3, 64, 64)
+    store.select_attend(0, q, 8)
+    t = store.last_timing()
+    assert set(t) == {"score_ms", "topk_ms", "attend_ms"} and all(x >= 0 for x in t.values())
+    assert t["attend_ms"] > 0
+
+
+# ---- checked boundary ----
+
+
+def test_bad_queries_and_block_lists_raise():
+    store, q, *_ = make(100, 2, 3, 64, 16)  # 7 blocks
+    with pytest.raises(TypeError, match="dtype"):
+        store.select_attend(0, q.double(), 2)
+    with pytest.raises(ValueError, match="shape"):
+        store.select(0, q[:, :63].contiguous(), 2)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        store.select(0, q[:5].contiguous(), 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        store.attend(0, q.t().contiguous().t(), [0])
+    with pytest.raises(IndexError, match="layer 1"):
+        store.select_attend(1, q, 2)
+    for bad in (float("nan"), float("inf")):
+        qb = q.clone()
+        qb[4, 3] = bad
+        with pytest.raises(ValueError, match="non-finite value at head 4, dim 3"):
+            store.select_attend(0, qb, 2)
+    with pytest.raises(IndexError, match="block id 7 is out of range"):
+        store.attend(0, q, [0, 7])
+    with pytest.raises(ValueError, match="strictly ascending"):
+        store.attend(0, q, [3, 1])
+    with pytest.raises(ValueError, match="strictly ascending"):
+        store.attend(0, q, [[1, 1], [2]])
+    with pytest.raises(ValueError, match="rows"):
+        store.attend(0, q, torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(IndexError, match="allowed block id 9"):
+        store.select(0, q, 2, "SEPARATE", allowed=[[1, 9], [2]])
+    with pytest.raises(ValueError, match="allowed"):
+        store.select(0, q, 2, "SEPARATE", allowed=[[1]])
+    with pytest.raises(ValueError, match="k="):
+        store.select(0, q, -1)
+    with pytest.raises(ValueError, match="k="):
+        store.select(0, q, [1, 2, 3], "SEPARATE")
+    with pytest.raises(ValueError, match="exclude range"):
+        store.select(0, q, 2, exclude_ranges=[(3, 1)])
+    with pytest.raises(ValueError, match="mode"):
+        store.select(0, q, 2, "PER_HEAD")
+    with pytest.raises(ValueError, match="out: expected shape"):
+        store.select_attend(0, q, 2, out=torch.empty(6, 32))
+    with pytest.raises(TypeError, match="Tensor"):
+        store.select(0, q.numpy(), 2)
+
+
+def test_native_calls_check_their_arrays():
+    st_ = _C.KVStore(1, 2, 32, 64, 16, "FP32", "QUEST", 2, 1)
+    k = np.ones((40, 2, 32), np.float32)
+    st_.append(0, k, k, "float32", None)
+    q = np.ones((4, 32), np.float32)
+    out, lse = np.empty((4, 32), np.float32), np.empty(4, np.float32)
+    with pytest.raises(TypeError, match="int32"):
+        st_.attend(0, q, np.zeros((1, 2), np.int64), out, lse)
+    with pytest.raises(ValueError, match="shape"):
+        st_.attend(0, q, np.zeros((1, 2), np.int32), out[:3], lse)
+    with pytest.raises(TypeError, match="float32"):
+        st_.attend(0, q.astype(np.float16), np.zeros((1, 2), np.int32), out, lse)
+    with pytest.raises(ValueError, match="room for 1 blocks"):
+        st_.select(0, q, "SEPARATE", np.array([3, 3], np.int32), np.zeros((0, 2), np.int64), None,
+                   np.zeros((2, 1), np.int32))
+    with pytest.raises(ValueError, match="shape"):
+        st_.select(0, q, "SEPARATE", np.array([3], np.int32), np.zeros((0, 2), np.int64), None,
+                   np.zeros((2, 3), np.int32))
