@@ -1,0 +1,224 @@
+"""Engine and chat sessions: the golden reply of the bundled model, multi-turn KV reuse, limits, interrupts.
+
+The bundled SmolLM2 runs greedy with fp32 decode weights (deterministic on the CPU). The tiny GGUF of
+conftest covers loading options and chunked prefill quickly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ktquest
+from ktquest.config import Config, ConfigError
+from ktquest.engine import PromptTooLongError
+from ktquest.gguf_loader import GGUFError
+
+QUESTION = "What is the capital of France?"
+GOLDEN_REPLY = "The capital of France is Paris."  # the same as HF transformers' Llama on these weights
+GOLDEN_PROMPT_TOKENS = 37  # SmolLM's default system prompt + the question, ChatML
+FOLLOW_UP = "And of Italy?"
+FOLLOW_UP_TOKENS = 14  # "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def smol(bundled_gguf):
+    return ktquest.load(bundled_gguf, decode_weights="fp32", max_seq_len=1024, max_new_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return ktquest.load(tiny_llama.path, chunk_size=8, max_new_tokens=6, threads=1)
+
+
+def _fresh_reply(engine, messages, text):
+    """The reply of a new session that prefills the whole conversation at once."""
+    fresh = engine.chat_session()
+    fresh.messages = [dict(m) for m in messages]
+    return fresh.send(text)
+
+
+# ---- the bundled model ----
+
+
+def test_golden_reply(smol):
+    pieces = []
+    reply = smol.chat_session().send(QUESTION, on_text=pieces.append)
+    assert reply.text == GOLDEN_REPLY
+    assert "".join(pieces) == reply.text  # streamed text is the reply
+    s = reply.stats
+    assert (s.prompt_tokens, s.stopped_by, s.context_tokens) == (GOLDEN_PROMPT_TOKENS, "eos", 45)
+    assert s.prefill_tok_s > 0 and s.decode_tok_s > 0
+
+
+def test_raw_completion(smol):
+    streamed = []
+    text = smol.generate("The capital of France is", max_new_tokens=2, on_text=streamed.append)
+    assert text == " Paris." and "".join(streamed) == text
+    with pytest.raises(ConfigError, match="unknown generation option 'max_tokens'"):
+        smol.generate("x", max_tokens=2)
+
+
+def test_multi_turn_reuses_the_cache(smol):
+    s = smol.chat_session()
+    first = s.send(QUESTION)
+    second = s.send(FOLLOW_UP)
+    # only the new turn was prefilled: the cache held the first turn, its reply and <|im_end|>
+    tok = smol.tokenizer
+    whole = tok.encode_chat(tok.apply_chat_template(s.messages[:3]))
+    assert second.stats.prompt_tokens == len(whole) - first.stats.context_tokens == FOLLOW_UP_TOKENS
+    assert second.text == "The capital of Italy is Rome."
+    fresh = _fresh_reply(smol, s.messages[:2], FOLLOW_UP)
+    assert fresh.stats.prompt_tokens == len(whole)
+    assert (fresh.text, fresh.stats.context_tokens) == (second.text, second.stats.context_tokens)
+    assert s.stats().turns == 2
+
+
+def test_prompt_too_long_changes_nothing(smol):
+    s = smol.chat_session()
+    s.send(QUESTION)
+    before = ([dict(m) for m in s.messages], smol.cache.pos, s.stats())
+    with pytest.raises(PromptTooLongError, match=r"prompt too long: \d+ tokens, but the context holds 1024"):
+        s.send("word " * 1100)
+    assert ([dict(m) for m in s.messages], smol.cache.pos, s.stats()) == before
+    assert s.send(FOLLOW_UP).stats.prompt_tokens == FOLLOW_UP_TOKENS  # the cache is still in use
+
+
+def _stop_after(n: int):
+    calls = []
+
+    def should_stop() -> bool:
+        calls.append(1)
+        return len(calls) > n
+
+    return should_stop
+
+
+def _raise_on_piece(n: int):
+    seen = []
+
+    def on_text(piece: str) -> None:
+        seen.append(piece)
+        if len(seen) == n:
+            raise KeyboardInterrupt
+
+    return on_text
+
+
+@pytest.mark.parametrize("how", ["should_stop", "ctrl_c_in_on_text"])
+def test_interrupted_reply_is_kept(smol, how):
+    s = smol.chat_session()
+    if how == "should_stop":
+        reply = s.send(QUESTION, should_stop=_stop_after(3))
+    else:
+        reply = s.send(QUESTION, on_text=_raise_on_piece(3))
+    assert reply.stats.stopped_by == "interrupted"
+    assert reply.text and GOLDEN_REPLY.startswith(reply.text) and reply.text != GOLDEN_REPLY
+    assert s.messages[-1] == {"role": "assistant", "content": reply.text}
+    # the conversation goes on, and the cache holds exactly what a fresh prefill would
+    nxt = s.send(FOLLOW_UP)
+    fresh = _fresh_reply(smol, s.messages[:2], FOLLOW_UP)
+    assert (nxt.text, nxt.stats.context_tokens) == (fresh.text, fresh.stats.context_tokens)
+    assert nxt.stats.prompt_tokens < fresh.stats.prompt_tokens
+
+
+def test_interrupt_while_reading_the_prompt_drops_the_turn(tiny):
+    s = tiny.chat_session()
+    s.send("hello there")
+    messages, pos = [dict(m) for m in s.messages], tiny.cache.pos
+
+    def on_progress(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    question = "the cat sat on the mat; " * 4
+    reply = s.send(question, on_progress=on_progress)
+    assert (reply.text, reply.stats.stopped_by, reply.stats.prompt_tokens) == ("", "interrupted", 0)
+    # the conversation is unchanged; the cache holds a prefix of it (at most what it held)
+    assert s.messages == messages and tiny.cache.pos <= pos
+    again = s.send(question)
+    fresh = _fresh_reply(tiny, messages, question)
+    assert (again.text, again.stats.context_tokens) == (fresh.text, fresh.stats.context_tokens)
+    assert again.stats.prompt_tokens < fresh.stats.prompt_tokens
+
+
+def test_reset(smol):
+    s = smol.chat_session()
+    s.send(QUESTION)
+    s.reset()
+    assert s.messages == [] and s.stats().context_tokens == 0 and s.stats().turns == 0
+    assert s.send(QUESTION).stats.prompt_tokens == GOLDEN_PROMPT_TOKENS
+
+
+def test_sessions_take_turns_on_one_cache(smol):
+    a, b = smol.chat_session(), smol.chat_session(system="You answer in one word.")
+    a.send(QUESTION)
+    b.send(QUESTION)
+    second = a.send(FOLLOW_UP)  # b used the cache meanwhile: a's conversation is read again in full
+    assert second.stats.prompt_tokens == second.stats.context_tokens - second.stats.new_tokens
+    assert second.text == "The capital of Italy is Rome."
+
+
+def test_document_goes_with_the_first_message(tiny):
+    s = tiny.chat_session(system="sys", document="Once upon a time there was a tiny model.")
+    s.send("Who was there?")
+    s.send("And then?")
+    assert [(m["role"], m["content"]) for m in s.messages if m["role"] != "assistant"] == [
+        ("system", "sys"), ("user", "Once upon a time there was a tiny model.\n\nWho was there?"),
+        ("user", "And then?")]
+    s.reset()
+    assert s.messages == [{"role": "system", "content": "sys"}]
+    s.send("Who?")
+    assert s.messages[1]["content"] == "Once upon a time there was a tiny model.\n\nWho?"
+
+
+# ---- the tiny model: loading options and chunked prefill ----
+
+
+def test_chunked_prefill_and_progress(tiny):
+    s = tiny.chat_session()
+    progress = []
+    first = s.send("the quick brown fox jumps over the lazy dog", on_progress=lambda d, t: progress.append((d, t)))
+    n = first.stats.prompt_tokens
+    assert n > 8 and progress == [(min(d, n), n) for d in range(8, n + 8, 8)]
+    second = s.send("hello world")
+    fresh = _fresh_reply(tiny, s.messages[:2], "hello world")
+    assert (second.text, second.stats.context_tokens) == (fresh.text, fresh.stats.context_tokens)
+
+
+def test_tiny_prompt_too_long(tiny):
+    with pytest.raises(PromptTooLongError, match="context holds 256"):
+        tiny.chat_session().send("dog " * 300)
+    with pytest.raises(PromptTooLongError):
+        tiny.generate("dog " * 300)
+
+
+def test_load_options(tiny_llama):
+    e = ktquest.load(tiny_llama.path, config=Config(threads=1), max_seq_len=64, temperature=0.5, seed=3)
+    assert (e.config.threads, e.max_seq_len, e.cache.max_seq_len) == (1, 64, 64)
+    assert (e.config.generation.temperature, e.config.generation.seed) == (0.5, 3)
+    assert (e.device.type, e.dtype) == ("cpu", torch.float32)
+    assert torch.get_num_threads() == 1
+    assert e.tokenizer.stop_ids == {0, 2}
+    # sampling is seeded: the same seed gives the same text
+    assert e.generate("the cat", max_new_tokens=5) == e.generate("the cat", max_new_tokens=5)
+
+
+def test_load_errors(tiny_llama, tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'nonsense'"):
+        ktquest.load(tiny_llama.path, nonsense=1)
+    with pytest.raises(ConfigError, match="chunk_size=0"):
+        ktquest.load(tiny_llama.path, chunk_size=0)
+    with pytest.raises(ConfigError, match="mode='long_context' is not allowed yet"):
+        ktquest.load(tiny_llama.path, mode="long_context", max_seq_len=2048)
+    with pytest.raises(GGUFError, match="no such file"):
+        ktquest.load(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        ktquest.load(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_unavailable(tiny_llama):
+    with pytest.raises(ConfigError, match="device='cuda' is not allowed: CUDA is not available"):
+        ktquest.load(tiny_llama.path, device="cuda")
