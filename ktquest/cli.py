@@ -1,0 +1,237 @@
+"""``ktquest chat``: a terminal chat with streaming replies, prefill progress and per-reply speed.
+
+Interactive by default (``/reset``, ``/stats``, ``/exit``; Ctrl-C stops a reply and keeps the
+conversation, Ctrl-C or EOF at the prompt exits). ``--message TEXT`` answers once for scripts: the reply
+on stdout, the stats on stderr. Every error is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, TextIO
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ktquest.config import ConfigError, load_config
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+HELP = "/reset forgets the conversation, /stats shows usage, /exit quits; Ctrl-C stops a reply"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ktquest", description="Local LLM inference from a GGUF file.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chat = sub.add_parser("chat", help="chat with a model in the terminal",
+                          description="Chat with a GGUF model (default: the bundled SmolLM2-135M-Instruct).")
+    chat.add_argument("--model", metavar="PATH", help="GGUF file (default: config 'model', else the bundled one)")
+    chat.add_argument("--config", metavar="FILE", help="YAML config (see configs/default.yaml)")
+    chat.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
+                      help="override a config key, e.g. --set threads=2 --set generation.top_k=40 (repeatable)")
+    chat.add_argument("--prompt-file", metavar="FILE", help="a document given as context with the first message")
+    chat.add_argument("--message", metavar="TEXT", help="answer TEXT once and exit (reply on stdout, stats on stderr)")
+    chat.add_argument("--system", metavar="TEXT", help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, metavar="N", help="reply length limit (generation.max_new_tokens)")
+    chat.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (generation.temperature)")
+    chat.add_argument("--seed", type=int, metavar="N", help="sampling seed (generation.seed)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    err = Console(stderr=True, highlight=False)
+    try:
+        return _chat(args, err)
+    except KeyboardInterrupt:  # while loading, or a second Ctrl-C
+        err.print()
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - only the user-facing kinds below become one line
+        if not _is_user_error(e):
+            raise
+        print(f"ktquest: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _is_user_error(e: Exception) -> bool:
+    from jinja2 import TemplateError
+
+    from ktquest.engine import PromptTooLongError
+    from ktquest.gguf_loader import GGUFError
+    from ktquest.tokenizer import TokenizerError
+
+    return isinstance(e, (ConfigError, GGUFError, TokenizerError, PromptTooLongError, FileNotFoundError,
+                          IsADirectoryError, UnicodeDecodeError, TemplateError))
+
+
+def _chat(args: argparse.Namespace, err: Console) -> int:
+    flags = [("generation.max_new_tokens", args.max_new_tokens), ("generation.temperature", args.temperature),
+             ("generation.seed", args.seed)]
+    cfg = load_config(args.config, args.sets + [f"{k}={v}" for k, v in flags if v is not None])
+    document = _read_document(args.prompt_file) if args.prompt_file else None
+
+    from ktquest.engine import load  # torch loads here, after the arguments are known to be good
+
+    with err.status("loading the model...", spinner="dots") if err.is_terminal and args.message is None \
+            else contextlib.nullcontext():
+        engine = load(args.model, cfg)
+    session = engine.chat_session(system=args.system, document=document)
+    if args.message is not None:
+        return _answer_once(session, args.message, err)
+    return _interactive(engine, session, err)
+
+
+def _read_document(path: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--prompt-file {path}: no such file")
+    return p.read_text(encoding="utf-8")
+
+
+# ---- one reply ----
+
+
+class _StopOnCtrlC:
+    """During a reply, the first Ctrl-C asks generation to stop at the next token; a second one raises."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> "_StopOnCtrlC":
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+def _reply(session, text: str, out: TextIO, err: Console, show_progress: bool):
+    """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
+    chunk = session.engine.config.chunk_size
+    progress: Progress | None = None
+
+    def stop_progress() -> None:
+        nonlocal progress
+        if progress is not None:
+            progress.stop()
+            progress = None
+
+    with _StopOnCtrlC() as ctrl_c:
+        def on_progress(done: int, total: int) -> None:
+            nonlocal progress
+            if ctrl_c.requested:
+                raise KeyboardInterrupt  # between prefill chunks: the turn is dropped, the cache stays valid
+            if show_progress and total > chunk and done < total:
+                if progress is None:
+                    progress = Progress(TextColumn("reading the prompt"), BarColumn(), MofNCompleteColumn(),
+                                        TextColumn("tokens"), TimeRemainingColumn(), console=err, transient=True)
+                    progress.start()
+                    task = progress.add_task("prefill", total=total)
+                    progress.update(task, completed=done)
+                else:
+                    progress.update(progress.task_ids[0], completed=done)
+
+        def on_text(piece: str) -> None:
+            stop_progress()
+            out.write(piece)
+            out.flush()
+
+        try:
+            return session.send(text, on_text=on_text, on_progress=on_progress,
+                                should_stop=lambda: ctrl_c.requested)
+        finally:
+            stop_progress()
+
+
+def _stats_line(s) -> str:
+    return (f"{s.prompt_tokens} prompt tokens, prefill {s.prefill_tok_s:.1f} tok/s, "
+            f"{s.new_tokens} new tokens, decode {s.decode_tok_s:.1f} tok/s, "
+            f"context {s.context_tokens}/{s.max_seq_len}")
+
+
+def _answer_once(session, message: str, err: Console) -> int:
+    reply = _reply(session, message, sys.stdout, err, show_progress=err.is_terminal)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(_stats_line(reply.stats), file=sys.stderr)
+    return EXIT_INTERRUPTED if reply.stats.stopped_by == "interrupted" else 0
+
+
+# ---- interactive ----
+
+
+def _interactive(engine, session, err: Console) -> int:
+    from ktquest.engine import PromptTooLongError
+
+    console = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    console.print(f"[bold]ktquest chat[/] - {escape(engine.model_name)} on {engine.device.type} "
+                  f"({str(engine.dtype).removeprefix('torch.')}, {engine.config.resolved_threads()} threads, "
+                  f"context {engine.max_seq_len} tokens)")
+    if session.document is not None:
+        n = len(engine.tokenizer.encode(session.document, add_bos=False))
+        console.print(f"[dim]document: {n} tokens, given with your first message[/]")
+    console.print(f"[dim]{HELP}[/]")
+    commands: dict[str, Callable[[], None]] = {
+        "/reset": lambda: (session.reset(), console.print("[dim]conversation reset[/]")),
+        "/stats": lambda: console.print(_stats_table(session)),
+        "/help": lambda: console.print(f"[dim]{HELP}[/]"),
+    }
+    while True:
+        try:
+            line = console.input("[bold green]>>> [/]")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text.startswith("/") and " " not in text:
+            commands.get(text, lambda: console.print(f"[red]unknown command {escape(text)}[/]; {HELP}"))()
+            continue
+        try:
+            reply = _reply(session, text, sys.stdout, err, show_progress=True)
+        except PromptTooLongError as e:
+            console.print(f"[red]{escape(str(e))}[/]")
+            continue
+        s = reply.stats
+        if s.stopped_by == "interrupted" and s.prompt_tokens == 0:
+            console.print("[yellow]stopped before the reply began; that message was dropped[/]")
+            continue
+        sys.stdout.write("\n")
+        note = " (stopped)" if s.stopped_by == "interrupted" else " (length limit)" \
+            if s.stopped_by in ("max_new_tokens", "max_seq_len") else ""
+        console.print(f"[dim]{_stats_line(s)}{note}[/]")
+
+
+def _stats_table(session) -> Table:
+    s = session.stats()
+    t = Table(show_header=False, box=None, padding=(0, 2))
+    t.add_row("turns", str(s.turns))
+    t.add_row("context", f"{s.context_tokens} / {s.max_seq_len} tokens")
+    t.add_row("KV cache", f"{s.kv_cache_bytes / 2**20:.1f} MiB")
+    t.add_row("prefilled", f"{s.prompt_tokens} tokens in {s.prefill_s:.2f} s")
+    t.add_row("generated", f"{s.new_tokens} tokens in {s.decode_s:.2f} s")
+    if s.last is not None:
+        t.add_row("last reply", _stats_line(s.last))
+    return t
+
+
+if __name__ == "__main__":
+    sys.exit(main())
