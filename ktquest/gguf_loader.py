@@ -349,10 +349,13 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[Transformer, GGUFContents]:
-    """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents)."""
+               dtype: torch.dtype = torch.float32, max_seq_len: int = 0) -> tuple[Transformer, GGUFContents]:
+    """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
+
+    max_seq_len: positions the RoPE tables cover; 0 = the trained context length.
+    """
     from ktquest.models.llama import Transformer  # the model imports ModelArgs from here
 
     contents = read_gguf(path)
-    model = Transformer(contents.args, model_weights(contents, dtype, device))
+    model = Transformer(contents.args, model_weights(contents, dtype, device), max_seq_len=max_seq_len)
     return model.eval(), contents

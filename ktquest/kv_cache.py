@@ -25,6 +25,9 @@ class DenseKVCache:
         shape = (n_layers, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, S, D]
         self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, S, D]
+        # Per-layer views [1, KVH, S, D], made once: a decode step then costs one slice per tensor.
+        self._k = [self.k[i, None] for i in range(n_layers)]
+        self._v = [self.v[i, None] for i in range(n_layers)]
         self.pos = 0
         self._mask_key: tuple[int, int] | None = None
         self._mask: torch.Tensor | None = None
@@ -40,19 +43,21 @@ class DenseKVCache:
         end = start_pos + t
         if start_pos > self.pos or end > self.max_seq_len or start_pos < 0:
             self._raise_bad_positions(start_pos, end)
-        self.k[layer_idx, :, start_pos:end] = k.transpose(0, 1)  # [KVH, T, D]
-        self.v[layer_idx, :, start_pos:end] = v.transpose(0, 1)
-        keys = self.k[layer_idx, None, :, :end]  # [1, KVH, end, D]
-        values = self.v[layer_idx, None, :, :end]  # [1, KVH, end, D]
+        k_all, v_all = self._k[layer_idx], self._v[layer_idx]  # [1, KVH, S, D]
+        k_all[:, :, start_pos:end] = k.transpose(0, 1)  # [KVH, T, D]
+        v_all[:, :, start_pos:end] = v.transpose(0, 1)
+        keys, values = k_all[:, :, :end], v_all[:, :, :end]  # [1, KVH, end, D]
+        if layer_idx == self.n_layers - 1:
+            self.pos = end
+        if t == 1:  # decode: the one query sees every position; [1, H, D] -> [1, H, 1, D] is a view
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True)
+            return out.squeeze(2)  # [1, H, D]
         query = q.transpose(0, 1)[None]  # [1, H, T, D]
-        if t == 1 or start_pos == 0:
-            # decode: the one query sees everything; a chunk from 0: plain top-left causal.
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=t > 1, enable_gqa=True)
+        if start_pos == 0:  # a chunk from 0: plain top-left causal
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
         else:
             mask = self._chunk_mask(start_pos, t)  # [T, end]
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-        if layer_idx == self.n_layers - 1:
-            self.pos = end
         return out[0].transpose(0, 1)  # [T, H, D]
 
     def _chunk_mask(self, start_pos: int, t: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from ktquest.kv_cache import DenseKVCache
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4
+TOLERANCES = {torch.float16: (5e-2, 1e-2), torch.bfloat16: (2.5e-1, 5e-2)}  # (atol, rtol) on logits ~ +-5
 
 
 def make_cache(model, max_seq_len: int) -> DenseKVCache:
@@ -87,6 +88,21 @@ def test_logits_match_hf(tiny_model):
     torch.testing.assert_close(torch.cat(got), expected, atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_half_precision_close_to_hf(tiny_models, name, dtype):
+    path, hf = tiny_models(name)
+    model, _ = load_model(path, dtype=dtype)
+    a = model.args
+    tokens = prompt_ids(40, a.vocab_size)
+    with torch.inference_mode():
+        expected = hf(tokens[None]).logits[0]
+        cache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 48, dtype=dtype)
+        got = [model(tokens[:30], 0, cache)] + [model(tokens[i:i + 1], i, cache) for i in range(30, 40)]
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(torch.cat(got).float(), expected, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_long_positions_match_hf(tiny_models, name):
     """Positions near the end of the trained context (RoPE tables far out), prefill chunk after a past."""
@@ -142,6 +158,11 @@ def test_positions_past_the_rope_tables_raise(tiny_llama):
     n = model.args.context_length
     with pytest.raises(ValueError, match=f"max_seq_len {n}"), torch.inference_mode():
         model(torch.zeros(2, dtype=torch.long), n - 1, make_cache(model, n + 4))
+    longer, _ = load_model(tiny_llama.path, max_seq_len=n + 4)  # RoPE tables beyond the trained context
+    cache = make_cache(model, n + 4)
+    prefill(longer, cache, [0] * (n - 1), chunk_size=128)
+    with torch.inference_mode():
+        assert torch.isfinite(longer(torch.zeros(2, dtype=torch.long), n - 1, cache)).all()
 
 
 # ---- the bundled model ----

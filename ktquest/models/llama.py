@@ -111,8 +111,8 @@ class Attention(nn.Module):
                 cache: AttentionCache) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(t, h + 2 * kvh, d)  # [T, H + 2*KVH, D]
-        qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, D]: q and k rotated in one go
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]  # [T, H, D], [T, KVH, D], [T, KVH, D]
+        qk, v = qkv.split([h + kvh, kvh], dim=1)  # [T, H + KVH, D], v: [T, KVH, D]
+        q, k = apply_rope(qk, cos, sin).split([h, kvh], dim=1)  # q and k rotated in one go
         out = cache.attend(self.layer_idx, q, k, v, start_pos)  # [T, H, D]
         return self.wo(out.reshape(t, h * d))  # [T, dim]
 
