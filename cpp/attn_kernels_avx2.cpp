@@ -88,29 +88,66 @@ struct DecQ4 {
 
 // ---- logits: s[g * ss + r] = dot(q_g, k_r) for NT rows from r0 ----
 
+// out[i] = the sum of the 8 lanes of a[i], i < N <= 8: one hadd tree instead of N horizontal sums.
+template <int N>
+inline void hsum_n(const __m256* a, float* out) {
+  const __m256 z = _mm256_setzero_ps();
+  auto at = [&](int i) { return i < N ? a[i] : z; };
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
+  const __m256 u1 = N > 4 ? _mm256_hadd_ps(_mm256_hadd_ps(at(4), at(5)), _mm256_hadd_ps(at(6), at(7))) : z;
+  // u0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], u1 likewise for a4..a7
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, sum);
+  for (int i = 0; i < N; ++i) out[i] = tmp[i];
+}
+
+// Software prefetch of rows [r0, r0 + n) of the next tile into L2, spread over the current tile's work so
+// the next block streams in from DRAM while this one is computed.
+inline void prefetch_rows(const uint8_t* tile, int r0, int n, size_t rb) {
+  if (!tile) return;
+  for (size_t off = r0 * rb; off < (r0 + n) * rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(tile + off), _MM_HINT_T1);
+}
+
 template <class Dc, int NG, int NT>
 inline void logits_rows(const uint8_t* k, const float* ksc, size_t rb, int ns, int r0, int D, const float* q,
                         float* s, int ss) {
-  __m256 acc[NT][NG];
-  for (int r = 0; r < NT; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_setzero_ps();
+  __m256 acc[NT * NG];
+#pragma GCC unroll 32
+  for (int i = 0; i < NT * NG; ++i) acc[i] = _mm256_setzero_ps();
   for (int c = 0; c < D / 8; ++c) {
     __m256 qv[NG];
-    for (int g = 0; g < NG; ++g) qv[g] = _mm256_loadu_ps(q + g * D + 8 * c);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      qv[g] = _mm256_loadu_ps(q + g * D + 8 * c);
+      asm("" : "+x"(qv[g]));  // keep q in a register: one load per chunk, not one per FMA
+    }
+#pragma GCC unroll 8
     for (int r = 0; r < NT; ++r) {
       const __m256 kv = Dc::load(k + (r0 + r) * rb, ksc + (r0 + r) * ns, c);
-      for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_fmadd_ps(qv[g], kv, acc[r][g]);
+#pragma GCC unroll 8
+      for (int g = 0; g < NG; ++g) acc[r * NG + g] = _mm256_fmadd_ps(qv[g], kv, acc[r * NG + g]);
     }
   }
+  float sums[NT * NG];
+  hsum_n<NT * NG>(acc, sums);
+#pragma GCC unroll 8
   for (int r = 0; r < NT; ++r)
-    for (int g = 0; g < NG; ++g) s[g * ss + r0 + r] = hsum(acc[r][g]);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) s[g * ss + r0 + r] = sums[r * NG + g];
 }
 
+// pk, pv: the next block's K and V tiles (prefetched row by row alongside), or null.
 template <class Dc, int NG>
-void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D, const float* q, float* s, int ss) {
+void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D, const float* q, float* s, int ss,
+            const uint8_t* pk = nullptr, const uint8_t* pv = nullptr) {
   constexpr int NT = NG <= 2 ? 4 : NG <= 4 ? 2 : 1;  // NT * NG <= 8 accumulators
   int r = 0;
-  for (; r + NT <= n; r += NT) logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, s, ss);
+  for (; r + NT <= n; r += NT) {
+    prefetch_rows(pk, r, NT, rb);
+    prefetch_rows(pv, r, NT, rb);
+    logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, s, ss);
+  }
   for (; r < n; ++r) logits_rows<Dc, NG, 1>(k, ksc, rb, ns, r, D, q, s, ss);
 }
 
@@ -120,17 +157,24 @@ template <class Dc, int NG, int NC>
 inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int c0, int D, const float* p,
                        int ps, float* acc) {
   __m256 a[NC][NG];
+#pragma GCC unroll 8
   for (int j = 0; j < NC; ++j)
+#pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) a[j][g] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
   for (int r = 0; r < n; ++r) {
     __m256 pv[NG];
+#pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(p + g * ps + r);
+#pragma GCC unroll 8
     for (int j = 0; j < NC; ++j) {
       const __m256 vv = Dc::load(v + r * rb, vsc + r * ns, c0 + j);
+#pragma GCC unroll 8
       for (int g = 0; g < NG; ++g) a[j][g] = _mm256_fmadd_ps(pv[g], vv, a[j][g]);
     }
   }
+#pragma GCC unroll 8
   for (int j = 0; j < NC; ++j)
+#pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) _mm256_storeu_ps(acc + g * D + 8 * (c0 + j), a[j][g]);
 }
 
@@ -146,8 +190,10 @@ void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, 
 
 template <class Dc, int NG>
 void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const float* vsc, size_t rb, int ns, int n,
-                int D, int qstride, const float* q, float* s, int ss, float* m, float* l, float* acc) {
-  logits<Dc, NG>(k, ksc, rb, ns, n, D, q, s, ss);
+                int D, const float* q, float* s, int ss, float* m, float* l, float* acc, const uint8_t* pk,
+                const uint8_t* pv) {
+  logits<Dc, NG>(k, ksc, rb, ns, n, D, q, s, ss, pk, pv);
+#pragma GCC unroll 8
   for (int g = 0; g < NG; ++g) {
     float* sg = s + g * ss;
     for (int r = n; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
@@ -167,7 +213,7 @@ void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const floa
     l[g] = l[g] * alpha + hsum(sum);
     if (alpha != 1.f) {
       const __m256 va = _mm256_set1_ps(alpha);
-      float* ag = acc + g * qstride;
+      float* ag = acc + g * D;
       for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
     }
   }
@@ -176,7 +222,7 @@ void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const floa
 
 template <class Dc>
 void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off, int n,
-              float* s, float* m, float* l, float* acc) {
+              float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
   const float* ksc = reinterpret_cast<const float*>(k + scale_off);
@@ -187,9 +233,11 @@ void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const ui
     const int ng = std::min(8, G - g0);
     const float* qg = q + g0 * D;
     float *mg = m + g0, *lg = l + g0, *ag = acc + g0 * D;
+    const uint8_t* pk = g0 == 0 ? next_k : nullptr;  // prefetch once
+    const uint8_t* pv = g0 == 0 ? next_v : nullptr;
     switch (ng) {
 #define KTQ_CASE(N) \
-  case N: tile_group<Dc, N>(k, v, ksc, vsc, rb, ns, n, D, D, qg, s, ss, mg, lg, ag); break;
+  case N: tile_group<Dc, N>(k, v, ksc, vsc, rb, ns, n, D, qg, s, ss, mg, lg, ag, pk, pv); break;
       KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
 #undef KTQ_CASE
     }
@@ -201,20 +249,26 @@ void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const ui
 // ---- entry points ----
 
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc) {
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v) {
   switch (t) {
-    case KVType::FP32: tile_any<DecF32>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
-    case KVType::FP16: tile_any<DecF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
-    case KVType::BF16: tile_any<DecBF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
-    case KVType::Q8_0: tile_any<DecQ8>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
-    case KVType::Q4_0: tile_any<DecQ4>(t, D, G, q, k, v, scale_off, n, s, m, l, acc); break;
+    case KVType::FP32: tile_any<DecF32>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::FP16: tile_any<DecF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::BF16: tile_any<DecBF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::Q8_0: tile_any<DecQ8>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::Q4_0: tile_any<DecQ4>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
   }
 }
 
 void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
-  // A pure stream over the anchors: 4 independent FMA chains, one horizontal sum per block.
+  // A pure stream over the anchors: 4 independent FMA chains, one horizontal sum per block, and a
+  // software prefetch kPrefetchBytes ahead so enough cache-line misses are in flight to reach DRAM speed.
+  constexpr int64_t kPrefetchBytes = 2048;
+  const char* end = reinterpret_cast<const char*>(a + n * L);
   for (int64_t i = 0; i < n; ++i) {
     const float* ai = a + i * L;
+    for (const char* p = reinterpret_cast<const char*>(ai) + kPrefetchBytes;
+         p < reinterpret_cast<const char*>(ai + L) + kPrefetchBytes && p < end; p += 64)
+      _mm_prefetch(p, _MM_HINT_T0);
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int c = 0;
     for (; c + 32 <= L; c += 32) {

@@ -110,16 +110,14 @@ py::array_t<T> kv_arg(const py::handle& obj, const char* name, std::initializer_
                          (py::isinstance<py::array>(obj) ? "dtype " + py::str(obj.attr("dtype")).cast<std::string>()
                                                          : py::str(py::type::of(obj)).cast<std::string>()));
   auto a = py::reinterpret_borrow<py::array_t<T>>(obj);
-  std::string want = "[", got = "[";
   bool ok = a.ndim() == py::ssize_t(shape.size());
-  int i = 0;
-  for (int64_t s : shape) {
-    want += (i ? ", " : "") + (s < 0 ? std::string("*") : std::to_string(s));
-    if (ok && s >= 0 && a.shape(i) != s) ok = false;
-    ++i;
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape.begin()[i] < 0 || a.shape(i) == shape.begin()[i];
+  if (!ok) {  // the message is built only on error: this runs on every decode call
+    std::string want, got;
+    for (int64_t s : shape) want += (want.empty() ? "" : ", ") + (s < 0 ? std::string("*") : std::to_string(s));
+    for (py::ssize_t j = 0; j < a.ndim(); ++j) got += (j ? ", " : "") + std::to_string(a.shape(j));
+    throw py::value_error(std::string(name) + ": expected shape [" + want + "], got [" + got + "]");
   }
-  for (py::ssize_t j = 0; j < a.ndim(); ++j) got += (j ? ", " : "") + std::to_string(a.shape(j));
-  if (!ok) throw py::value_error(std::string(name) + ": expected shape " + want + "], got " + got + "]");
   if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + ": must be C-contiguous");
   return a;
 }
@@ -242,6 +240,21 @@ void bind_kv_store(py::module_& m) {
         }
         return py::make_tuple(k, v);
       }, py::arg("layer"), "Dequantised (k, v), each [length, KVH, D] fp32.")
+      .def("read_range", [](const KVStore& st, int layer, int64_t t0, int64_t t1) {
+        const int H = st.config().n_kv_heads, D = st.config().head_dim;
+        const int64_t T = std::max<int64_t>(0, t1 - t0);
+        py::array_t<float> k({T, int64_t(H), int64_t(D)}), v({T, int64_t(H), int64_t(D)});
+        float *kp = k.mutable_data(), *vp = v.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.read_range(layer, t0, t1, kp, vp);
+        }
+        return py::make_tuple(k, v);
+      }, py::arg("layer"), py::arg("t0"), py::arg("t1"), "Dequantised (k, v) of tokens [t0, t1), [t1 - t0, KVH, D].")
+      .def("truncate", [](KVStore& st, int layer, int64_t n) {
+        py::gil_scoped_release nogil;
+        st.truncate(layer, n);
+      }, py::arg("layer"), py::arg("n"), "Keep the first n tokens of a layer (-1 = all); partial-block anchors recomputed.")
       .def("read_anchors", [](const KVStore& st, int layer) {
         const int64_t nb = st.n_blocks(layer);
         const int64_t H = st.config().n_kv_heads, D = st.config().head_dim, A = st.anchor_slots();

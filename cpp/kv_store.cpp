@@ -26,6 +26,9 @@ void* reserve(size_t bytes) {
   // Address space only: pages are committed (zero-filled) on first write.
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
+  // Selected blocks are scattered over the whole context: with 2 MiB pages a tile costs no TLB miss of its
+  // own (a hint; without transparent huge pages it is a no-op).
+  if (bytes >= (size_t(2) << 20)) madvise(p, bytes, MADV_HUGEPAGE);
   return p;
 }
 
@@ -293,19 +296,73 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
 // ---- read-back ----
 
 void KVStore::read(int layer, float* k, float* v) const {
+  read_range(layer, 0, length(layer), k, v);
+}
+
+void KVStore::read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) const {
   std::lock_guard<std::mutex> lk(mu_);
   const Layer& L = layer_at(layer);
+  if (t0 < 0 || t0 > t1 || t1 > L.len)
+    throw std::out_of_range("read_range: [" + std::to_string(t0) + ", " + std::to_string(t1) +
+                            ") is not inside the " + std::to_string(L.len) + " tokens of layer " + std::to_string(layer));
   const int H = cfg_.n_kv_heads, D = cfg_.head_dim, bs = cfg_.block_size;
   const int ns = kv_row_scales(cfg_.kv_type, D);
-  for (int64_t p = 0; p < L.len; ++p)
+  for (int64_t p = t0; p < t1; ++p)
     for (int h = 0; h < H; ++h) {
       const int64_t b = p / bs, r = p % bs;
       for (int which = 0; which < 2; ++which) {
         const uint8_t* tile = which ? v_tile(L, h, b) : k_tile(L, h, b);
         decode_row(cfg_.kv_type, tile + r * row_bytes_, reinterpret_cast<const float*>(tile + scale_off_) + r * ns, D,
-                   (which ? v : k) + (p * H + h) * D);
+                   (which ? v : k) + ((p - t0) * H + h) * D);
       }
     }
+}
+
+// ---- truncate ----
+
+void KVStore::truncate(int layer, int64_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const int l0 = layer < 0 ? 0 : layer, l1 = layer < 0 ? cfg_.n_layers : layer + 1;
+  for (int l = l0; l < l1; ++l)  // validate every layer before changing any
+    if (n < 0 || n > layer_at(l).len)
+      throw std::out_of_range("truncate(" + std::to_string(n) + "): layer " + std::to_string(l) + " holds " +
+                              std::to_string(layer_at(l).len) + " tokens");
+  const int H = cfg_.n_kv_heads, D = cfg_.head_dim, bs = cfg_.block_size;
+  const int ns = kv_row_scales(cfg_.kv_type, D);
+  const int64_t b = n / bs, r_end = n % bs;  // block b keeps rows [0, r_end)
+  const float none = -std::numeric_limits<float>::infinity();
+  for (int l = l0; l < l1; ++l) {
+    Layer& L = layers_[l];
+    if (r_end > 0 && n < L.len) {
+      std::vector<float> y(D);  // [D] one stored key, decoded
+      for (int h = 0; h < H; ++h) {
+        if (cfg_.anchor_type == AnchorType::DYNAMIC) {  // keep the anchors of surviving rows, in order
+          float* a = anchor_at(L, h, b);
+          float* imp = L.imp + (h * max_blocks_ + b) * A_;
+          int32_t* ps = L.pos + (h * max_blocks_ + b) * A_;
+          int32_t& cnt = L.n_anchor[h * max_blocks_ + b];
+          int kept = 0;
+          for (int j = 0; j < cnt; ++j)
+            if (ps[j] < r_end) {
+              if (kept != j) {
+                imp[kept] = imp[j], ps[kept] = ps[j];
+                std::memmove(a + size_t(kept) * D, a + size_t(j) * D, D * 4);
+              }
+              ++kept;
+            }
+          cnt = kept;
+          continue;
+        }
+        const uint8_t* tile = k_tile(L, h, b);
+        for (int64_t r = 0; r < r_end; ++r) {  // replay the block's keys: row 0 resets the anchors
+          decode_row(cfg_.kv_type, tile + r * row_bytes_, reinterpret_cast<const float*>(tile + scale_off_) + r * ns,
+                     D, y.data());
+          update_anchors(L, h, b * bs + r, y.data(), none);
+        }
+      }
+    }
+    L.len = std::min(L.len, n);
+  }
 }
 
 void KVStore::read_anchors(int layer, float* anchors, int32_t* counts) const {

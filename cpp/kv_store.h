@@ -72,6 +72,11 @@ struct BlockSets {
 
 class KVStore {
  public:
+  struct Cand {  // a top-k candidate: higher score wins, then the lower block id
+    float score;
+    int32_t id;
+  };
+
   explicit KVStore(const StoreConfig& cfg);
   ~KVStore();
   KVStore(const KVStore&) = delete;
@@ -90,6 +95,12 @@ class KVStore {
   void append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance);
   // Dequantised copy of what is stored. k, v: [length, KVH, D] fp32.
   void read(int layer, float* k, float* v) const;
+  // Dequantised copy of tokens [t0, t1) (0 <= t0 <= t1 <= length). k, v: [t1 - t0, KVH, D] fp32.
+  void read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) const;
+  // Keep the first n tokens of `layer` (-1 = every layer; 0 <= n <= length). The anchors of a now-partial
+  // last block are recomputed from its stored keys (DYNAMIC keeps the surviving anchors: token
+  // importances are not stored). Stale rows past n are overwritten by the next append.
+  void truncate(int layer, int64_t n);
   // anchors: [KVH, n_blocks, A, D], counts: [KVH, n_blocks] (valid anchors per block).
   void read_anchors(int layer, float* anchors, int32_t* counts) const;
 
@@ -131,10 +142,6 @@ class KVStore {
   void update_anchors(Layer& L, int h, int64_t pos, const float* key, float importance);
 
   // ---- selection and attention (sparse_attn.cpp), called with mu_ held ----
-  struct Cand {  // a top-k candidate; better(): higher score, then the lower block id
-    float score;
-    int32_t id;
-  };
   // Candidate blocks of one set as runs of consecutive ids: [start[i], start[i] + len[i]), ascending;
   // prefix[i] = candidates before run i (prefix.back() = all of them).
   struct Runs {
@@ -143,7 +150,7 @@ class KVStore {
   };
   void prepare_query(const float* q, int H);  // fills qs_, qe_, qraw_
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);  // fills runs_
-  void score_runs(const Layer& L, int H, HeadMode mode, float* scores);
+  void score_runs(const Layer& L, int H, HeadMode mode, float* scores, const int32_t* k, int64_t kcap);
   void select_locked(const Layer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
   void attend_locked(const Layer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse);
 
@@ -165,7 +172,9 @@ class KVStore {
   std::vector<int32_t> ids_;               // allowed ids, sorted
   std::vector<Runs> runs_;                 // [n_sets]
   std::vector<float> scores_;              // [n_sets, n_blocks]
-  std::vector<Cand> heap_;                 // top-k heaps, [n_sets, k_max]
+  std::vector<Cand> local_;                // per scoring task: its top-k candidates, [n_tasks, kcap]
+  std::vector<int64_t> local_n_;           // [n_tasks] entries in local_
+  std::vector<Cand> heap_;                 // [kcap] the merge heap
   std::vector<int64_t> task_start_;        // task ranges per set / head
   std::vector<int64_t> count_;             // [KVH] selected blocks per head
   std::vector<float> part_;                // split-K partials: [n_tasks, G, D + 2]

@@ -35,6 +35,10 @@ float* thread_scratch(size_t n) {
   return buf.data();
 }
 
+void prefetch_l2(const uint8_t* p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 }  // namespace
 
 // ---- query preparation ----
@@ -136,11 +140,37 @@ void KVStore::build_runs(int64_t nb, int n_sets, const SelectRequest* req) {
   }
 }
 
-// ---- scoring ----
+// ---- scoring and top-k ----
+
+namespace {
+
+// Heap order: a better block (higher score, then lower id) sorts below, so heap[0] is the worst kept.
+inline bool heap_less(const KVStore::Cand& a, const KVStore::Cand& b) {
+  return a.score > b.score || (a.score == b.score && a.id < b.id);
+}
+
+// Offers c to a k-heap of n entries (n <= k); returns the new n. The unique top-k under "higher score,
+// then lower id" does not depend on the order of the offers, so any partition of the candidates merges
+// to the same set.
+inline int64_t heap_offer(KVStore::Cand* heap, int64_t n, int64_t k, KVStore::Cand c) {
+  if (n < k) {
+    heap[n++] = c;
+    std::push_heap(heap, heap + n, heap_less);
+  } else if (k > 0 && heap_less(c, heap[0])) {
+    std::pop_heap(heap, heap + n, heap_less);
+    heap[n - 1] = c;
+    std::push_heap(heap, heap + n, heap_less);
+  }
+  return n;
+}
+
+}  // namespace
 
 // scores: [n_sets, nb]; only the candidates of runs_ are written. Scoring reads the A*D anchor floats
 // of each candidate block and KV head, nothing else (never K or V).
-void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
+// With k (per set), each task also keeps the top-k of its own candidates (their scores are still in L1):
+// local_ [task, kcap] entries, local_n_[task] of them; select_locked merges them per set.
+void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores, const int32_t* k, int64_t kcap) {
   const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, G = H / KVH, A = A_;
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const int n_sets = int(runs_.size());
@@ -162,10 +192,14 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
       else scalar::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
     }
   };
-  // Tasks: kScoreBlocksPerTask candidates of one set each.
+  // Tasks: kScoreBlocksPerTask candidates of one set each (a fixed split: thread-count independent).
   task_start_.assign(1, 0);
   for (int s = 0; s < n_sets; ++s)
     task_start_.push_back(task_start_.back() + (runs_[s].prefix.back() + kScoreBlocksPerTask - 1) / kScoreBlocksPerTask);
+  if (k) {
+    local_.resize(size_t(task_start_.back()) * std::max<int64_t>(kcap, 1));
+    local_n_.assign(task_start_.back(), 0);
+  }
   ThreadPool::global().parallel_for(task_start_.back(), cfg_.threads_num, [&](int64_t task) {
     const int s = int(std::upper_bound(task_start_.begin(), task_start_.end(), task) - task_start_.begin()) - 1;
     const Runs& R = runs_[s];
@@ -174,17 +208,28 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
     float* out = scores + s * nb;
     // SHARED sums every KV head's score (in head order); SEPARATE scores the set's own head.
     const int h0 = mode == HeadMode::SHARED ? 0 : s, h1 = mode == HeadMode::SHARED ? KVH : s + 1;
-    size_t r = std::upper_bound(R.prefix.begin(), R.prefix.end(), i0) - R.prefix.begin() - 1;
+    const size_t r0 = std::upper_bound(R.prefix.begin(), R.prefix.end(), i0) - R.prefix.begin() - 1;
+    size_t r = r0;
     for (int64_t i = i0; i < i1; ++r) {  // candidates [i, j) lie in run r
       const int64_t off = i - R.prefix[r], j = std::min(i1, R.prefix[r + 1]);
       const int64_t b = R.start[r] + off;
       for (int h = h0; h < h1; ++h) score_run(h, b, j - i, out + b, h > h0);
       i = j;
     }
+    if (!k) return;
+    const int64_t kk = std::min<int64_t>(k[s], kcap);
+    Cand* heap = local_.data() + task * std::max<int64_t>(kcap, 1);
+    int64_t n = 0;
+    r = r0;
+    for (int64_t i = i0; i < i1; ++r) {
+      const int64_t off = i - R.prefix[r], j = std::min(i1, R.prefix[r + 1]);
+      for (int64_t b = R.start[r] + off; b < R.start[r] + off + (j - i); ++b)
+        n = heap_offer(heap, n, kk, Cand{std::isnan(out[b]) ? kNegInf : out[b], int32_t(b)});
+      i = j;
+    }
+    local_n_[task] = n;
   });
 }
-
-// ---- top-k ----
 
 void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {
   const auto t0 = Clock::now();
@@ -192,7 +237,7 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
   build_runs(nb, n_sets, &req);
-  int64_t kmax = 0;
+  int64_t kcap = 0;
   for (int s = 0; s < n_sets; ++s) {
     if (req.k_per_set[s] < 0)
       throw std::invalid_argument("k must be >= 0, got " + std::to_string(req.k_per_set[s]) + " for set " +
@@ -201,43 +246,26 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
     if (need > out_cols)
       throw std::invalid_argument("the output has room for " + std::to_string(out_cols) + " blocks per set, set " +
                                   std::to_string(s) + " selects " + std::to_string(need));
-    kmax = std::max(kmax, need);
+    kcap = std::max(kcap, need);
   }
   scores_.resize(size_t(n_sets) * nb);
-  score_runs(L, H, req.mode, scores_.data());
+  score_runs(L, H, req.mode, scores_.data(), req.k_per_set, kcap);  // scores + per-task top-k
   const auto t1 = Clock::now();
   timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
 
-  // Stream the candidates in ascending id order through a k-heap whose top is the worst kept block.
-  heap_.resize(size_t(n_sets) * std::max<int64_t>(kmax, 1));
-  // Heap order: a better block (higher score, then lower id) sorts below, so heap[0] is the worst kept.
-  auto heap_less = [](const Cand& a, const Cand& b) {
-    return a.score > b.score || (a.score == b.score && a.id < b.id);
-  };
-  ThreadPool::global().parallel_for(n_sets, cfg_.threads_num, [&](int64_t s) {
-    const Runs& R = runs_[s];
-    const int64_t k = std::min<int64_t>(req.k_per_set[s], R.prefix.back());
-    Cand* heap = heap_.data() + s * kmax;
-    const float* sc = scores_.data() + s * nb;
+  // Merge the per-task top-k lists of each set (a few k entries per task) into the set's top-k.
+  heap_.resize(std::max<int64_t>(kcap, 1));
+  for (int s = 0; s < n_sets; ++s) {
+    const int64_t k = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
+    Cand* heap = heap_.data();
     int64_t n = 0;
-    if (k > 0)
-      for (size_t r = 0; r < R.start.size(); ++r)
-        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
-          const Cand c{std::isnan(sc[b]) ? kNegInf : sc[b], b};
-          if (n < k) {
-            heap[n++] = c;
-            std::push_heap(heap, heap + n, heap_less);
-          } else if (c.score > heap[0].score) {  // a later id never wins a tie
-            std::pop_heap(heap, heap + n, heap_less);
-            heap[n - 1] = c;
-            std::push_heap(heap, heap + n, heap_less);
-          }
-        }
+    for (int64_t t = task_start_[s]; t < task_start_[s + 1]; ++t)
+      for (int64_t i = 0; i < local_n_[t]; ++i) n = heap_offer(heap, n, k, local_[t * std::max<int64_t>(kcap, 1) + i]);
     int32_t* row = out_ids + s * int64_t(out_cols);
     for (int64_t i = 0; i < n; ++i) row[i] = heap[i].id;
-    std::sort(row, row + n);
+    std::sort(row, row + n);  // ascending: the attention kernel walks memory forward
     std::fill(row + n, row + out_cols, -1);
-  });
+  }
   timing_.topk_s = seconds_since(t1);
 }
 
@@ -291,13 +319,20 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
     float* s = thread_scratch(size_t(G) * ((bs + 7) & ~7) + D);
     const float* q = qs_.data() + size_t(h) * G * D;
     const int32_t* row = row_of(h);
+    if (j0 < j1) {  // the first tiles: start all their cache misses now (later ones are prefetched by the kernel)
+      prefetch_l2(k_tile(L, h, row[j0]), tile_bytes_);
+      prefetch_l2(v_tile(L, h, row[j0]), tile_bytes_);
+    }
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t b = row[j];
       const int n = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
-      const uint8_t* kt_ = k_tile(L, h, b);
-      const uint8_t* vt_ = v_tile(L, h, b);
-      if (simd) avx2::attend_tile(kt, D, G, q, kt_, vt_, scale_off_, n, s, m, l, acc);
-      else scalar::attend_tile(kt, D, G, q, kt_, vt_, scale_off_, n, s, m, l, acc);
+      const uint8_t* kb = k_tile(L, h, b);
+      const uint8_t* vb = v_tile(L, h, b);
+      // The next tile of this task is prefetched while this one is computed (the list is known).
+      const uint8_t* nk = j + 1 < j1 ? k_tile(L, h, row[j + 1]) : nullptr;
+      const uint8_t* nv = j + 1 < j1 ? v_tile(L, h, row[j + 1]) : nullptr;
+      if (simd) avx2::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
+      else scalar::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
     }
   });
   // Merge the partials of each head in chunk order: out = sum_i w_i acc_i / sum_i w_i l_i, w_i = e^(m_i - M).
@@ -332,7 +367,7 @@ void KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, floa
   const Layer& L = layer_at(layer);
   prepare_query(q, H);
   build_runs((L.len + cfg_.block_size - 1) / cfg_.block_size, mode == HeadMode::SHARED ? 1 : cfg_.n_kv_heads, nullptr);
-  score_runs(L, H, mode, out);
+  score_runs(L, H, mode, out, nullptr, 0);
 }
 
 void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {

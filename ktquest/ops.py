@@ -56,6 +56,17 @@ def _tensor(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.T
     return x.detach()
 
 
+def _np(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> np.ndarray:
+    """A numpy view of a CPU tensor. Fast path for the decode loop: the binding checks shape and contiguity
+    again, so only the conversion is tried here; anything odd goes through _tensor() for a clear error."""
+    if type(x) is torch.Tensor and x.dtype in dtypes:
+        try:
+            return x.numpy()
+        except RuntimeError:  # requires grad, or not on the CPU
+            pass
+    return _tensor(x, what, dtypes, ndim).numpy()
+
+
 def _padded_ids(rows, what: str, n_rows: int) -> np.ndarray:
     """Block ids per set -> int32 [n_rows, N], -1 padded. rows: a [n_rows, N] int tensor or lists."""
     if isinstance(rows, torch.Tensor):
@@ -103,7 +114,7 @@ class KVStore:
         self.threads_num = _int(threads_num, "threads_num", 1)
         self._st = _C.KVStore(self.n_layers, self.n_kv_heads, self.head_dim, self.max_seq_len, self.block_size,
                               self.kv_type, self.anchor_type, self.anchor_num, self.threads_num)
-        self._k_cache: dict[tuple[str, object], np.ndarray] = {}
+        self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 
     # ---- contents ----
 
@@ -142,6 +153,18 @@ class KVStore:
         k, v = self._st.read(layer)
         return torch.from_numpy(k), torch.from_numpy(v)
 
+    def read_range(self, layer: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [t0, t1) dequantised: (k, v), each [t1 - t0, KVH, D] fp32."""
+        k, v = self._st.read_range(layer, _int(t0, "t0"), _int(t1, "t1"))
+        return torch.from_numpy(k), torch.from_numpy(v)
+
+    def truncate(self, layer: int, n: int) -> None:
+        """Keep the first ``n`` tokens of ``layer`` (-1 = every layer). The anchors of a now-partial last
+        block are recomputed from its stored keys (DYNAMIC keeps the anchors of the surviving tokens)."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < -1:
+            raise ValueError(f"layer={layer!r} is not allowed: a layer index, or -1 for every layer")
+        self._st.truncate(int(layer), _int(n, "n"))
+
     def anchors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32): QUEST A=2 (min, max)."""
         a, c = self._st.read_anchors(layer)
@@ -150,17 +173,14 @@ class KVStore:
     # ---- decode ----
 
     def _q(self, q) -> np.ndarray:
-        q = _tensor(q, "q", (torch.float32,), 2)
-        if q.shape[1] != self.head_dim or q.shape[0] % self.n_kv_heads != 0:
-            raise ValueError(f"q: expected shape [H, head_dim={self.head_dim}] with H a multiple of n_kv_heads="
-                             f"{self.n_kv_heads}, got {list(q.shape)}")
-        return q.numpy()
+        return _np(q, "q", (torch.float32,), 2)  # [H, D]: H and D are checked by the binding and the store
 
-    def _k(self, k, mode: str) -> np.ndarray:
+    def _k(self, k, mode: str) -> tuple[np.ndarray, int]:
+        """k per set as int32 [n_sets] and its maximum (cached: the decode loop passes the same k)."""
         key = (mode, k if isinstance(k, int) else tuple(k) if isinstance(k, Sequence) else None)
-        arr = self._k_cache.get(key) if key[1] is not None else None
-        if arr is not None:
-            return arr
+        hit = self._k_cache.get(key) if key[1] is not None else None
+        if hit is not None:
+            return hit
         n_sets = 1 if mode == "SHARED" else self.n_kv_heads
         if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
             ks = [_int(k, "k")] * n_sets
@@ -169,15 +189,15 @@ class KVStore:
         else:
             raise ValueError(f"k={k!r} is not allowed: an integer >= 0, or (SEPARATE) one per KV head "
                              f"({self.n_kv_heads})")
-        arr = np.asarray(ks, np.int32)
+        hit = (np.asarray(ks, np.int32), max(ks))
         if key[1] is not None and len(self._k_cache) < 64:
-            self._k_cache[key] = arr
-        return arr
+            self._k_cache[key] = hit
+        return hit
 
-    def _request(self, layer, q, k, mode, exclude_ranges, allowed):
-        mode = _name(mode, "mode", HEAD_MODES)
+    def _request(self, layer, k, mode, exclude_ranges, allowed):
+        mode = mode if mode in HEAD_MODES else _name(mode, "mode", HEAD_MODES)
         n_sets = 1 if mode == "SHARED" else self.n_kv_heads
-        ks = self._k(k, mode)
+        ks, k_max = self._k(k, mode)
         if exclude_ranges is None or len(exclude_ranges) == 0:
             excl = _NO_RANGES
         else:
@@ -186,8 +206,9 @@ class KVStore:
                 raise ValueError(f"exclude_ranges: expected a list of (b0, b1) block ranges, got {exclude_ranges!r}")
         allow = None if allowed is None else _padded_ids(allowed, "allowed", n_sets)
         n_blocks = self._st.n_blocks(layer)
-        cols = max(0, min(int(ks.max()), n_blocks if allow is None else allow.shape[1]))
-        return mode, n_sets, ks, excl, allow, cols
+        cols = min(k_max, n_blocks if allow is None else allow.shape[1])
+        ids = np.empty((n_sets, cols), np.int32)
+        return mode, ks, excl, allow, ids
 
     def block_scores(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
         """Unscaled anchor scores of every block, summed over each KV head's query group (SEPARATE:
@@ -203,9 +224,9 @@ class KVStore:
         k: an int, or one per KV head (SEPARATE). Returns int32 ascending ids, -1 padded:
         [KVH, k_max] (SEPARATE) or [k] (SHARED)."""
         qn = self._q(q)
-        mode, n_sets, ks, excl, allow, cols = self._request(layer, q, k, mode, exclude_ranges, allowed)
-        ids = torch.empty(n_sets, cols, dtype=torch.int32)
-        self._st.select(layer, qn, mode, ks, excl, allow, ids.numpy())
+        mode, ks, excl, allow, ids = self._request(layer, k, mode, exclude_ranges, allowed)
+        self._st.select(layer, qn, mode, ks, excl, allow, ids)
+        ids = torch.from_numpy(ids)
         return ids[0] if mode == "SHARED" else ids
 
     def attend(self, layer: int, q: torch.Tensor, blocks, out: torch.Tensor | None = None,
@@ -221,8 +242,8 @@ class KVStore:
         else:
             shared = len(blocks) == 0 or not isinstance(blocks[0], (Sequence, torch.Tensor, np.ndarray))
             b = _padded_ids(blocks, "blocks", 1 if shared else self.n_kv_heads)
-        out, lse = self._outputs(H, out, lse)
-        self._st.attend(layer, qn, b, out.numpy(), lse.numpy())
+        out, lse, out_np, lse_np = self._outputs(H, out, lse)
+        self._st.attend(layer, qn, b, out_np, lse_np)
         return out, lse
 
     def select_attend(self, layer: int, q: torch.Tensor, k: int | Sequence[int], mode: str = "SEPARATE",
@@ -230,10 +251,10 @@ class KVStore:
                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks)."""
         qn = self._q(q)
-        mode, n_sets, ks, excl, allow, cols = self._request(layer, q, k, mode, exclude_ranges, allowed)
-        ids = torch.empty(n_sets, cols, dtype=torch.int32)
-        out, lse = self._outputs(qn.shape[0], out, lse)
-        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids.numpy(), out.numpy(), lse.numpy())
+        mode, ks, excl, allow, ids = self._request(layer, k, mode, exclude_ranges, allowed)
+        out, lse, out_np, lse_np = self._outputs(qn.shape[0], out, lse)
+        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np)
+        ids = torch.from_numpy(ids)
         return out, lse, (ids[0] if mode == "SHARED" else ids)
 
     def last_timing(self) -> dict[str, float]:
@@ -241,16 +262,19 @@ class KVStore:
         s, t, a = self._st.last_timing()
         return {"score_ms": s * 1e3, "topk_ms": t * 1e3, "attend_ms": a * 1e3}
 
-    def _outputs(self, H: int, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(self, H: int, out, lse):
+        """(out [H, D], lse [H]) tensors and their numpy views; shapes are checked by the binding."""
         if out is None:
-            out = torch.empty(H, self.head_dim)
-        elif list(_tensor(out, "out", (torch.float32,), 2).shape) != [H, self.head_dim]:
-            raise ValueError(f"out: expected shape [{H}, {self.head_dim}], got {list(out.shape)}")
+            out_np = np.empty((H, self.head_dim), np.float32)
+            out = torch.from_numpy(out_np)
+        else:
+            out_np = _np(out, "out", (torch.float32,), 2)
         if lse is None:
-            lse = torch.empty(H)
-        elif list(_tensor(lse, "lse", (torch.float32,), 1).shape) != [H]:
-            raise ValueError(f"lse: expected shape [{H}], got {list(lse.shape)}")
-        return out, lse
+            lse_np = np.empty(H, np.float32)
+            lse = torch.from_numpy(lse_np)
+        else:
+            lse_np = _np(lse, "lse", (torch.float32,), 1)
+        return out, lse, out_np, lse_np
 
 
 def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
