@@ -66,8 +66,8 @@ def _is_user_error(e: Exception) -> bool:
     from ktquest.gguf_loader import GGUFError
     from ktquest.tokenizer import TokenizerError
 
-    return isinstance(e, (ConfigError, GGUFError, TokenizerError, PromptTooLongError, FileNotFoundError,
-                          IsADirectoryError, UnicodeDecodeError, TemplateError))
+    return isinstance(e, (UsageError, ConfigError, GGUFError, TokenizerError, PromptTooLongError,
+                          FileNotFoundError, TemplateError))
 
 
 def _chat(args: argparse.Namespace, err: Console) -> int:
@@ -87,11 +87,18 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
     return _interactive(engine, session, err)
 
 
+class UsageError(ValueError):
+    """A command-line argument that cannot be used (reported as one line, exit code 2)."""
+
+
 def _read_document(path: str) -> str:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--prompt-file {path}: no such file")
-    return p.read_text(encoding="utf-8")
+        raise UsageError(f"--prompt-file {path}: no such file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 # ---- one reply ----

@@ -24,8 +24,9 @@ from ktquest.generate import generate
 from ktquest.gguf_loader import model_weights, read_gguf
 from ktquest.kv_cache import DenseKVCache
 from ktquest.linear import set_decode_weights
+from ktquest.long_context import LongContextCache
 from ktquest.models.llama import Transformer
-from ktquest.tokenizer import Tokenizer, common_prefix_len
+from ktquest.tokenizer import Tokenizer
 
 TextCallback = Callable[[str], None]
 ProgressCallback = Callable[[int, int], None]
@@ -73,8 +74,6 @@ class Engine:
     def __init__(self, config: Config, model_path: Path):
         self.config = config
         self.model_path = model_path
-        if config.mode != "dense":
-            raise ConfigError(f"mode={config.mode!r} is not allowed yet: this build runs mode 'dense' only")
         torch.set_num_threads(config.resolved_threads())
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
@@ -90,7 +89,7 @@ class Engine:
         set_decode_weights(self.model, decode, config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         a = contents.args
-        self.cache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, self.max_seq_len, self.device, self.dtype)
+        self.cache = make_cache(config, a, self.max_seq_len, self.device, self.dtype)
         self._cache_owner: ChatSession | None = None  # whose tokens the cache holds
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
@@ -187,7 +186,7 @@ class ChatSession:
             cache.reset()
             eng._cache_owner = self
         # Keep the longest prefix the cache already holds; at least one token must be fed for logits.
-        keep = min(common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
+        keep = min(_common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
         cache.truncate(keep)
         self._fed = list(tokens)  # from here on, cache position i holds self._fed[i] for i < cache.pos
         text, stats = eng._run(tokens, eng.config.generation, on_text, on_progress, should_stop,
@@ -252,6 +251,23 @@ def _as_sets(d: dict, prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{key}={json.dumps(value)}")
     return out
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dtype: torch.dtype):
+    """The KV cache of ``config.mode``: dense (every token on the device) or long_context (DRAM store +
+    device windows, ``ktquest.long_context``)."""
+    if config.mode == "long_context":
+        return LongContextCache(args, config, max_seq_len, device, dtype)
+    return DenseKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)
 
 
 def _pick_device(name: str) -> torch.device:

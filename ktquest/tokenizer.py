@@ -15,7 +15,7 @@ import json
 import re
 import struct
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
@@ -41,7 +41,7 @@ _PRE_REGEXES: dict[str, list[str]] = {
     "qwen2": [_QWEN2],
 }
 _PRE_ALIASES = {
-    "mpt": "gpt-2", "olmo": "gpt-2", "jais": "gpt-2", "phi-2": "gpt-2",
+    "gpt2": "gpt-2", "mpt": "gpt-2", "olmo": "gpt-2", "jais": "gpt-2", "phi-2": "gpt-2",
     "starcoder": "smollm", "refact": "smollm", "command-r": "smollm", "codeshell": "smollm",
     "exaone": "smollm", "minerva-7b": "smollm",
     "llama-bpe": "llama3", "llama-v3": "llama3", "falcon3": "llama3", "pixtral": "llama3",
@@ -300,13 +300,3 @@ def _varint(v: int) -> bytes:
         out.append(b | (0x80 if v else 0))
         if not v:
             return bytes(out)
-
-
-def common_prefix_len(a: Iterable[int], b: Iterable[int]) -> int:
-    """Number of leading ids ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -104,6 +104,14 @@ def test_errors_are_one_line(monkeypatch, capsys, argv, needles):
     _one_error_line(err, *needles)
 
 
+def test_prompt_file_not_text(tmp_path, monkeypatch, capsys):
+    doc = tmp_path / "doc.bin"
+    doc.write_bytes(b"ok \xff\xfe")
+    code, _, err = _main(monkeypatch, capsys, ["--prompt-file", str(doc), "--message", "hi"])
+    assert code == 2
+    _one_error_line(err, f"--prompt-file {doc}: not UTF-8 text", "at byte 3")
+
+
 def test_prompt_too_long(tiny_llama, monkeypatch, capsys):
     code, _, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--message", "dog " * 300])
     assert code == 2

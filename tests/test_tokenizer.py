@@ -7,10 +7,9 @@ template, and hand-derived splits for the pre-tokenizer regexes.
 from __future__ import annotations
 
 import pytest
-from gguf import GGUFReader
 from tokenizers import pre_tokenizers
 
-from ktquest.bundled import bundled_model_path
+from ktquest.gguf_loader import read_gguf
 from ktquest.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer, TokenizerError
 
 TEXTS = [
@@ -28,14 +27,9 @@ TEXTS = [
 ]
 
 
-def _gguf_tokenizer_metadata(path) -> dict:
-    reader = GGUFReader(path)
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-
-
 @pytest.fixture(scope="module")
-def smol_md() -> dict:
-    return _gguf_tokenizer_metadata(bundled_model_path())
+def smol_md(bundled_gguf) -> dict:
+    return read_gguf(bundled_gguf).metadata
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +38,11 @@ def smol(smol_md) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_smol():
+def hf_smol(bundled_gguf):
     """transformers' own conversion of the same GGUF: an independent reference (offline, ~10 s)."""
-    transformers = pytest.importorskip("transformers")
-    path = bundled_model_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_gguf.parent, gguf_file=bundled_gguf.name)
 
 
 # ---- byte-level BPE: the bundled SmolLM2 tokenizer ----
@@ -109,6 +103,13 @@ def test_stream_decoder_holds_back_partial_utf8(smol):
     dec = smol.stream_decoder()
     dec.push(ids[0])
     assert dec.flush() == "\ufffd"  # an unfinished character comes out as a replacement at the end
+
+
+def test_tiny_gguf_matches_its_trained_tokenizer(tiny_llama, tiny_bpe):
+    tok = Tokenizer.from_gguf_metadata(read_gguf(tiny_llama.path).metadata)
+    for text in TEXTS:
+        assert tok.encode(text) == tiny_bpe.hf.encode(text).ids, text
+        assert tok.decode(tok.encode(text)) == text
 
 
 # ---- pre-tokenizer regexes per tokenizer.ggml.pre ----
