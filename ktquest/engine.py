@@ -24,7 +24,6 @@ from ktquest.generate import generate
 from ktquest.gguf_loader import model_weights, read_gguf
 from ktquest.kv_cache import DenseKVCache
 from ktquest.linear import set_decode_weights
-from ktquest.long_context import LongContextCache
 from ktquest.models.llama import Transformer
 from ktquest.tokenizer import Tokenizer
 
@@ -74,6 +73,8 @@ class Engine:
     def __init__(self, config: Config, model_path: Path):
         self.config = config
         self.model_path = model_path
+        if config.mode != "dense":
+            raise ConfigError(f"mode={config.mode!r} is not allowed yet: this build runs mode 'dense' only")
         torch.set_num_threads(config.resolved_threads())
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
@@ -89,7 +90,7 @@ class Engine:
         set_decode_weights(self.model, decode, config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         a = contents.args
-        self.cache = make_cache(config, a, self.max_seq_len, self.device, self.dtype)
+        self.cache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, self.max_seq_len, self.device, self.dtype)
         self._cache_owner: ChatSession | None = None  # whose tokens the cache holds
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
@@ -260,14 +261,6 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dtype: torch.dtype):
-    """The KV cache of ``config.mode``: dense (every token on the device) or long_context (DRAM store +
-    device windows, ``ktquest.long_context``)."""
-    if config.mode == "long_context":
-        return LongContextCache(args, config, max_seq_len, device, dtype)
-    return DenseKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)
 
 
 def _pick_device(name: str) -> torch.device:
