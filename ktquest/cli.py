@@ -11,8 +11,9 @@ import argparse
 import contextlib
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # while loading, or a second Ctrl-C
         err.print()
         return EXIT_INTERRUPTED
-    except Exception as e:  # noqa: BLE001 - only the user-facing kinds below become one line
+    except Exception as e:
         if not _is_user_error(e):
             raise
         print(f"ktquest: error: {e}", file=sys.stderr)
@@ -110,7 +111,7 @@ class _StopOnCtrlC:
     def __init__(self) -> None:
         self.requested = False
 
-    def __enter__(self) -> "_StopOnCtrlC":
+    def __enter__(self) -> _StopOnCtrlC:  # noqa: PYI034 - a private helper, never subclassed
         self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
@@ -210,7 +211,10 @@ def _interactive(engine, session, err: Console) -> int:
         if text in ("/exit", "/quit"):
             return 0
         if text.startswith("/") and " " not in text:
-            commands.get(text, lambda: console.print(f"[red]unknown command {escape(text)}[/]; {HELP}"))()
+            if text in commands:
+                commands[text]()
+            else:
+                console.print(f"[red]unknown command {escape(text)}[/]; {HELP}")
             continue
         try:
             reply = _reply(session, text, sys.stdout, err, show_progress=True)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -90,7 +91,7 @@ class Tokenizer:
         self._template = _jinja_env().from_string(self.chat_template)
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         """``metadata``: the GGUF ``tokenizer.*`` keys as plain Python values."""
         return cls(metadata)
 
@@ -109,7 +110,7 @@ class Tokenizer:
         """ids -> text; control tokens are written out unless ``skip_special``."""
         return self._backend.decode(list(ids), skip_special)
 
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 
     # ---- chat ----
