@@ -1,0 +1,330 @@
+"""Long-context retrieval tasks: prompt generators and exact-match scorers (used by tools/eval_longctx.py).
+
+Three tasks, each a document with one piece of information at a given depth, and a question about it:
+
+- ``passkey``: a random 5-7 digit number stated once ("The pass key is N. Remember it. N is the pass
+  key.") inside repeated filler sentences; scored by the first number of the reply.
+- ``needle``: one fact sentence ("The best thing to do in <city> is <activity>.") on its own line inside
+  Python standard-library sources; scored by the activity's key phrase.
+- ``kvretrieval``: a JSON object of random UUID keys and values; the question names one key; scored by
+  the first UUID of the reply.
+
+The document and question form one user message (``document + "\\n\\n" + question``, the way
+``ChatSession(document=...)`` sends it), rendered with the model's chat template. ``length`` counts the
+tokens of that whole rendered prompt in the model's tokenizer: a sample has between
+``length - LENGTH_TOLERANCE[task]`` and ``length`` tokens (the document grows by whole units: a filler
+sentence, a source line, a key-value pair). ``depth`` in [0, 1] places the information after that fraction
+of the document's units. Everything is a function of (task, length, depth, seed, trial).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+TASKS = ("passkey", "needle", "kvretrieval")
+
+# Reply tokens each task needs (greedy decode stops at the first stop token anyway).
+# The bundled SmolLM2 echoes the key before the value ("The value of the key \"<uuid>\" is <uuid>"), 34
+# tokens each, hence 96 for kvretrieval; the eval stops as soon as the answer is complete (answer_complete).
+MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 96}
+
+# A sample's prompt has between length - tolerance and length tokens: at most one unit short
+# (filler sentence ~6 tokens, source line <= 100 characters, one "key": "value" pair ~75 tokens).
+LENGTH_TOLERANCE = {"passkey": 16, "needle": 64, "kvretrieval": 96}
+
+FILLER = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+
+CITIES = (
+    "San Francisco",
+    "Lisbon",
+    "Kyoto",
+    "Reykjavik",
+    "Marrakesh",
+    "Montreal",
+    "Valparaiso",
+    "Tallinn",
+    "Hobart",
+    "Ljubljana",
+    "Cartagena",
+    "Tbilisi",
+)
+# (activity, key phrase the reply must contain)
+ACTIVITIES = (
+    ("to eat a sandwich in Dolores Park", "dolores park"),
+    ("to ride the blue tram to the lighthouse", "blue tram"),
+    ("to feed the ducks at the old mill", "old mill"),
+    ("to climb the clock tower at sunrise", "clock tower"),
+    ("to buy honey at the night market", "night market"),
+    ("to swim in the green lagoon", "green lagoon"),
+    ("to visit the glass museum", "glass museum"),
+    ("to watch the paper lantern parade", "lantern parade"),
+    ("to drink cocoa in the ice cave", "ice cave"),
+    ("to read poems in the rose garden", "rose garden"),
+)
+
+_MAX_SOURCE_LINE = 100  # characters; longer standard-library lines are skipped so a unit stays small
+
+
+@dataclass(slots=True)
+class Sample:
+    task: str
+    length: int  # the requested prompt length, tokens
+    depth: float  # the requested depth
+    trial: int
+    document: str
+    question: str
+    answer: str  # what the scorer compares against (digits, key phrase or UUID)
+    key: str  # kvretrieval: the key asked about (a reply may echo it); else ""
+    needle: str  # the inserted text that holds the answer
+    tokens: list[int]  # the rendered chat prompt, ready to prefill
+    needle_unit: int  # index of the needle among the document's units
+    n_units: int  # units in the document, the needle included
+
+    @property
+    def user_text(self) -> str:
+        return f"{self.document}\n\n{self.question}"
+
+
+# ---- generators ----
+
+
+def make_sample(tokenizer, task: str, length: int, depth: float, seed: int = 0, trial: int = 0) -> Sample:
+    """One prompt of ``task`` with ``length`` tokens (see the module docstring) and its answer.
+
+    tokenizer: a ``ktquest.tokenizer.Tokenizer`` (encode, apply_chat_template, encode_chat).
+    """
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not allowed: one of {', '.join(TASKS)}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth} is not allowed: a number in [0, 1]")
+    rng = random.Random(f"{task}:{seed}:{length}:{depth!r}:{trial}")
+    build = {"passkey": _passkey, "needle": _needle, "kvretrieval": _kvretrieval}[task]
+    needle, question, answer, key, units, join, place = build(rng, length)
+
+    def document(n: int) -> tuple[str, int]:
+        if place == "insert":  # the needle goes between units: n haystack units + the needle
+            i = round(depth * n)
+            parts = units(n)
+            return join(parts[:i] + [needle] + parts[i:]), i
+        i = round(depth * (n - 1))  # "replace": the needle is unit i of n
+        parts = units(n)
+        parts[i] = needle
+        return join(parts), i
+
+    def render(n: int) -> list[int]:
+        doc, _ = document(n)
+        return _chat_tokens(tokenizer, f"{doc}\n\n{question}")
+
+    n_min = 0 if place == "insert" else 1
+    n = _fit(lambda m: len(render(m)), length, n_min, estimate=_estimate(tokenizer, units, length))
+    doc, i = document(n)
+    tokens = render(n)
+    if len(tokens) > length:
+        raise ValueError(
+            f"length={length} is too short for the {task} question and needle "
+            f"({len(tokens)} tokens with the smallest document)"
+        )
+    return Sample(
+        task=task,
+        length=length,
+        depth=depth,
+        trial=trial,
+        document=doc,
+        question=question,
+        answer=answer,
+        key=key,
+        needle=needle,
+        tokens=tokens,
+        needle_unit=i,
+        n_units=n + (1 if place == "insert" else 0),
+    )
+
+
+def _chat_tokens(tokenizer, user_text: str) -> list[int]:
+    return tokenizer.encode_chat(tokenizer.apply_chat_template([{"role": "user", "content": user_text}]))
+
+
+def _estimate(tokenizer, units: Callable[[int], list[str]], length: int) -> int:
+    """Units that make about ``length`` tokens, from the tokens of a sample of units."""
+    probe = units(64)
+    n_tok = len(tokenizer.encode(" ".join(probe), add_bos=False, parse_special=False))
+    return max(1, int(length * len(probe) / max(n_tok, 1)))
+
+
+def _fit(count: Callable[[int], int], length: int, n_min: int, estimate: int) -> int:
+    """The largest n >= n_min with count(n) <= length (count is non-decreasing); n_min if none."""
+    if count(n_min) > length:
+        return n_min
+    step = max(1, estimate // 64)
+    n = max(estimate, n_min)
+    if count(n) <= length:  # gallop up
+        lo, hi = n, n + step
+        while count(hi) <= length:
+            lo, hi, step = hi, hi + step, step * 2
+    else:  # gallop down
+        hi, cand = n, n - step
+        while cand > n_min and count(cand) > length:
+            hi, step = cand, step * 2
+            cand = hi - step
+        lo = max(n_min, cand)
+    while hi - lo > 1:  # count(lo) <= length < count(hi)
+        mid = (lo + hi) // 2
+        if count(mid) <= length:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _passkey(rng: random.Random, length: int):
+    n_digits = rng.randint(5, 7)
+    key = str(rng.randint(10 ** (n_digits - 1), 10**n_digits - 1))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    question = "What is the pass key? Answer with the number only."
+
+    def units(n: int) -> list[str]:
+        return [FILLER[i % len(FILLER)] for i in range(n)]
+
+    return needle, question, key, "", units, " ".join, "insert"
+
+
+def _needle(rng: random.Random, length: int):
+    city = rng.choice(CITIES)
+    activity, key_phrase = rng.choice(ACTIVITIES)
+    needle = f"The best thing to do in {city} is {activity}."
+    question = f"What is the best thing to do in {city}? Answer in one short sentence."
+    lines = _source_lines()
+    start = rng.randrange(len(lines) // 2)  # a different stretch of source for each trial
+
+    def units(n: int) -> list[str]:
+        if start + n > len(lines):
+            raise ValueError(f"needle: not enough standard-library source for {n} lines")
+        return list(lines[start : start + n])
+
+    return needle, question, key_phrase, "", units, "\n".join, "insert"
+
+
+@functools.lru_cache(maxsize=1)
+def _source_lines() -> tuple[str, ...]:
+    """Non-empty lines (<= 100 characters) of the Python standard-library sources, in a fixed order."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[str] = []
+    for path in sorted(root.glob("*.py")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            line = line.rstrip()
+            if line and len(line) <= _MAX_SOURCE_LINE and not _has_digit_run(line):
+                out.append(line)
+        if len(out) >= 200_000:  # ~2M tokens; a needle document of length L uses about L / 10 lines
+            break
+    return tuple(out)
+
+
+def _has_digit_run(line: str) -> bool:
+    return re.search(r"\d{5}", line) is not None
+
+
+def _kvretrieval(rng: random.Random, length: int):
+    pool: list[tuple[str, str]] = []
+
+    def units(n: int) -> list[str]:
+        while len(pool) < n:
+            pool.append((_uuid(rng), _uuid(rng)))
+        return [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in pool[:n]]
+
+    key, value = _uuid(rng), _uuid(rng)
+    needle = f"{json.dumps(key)}: {json.dumps(value)}"
+    question = f'What is the value of the key "{key}" in the JSON object above? Answer with the value only.'
+    units(1 + length // 60)  # draw the pool now: the pairs do not depend on how many are used
+
+    def join(parts: list[str]) -> str:
+        return "JSON data:\n{" + ", ".join(parts) + "}"
+
+    return needle, question, value, key, units, join, "replace"
+
+
+def _uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+# ---- scorers ----
+
+_NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?!\d)|\d+")
+_UUID = re.compile(
+    r"(?<![0-9a-f-])([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?![0-9a-f-])",
+    re.IGNORECASE,
+)
+
+
+def first_number(reply: str) -> str | None:
+    """The first number in ``reply`` with thousands separators removed ("1,234,567" -> "1234567")."""
+    m = _NUMBER.search(reply)
+    return m.group().replace(",", "") if m else None
+
+
+def score_passkey(reply: str, answer: str) -> bool:
+    """The reply's first number is exactly the pass key (extra words are fine; a partial or longer
+    number is wrong; "12,345" reads as 12345)."""
+    return first_number(reply) == answer
+
+
+def score_needle(reply: str, key_phrase: str) -> bool:
+    """The key phrase occurs in the reply as whole words, ignoring case, punctuation and spacing."""
+    return f" {_words(key_phrase)} " in f" {_words(reply)} "
+
+
+def _words(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def uuids(reply: str) -> list[str]:
+    """Whole UUIDs in ``reply``, lower-cased (a UUID inside a longer hex run does not count)."""
+    return [m.group(1).lower() for m in _UUID.finditer(reply)]
+
+
+def score_kvretrieval(reply: str, answer: str, key: str = "") -> bool:
+    """The reply's first UUID other than the echoed ``key`` equals the value (case-insensitive; a
+    truncated UUID is wrong)."""
+    found = [u for u in uuids(reply) if u != key.lower()]
+    return bool(found) and found[0] == answer.lower()
+
+
+def score(task: str, reply: str, answer: str, key: str = "") -> bool:
+    """Exact match of ``reply`` for ``task`` (see the score_* functions)."""
+    if task == "passkey":
+        return score_passkey(reply, answer)
+    if task == "needle":
+        return score_needle(reply, answer)
+    if task == "kvretrieval":
+        return score_kvretrieval(reply, answer, key)
+    raise ValueError(f"task={task!r} is not allowed: one of {', '.join(TASKS)}")
+
+
+def answer_complete(task: str, reply: str, answer: str, key: str = "") -> bool:
+    """True once more reply text cannot change the score (generation may stop early).
+
+    The reply is judged without its trailing run of characters that could still grow (digits and
+    commas; letters and digits; hex digits and dashes): passkey needs a first number there, needle the
+    key phrase, kvretrieval a whole UUID other than the key.
+    """
+    if task == "passkey":  # cut a trailing run that may still grow ("12,3" -> "12,345")
+        return _NUMBER.search(re.sub(r"[\d,]+$", "", reply)) is not None
+    if task == "needle":
+        return score_needle(re.sub(r"[A-Za-z0-9]+$", "", reply), answer)
+    if task == "kvretrieval":
+        return any(u != key.lower() for u in uuids(re.sub(r"[0-9a-fA-F-]+$", "", reply)))
+    raise ValueError(f"task={task!r} is not allowed: one of {', '.join(TASKS)}")
