@@ -323,8 +323,10 @@ void KVStore::read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) 
 void KVStore::truncate(int layer, int64_t n) {
   std::lock_guard<std::mutex> lk(mu_);
   const int l0 = layer < 0 ? 0 : layer, l1 = layer < 0 ? cfg_.n_layers : layer + 1;
+  // One layer: 0 <= n <= its length. Every layer (-1): layers holding fewer than n tokens (a forward pass
+  // interrupted half-way leaves the later layers shorter) keep what they hold.
   for (int l = l0; l < l1; ++l)  // validate every layer before changing any
-    if (n < 0 || n > layer_at(l).len)
+    if (n < 0 || (layer >= 0 && n > layer_at(l).len))
       throw std::out_of_range("truncate(" + std::to_string(n) + "): layer " + std::to_string(l) + " holds " +
                               std::to_string(layer_at(l).len) + " tokens");
   const int H = cfg_.n_kv_heads, D = cfg_.head_dim, bs = cfg_.block_size;

@@ -84,10 +84,8 @@ class LongContextConfig:
         if self.anchor_type in ("FIXED", "DYNAMIC"):
             _check(self.anchor_num <= self.block_size, p + "anchor_num", self.anchor_num,
                    f"at most block_size ({self.block_size}) with anchor_type {self.anchor_type}")
-        if self.kv_type in ("Q8_0", "Q4_0"):
-            # A block is quantized in groups of 32 along head_dim; the block size itself is free,
-            # but a 32-multiple keeps whole groups per token row aligned for the kernel.
-            pass
+        # Q8_0/Q4_0 quantise each token row in groups of 32 along head_dim (a model property, checked when
+        # the cache is built); every block size works, since scales are stored per row inside the tile.
         _check(self.dense_layer_num >= 0, p + "dense_layer_num", self.dense_layer_num, "an integer >= 0")
         _check(self.preselect_block_count >= 1, p + "preselect_block_count", self.preselect_block_count,
                "an integer >= 1")
@@ -125,6 +123,8 @@ class Config:
             _check(lc.init_windows_len + lc.local_windows_len <= self.max_seq_len, "long_context.local_windows_len",
                    lc.local_windows_len,
                    f"init_windows_len + local_windows_len <= max_seq_len ({self.max_seq_len})")
+            _check(lc.block_size <= self.max_seq_len, "long_context.block_size", lc.block_size,
+                   f"at most max_seq_len ({self.max_seq_len})")
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads > 0 else (os.cpu_count() or 1)

@@ -24,6 +24,7 @@ from ktquest.generate import generate
 from ktquest.gguf_loader import model_weights, read_gguf
 from ktquest.kv_cache import DenseKVCache
 from ktquest.linear import set_decode_weights
+from ktquest.long_context import LongContextCache, check_store_fits
 from ktquest.models.llama import Transformer
 from ktquest.tokenizer import Tokenizer
 
@@ -73,8 +74,6 @@ class Engine:
     def __init__(self, config: Config, model_path: Path):
         self.config = config
         self.model_path = model_path
-        if config.mode != "dense":
-            raise ConfigError(f"mode={config.mode!r} is not allowed yet: this build runs mode 'dense' only")
         torch.set_num_threads(config.resolved_threads())
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
@@ -82,6 +81,8 @@ class Engine:
         self.args = contents.args
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
         self.max_seq_len = config.max_seq_len or contents.args.context_length
+        if config.mode == "long_context":  # refuse before any allocation, with the figure
+            check_store_fits(config.long_context, contents.args, self.max_seq_len)
         self.model = Transformer(contents.args, model_weights(contents, self.dtype, self.device),
                                  max_seq_len=self.max_seq_len).eval()
         decode = config.decode_weights
@@ -90,7 +91,7 @@ class Engine:
         set_decode_weights(self.model, decode, config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         a = contents.args
-        self.cache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, self.max_seq_len, self.device, self.dtype)
+        self.cache = make_cache(config, a, self.max_seq_len, self.device, self.dtype)
         self._cache_owner: ChatSession | None = None  # whose tokens the cache holds
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
@@ -261,6 +262,14 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dtype: torch.dtype):
+    """The KV cache of ``config.mode``: dense (every token on the device) or long_context (DRAM store +
+    device windows, ``ktquest.long_context``)."""
+    if config.mode == "long_context":
+        return LongContextCache(args, config, max_seq_len, device, dtype)
+    return DenseKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)
 
 
 def _pick_device(name: str) -> torch.device:

@@ -101,8 +101,18 @@ class KVStore:
     (the ``anchor_num`` tokens of highest caller-given importance). threads_num: operator threads.
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int, block_size: int = 64,
-                 kv_type: str = "FP16", anchor_type: str = "QUEST", anchor_num: int = 2, threads_num: int = 1):
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        block_size: int = 64,
+        kv_type: str = "FP16",
+        anchor_type: str = "QUEST",
+        anchor_num: int = 2,
+        threads_num: int = 1,
+    ):
         self.n_layers = _int(n_layers, "n_layers", 1)
         self.n_kv_heads = _int(n_kv_heads, "n_kv_heads", 1)
         self.head_dim = _int(head_dim, "head_dim", 1)
@@ -112,20 +122,33 @@ class KVStore:
         self.anchor_type = _name(anchor_type, "anchor_type", ANCHOR_TYPES)
         self.anchor_num = _int(anchor_num, "anchor_num", 1)
         self.threads_num = _int(threads_num, "threads_num", 1)
-        self._st = _C.KVStore(self.n_layers, self.n_kv_heads, self.head_dim, self.max_seq_len, self.block_size,
-                              self.kv_type, self.anchor_type, self.anchor_num, self.threads_num)
+        self._st = _C.KVStore(
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            self.max_seq_len,
+            self.block_size,
+            self.kv_type,
+            self.anchor_type,
+            self.anchor_num,
+            self.threads_num,
+        )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 
     # ---- contents ----
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, importance: torch.Tensor | None = None) -> None:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, importance: torch.Tensor | None = None
+    ) -> None:
         """Append T tokens. k, v: [T, KVH, D] fp32/fp16/bf16 (same dtype); importance: [T, KVH] fp32 or None."""
         k = _tensor(k, "k", tuple(_IN_DTYPES), 3)
         v = _tensor(v, "v", (k.dtype,), 3)
         shape = [k.shape[0], self.n_kv_heads, self.head_dim]
         for name, x in (("k", k), ("v", v)):
             if list(x.shape) != shape:
-                raise ValueError(f"{name}: expected shape [T, n_kv_heads, head_dim] = {shape}, got {list(x.shape)}")
+                raise ValueError(
+                    f"{name}: expected shape [T, n_kv_heads, head_dim] = {shape}, got {list(x.shape)}"
+                )
         imp = None
         if importance is not None:
             imp = _tensor(importance, "importance", (torch.float32,), 2).numpy()
@@ -159,8 +182,9 @@ class KVStore:
         return torch.from_numpy(k), torch.from_numpy(v)
 
     def truncate(self, layer: int, n: int) -> None:
-        """Keep the first ``n`` tokens of ``layer`` (-1 = every layer). The anchors of a now-partial last
-        block are recomputed from its stored keys (DYNAMIC keeps the anchors of the surviving tokens)."""
+        """Keep the first ``n`` tokens of ``layer`` (-1 = every layer; one holding fewer keeps them all).
+        The anchors of a now-partial last block are recomputed from its stored keys (DYNAMIC keeps the
+        anchors of the surviving tokens: importances are not stored)."""
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < -1:
             raise ValueError(f"layer={layer!r} is not allowed: a layer index, or -1 for every layer")
         self._st.truncate(int(layer), _int(n, "n"))
@@ -187,8 +211,9 @@ class KVStore:
         elif mode == "SEPARATE" and isinstance(k, (Sequence, torch.Tensor)) and len(k) == n_sets:
             ks = [_int(int(x), f"k[{i}]") for i, x in enumerate(k)]
         else:
-            raise ValueError(f"k={k!r} is not allowed: an integer >= 0, or (SEPARATE) one per KV head "
-                             f"({self.n_kv_heads})")
+            raise ValueError(
+                f"k={k!r} is not allowed: an integer >= 0, or (SEPARATE) one per KV head ({self.n_kv_heads})"
+            )
         hit = (np.asarray(ks, np.int32), max(ks))
         if key[1] is not None and len(self._k_cache) < 64:
             self._k_cache[key] = hit
@@ -203,7 +228,9 @@ class KVStore:
         else:
             excl = np.asarray(exclude_ranges, np.int64)
             if excl.ndim != 2 or excl.shape[1] != 2:
-                raise ValueError(f"exclude_ranges: expected a list of (b0, b1) block ranges, got {exclude_ranges!r}")
+                raise ValueError(
+                    f"exclude_ranges: expected a list of (b0, b1) block ranges, got {exclude_ranges!r}"
+                )
         allow = None if allowed is None else _padded_ids(allowed, "allowed", n_sets)
         n_blocks = self._st.n_blocks(layer)
         cols = min(k_max, n_blocks if allow is None else allow.shape[1])
@@ -217,8 +244,15 @@ class KVStore:
         s = torch.from_numpy(self._st.block_scores(layer, self._q(q), mode))
         return s[0] if mode == "SHARED" else s
 
-    def select(self, layer: int, q: torch.Tensor, k: int | Sequence[int], mode: str = "SEPARATE",
-               exclude_ranges: Sequence[tuple[int, int]] = (), allowed=None) -> torch.Tensor:
+    def select(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: int | Sequence[int],
+        mode: str = "SEPARATE",
+        exclude_ranges: Sequence[tuple[int, int]] = (),
+        allowed=None,
+    ) -> torch.Tensor:
         """Top-k blocks by anchor score (ties: the lower block id). Candidates: every block, or ``allowed``
         (one id list per KV head, or one list for SHARED), minus the half-open block ``exclude_ranges``.
         k: an int, or one per KV head (SEPARATE). Returns int32 ascending ids, -1 padded:
@@ -229,8 +263,14 @@ class KVStore:
         ids = torch.from_numpy(ids)
         return ids[0] if mode == "SHARED" else ids
 
-    def attend(self, layer: int, q: torch.Tensor, blocks, out: torch.Tensor | None = None,
-               lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        blocks,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """softmax(q K^T / sqrt(D)) V over ``blocks`` (ascending ids: [N] shared by every KV head, or one row
         per KV head, -1 padded). Returns out [H, D] and lse [H] (natural log; -inf for no block), fp32."""
         qn = self._q(q)
@@ -246,9 +286,17 @@ class KVStore:
         self._st.attend(layer, qn, b, out_np, lse_np)
         return out, lse
 
-    def select_attend(self, layer: int, q: torch.Tensor, k: int | Sequence[int], mode: str = "SEPARATE",
-                      exclude_ranges: Sequence[tuple[int, int]] = (), allowed=None, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def select_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: int | Sequence[int],
+        mode: str = "SEPARATE",
+        exclude_ranges: Sequence[tuple[int, int]] = (),
+        allowed=None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks)."""
         qn = self._q(q)
         mode, ks, excl, allow, ids = self._request(layer, k, mode, exclude_ranges, allowed)
@@ -277,8 +325,9 @@ class KVStore:
         return out, lse, out_np, lse_np
 
 
-def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
-                    lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attention(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax merge of attention over two disjoint key sets. out*: [..., H, D], lse*: [..., H]
     (natural log; -inf = empty part). Returns (out, lse) of the union."""
     lse = torch.logaddexp(lse1, lse2)

@@ -1,0 +1,398 @@
+"""The long-context KV cache: heterogeneous attention over a DRAM block store and device-side windows.
+
+Every layer's K/V go to a ``KVStore`` (CPU memory, ``kv_type``, block anchors). The initial window
+(sink tokens) and the local window (the most recent tokens) are also kept on the device and attended
+there densely; the context blocks between them are attended by the store's C++ operator, all of them
+during prefill, a selected few per decode step. The two parts are merged exactly by their LSE.
+
+The windows are block aligned, so the partition of the keys is exact (no token in both parts):
+
+    blocks [0, ib)      init window    ib = ceil(init_windows_len / block_size)
+    blocks [ib, lb)     context        the store's operator; decode selects among these (minus preselection)
+    blocks [lb, ...)    local window   lb = floor((n - local_windows_len) / block_size), n = tokens after the pass
+
+Device window buffer, per layer: ``win_k/win_v [L, KVH, init_end + cap, D]``: index p < init_end holds
+position p; index init_end + j holds position buf0 + j (buf0 block aligned, <= the local start). It is
+compacted (the local window moved to the front) only when a pass would not fit, so decode appends in
+place; capacity = local_windows_len + block_size + chunk_size, independent of the prompt length.
+
+Prefill (T > 1) stays exact: the chunk's queries attend to the context blocks through ``store.attend``
+with the queries regrouped as [KVH, T * G] "heads" (every query of a KV head's group, every context
+block), so past K/V are read in place from DRAM in their stored type: nothing is copied back to the
+device and nothing is dequantised into a buffer. It reads each past token once per chunk, i.e.
+O(N^2 / chunk_size) token reads for an N-token prompt, the same O(N^2) work as dense attention.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ktquest.config import Config, ConfigError, LongContextConfig
+from ktquest.ops import KVStore, merge_attention
+from ktquest.selection_policy import ada_budgets_fast, block_scores_from_tokens, preselect_blocks, \
+    snapkv_token_scores
+
+
+# ---- memory estimate ----
+
+_ROW_BYTES = {"FP32": 4.0, "FP16": 2.0, "BF16": 2.0, "Q8_0": 1.0, "Q4_0": 0.5}  # bytes per element
+
+
+def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int) -> int:
+    """Bytes the DRAM store needs when full (K, V, scales, anchors): the layout of cpp/kv_store.h."""
+    bs, D = lc.block_size, head_dim
+    scales = D // 32 * 4 if lc.kv_type in ("Q8_0", "Q4_0") else 0
+    tile = int(bs * (D * _ROW_BYTES[lc.kv_type] + scales) + 63) // 64 * 64
+    A = 2 if lc.anchor_type == "QUEST" else 1 if lc.anchor_type.startswith("BLOCK") else lc.anchor_num
+    per_block = 2 * tile + A * D * 4 + 4 + (D * 8 if lc.anchor_type == "BLOCK_MEAN" else 0) \
+        + (A * 8 if lc.anchor_type == "DYNAMIC" else 0)
+    return n_layers * n_kv_heads * -(-max_seq_len // bs) * per_block
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo (else physical memory), bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_store_fits(lc: LongContextConfig, args, max_seq_len: int) -> None:
+    """ConfigError (with the figure) when a full store for ``max_seq_len`` would not fit in available RAM."""
+    need, have = store_bytes(lc, args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len), available_ram()
+    if need > have:
+        raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the {lc.kv_type} KV store would need "
+                          f"{need / 2**30:.2f} GiB and {have / 2**30:.2f} GiB of RAM is available; lower "
+                          f"max_seq_len or pick a smaller kv_type (Q8_0, Q4_0)")
+
+
+# ---- per-step state ----
+
+
+@dataclass(slots=True)
+class SelectionStats:
+    """Counters the tests read: what each layer did on its decode steps."""
+
+    select_calls: list[int]  # anchor scoring + top-k (select_attend) per layer
+    reuse_calls: list[int]  # decode steps that reused a cached selection per layer
+    full_calls: list[int]  # decode steps that attended every context block per layer
+    preselect_calls: int = 0
+
+
+@dataclass(slots=True)
+class _Selection:
+    """A layer's last block selection: ids [n_sets, k] (-1 padded), taken when the context was [ib, lb)."""
+
+    ids: torch.Tensor
+    lb: int
+    step: int
+
+
+@dataclass(slots=True)
+class _Geometry:
+    """Where the windows stand for the current pass (the same for every layer)."""
+
+    start: int = 0  # first position of the pass
+    T: int = 0
+    loc0: int = 0  # local window start (block aligned): context blocks are [ib, loc0 // bs)
+    mask: torch.Tensor | None = None  # [T, W] additive, device: 0 = attend, -inf = not this part
+    width: int = 0  # W: window buffer indexes 0..W-1 in use
+
+
+class LongContextCache:
+    """The cache interface of ``DenseKVCache`` (attend, pos, max_seq_len, reset, truncate, nbytes)."""
+
+    def __init__(self, args, cfg: Config, max_seq_len: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        lc = cfg.long_context
+        self.lc, self.cfg = lc, cfg
+        self.n_layers, self.max_seq_len = args.n_layers, max_seq_len
+        self.H, self.KVH, self.D = args.n_heads, args.n_kv_heads, args.head_dim
+        self.G = self.H // self.KVH
+        if lc.kv_type in ("Q8_0", "Q4_0") and self.D % 32:
+            raise ConfigError(f"long_context.kv_type={lc.kv_type!r} is not allowed for this model: it quantises "
+                              f"groups of 32 along head_dim, and head_dim is {self.D}; use FP16, BF16 or FP32")
+        if lc.init_windows_len + lc.local_windows_len > max_seq_len:
+            raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
+                              f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
+        check_store_fits(lc, args, max_seq_len)
+        self.device, self.dtype = torch.device(device), dtype
+        self.bs = lc.block_size
+        self.ib = -(-lc.init_windows_len // self.bs)  # init window blocks
+        self.init_end = self.ib * self.bs
+        self.chunk_size = cfg.chunk_size
+        self.cap = lc.local_windows_len + self.bs + cfg.chunk_size  # local buffer capacity, tokens
+        threads = lc.threads_num or cfg.resolved_threads()
+        self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
+                             lc.anchor_num, threads)
+        shape = (self.n_layers, self.KVH, self.init_end + self.cap, self.D)
+        self.win_k = torch.zeros(shape, device=self.device, dtype=dtype)  # [L, KVH, init_end + cap, D]
+        self.win_v = torch.zeros(shape, device=self.device, dtype=dtype)
+        W = min(lc.preselect_window, max_seq_len)
+        self.q_win = torch.zeros(self.n_layers, W, self.H, self.D, device=self.device, dtype=dtype)  # [L, W, H, D]
+        self.scale = 1.0 / math.sqrt(self.D)
+        self.k_sel = lc.second_select_num
+        self._all_blocks = torch.arange(-(-max_seq_len // self.bs), dtype=torch.int32)  # [max_blocks]
+        self._out = torch.empty(self.H, self.D)  # decode: the store part, fp32 [H, D]
+        self._lse = torch.empty(self.H)  # [H]
+        self.reset()
+
+    # ---- bookkeeping ----
+
+    def reset(self) -> None:
+        """Forget every token (the memory is kept)."""
+        self.store.truncate(-1, 0)
+        self.pos = 0
+        self.buf0 = self.init_end  # position of window index init_end
+        self.geo = _Geometry()
+        self.q_win_span = (0, 0)  # positions [a, b) whose queries q_win holds (last b - a slots)
+        self._forget_selection()
+        self.stats = SelectionStats([0] * self.n_layers, [0] * self.n_layers, [0] * self.n_layers)
+
+    def _forget_selection(self) -> None:
+        self.sel: list[_Selection | None] = [None] * self.n_layers
+        # per layer: [n_sets, N] int32 preselected blocks (-1 padded), and the context end it covers
+        self.allowed: list[torch.Tensor | None] = [None] * self.n_layers
+        self.allowed_lb = [0] * self.n_layers
+        self.presel_pending = [False] * self.n_layers
+        self.decode_step = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens (0 <= n <= pos); the device windows are refilled from the store."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
+        self.store.truncate(-1, n)  # also drops what an interrupted pass appended to the first layers
+        if n == self.pos:
+            return
+        self.pos = n
+        if n < self.buf0:  # the local window now starts before the buffer: reload it from the store
+            loc0 = self._local_start(n)
+            for layer in range(self.n_layers):
+                k, v = self.store.read_range(layer, loc0, n)  # [n - loc0, KVH, D] fp32
+                self.win_k[layer, :, self.init_end: self.init_end + n - loc0] = k.transpose(0, 1).to(self.win_k)
+                self.win_v[layer, :, self.init_end: self.init_end + n - loc0] = v.transpose(0, 1).to(self.win_v)
+            self.buf0 = max(loc0, self.init_end)
+        self.q_win_span = (0, 0)
+        self._forget_selection()
+
+    def nbytes(self) -> int:
+        """KV bytes held: the DRAM store's blocks in use plus the device windows."""
+        return self.store.nbytes() + self.device_kv_bytes()
+
+    def device_kv_bytes(self) -> int:
+        """Bytes of K/V held on the device (the windows; fixed at construction)."""
+        return self.win_k.nbytes + self.win_v.nbytes + self.q_win.nbytes
+
+    def _local_start(self, n: int) -> int:
+        """First position of the local window when n tokens are held (block aligned, >= init_end)."""
+        return max(self.init_end, (n - self.lc.local_windows_len) // self.bs * self.bs)
+
+    # ---- the pass ----
+
+    def _begin_pass(self, start: int, T: int) -> None:
+        """Geometry for positions [start, start + T), set up once (at layer 0) for every layer."""
+        if start != self.pos:
+            if start > self.pos or start < 0:
+                raise ValueError(f"KV cache: cannot write positions {start}..{start + T - 1}: the cache holds "
+                                 f"{self.pos} tokens, so a chunk must start at {self.pos}")
+            self.truncate(start)  # rewrite from an earlier position: forget the rest
+        elif self.store.length(0) != start:  # a pass interrupted half-way: drop its first layers' tokens
+            self.store.truncate(-1, start)
+        if start + T > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: positions {start}..{start + T - 1} do not fit in "
+                             f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
+        if T > self.chunk_size:
+            raise ValueError(f"long-context cache: {T} tokens in one pass exceed chunk_size={self.chunk_size}")
+        # The local window of this pass: strictly the last local_windows_len tokens of start + T, but never
+        # past the store's full blocks (a context block must be in the store before the chunk).
+        loc0 = max(self.init_end, min(self._local_start(start + T), start // self.bs * self.bs))
+        if start + T - self.buf0 > self.cap:  # compact: move [loc0, start) to the front of the local part
+            m, off = start - loc0, self.init_end + loc0 - self.buf0
+            for buf in (self.win_k, self.win_v):
+                buf[:, :, self.init_end: self.init_end + m] = buf[:, :, off: off + m].clone()
+            self.buf0 = loc0
+        width = self.init_end + start + T - self.buf0 if start + T > self.init_end else start + T
+        # Additive mask [T, W]: query start+i sees window index j iff its position p(j) <= start+i and
+        # p(j) is in the init window or in [loc0, ...).
+        j = torch.arange(width, device=self.device)
+        p = torch.where(j < self.init_end, j, self.buf0 + j - self.init_end)  # [W] positions
+        qpos = torch.arange(start, start + T, device=self.device)[:, None]  # [T, 1]
+        ok = (p[None, :] <= qpos) & ((p < self.init_end) | (p >= loc0))[None, :]
+        mask = torch.zeros(T, width, device=self.device).masked_fill_(~ok, float("-inf"))
+        self.geo = _Geometry(start, T, loc0, mask, width)
+        if T > 1:
+            self.presel_pending = [self.lc.preselect_block] * self.n_layers
+            self.sel = [None] * self.n_layers
+        else:
+            self.decode_step += 1
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> torch.Tensor:
+        """Store k/v at start_pos.. and return causal attention over everything held.
+
+        q: [T, H, D], k/v: [T, KVH, D] (device) -> out [T, H, D]. T <= chunk_size.
+        """
+        T = q.shape[0]
+        if layer_idx == 0:
+            self._begin_pass(start_pos, T)
+        g = self.geo
+        # ---- device part: init + local windows + this chunk, dense ----
+        w0 = self.init_end + start_pos - self.buf0 if start_pos >= self.init_end else start_pos
+        # positions below init_end map to themselves, later ones to init_end + p - buf0 (buf0 = init_end then)
+        self.win_k[layer_idx, :, w0: w0 + T] = k.transpose(0, 1)
+        self.win_v[layer_idx, :, w0: w0 + T] = v.transpose(0, 1)
+        out_w, lse_w, probs = self._window_attention(layer_idx, q, g)  # [T, H, D], [T, H] fp32
+        imp = None
+        if self.lc.anchor_type == "DYNAMIC":  # a token's importance: the attention the chunk's queries give it
+            imp = probs[:, :, w0: w0 + T].sum(1).t().float().cpu().contiguous()  # [T, KVH]
+        # ---- store part: the context blocks [ib, lb) ----
+        lb = g.loc0 // self.bs
+        if lb > self.ib:
+            if T == 1:
+                out_s, lse_s = self._decode_context(layer_idx, q, lb)
+                out_s, lse_s = out_s.to(self.device)[None], lse_s.to(self.device)[None]
+            else:
+                out_s, lse_s = self._prefill_context(layer_idx, q, lb)
+            out_w, lse_w = merge_attention(out_w, lse_w, out_s, lse_s)
+        # ---- the chunk goes to the store (after attention: the store part never sees it) ----
+        kc, vc = k.contiguous(), v.contiguous()
+        if kc.device.type != "cpu":
+            kc, vc = kc.cpu(), vc.cpu()
+        self.store.append(layer_idx, kc, vc, imp)
+        if T > 1:
+            self._record_queries(layer_idx, q, start_pos)
+        if layer_idx == self.n_layers - 1:
+            self.pos = start_pos + T
+            if T > 1:
+                self.q_win_span = self._q_span(start_pos, T)
+        return out_w.to(q.dtype)
+
+    def _window_attention(self, layer: int, q: torch.Tensor, g: _Geometry):
+        """Dense attention over the device windows: (out [T, H, D], lse [T, H], probs [KVH, G*T, W])."""
+        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
+        keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
+        vals = self.win_v[layer, :, : g.width]
+        qh = q.reshape(T, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * T, D)  # [KVH, G*T, D]
+        if keys.dtype != torch.float32:
+            qh, keys, vals = qh.float(), keys.float(), vals.float()
+        bias = g.mask[None, None].expand(KVH, G, T, g.width).reshape(KVH, G * T, g.width)
+        s = torch.baddbmm(bias, qh, keys.transpose(1, 2), alpha=self.scale)  # [KVH, G*T, W] scaled scores
+        lse = torch.logsumexp(s, -1)  # [KVH, G*T]
+        probs = torch.exp(s - lse[..., None])  # [KVH, G*T, W]
+        out = torch.bmm(probs, vals)  # [KVH, G*T, D]
+        out = out.view(KVH, G, T, D).permute(2, 0, 1, 3).reshape(T, self.H, D)
+        return out, lse.view(KVH, G, T).permute(2, 0, 1).reshape(T, self.H), probs
+
+    def _prefill_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact attention of every chunk query to the context blocks [ib, lb), read in place from DRAM."""
+        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
+        # Query "head" (kvh, t, g) reads KV head kvh: the store's grouping h // (H' / KVH) with H' = KVH*T*G.
+        qs = q.float().reshape(T, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * T * G, D).cpu().contiguous()
+        out, lse = self.store.attend(layer, qs, self._all_blocks[self.ib: lb])
+        out = out.view(KVH, T, G, D).permute(1, 0, 2, 3).reshape(T, self.H, D)
+        lse = lse.view(KVH, T, G).permute(1, 0, 2).reshape(T, self.H)
+        return out.to(self.device), lse.to(self.device)
+
+    # ---- decode: which context blocks ----
+
+    def _decode_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [1, H, D] -> (out [H, D], lse [H]) fp32 on the CPU over the selected context blocks."""
+        lc, st = self.lc, self.stats
+        qc = q[0].float()
+        qc = (qc.cpu() if qc.device.type != "cpu" else qc).contiguous()  # [H, D]
+        if layer < lc.dense_layer_num:
+            st.full_calls[layer] += 1
+            return self.store.attend(layer, qc, self._all_blocks[self.ib: lb], self._out, self._lse)
+        if self.presel_pending[layer]:
+            self._preselect(layer, lb)
+        leader = layer - (layer - lc.dense_layer_num) % lc.layer_step  # layer_step groups reuse its selection
+        sel = self.sel[leader]
+        due = sel is None or (layer == leader and self.decode_step - sel.step >= lc.token_step)
+        if not due:
+            st.reuse_calls[layer] += 1
+            ids = self._extend(sel, lb)
+            return self.store.attend(layer, qc, ids, self._out, self._lse)
+        st.select_calls[layer] += 1
+        mode, allowed = lc.head_select_mode, self._allowed(layer, lb)
+        excl = [(0, self.ib), (lb, self._all_blocks.shape[0])]
+        ks = self.k_sel
+        if lc.ada_budget and mode == "SEPARATE":
+            scores = self.store.block_scores(layer, qc, "SEPARATE")  # [KVH, nb]
+            scores[:, : self.ib] = float("-inf")
+            scores[:, lb:] = float("-inf")
+            if allowed is not None:
+                keep = torch.zeros_like(scores, dtype=torch.bool)
+                keep.scatter_(1, allowed.clamp(min=0).long(), allowed >= 0)
+                scores.masked_fill_(~keep, float("-inf"))
+            ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
+        out, lse, ids = self.store.select_attend(layer, qc, ks, mode, excl, allowed, self._out, self._lse)
+        self.sel[layer] = _Selection(ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1]).clone(), lb,
+                                     self.decode_step)
+        return out, lse
+
+    def _extend(self, sel: _Selection, lb: int) -> torch.Tensor:
+        """A cached selection plus the context blocks that left the local window since it was taken."""
+        if lb == sel.lb:
+            return sel.ids
+        new = self._all_blocks[sel.lb: lb].expand(sel.ids.shape[0], lb - sel.lb)
+        ids = torch.cat([sel.ids, new], 1)
+        big = torch.iinfo(torch.int32).max  # -1 padding sorts last, then turns back into -1
+        ids = torch.sort(ids.masked_fill(ids < 0, big), 1).values
+        sel.ids, sel.lb = ids.masked_fill_(ids == big, -1), lb
+        return sel.ids
+
+    def _allowed(self, layer: int, lb: int) -> torch.Tensor | None:
+        """Preselected candidates plus the blocks that entered the context after preselection."""
+        allowed, a_lb = self.allowed[layer], self.allowed_lb[layer]
+        if allowed is None or lb <= a_lb:
+            return allowed
+        new = self._all_blocks[a_lb: lb].expand(allowed.shape[0], lb - a_lb)
+        self.allowed[layer], self.allowed_lb[layer] = torch.cat([allowed, new], 1).contiguous(), lb
+        return self.allowed[layer]
+
+    # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
+
+    def _record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
+        """Keep the last W prefill queries of the layer (q_win_span, updated after the last layer, says
+        which positions they are)."""
+        W = self.q_win.shape[1]
+        keep = q[-W:]
+        n = keep.shape[0]
+        if self.q_win_span[1] == start and n < W:  # continues the window: shift the older queries left
+            self.q_win[layer, : W - n] = self.q_win[layer, n:].clone()
+        self.q_win[layer, W - n:] = keep
+
+    def _q_span(self, start: int, T: int) -> tuple[int, int]:
+        a, b = self.q_win_span
+        end = start + T
+        return max(a if b == start else start, end - self.q_win.shape[1]), end
+
+    def _preselect(self, layer: int, lb: int) -> None:
+        """SnapKV: the top ``preselect_block_count`` context blocks per KV head (SHARED: one set) of this
+        layer, scored by the last prefill queries (Ada-SnapKV budgets with ``ada_budget``)."""
+        self.presel_pending[layer] = False
+        a, b = self.q_win_span
+        if b <= a or lb <= self.ib:
+            return
+        self.stats.preselect_calls += 1
+        lc = self.lc
+        k, _ = self.store.read_range(layer, 0, b)  # [b, KVH, D] fp32: one layer's keys, once per prefill
+        qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu()  # [W, H, D]
+        tok = snapkv_token_scores(qw, k, a, lc.preselect_pool_kernel, lc.ada_gqa_merge)  # [KVH, b]
+        scores = block_scores_from_tokens(tok, self.bs, lb)  # [KVH, lb]
+        if lc.head_select_mode == "SHARED":
+            scores = scores.sum(0, keepdim=True)
+        sets = preselect_blocks(scores, lc.preselect_block_count, lc.ada_budget, lc.ada_alpha,
+                                exclude=[(0, self.ib)])
+        allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
+        for i, s in enumerate(sets):  # a few KV heads, once per prefill
+            allowed[i, : len(s)] = s.to(torch.int32)
+        self.allowed[layer], self.allowed_lb[layer] = allowed, lb

@@ -1,0 +1,286 @@
+"""The long-context cache: exactness against dense attention, every knob, memory bounds, errors, chat."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from ktquest.config import Config, ConfigError, LongContextConfig, load_config
+from ktquest.generate import decode_one_token, prefill
+from ktquest.gguf_loader import load_model
+from ktquest.kv_cache import DenseKVCache
+from ktquest.long_context import LongContextCache, store_bytes
+from ktquest.ops import KVStore
+from ktquest.selection_policy import ada_budgets, ada_budgets_fast
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PRESETS = ["quest", "ktransformers", "snapkv", "ada_snapkv", "ada_quest"]
+
+# Tolerances by stored type: the store part reads K/V rounded to kv_type while the dense reference
+# keeps fp32. FP32: accumulation order only. FP16: 11-bit mantissa (2^-11 relative per element).
+# BF16: 8-bit mantissa. Q8_0: 1/127 of a group's max; Q4_0: 1/7 (attention averages the error down).
+TOL = {"FP32": 2e-5, "FP16": 3e-3, "BF16": 2e-2, "Q8_0": 3e-2, "Q4_0": 2.5e-1}
+
+
+def dense_ref(q, k, v):
+    """Causal attention: q [N, H, D], k/v [N, KVH, D] -> [N, H, D]."""
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = torch.einsum("thd,shd->hts", q, kk) / q.shape[-1] ** 0.5
+    s = s.masked_fill(torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), vv)
+
+
+def preset(name: str, **lc_overrides) -> Config:
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    return dataclasses.replace(cfg, long_context=dataclasses.replace(cfg.long_context, **lc_overrides))
+
+
+def full_budget(name: str, block_size: int = 8, **kw) -> Config:
+    """The preset with small windows and blocks and a budget that covers every block."""
+    cfg = preset(name, block_size=block_size, init_windows_len=5, local_windows_len=20, second_select_num=1000,
+                 preselect_block_count=1000, **kw)
+    return dataclasses.replace(cfg, chunk_size=16, max_seq_len=256)
+
+
+def run(cache, q, k, v, chunk: int, n_prefill: int, n_layers: int = 1) -> torch.Tensor:
+    """Chunked prefill then one-token decode steps through cache.attend; returns out [N, H, D] of layer 0."""
+    outs, pos = [], 0
+    while pos < q.shape[0]:
+        t = min(chunk, n_prefill - pos) if pos < n_prefill else 1
+        for layer in range(n_layers):
+            o = cache.attend(layer, q[pos: pos + t], k[pos: pos + t], v[pos: pos + t], pos)
+            if layer == 0:
+                outs.append(o)
+        pos += t
+    return torch.cat(outs)
+
+
+def qkv(N=90, H=6, KVH=2, D=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(N, H, D, generator=g), torch.randn(N, KVH, D, generator=g),
+            torch.randn(N, KVH, D, generator=g))
+
+
+ARGS = types.SimpleNamespace(n_layers=3, n_heads=6, n_kv_heads=2, head_dim=32)
+
+
+# ---- exactness at full budget ----
+
+
+@pytest.mark.parametrize("kv_type", list(TOL))
+@pytest.mark.parametrize("name", PRESETS)
+def test_full_budget_equals_dense_attention(name, kv_type):
+    cfg = full_budget(name, kv_type=kv_type, anchor_num=2 if name != "ktransformers" else 1)
+    q, k, v = qkv()
+    out = run(LongContextCache(ARGS, cfg, 256), q, k, v, 16, 70, n_layers=3)
+    torch.testing.assert_close(out, dense_ref(q, k, v), atol=TOL[kv_type], rtol=TOL[kv_type])
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    model, _ = load_model(tiny_llama.path)
+    return model
+
+
+@pytest.mark.parametrize("kv_type", ["FP32", "FP16", "BF16"])  # the tiny model's head_dim (16) rules out Q*
+@pytest.mark.parametrize("name", PRESETS)
+def test_full_budget_logits_equal_dense(tiny, name, kv_type):
+    a = tiny.args
+    cfg = full_budget(name, block_size=4, kv_type=kv_type, anchor_num=2 if name != "ktransformers" else 1)
+    lcache = LongContextCache(a, cfg, 256)
+    dcache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 256)
+    prompt = torch.arange(3, 60) * 7 % 250
+    tol = TOL[kv_type] * 10  # logits: the error of two layers, amplified by the output projection
+    torch.testing.assert_close(prefill(tiny, lcache, prompt, 16), prefill(tiny, dcache, prompt, 16),
+                               atol=tol, rtol=tol)
+    for tok in (5, 9, 11, 200, 7):
+        torch.testing.assert_close(decode_one_token(tiny, lcache, tok), decode_one_token(tiny, dcache, tok),
+                                   atol=tol, rtol=tol)
+
+
+# ---- knobs ----
+
+
+def sparse_cfg(**kw) -> Config:
+    lc = dict(block_size=8, init_windows_len=8, local_windows_len=16, second_select_num=2, kv_type="FP32",
+              anchor_type="QUEST", head_select_mode="SEPARATE")
+    lc.update(kw)
+    return Config(mode="long_context", chunk_size=16, max_seq_len=256, long_context=LongContextConfig(**lc))
+
+
+def decode_steps(cache, q, k, v, n_prefill, n_layers=3):
+    run(cache, q, k, v, 16, n_prefill, n_layers=n_layers)
+    return cache.stats
+
+
+def test_token_and_layer_step_select_only_when_due():
+    q, k, v = qkv(N=110)
+    st = decode_steps(LongContextCache(ARGS, sparse_cfg(token_step=3), 256), q, k, v, 100)
+    assert st.select_calls == [4, 4, 4] and st.reuse_calls == [6, 6, 6]  # steps 1, 4, 7, 10 of 10
+    st = decode_steps(LongContextCache(ARGS, sparse_cfg(layer_step=2), 256), q, k, v, 100)
+    assert st.select_calls == [10, 0, 10] and st.reuse_calls == [0, 10, 0]
+
+
+def test_reused_selection_is_extended_by_new_context_blocks():
+    q, k, v = qkv(N=140)
+    cache = LongContextCache(ARGS, sparse_cfg(token_step=100, second_select_num=1), 256)
+    run(cache, q, k, v, 16, 100, n_layers=3)  # 40 decode steps: the context grows by 5 blocks
+    sel = cache.sel[0]
+    assert sel.lb == cache.geo.loc0 // 8 and sel.ids.shape[1] == 1 + (sel.lb - 10)
+    assert cache.stats.select_calls[0] == 1
+
+
+def test_dense_layers_see_every_block_and_windows_never_go_through_selection():
+    q, k, v = qkv(N=110)
+    cache = LongContextCache(ARGS, sparse_cfg(dense_layer_num=1, second_select_num=1), 256)
+    st = decode_steps(cache, q, k, v, 100)
+    assert st.full_calls == [10, 0, 0] and st.select_calls == [0, 10, 10]
+    ids = cache.sel[1].ids
+    lb = cache.geo.loc0 // 8
+    assert ((ids == -1) | ((ids >= 1) & (ids < lb))).all()  # never the init block 0 or the local blocks
+
+
+def test_preselection_restricts_candidates():
+    q, k, v = qkv(N=110)
+    cache = LongContextCache(ARGS, sparse_cfg(preselect_block=True, preselect_block_count=3,
+                                              second_select_num=2), 256)
+    run(cache, q, k, v, 16, 100, n_layers=3)
+    assert cache.stats.preselect_calls == 3
+    for layer in range(3):
+        allowed = cache.allowed[layer]
+        assert (allowed[:, :3] >= 0).all() and allowed.shape[1] == 3 + cache.allowed_lb[layer] - 10
+        picked = cache.sel[layer].ids
+        for h in range(2):
+            assert set(picked[h][picked[h] >= 0].tolist()) <= set(allowed[h].tolist())
+
+
+def test_ada_budgets_sum_floor_and_spread():
+    g = torch.Generator().manual_seed(1)
+    peaked = torch.full((1, 40), -8.0)
+    peaked[0, 3] = 5.0
+    spread = torch.randn(1, 40, generator=g) * 0.01
+    scores = torch.cat([peaked, spread, peaked]).exp()  # head 1 attends broadly
+    for fn in (ada_budgets, ada_budgets_fast):
+        b = fn(scores, 30, 0.2)
+        assert int(b.sum()) == 30 and (b >= int(0.2 * 30 / 3)).all()
+        assert b[1] > b[0] and b[1] > b[2]
+    for seed in range(200):  # the fast path agrees with the exact one
+        s = torch.randn(3, 40, generator=torch.Generator().manual_seed(seed)).exp()
+        assert torch.equal(ada_budgets_fast(s, 48, 0.2), ada_budgets(s, 48, 0.2))
+
+
+def test_ada_decode_budgets_per_head():
+    q, k, v = qkv(N=110)
+    cache = LongContextCache(ARGS, sparse_cfg(ada_budget=True, second_select_num=2), 256)
+    run(cache, q, k, v, 16, 100, n_layers=3)
+    ids = cache.sel[0].ids
+    assert int((ids >= 0).sum()) == 4  # the layer's total, 2 blocks x 2 KV heads
+
+
+# ---- memory ----
+
+
+def test_device_kv_bytes_do_not_grow_with_the_prompt():
+    cfg = dataclasses.replace(sparse_cfg(), max_seq_len=2048, chunk_size=64)
+    sizes = []
+    for n in (64, 500, 1500):
+        q, k, v = qkv(N=n)
+        cache = LongContextCache(ARGS, cfg, 2048)
+        run(cache, q, k, v, 64, n, n_layers=3)
+        sizes.append(cache.device_kv_bytes())
+        assert cache.store.length(0) == n
+    assert sizes[0] == sizes[1] == sizes[2]
+    if torch.cuda.is_available():  # the same on a GPU, measured by the allocator
+        peaks = []
+        for n in (500, 1500):
+            torch.cuda.reset_peak_memory_stats()
+            q, k, v = (x.cuda() for x in qkv(N=n))
+            base = torch.cuda.memory_allocated()
+            run(LongContextCache(ARGS, cfg, 2048, device="cuda"), q, k, v, 64, n, n_layers=3)
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        assert peaks[1] < peaks[0] * 1.5
+
+
+# ---- errors ----
+
+
+def test_invalid_knobs_are_clear_errors():
+    with pytest.raises(ConfigError, match="anchor_num.*QUEST"):
+        LongContextConfig(anchor_type="QUEST", anchor_num=3)
+    with pytest.raises(ConfigError, match="local_windows_len"):
+        Config(mode="long_context", max_seq_len=100, long_context=LongContextConfig(local_windows_len=100))
+    with pytest.raises(ConfigError, match="block_size"):
+        Config(mode="long_context", max_seq_len=100, long_context=LongContextConfig(
+            block_size=128, init_windows_len=0, local_windows_len=10))
+    with pytest.raises(ConfigError, match="ada_alpha"):
+        LongContextConfig(ada_alpha=1.5)
+    with pytest.raises(ConfigError, match="head_dim"):  # Q8_0/Q4_0 need head_dim % 32 == 0
+        LongContextCache(types.SimpleNamespace(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16),
+                         sparse_cfg(kv_type="Q4_0"), 256)
+    huge = 1 << 40
+    with pytest.raises(ConfigError, match=r"max_seq_len.*GiB"):
+        LongContextCache(ARGS, dataclasses.replace(sparse_cfg(), max_seq_len=huge), huge)
+    assert store_bytes(LongContextConfig(kv_type="FP16", block_size=64), 1, 1, 64, 64) == 2 * 64 * 64 * 2 + 2 * 64 * 4 + 4
+    cache = LongContextCache(ARGS, sparse_cfg(), 256)
+    q, k, v = qkv(N=40)
+    with pytest.raises(ValueError, match="chunk_size"):
+        cache.attend(0, q[:20], k[:20], v[:20], 0)
+
+
+# ---- truncate ----
+
+
+@pytest.mark.parametrize("anchor_type", ["QUEST", "BLOCK_MAX", "BLOCK_MEAN", "FIXED"])
+def test_store_truncate_recomputes_partial_block_anchors(anchor_type):
+    k, v = torch.randn(30, 2, 32), torch.randn(30, 2, 32)
+    a, b = (KVStore(2, 2, 32, 100, 8, "FP16", anchor_type, 3 if anchor_type == "FIXED" else 2) for _ in range(2))
+    a.append(1, k, v)
+    a.truncate(-1, 21)
+    b.append(1, k[:21], v[:21])
+    (x, cx), (y, cy) = a.anchors(1), b.anchors(1)
+    assert a.length(1) == 21 and torch.equal(cx, cy)
+    for h in range(2):
+        for blk in range(3):
+            n = int(cx[h, blk])
+            assert torch.equal(x[h, blk, :n], y[h, blk, :n])
+    torch.testing.assert_close(a.read_range(1, 4, 21)[1], b.read(1)[1][4:])
+    with pytest.raises(IndexError):
+        a.truncate(0, 50)
+
+
+def test_cache_truncate_then_continue_equals_dense():
+    q, k, v = qkv(N=90)
+    cfg = full_budget("quest", kv_type="FP32")
+    cache = LongContextCache(ARGS, cfg, 256)
+    run(cache, q, k, v, 16, 80, n_layers=3)
+    cache.truncate(30)  # before the local window: the device window is refilled from the store
+    out = []
+    for pos in range(30, 45):
+        for layer in range(3):
+            o = cache.attend(layer, q[pos: pos + 1], k[pos: pos + 1], v[pos: pos + 1], pos)
+            if layer == 0:
+                out.append(o)
+    torch.testing.assert_close(torch.cat(out), dense_ref(q[:45], k[:45], v[:45])[30:45], atol=2e-5, rtol=2e-5)
+
+
+# ---- chat ----
+
+
+def test_chat_two_turns_long_context_equals_dense(tiny_llama):
+    import ktquest
+
+    sets = dict(max_seq_len=256, chunk_size=16, threads=1, max_new_tokens=6)
+    dense = ktquest.load(tiny_llama.path, **sets)
+    lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=1000, kv_type="FP32")
+    sparse = ktquest.load(tiny_llama.path, mode="long_context", **sets, **{f"long_context.{k}": v for k, v in lc.items()})
+    assert isinstance(sparse.cache, LongContextCache)
+    a, b = dense.chat_session(document="a b c d " * 10), sparse.chat_session(document="a b c d " * 10)
+    for text in ("hello there", "and again"):
+        ra, rb = a.send(text), b.send(text)
+        assert ra.text == rb.text
+        assert ra.stats.context_tokens == rb.stats.context_tokens == sparse.cache.store.length(0)
