@@ -95,7 +95,7 @@ void bind_gemv(py::module_& m) {
     py::gil_scoped_release nogil;
     ktq::gemv_q8_0(xp, T, in, qp, dp, out, bp, yp, n_threads);
   }, py::arg("x"), py::arg("qw"), py::arg("dw"), py::arg("bias"), py::arg("y"), py::arg("n_threads"),
-     "y[T, out] = x[T, in] @ dequant(qw, dw)^T (+ bias); x is quantized to Q8_0 per row.");
+     "y[T, out] = x[T, in] @ dequant(qw, dw)^T (+ bias); weight-only: x stays fp32.");
 }
 
 // ---- KV store and sparse attention (cpp/kv_store.*, cpp/sparse_attn.cpp) ----

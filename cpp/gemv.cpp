@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "cpu_features.h"
 #include "thread_pool.h"
@@ -24,17 +23,16 @@ void quantize_q8_0_scalar(const float* src, int64_t n, int8_t* q, float* d) {
   }
 }
 
-void gemv_q8_0_rows_scalar(const int8_t* qx, const float* dx, int64_t in, const int8_t* qw, const float* dw,
-                           const float* bias, float* y, int64_t o0, int64_t o1) {
+void gemv_q8_0_rows_scalar(const float* x, int64_t in, const int8_t* qw, const float* dw, const float* bias,
+                           float* y, int64_t o0, int64_t o1) {
   const int64_t ng = in / kQ8Group;
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* w = qw + o * in;
-    const float* dwo = dw + o * ng;
     float acc = 0.f;
     for (int64_t g = 0; g < ng; ++g) {
-      int32_t s = 0;
-      for (int i = 0; i < kQ8Group; ++i) s += int32_t(w[g * kQ8Group + i]) * int32_t(qx[g * kQ8Group + i]);
-      acc += float(s) * (dwo[g] * dx[g]);
+      float s = 0.f;
+      for (int i = 0; i < kQ8Group; ++i) s += float(w[g * kQ8Group + i]) * x[g * kQ8Group + i];
+      acc += s * dw[o * ng + g];
     }
     y[o] = acc + (bias ? bias[o] : 0.f);
   }
@@ -49,29 +47,16 @@ void quantize_q8_0(const float* src, int64_t n, int8_t* q, float* d) {
 
 void gemv_q8_0(const float* x, int64_t T, int64_t in, const int8_t* qw, const float* dw, int64_t out,
                const float* bias, float* y, int n_threads) {
-  const int64_t ng = in / kQ8Group;
-  // qx: [T, in], dx: [T, in/32]; thread-local so concurrent calls from different threads are safe.
-  thread_local std::vector<int8_t> qx;
-  thread_local std::vector<float> dx;
-  qx.resize(T * in);
-  dx.resize(T * ng);
-  for (int64_t t = 0; t < T; ++t) quantize_q8_0(x + t * in, in, qx.data() + t * in, dx.data() + t * ng);
-
-  // Raw pointers, not the thread_local vectors: inside the lambda on a worker thread, `qx` would name
-  // that thread's own (empty) buffer.
-  const int8_t* qxp = qx.data();
-  const float* dxp = dx.data();
   const bool avx2 = use_avx2();
-  // Rows in chunks of 16 (a multiple of a cache line of scales); chunk c always covers the same rows.
+  // Rows in chunks of 16 (a multiple of 4, the AVX2 kernel's row step); chunk c always covers the
+  // same rows and each output is computed by one thread in a fixed order.
   constexpr int64_t kRowsPerTask = 16;
   const int64_t n_tasks = (out + kRowsPerTask - 1) / kRowsPerTask;
   auto task = [&](int64_t c) {
     const int64_t o0 = c * kRowsPerTask, o1 = std::min(out, o0 + kRowsPerTask);
     for (int64_t t = 0; t < T; ++t) {
-      const int8_t* qxt = qxp + t * in;
-      const float* dxt = dxp + t * ng;
-      if (avx2) gemv_q8_0_rows_avx2(qxt, dxt, in, qw, dw, bias, y + t * out, o0, o1);
-      else gemv_q8_0_rows_scalar(qxt, dxt, in, qw, dw, bias, y + t * out, o0, o1);
+      if (avx2) gemv_q8_0_rows_avx2(x + t * in, in, qw, dw, bias, y + t * out, o0, o1);
+      else gemv_q8_0_rows_scalar(x + t * in, in, qw, dw, bias, y + t * out, o0, o1);
     }
   };
   ThreadPool::global().parallel_for(n_tasks, n_threads, task);

@@ -16,12 +16,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 32 int8 x 32 int8 -> 8 int32 partial sums. maddubs wants unsigned x signed: move w's sign onto x.
-inline __m256i dot32(__m256i w, __m256i x) {
-  const __m256i aw = _mm256_sign_epi8(w, w);
-  const __m256i sx = _mm256_sign_epi8(x, w);
-  const __m256i p16 = _mm256_maddubs_epi16(aw, sx);
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+// 8 int8 weights at p, widened to fp32.
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Sum over one group of 32: w[0:32] . x[0:32] as 8 fp32 lanes.
+inline __m256 group_dot(const int8_t* w, __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+  __m256 s = _mm256_mul_ps(widen8(w), x0);
+  s = _mm256_fmadd_ps(widen8(w + 8), x1, s);
+  s = _mm256_fmadd_ps(widen8(w + 16), x2, s);
+  return _mm256_fmadd_ps(widen8(w + 24), x3, s);
 }
 
 }  // namespace
@@ -53,8 +58,8 @@ void quantize_q8_0_avx2(const float* src, int64_t n, int8_t* q, float* d) {
   }
 }
 
-void gemv_q8_0_rows_avx2(const int8_t* qx, const float* dx, int64_t in, const int8_t* qw, const float* dw,
-                         const float* bias, float* y, int64_t o0, int64_t o1) {
+void gemv_q8_0_rows_avx2(const float* x, int64_t in, const int8_t* qw, const float* dw, const float* bias,
+                         float* y, int64_t o0, int64_t o1) {
   const int64_t ng = in / kQ8Group;
   int64_t o = o0;
   // Four rows at a time share each load of x.
@@ -70,16 +75,13 @@ void gemv_q8_0_rows_avx2(const int8_t* qx, const float* dx, int64_t in, const in
     const float* d2 = dw + (o + 2) * ng;
     const float* d3 = dw + (o + 3) * ng;
     for (int64_t g = 0; g < ng; ++g) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kQ8Group));
-      const float dxg = dx[g];
       const int64_t off = g * kQ8Group;
-#define KTQ_ROW(k)                                                                                      \
-  {                                                                                                     \
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w##k + off));                 \
-    acc##k = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w, x)), _mm256_set1_ps(d##k[g] * dxg), acc##k);  \
-  }
-      KTQ_ROW(0) KTQ_ROW(1) KTQ_ROW(2) KTQ_ROW(3)
-#undef KTQ_ROW
+      const __m256 x0 = _mm256_loadu_ps(x + off), x1 = _mm256_loadu_ps(x + off + 8),
+                   x2 = _mm256_loadu_ps(x + off + 16), x3 = _mm256_loadu_ps(x + off + 24);
+      acc0 = _mm256_fmadd_ps(group_dot(w0 + off, x0, x1, x2, x3), _mm256_set1_ps(d0[g]), acc0);
+      acc1 = _mm256_fmadd_ps(group_dot(w1 + off, x0, x1, x2, x3), _mm256_set1_ps(d1[g]), acc1);
+      acc2 = _mm256_fmadd_ps(group_dot(w2 + off, x0, x1, x2, x3), _mm256_set1_ps(d2[g]), acc2);
+      acc3 = _mm256_fmadd_ps(group_dot(w3 + off, x0, x1, x2, x3), _mm256_set1_ps(d3[g]), acc3);
     }
     y[o + 0] = hsum(acc0) + (bias ? bias[o + 0] : 0.f);
     y[o + 1] = hsum(acc1) + (bias ? bias[o + 1] : 0.f);
@@ -90,9 +92,10 @@ void gemv_q8_0_rows_avx2(const int8_t* qx, const float* dx, int64_t in, const in
     __m256 acc = _mm256_setzero_ps();
     const int8_t* w = qw + o * in;
     for (int64_t g = 0; g < ng; ++g) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + g * kQ8Group));
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kQ8Group));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(wv, x)), _mm256_set1_ps(dw[o * ng + g] * dx[g]), acc);
+      const int64_t off = g * kQ8Group;
+      const __m256 s = group_dot(w + off, _mm256_loadu_ps(x + off), _mm256_loadu_ps(x + off + 8),
+                                 _mm256_loadu_ps(x + off + 16), _mm256_loadu_ps(x + off + 24));
+      acc = _mm256_fmadd_ps(s, _mm256_set1_ps(dw[o * ng + g]), acc);
     }
     y[o] = hsum(acc) + (bias ? bias[o] : 0.f);
   }

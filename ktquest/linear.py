@@ -3,8 +3,8 @@
 On CUDA and for prefill chunks this is ``torch.nn.functional.linear`` on the fp32/fp16 weight. On the
 CPU, single-token decode is bound by reading the weights, so each layer can also hold a Q8_0 copy
 (int8 in groups of 32 with an fp32 scale: 1.125 bytes a weight instead of 4) that the AVX2 GEMV of
-``ktquest._C`` multiplies (``decode_weights: q8_0``). The activation is quantized to Q8_0 per call,
-as llama.cpp does, so decode logits differ from the fp32 path by about 1% relative.
+``ktquest._C`` multiplies (``decode_weights: q8_0``). Only the weights are rounded (the activation stays
+fp32), so decode logits differ from the fp32 path by a few tenths of a percent.
 """
 
 from __future__ import annotations

@@ -51,6 +51,13 @@ def test_golden_reply(smol):
     assert s.prefill_tok_s > 0 and s.decode_tok_s > 0
 
 
+def test_golden_reply_on_the_default_q8_0_decode_path(bundled_gguf):
+    # What `ktquest chat` runs out of the box: decode matmuls through the int8 weight-only GEMV.
+    eng = ktquest.load(bundled_gguf, max_seq_len=256, max_new_tokens=16)
+    assert eng.config.decode_weights == "auto" and eng.device.type == "cpu"
+    assert eng.chat_session().send(QUESTION).text == GOLDEN_REPLY
+
+
 def test_raw_completion(smol):
     streamed = []
     text = smol.generate("The capital of France is", max_new_tokens=2, on_text=streamed.append)

@@ -18,12 +18,10 @@ def q8_0_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """Exact result of the kernel's arithmetic: both operands Q8_0, int32 dots, fp64 sum."""
+    """Weight-only Q8_0: x [T, in] fp32 times the dequantized weight, summed in fp64."""
     qw, dw = q8_0_reference(w)
-    qx, dx = q8_0_reference(x)
-    dots = torch.einsum("ogk,tgk->tog", qw.reshape(w.shape[0], -1, 32).double(), qx.reshape(x.shape[0], -1, 32).double())
-    y = (dots * dw.double()[None] * dx.double()[:, None]).sum(-1)
-    return (y + (0 if b is None else b.double())).float()
+    wd = (qw.reshape(w.shape[0], -1, 32).double() * dw.double()[..., None]).reshape(w.shape)
+    return (x.double() @ wd.T + (0 if b is None else b.double())).float()
 
 
 # The kernel sums group products in fp32 (8 lanes, then a horizontal add); the reference in fp64.
@@ -82,8 +80,8 @@ def test_linear_q8_path_close_to_fp32():
     ref = lin(x)
     assert lin.enable_q8(threads=2)
     y = lin(x)
-    # Q8_0 of both operands: a few tenths of a percent of the output scale.
-    torch.testing.assert_close(y, ref, rtol=0, atol=0.02 * ref.abs().max().item())
+    # Weight rounding only (at most half a step of absmax/127 per weight): well under 1% of the scale.
+    torch.testing.assert_close(y, ref, rtol=0, atol=0.01 * ref.abs().max().item())
     long = torch.randn(16, 256)  # prefill chunks stay on the fp32 weight
     torch.testing.assert_close(lin(long), torch.nn.functional.linear(long, lin.weight, lin.bias))
 
