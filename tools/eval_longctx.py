@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""Long-context retrieval accuracy (passkey, needle, kv-retrieval) per config x length x depth.
+
+Each trial is one prompt from ``ktquest.evaltasks`` (the answer hidden at a depth of a document of
+``length`` tokens, asked about in a chat turn), answered greedily by a fresh chat session of one Engine per
+config (the cache is reset between trials), and scored by exact match. Prints a markdown table (accuracy
+per config x length, then per depth), writes JSON rows and a depth x length heatmap per config. Example:
+
+    python tools/eval_longctx.py --task passkey --lengths 2048,4096,8192 --depths 0,0.25,0.5,0.75,1 \
+        --trials 5 --configs dense,configs/quest.yaml --json tools/out/passkey.json --png tools/out/passkey.png
+
+``dense`` (or ``default``) in --configs means the built-in defaults (mode: dense). A config the runtime
+refuses to load is reported and skipped, the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+_TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktquest package
+from common import write_json
+
+import ktquest
+from ktquest.config import ConfigError, load_config
+from ktquest.evaltasks import MAX_NEW_TOKENS, TASKS, answer_complete, make_sample, score
+
+BUILTIN = ("dense", "default")
+
+
+def parse_list(text: str, kind=str) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def config_name(path: str) -> str:
+    return path if path in BUILTIN else Path(path).stem
+
+
+def load_engine(model: str | None, config: str, task: str, max_len: int, threads: int, sets: list[str]):
+    """One Engine for a config: greedy, room for the longest prompt and the reply."""
+    new = MAX_NEW_TOKENS[task]
+    overrides = [f"max_new_tokens={new}", "temperature=0", *sets]
+    if threads:
+        overrides.append(f"threads={threads}")
+    cfg = load_config(None if config in BUILTIN else config, overrides)
+    if cfg.max_seq_len == 0 or cfg.max_seq_len < max_len + new + 1:
+        cfg = load_config(
+            None if config in BUILTIN else config, [*overrides, f"max_seq_len={max_len + new + 1}"]
+        )
+    return ktquest.load(model, cfg)
+
+
+def ask(eng, s, task: str):
+    """One chat turn on a fresh session (the engine resets its cache); greedy generation stops as soon as
+    the answer is complete (``answer_complete``), so a chatty reply costs no extra decode steps."""
+    text: list[str] = []
+    done = [False]
+
+    def on_text(piece: str) -> None:
+        text.append(piece)
+        done[0] = answer_complete(task, "".join(text), s.answer, s.key)
+
+    return eng.chat_session(document=s.document).send(
+        s.question, on_text=on_text, should_stop=lambda: done[0]
+    )
+
+
+def run(args) -> tuple[list[dict], list[dict]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    lengths, depths = parse_list(args.lengths, int), parse_list(args.depths, float)
+    configs = parse_list(args.configs)
+    total = len(configs) * len(lengths) * len(depths) * args.trials
+    trials: list[dict] = []
+    samples: dict[tuple, object] = {}  # the prompts do not depend on the config: build them once
+    show = total > 1 and not args.quiet
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=not show,
+        transient=True,
+    ) as bar:
+        job = bar.add_task(args.task, total=total, info="")
+        for config in configs:
+            t0 = time.perf_counter()
+            try:
+                eng = load_engine(args.model, config, args.task, max(lengths), args.threads, args.set)
+            except (ConfigError, OSError, ValueError) as e:
+                print(f"skipping {config}: {e}", file=sys.stderr)
+                bar.advance(job, len(lengths) * len(depths) * args.trials)
+                continue
+            load_s = time.perf_counter() - t0
+            name = config_name(config)
+            bar.update(job, description=f"{args.task} {name}")
+            for length in lengths:
+                for depth in depths:
+                    for trial in range(args.trials):
+                        key = (length, depth, trial)
+                        if key not in samples:
+                            samples[key] = make_sample(
+                                eng.tokenizer, args.task, length, depth, args.seed, trial
+                            )
+                        s = samples[key]
+                        reply = ask(eng, s, args.task)
+                        st = reply.stats
+                        ok = score(args.task, reply.text, s.answer, s.key)
+                        trials.append(
+                            {
+                                "task": args.task,
+                                "config": name,
+                                "config_path": config,
+                                "mode": eng.config.mode,
+                                "length": length,
+                                "depth": depth,
+                                "trial": trial,
+                                "prompt_tokens": len(s.tokens),
+                                "answer": s.answer,
+                                "reply": reply.text,
+                                "correct": ok,
+                                "prefill_s": st.prefill_s,
+                                "decode_s": st.decode_s,
+                                "prefill_tok_s": st.prefill_tok_s,
+                                "decode_tok_s": st.decode_tok_s,
+                                "load_s": load_s,
+                            }
+                        )
+                        bar.update(
+                            job,
+                            advance=1,
+                            info=f"{length} tok, depth {depth:g}: "
+                            f"{st.prefill_tok_s:.0f} tok/s prefill, {'ok' if ok else 'wrong'}",
+                        )
+                        if args.verbose:
+                            print(
+                                f"{name} {length} {depth:g} #{trial}: {'OK ' if ok else 'BAD'} "
+                                f"answer={s.answer!r} reply={reply.text!r}",
+                                flush=True,
+                            )
+            del eng
+    return aggregate(trials), trials
+
+
+def aggregate(trials: list[dict]) -> list[dict]:
+    """One row per (config, length, depth): trials, correct, accuracy and mean times."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for t in trials:
+        groups[(t["config"], t["length"], t["depth"])].append(t)
+    rows = []
+    for (config, length, depth), ts in groups.items():
+        n, c = len(ts), sum(t["correct"] for t in ts)
+        rows.append(
+            {
+                "task": ts[0]["task"],
+                "config": config,
+                "mode": ts[0]["mode"],
+                "length": length,
+                "depth": depth,
+                "trials": n,
+                "correct": c,
+                "accuracy": c / n,
+                "prompt_tokens": sum(t["prompt_tokens"] for t in ts) / n,
+                "prefill_s": sum(t["prefill_s"] for t in ts) / n,
+                "decode_s": sum(t["decode_s"] for t in ts) / n,
+                "prefill_tok_s": sum(t["prefill_tok_s"] for t in ts) / n,
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """Accuracy per config x length (all depths), then per config x depth (all lengths)."""
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+
+    def acc(pred) -> str:
+        sel = [r for r in rows if pred(r)]
+        n, c = sum(r["trials"] for r in sel), sum(r["correct"] for r in sel)
+        return f"{c / n:.2f} ({c}/{n})" if n else "-"
+
+    def s_per_trial(config: str, length: int) -> str:
+        sel = [r for r in rows if r["config"] == config and r["length"] == length]
+        n = sum(r["trials"] for r in sel)
+        return f"{sum((r['prefill_s'] + r['decode_s']) * r['trials'] for r in sel) / n:.1f}" if n else "-"
+
+    out = [
+        "| config | " + " | ".join(f"{n} tok" for n in lengths) + " | all |",
+        "|---" * (len(lengths) + 2) + "|",
+    ]
+    for c in configs:
+        cells = [acc(lambda r, c=c, n=n: r["config"] == c and r["length"] == n) for n in lengths]
+        out.append(f"| {c} | " + " | ".join(cells) + f" | {acc(lambda r, c=c: r['config'] == c)} |")
+    out += [
+        "",
+        "| config | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
+        "|---" * (len(depths) + 1) + "|",
+    ]
+    for c in configs:
+        cells = [acc(lambda r, c=c, d=d: r["config"] == c and r["depth"] == d) for d in depths]
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "| config | " + " | ".join(f"s/trial @{n}" for n in lengths) + " |",
+        "|---" * (len(lengths) + 1) + "|",
+    ]
+    for c in configs:
+        out.append(f"| {c} | " + " | ".join(s_per_trial(c, n) for n in lengths) + " |")
+    return "\n".join(out)
+
+
+def heatmap(rows: list[dict], path: str, title: str) -> None:
+    """Depth (rows) x length (columns) accuracy, one panel per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    fig, axes = plt.subplots(
+        1,
+        len(configs),
+        figsize=(1.2 + 0.9 * len(lengths) * len(configs) + 1.2 * len(configs), 1.2 + 0.35 * len(depths)),
+        squeeze=False,
+    )
+    for ax, c in zip(axes[0], configs):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for r in rows:
+            if r["config"] == c:
+                grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(c)
+    axes[0][0].set_ylabel("depth")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle(title)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=TASKS, default="passkey")
+    ap.add_argument("--lengths", default="2048,4096,8192", help="comma-separated prompt lengths, tokens")
+    ap.add_argument(
+        "--depths",
+        default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
+        help="comma-separated depths in [0, 1]",
+    )
+    ap.add_argument("--trials", type=int, default=3, help="prompts per (length, depth)")
+    ap.add_argument("--configs", default="dense", help="comma-separated YAML presets; 'dense' = defaults")
+    ap.add_argument(
+        "--model", default=None, help="GGUF path (default: the config's, else the bundled SmolLM2)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="0 = the config's")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (all configs)"
+    )
+    ap.add_argument("--json", default=None, help="write {meta, rows, trials} here")
+    ap.add_argument("--png", default=None, help="write the depth x length heatmap here")
+    ap.add_argument("--verbose", action="store_true", help="print every reply")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.trials < 1:
+        ap.error("--trials must be >= 1")
+
+    t0 = time.perf_counter()
+    rows, trials = run(args)
+    wall = time.perf_counter() - t0
+    if not rows:
+        print("no config could be run", file=sys.stderr)
+        return 1
+    n_tok = sum(t["prompt_tokens"] for t in trials)
+    compute = sum(t["prefill_s"] + t["decode_s"] for t in trials)
+    print(f"## {args.task}: accuracy (seed {args.seed}, {args.trials} trial(s) per cell)\n")
+    print(markdown(rows))
+    print(
+        f"\n{len(trials)} trials, {n_tok} prompt tokens in {wall:.1f} s wall "
+        f"({compute:.1f} s prefill + decode, {n_tok / max(compute, 1e-9):.0f} prompt tok/s overall, "
+        f"{compute / len(trials):.1f} s per trial)"
+    )
+    meta = {
+        "task": args.task,
+        "lengths": parse_list(args.lengths, int),
+        "depths": parse_list(args.depths, float),
+        "trials": args.trials,
+        "configs": parse_list(args.configs),
+        "model": args.model,
+        "seed": args.seed,
+        "sets": args.set,
+        "wall_s": wall,
+        "compute_s": compute,
+        "prompt_tokens": n_tok,
+        "argv": sys.argv[1:],
+    }
+    if args.json:
+        write_json(args.json, {"meta": meta, "rows": rows, "trials": trials})
+    if args.png:
+        heatmap(rows, args.png, f"{args.task} accuracy (seed {args.seed}, {args.trials} trials per cell)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
