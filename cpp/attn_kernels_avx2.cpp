@@ -88,25 +88,36 @@ struct DecQ4 {
 
 // ---- logits: s[g * ss + r] = dot(q_g, k_r) for NT rows from r0 ----
 
-// out[i] = the sum of the 8 lanes of a[i], i < N <= 8: one hadd tree instead of N horizontal sums.
+// out[i] = the sum of the 8 lanes of a[i], i < N: one hadd tree per 8 vectors instead of N horizontal sums.
 template <int N>
 inline void hsum_n(const __m256* a, float* out) {
-  const __m256 z = _mm256_setzero_ps();
-  auto at = [&](int i) { return i < N ? a[i] : z; };
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
-  const __m256 u1 = N > 4 ? _mm256_hadd_ps(_mm256_hadd_ps(at(4), at(5)), _mm256_hadd_ps(at(6), at(7))) : z;
-  // u0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], u1 likewise for a4..a7
-  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, sum);
-  for (int i = 0; i < N; ++i) out[i] = tmp[i];
+  if constexpr (N > 8) {
+    hsum_n<8>(a, out);
+    hsum_n<N - 8>(a + 8, out + 8);
+  } else {
+    const __m256 z = _mm256_setzero_ps();
+    auto at = [&](int i) { return i < N ? a[i] : z; };
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
+    const __m256 u1 = N > 4 ? _mm256_hadd_ps(_mm256_hadd_ps(at(4), at(5)), _mm256_hadd_ps(at(6), at(7))) : z;
+    // u0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], u1 likewise for a4..a7
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, sum);
+    for (int i = 0; i < N; ++i) out[i] = tmp[i];
+  }
 }
+
+// Register blocking per query-group size: NB * NG accumulators in flight (8-9 of the 16 ymm registers),
+// enough independent FMA chains to cover the FMA latency. NB = rows (logits) or 8-column chunks (values).
+template <int NG>
+constexpr int kBlockRows = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 3 : NG == 4 ? 2 : 1;
 
 // Software prefetch of rows [r0, r0 + n) of the next tile into L2, spread over the current tile's work so
 // the next block streams in from DRAM while this one is computed.
 inline void prefetch_rows(const uint8_t* tile, int r0, int n, size_t rb) {
   if (!tile) return;
-  for (size_t off = r0 * rb; off < (r0 + n) * rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(tile + off), _MM_HINT_T1);
+  for (size_t off = r0 * rb; off < (r0 + n) * rb; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(tile + off), _MM_HINT_T1);
 }
 
 template <class Dc, int NG, int NT>
@@ -141,7 +152,7 @@ inline void logits_rows(const uint8_t* k, const float* ksc, size_t rb, int ns, i
 template <class Dc, int NG>
 void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D, const float* q, float* s, int ss,
             const uint8_t* pk = nullptr, const uint8_t* pv = nullptr) {
-  constexpr int NT = NG <= 2 ? 4 : NG <= 4 ? 2 : 1;  // NT * NG <= 8 accumulators
+  constexpr int NT = kBlockRows<NG>;
   int r = 0;
   for (; r + NT <= n; r += NT) {
     prefetch_rows(pk, r, NT, rb);
@@ -180,7 +191,7 @@ inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, in
 
 template <class Dc, int NG>
 void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, const float* p, int ps, float* acc) {
-  constexpr int NC = NG <= 2 ? 4 : NG <= 4 ? 2 : 1;
+  constexpr int NC = kBlockRows<NG>;
   int c = 0;
   for (; c + NC <= D / 8; c += NC) accum_cols<Dc, NG, NC>(v, vsc, rb, ns, n, c, D, p, ps, acc);
   for (; c < D / 8; ++c) accum_cols<Dc, NG, 1>(v, vsc, rb, ns, n, c, D, p, ps, acc);

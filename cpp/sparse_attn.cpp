@@ -97,8 +97,10 @@ void KVStore::build_runs(int64_t nb, int n_sets, const SelectRequest* req) {
   std::sort(excl_.begin(), excl_.end());
   size_t m = 0;
   for (size_t i = 0; i < excl_.size(); ++i) {
-    if (m > 0 && excl_[i].first <= excl_[m - 1].second) excl_[m - 1].second = std::max(excl_[m - 1].second, excl_[i].second);
-    else excl_[m++] = excl_[i];
+    if (m > 0 && excl_[i].first <= excl_[m - 1].second)
+      excl_[m - 1].second = std::max(excl_[m - 1].second, excl_[i].second);
+    else
+      excl_[m++] = excl_[i];
   }
   excl_.resize(m);
 
@@ -195,7 +197,8 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores, co
   // Tasks: kScoreBlocksPerTask candidates of one set each (a fixed split: thread-count independent).
   task_start_.assign(1, 0);
   for (int s = 0; s < n_sets; ++s)
-    task_start_.push_back(task_start_.back() + (runs_[s].prefix.back() + kScoreBlocksPerTask - 1) / kScoreBlocksPerTask);
+    task_start_.push_back(task_start_.back() +
+                          (runs_[s].prefix.back() + kScoreBlocksPerTask - 1) / kScoreBlocksPerTask);
   if (k) {
     local_.resize(size_t(task_start_.back()) * std::max<int64_t>(kcap, 1));
     local_n_.assign(task_start_.back(), 0);

@@ -41,15 +41,20 @@ def fixed_positions(block_size: int, anchor_num: int) -> list[int]:
     return [j * block_size // anchor_num for j in range(anchor_num)]
 
 
-def ref_anchor_lists(k: torch.Tensor, block_size: int, anchor_type: str, anchor_num: int,
-                     importance: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
+def ref_anchor_lists(
+    k: torch.Tensor,
+    block_size: int,
+    anchor_type: str,
+    anchor_num: int,
+    importance: torch.Tensor | None = None,
+) -> list[list[torch.Tensor]]:
     """Per KV head, per block: the anchor rows [A_b, D] (fp32) the store must hold. k: [T, KVH, D] stored keys."""
     T, KVH, _ = k.shape
     out = []
     for h in range(KVH):
         rows = []
         for b0 in range(0, T, block_size):
-            kb = k[b0:b0 + block_size, h].double()  # [n, D]
+            kb = k[b0 : b0 + block_size, h].double()  # [n, D]
             if anchor_type == "QUEST":
                 rows.append(torch.stack([kb.min(0).values, kb.max(0).values]).float())
             elif anchor_type == "BLOCK_MAX":
@@ -57,9 +62,11 @@ def ref_anchor_lists(k: torch.Tensor, block_size: int, anchor_type: str, anchor_
             elif anchor_type == "BLOCK_MEAN":  # fp64 sum and division, one rounding to fp32
                 rows.append((kb.sum(0) / kb.shape[0]).float()[None])
             elif anchor_type == "FIXED":
-                rows.append(kb[[p for p in fixed_positions(block_size, anchor_num) if p < kb.shape[0]]].float())
+                rows.append(
+                    kb[[p for p in fixed_positions(block_size, anchor_num) if p < kb.shape[0]]].float()
+                )
             elif anchor_type == "DYNAMIC":  # highest importance first, earlier token on ties
-                imp = importance[b0:b0 + block_size, h].tolist()
+                imp = importance[b0 : b0 + block_size, h].tolist()
                 order = sorted(range(len(imp)), key=lambda i: (-imp[i], i))[:anchor_num]
                 rows.append(kb[sorted(order)].float())
         out.append(rows)
@@ -86,12 +93,14 @@ def append_in_chunks(store: KVStore, layer: int, k, v, importance=None, chunks=(
     for n in chunks:
         n = min(n, k.shape[0] - t)
         if n > 0:
-            store.append(layer, k[t:t + n], v[t:t + n], None if importance is None else importance[t:t + n])
+            store.append(
+                layer, k[t : t + n], v[t : t + n], None if importance is None else importance[t : t + n]
+            )
         t += n
     mid = t + (k.shape[0] - t) // 2
     store.append(layer, k[t:mid], v[t:mid], None if importance is None else importance[t:mid])
     for i in range(mid, k.shape[0]):
-        store.append(layer, k[i:i + 1], v[i:i + 1], None if importance is None else importance[i:i + 1])
+        store.append(layer, k[i : i + 1], v[i : i + 1], None if importance is None else importance[i : i + 1])
 
 
 def sorted_rows(x: torch.Tensor) -> torch.Tensor:
@@ -121,11 +130,15 @@ def test_stored_rows_equal_reference_codec(force_scalar, kv_type, in_dtype):
 
 def test_fp16_rounding_is_bit_exact_on_edge_values(force_scalar):
     """Round-to-nearest-even incl. ties, subnormals and the largest finite halves, in both paths."""
-    f16 = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()  # all finite +
+    f16 = (
+        torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    )  # all finite +
     lo, hi = f16[:-1].double(), f16[1:].double()
     mids = ((lo + hi) / 2).float()  # exact ties (representable in fp32)
-    edge = torch.tensor([65504.0, 65519.99, -65519.99, 2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0001, 1e-30, -0.0])
-    x = torch.cat([f16, -f16, mids, -mids, torch.nextafter(mids, torch.tensor(np.inf)), edge, randn(4096) * 1e3])
+    edge = torch.tensor([65504.0, 65519.99, -65519.99, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0001, 1e-30, -0.0])
+    x = torch.cat(
+        [f16, -f16, mids, -mids, torch.nextafter(mids, torch.tensor(np.inf)), edge, randn(4096) * 1e3]
+    )
     n = x.numel() // 64 * 64
     x = x[:n].reshape(-1, 1, 64)
     store = KVStore(1, 1, 64, x.shape[0], block_size=64, kv_type="FP16")
@@ -157,15 +170,23 @@ def test_scalar_and_avx2_store_the_same_bits(kv_type):
 ANCHOR_CASES = [("QUEST", 2), ("BLOCK_MAX", 1), ("BLOCK_MEAN", 1), ("FIXED", 1), ("FIXED", 3), ("DYNAMIC", 4)]
 
 
-@pytest.mark.parametrize("anchor_type,anchor_num,block_size,T", [
-    (a, n, bs, T) for a, n in ANCHOR_CASES for bs, T in [(1, 7), (16, 129), (64, 150), (128, 129)] if n <= bs
-] + [("FIXED", 1, 1, 7), ("DYNAMIC", 1, 1, 7)])
+@pytest.mark.parametrize(
+    "anchor_type,anchor_num,block_size,T",
+    [
+        (a, n, bs, T)
+        for a, n in ANCHOR_CASES
+        for bs, T in [(1, 7), (16, 129), (64, 150), (128, 129)]
+        if n <= bs
+    ]
+    + [("FIXED", 1, 1, 7), ("DYNAMIC", 1, 1, 7)],
+)
 def test_anchors_follow_appends(force_scalar, anchor_type, anchor_num, block_size, T):
     KVH, D = 2, 64
     k, v = randn(T, KVH, D, seed=5), randn(T, KVH, D, seed=6)
     imp = torch.randint(0, 4, (T, KVH), generator=torch.Generator().manual_seed(7)).float()  # many ties
-    store = KVStore(1, KVH, D, T, block_size=block_size, kv_type="FP16", anchor_type=anchor_type,
-                    anchor_num=anchor_num)
+    store = KVStore(
+        1, KVH, D, T, block_size=block_size, kv_type="FP16", anchor_type=anchor_type, anchor_num=anchor_num
+    )
     append_in_chunks(store, 0, k, v, imp if anchor_type == "DYNAMIC" else None)
     ks, _ = store.read(0)
     anchors, counts = store.anchors(0)
@@ -215,8 +236,10 @@ def test_capacity_is_a_clear_error_and_writes_nothing():
     torch.testing.assert_close(store.read(0)[0], ref_codec(k[:40], "Q8_0"), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kv_type,row_bytes,scale_bytes", [("FP32", 256, 0), ("FP16", 128, 0), ("BF16", 128, 0),
-                                                           ("Q8_0", 64, 8), ("Q4_0", 32, 8)])
+@pytest.mark.parametrize(
+    "kv_type,row_bytes,scale_bytes",
+    [("FP32", 256, 0), ("FP16", 128, 0), ("BF16", 128, 0), ("Q8_0", 64, 8), ("Q4_0", 32, 8)],
+)
 def test_nbytes_counts_the_blocks_in_use(kv_type, row_bytes, scale_bytes):
     KVH, D, bs = 3, 64, 16
     store = KVStore(2, KVH, D, 1 << 20, block_size=bs, kv_type=kv_type, anchor_type="QUEST")

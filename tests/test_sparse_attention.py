@@ -28,8 +28,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Dense torch SDPA for one decode query. q: [H, D], k, v: [T, KVH, D] -> [H, D] (GQA groups of H/KVH)."""
     H, D = q.shape
     KVH = k.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(1, KVH, H // KVH, D), k.permute(1, 0, 2)[None],
-                                         v.permute(1, 0, 2)[None])
+    out = F.scaled_dot_product_attention(
+        q.reshape(1, KVH, H // KVH, D), k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]
+    )
     return out.reshape(H, D)
 
 
@@ -41,13 +42,15 @@ def ref_lse(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1).reshape(H).float()
 
 
-def ref_scores(q: torch.Tensor, anchors: list[list[torch.Tensor]], anchor_type: str, mode: str) -> torch.Tensor:
+def ref_scores(
+    q: torch.Tensor, anchors: list[list[torch.Tensor]], anchor_type: str, mode: str
+) -> torch.Tensor:
     """Block scores in fp64: per KV head the sum over its query group; SHARED sums every head -> [n_sets, nb]."""
     KVH = len(anchors)
     G = q.shape[0] // KVH
     out = torch.zeros(KVH, len(anchors[0]), dtype=torch.float64)
     for h in range(KVH):
-        qg = q[h * G:(h + 1) * G].double()  # [G, D]
+        qg = q[h * G : (h + 1) * G].double()  # [G, D]
         for b, a in enumerate(anchors[h]):
             a = a.double()
             if anchor_type == "QUEST":  # sum_d max(q_d min_d, q_d max_d): an upper bound of q.k in the block
@@ -85,8 +88,20 @@ def force_scalar(request):
     _C.set_force_scalar(False)
 
 
-def make(T, KVH, G, D, bs, kv_type="FP16", anchor_type="QUEST", anchor_num=2, threads=2, seed=0, integer=False,
-         importance=False):
+def make(
+    T,
+    KVH,
+    G,
+    D,
+    bs,
+    kv_type="FP16",
+    anchor_type="QUEST",
+    anchor_num=2,
+    threads=2,
+    seed=0,
+    integer=False,
+    importance=False,
+):
     """A store with T random tokens; integer=True draws small integers (every score exact in fp32)."""
     g = torch.Generator().manual_seed(seed)
     if integer:
@@ -97,8 +112,17 @@ def make(T, KVH, G, D, bs, kv_type="FP16", anchor_type="QUEST", anchor_num=2, th
         q = torch.randn(G * KVH, D, generator=g)
     v = torch.randn(T, KVH, D, generator=g)
     imp = torch.randint(0, 5, (T, KVH), generator=g).float() if importance else None
-    store = KVStore(1, KVH, D, T + 8, block_size=bs, kv_type=kv_type, anchor_type=anchor_type,
-                    anchor_num=anchor_num, threads_num=threads)
+    store = KVStore(
+        1,
+        KVH,
+        D,
+        T + 8,
+        block_size=bs,
+        kv_type=kv_type,
+        anchor_type=anchor_type,
+        anchor_num=anchor_num,
+        threads_num=threads,
+    )
     half = T // 2
     store.append(0, k[:half], v[:half], None if imp is None else imp[:half])
     store.append(0, k[half:], v[half:], None if imp is None else imp[half:])
@@ -111,16 +135,16 @@ def block_tokens(blocks: list[int], bs: int, T: int) -> list[int]:
 
 def ref_sparse(q, ks, vs, rows: list[list[int]], bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each KV head's query group to the tokens of its blocks (rows: one list per KV head)."""
-    T, KVH, D = ks.shape
+    T, KVH, _ = ks.shape
     G = q.shape[0] // KVH
     out, lse = torch.zeros(q.shape), torch.full((q.shape[0],), float("-inf"))
     for h in range(KVH):
         idx = block_tokens(rows[h], bs, T)
         if idx:
-            qh = q[h * G:(h + 1) * G]
-            kh, vh = ks[idx, h:h + 1], vs[idx, h:h + 1]
-            out[h * G:(h + 1) * G] = sdpa(qh, kh, vh)
-            lse[h * G:(h + 1) * G] = ref_lse(qh, kh)
+            qh = q[h * G : (h + 1) * G]
+            kh, vh = ks[idx, h : h + 1], vs[idx, h : h + 1]
+            out[h * G : (h + 1) * G] = sdpa(qh, kh, vh)
+            lse[h * G : (h + 1) * G] = ref_lse(qh, kh)
     return out, lse
 
 
@@ -137,17 +161,29 @@ def rows_of(blocks: torch.Tensor, KVH: int) -> list[list[int]]:
 @pytest.mark.parametrize("G,D", [(1, 64), (3, 128), (4, 64), (8, 128)])
 def test_block_scores_match_reference(force_scalar, anchor_type, anchor_num, mode, G, D):
     T, KVH, bs = 150, 2, 16
-    store, q, *_, imp = make(T, KVH, G, D, bs, anchor_type=anchor_type, anchor_num=anchor_num, importance=True)
+    store, q, *_, imp = make(
+        T, KVH, G, D, bs, anchor_type=anchor_type, anchor_num=anchor_num, importance=True
+    )
     ks, _ = store.read(0)
     ref = ref_scores(q, ref_anchor_lists(ks, bs, anchor_type, anchor_num, imp), anchor_type, mode)
     got = store.block_scores(0, q, mode)
-    torch.testing.assert_close(got.double(), ref[0] if mode == "SHARED" else ref, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+    torch.testing.assert_close(
+        got.double(), ref[0] if mode == "SHARED" else ref, rtol=SCORE_RTOL, atol=SCORE_ATOL
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(KVH=st.integers(1, 2), G=st.integers(1, 3), D=st.sampled_from([8, 19, 32, 64]), bs=st.integers(1, 20),
-       T=st.integers(1, 90), kv_type=st.sampled_from(["FP32", "FP16", "Q8_0"]), scale=st.floats(0.01, 100.0),
-       seed=st.integers(0, 2**16), scalar=st.booleans())
+@given(
+    KVH=st.integers(1, 2),
+    G=st.integers(1, 3),
+    D=st.sampled_from([8, 19, 32, 64]),
+    bs=st.integers(1, 20),
+    T=st.integers(1, 90),
+    kv_type=st.sampled_from(["FP32", "FP16", "Q8_0"]),
+    scale=st.floats(0.01, 100.0),
+    seed=st.integers(0, 2**16),
+    scalar=st.booleans(),
+)
 def test_quest_scores_bound_every_dot_product(KVH, G, D, bs, T, kv_type, scale, seed, scalar):
     if kv_type == "Q8_0" and D % 32:
         kv_type = "FP16"
@@ -160,9 +196,9 @@ def test_quest_scores_bound_every_dot_product(KVH, G, D, bs, T, kv_type, scale, 
     finally:
         _C.set_force_scalar(False)
     for h in range(KVH):
-        qh = q[h * G:(h + 1) * G].double()
+        qh = q[h * G : (h + 1) * G].double()
         for b in range(scores.shape[1]):
-            kb = ks[b * bs:(b + 1) * bs, h].double()  # [n, D]
+            kb = ks[b * bs : (b + 1) * bs, h].double()  # [n, D]
             best = (qh @ kb.T).max(-1).values.sum()  # for each query head the largest q.k in the block
             slack = 1e-5 * (qh.abs() @ kb.abs().max(0).values).sum() + 1e-6  # fp32 rounding of the score
             assert scores[h, b] >= best - slack
@@ -176,8 +212,18 @@ def test_quest_scores_bound_every_dot_product(KVH, G, D, bs, T, kv_type, scale, 
 def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode):
     """Integer data: every score is exact in fp32, so ties are real and the tie rule is checked exactly."""
     T, KVH, G, D, bs = 301, 3, 3, 64, 8
-    store, q, *_, imp = make(T, KVH, G, D, bs, kv_type="BF16", anchor_type=anchor_type, anchor_num=anchor_num,
-                             integer=True, importance=True)
+    store, q, *_, imp = make(
+        T,
+        KVH,
+        G,
+        D,
+        bs,
+        kv_type="BF16",
+        anchor_type=anchor_type,
+        anchor_num=anchor_num,
+        integer=True,
+        importance=True,
+    )
     ks, _ = store.read(0)
     ref = ref_scores(q, ref_anchor_lists(ks, bs, anchor_type, anchor_num, imp), anchor_type, mode)
     nb, n_sets = store.n_blocks(0), ref.shape[0]
@@ -186,8 +232,14 @@ def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode
     gen = torch.Generator().manual_seed(1)
     allowed = [sorted(torch.randperm(nb, generator=gen)[:20].tolist()) for _ in range(n_sets)]
     per_head_k = [5, 0, 40] if mode == "SEPARATE" else 7
-    cases = [dict(k=7), dict(k=7, exclude_ranges=[(0, 1), (nb - 4, nb + 10), (2, 2)]), dict(k=6, allowed=allowed),
-             dict(k=per_head_k, exclude_ranges=[(3, 9)]), dict(k=nb + 5), dict(k=0)]
+    cases = [
+        {"k": 7},
+        {"k": 7, "exclude_ranges": [(0, 1), (nb - 4, nb + 10), (2, 2)]},
+        {"k": 6, "allowed": allowed},
+        {"k": per_head_k, "exclude_ranges": [(3, 9)]},
+        {"k": nb + 5},
+        {"k": 0},
+    ]
     for case in cases:
         got = store.select(0, q, mode=mode, **case)
         got_rows = [got.tolist()] if mode == "SHARED" else got.tolist()
@@ -217,10 +269,20 @@ def test_select_attend_is_select_then_attend(force_scalar):
 # ---- attention ----
 
 FULL_CASES = [  # kv_type, G, D, block_size, T
-    ("FP32", 1, 64, 1, 7), ("FP32", 3, 128, 16, 129), ("FP32", 4, 64, 64, 150), ("FP32", 8, 128, 128, 300),
-    ("FP16", 3, 64, 64, 1000), ("FP16", 8, 128, 16, 19), ("FP16", 12, 64, 16, 77),  # G > 8: heads in batches
-    ("BF16", 4, 64, 128, 129), ("BF16", 1, 128, 1, 19), ("Q8_0", 3, 64, 64, 150), ("Q8_0", 8, 128, 16, 129),
-    ("Q4_0", 4, 128, 64, 200), ("Q4_0", 1, 64, 128, 129), ("FP32", 3, 20, 16, 50),  # D % 8 != 0: scalar kernels
+    ("FP32", 1, 64, 1, 7),
+    ("FP32", 3, 128, 16, 129),
+    ("FP32", 4, 64, 64, 150),
+    ("FP32", 8, 128, 128, 300),
+    ("FP16", 3, 64, 64, 1000),
+    ("FP16", 8, 128, 16, 19),
+    ("FP16", 12, 64, 16, 77),  # G > 8: heads in batches
+    ("BF16", 4, 64, 128, 129),
+    ("BF16", 1, 128, 1, 19),
+    ("Q8_0", 3, 64, 64, 150),
+    ("Q8_0", 8, 128, 16, 129),
+    ("Q4_0", 4, 128, 64, 200),
+    ("Q4_0", 1, 64, 128, 129),
+    ("FP32", 3, 20, 16, 50),  # D % 8 != 0: scalar kernels
 ]
 
 
@@ -271,7 +333,7 @@ def test_lse_merge_of_disjoint_parts_equals_the_union(force_scalar, kv_type):
     part2 = [sorted(set(range(nb)) - set(p)) for p in part1]
     o1, l1 = store.attend(0, q, part1)
     o2, l2 = store.attend(0, q, part2)
-    assert torch.all(l1[G:2 * G] == float("-inf")) and torch.all(o1[G:2 * G] == 0)
+    assert torch.all(l1[G : 2 * G] == float("-inf")) and torch.all(o1[G : 2 * G] == 0)
     out, lse = merge_attention(o1, l1, o2, l2)
     torch.testing.assert_close(out, sdpa(q, ks, vs), rtol=FP32_RTOL, atol=FP32_ATOL)
     torch.testing.assert_close(lse, ref_lse(q, ks), rtol=FP32_RTOL, atol=FP32_ATOL)
@@ -315,10 +377,17 @@ def test_large_logits_do_not_overflow(force_scalar):
 def test_thread_counts_give_identical_bits(anchor_type, anchor_num):
     results = []
     for threads in (1, 2, 8):
-        store, q, *_ = make(4000, 2, 4, 64, 16, anchor_type=anchor_type, anchor_num=anchor_num, threads=threads)
+        store, q, *_ = make(
+            4000, 2, 4, 64, 16, anchor_type=anchor_type, anchor_num=anchor_num, threads=threads
+        )
         nb = store.n_blocks(0)
-        results.append([*store.select_attend(0, q, 120, "SEPARATE"), *store.select_attend(0, q, nb, "SHARED"),
-                        store.block_scores(0, q, "SHARED")])
+        results.append(
+            [
+                *store.select_attend(0, q, 120, "SEPARATE"),
+                *store.select_attend(0, q, nb, "SHARED"),
+                store.block_scores(0, q, "SHARED"),
+            ]
+        )
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
@@ -411,8 +480,22 @@ def test_native_calls_check_their_arrays():
     with pytest.raises(TypeError, match="float32"):
         st_.attend(0, q.astype(np.float16), np.zeros((1, 2), np.int32), out, lse)
     with pytest.raises(ValueError, match="room for 1 blocks"):
-        st_.select(0, q, "SEPARATE", np.array([3, 3], np.int32), np.zeros((0, 2), np.int64), None,
-                   np.zeros((2, 1), np.int32))
+        st_.select(
+            0,
+            q,
+            "SEPARATE",
+            np.array([3, 3], np.int32),
+            np.zeros((0, 2), np.int64),
+            None,
+            np.zeros((2, 1), np.int32),
+        )
     with pytest.raises(ValueError, match="shape"):
-        st_.select(0, q, "SEPARATE", np.array([3], np.int32), np.zeros((0, 2), np.int64), None,
-                   np.zeros((2, 3), np.int32))
+        st_.select(
+            0,
+            q,
+            "SEPARATE",
+            np.array([3], np.int32),
+            np.zeros((0, 2), np.int64),
+            None,
+            np.zeros((2, 3), np.int32),
+        )

@@ -29,12 +29,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from ktquest import _C  # noqa: E402
-from ktquest.ops import KV_TYPES, KVStore  # noqa: E402
+from ktquest import _C
+from ktquest.ops import KV_TYPES, KVStore
 
 SHAPES = {"9/3/64": (9, 3, 64), "32/8/128": (32, 8, 128)}  # query heads / KV heads / head_dim
 BYTES_PER_VALUE = {"FP32": 4.0, "FP16": 2.0, "BF16": 2.0, "Q8_0": 1 + 4 / 32, "Q4_0": 0.5 + 4 / 32}
@@ -52,11 +53,12 @@ def read_bandwidth_gbps(gib: float = 1.0, reps: int = 5) -> float:
 
 
 class Flusher:
-    """Evicts the caches between timed calls by reading a buffer larger than L3 (reading, not writing: dirty
-    lines would make the timed call pay for their write-back)."""
+    """Evicts the caches between timed calls by reading a buffer larger than L3. Reading, not writing: dirty
+    lines would make the timed call pay for their write-back. numpy, not torch: torch's OpenMP workers keep
+    spinning for a while after a parallel op and would compete with the operator's threads."""
 
     def __init__(self, mib: int):
-        self.buf = torch.ones(mib << 18) if mib > 0 else None
+        self.buf = np.ones(mib << 18, np.float32) if mib > 0 else None
 
     def __call__(self) -> None:
         if self.buf is not None:
@@ -88,15 +90,17 @@ def timeit(fn, flush: Flusher, min_iters: int, min_s: float, max_iters: int = 10
 def fill(store: KVStore, T: int, KVH: int, D: int, dense_dtypes: list[torch.dtype], seed: int):
     """Appends T random tokens in chunks; returns the same K/V as [1, KVH, T, D] tensors per dense dtype."""
     gen = torch.Generator().manual_seed(seed)
-    dense = {dt: (torch.empty(1, KVH, T, D, dtype=dt), torch.empty(1, KVH, T, D, dtype=dt)) for dt in dense_dtypes}
+    dense = {
+        dt: (torch.empty(1, KVH, T, D, dtype=dt), torch.empty(1, KVH, T, D, dtype=dt)) for dt in dense_dtypes
+    }
     for t0 in range(0, T, CHUNK):
         n = min(CHUNK, T - t0)
         k = torch.randn(n, KVH, D, generator=gen)
         v = torch.randn(n, KVH, D, generator=gen)
         store.append(0, k, v)
         for kd, vd in dense.values():
-            kd[0, :, t0:t0 + n] = k.transpose(0, 1)
-            vd[0, :, t0:t0 + n] = v.transpose(0, 1)
+            kd[0, :, t0 : t0 + n] = k.transpose(0, 1)
+            vd[0, :, t0 : t0 + n] = v.transpose(0, 1)
     return dense
 
 
@@ -107,8 +111,17 @@ def bench_one(shape: str, T: int, args, read_bw: float, flush: Flusher) -> dict:
     dense_dtypes = [torch.bfloat16]
     if 2 * T * KVH * D * 4 <= args.dense_fp32_max_gib * (1 << 30):
         dense_dtypes.append(torch.float32)
-    store = KVStore(1, KVH, D, T, block_size=bs, kv_type=args.kv_type, anchor_type=args.anchor_type,
-                    anchor_num=2 if args.anchor_type == "QUEST" else args.anchor_num, threads_num=args.threads)
+    store = KVStore(
+        1,
+        KVH,
+        D,
+        T,
+        block_size=bs,
+        kv_type=args.kv_type,
+        anchor_type=args.anchor_type,
+        anchor_num=2 if args.anchor_type == "QUEST" else args.anchor_num,
+        threads_num=args.threads,
+    )
     t_fill = time.perf_counter()
     dense = fill(store, T, KVH, D, dense_dtypes, seed=T)
     t_fill = time.perf_counter() - t_fill
@@ -124,10 +137,15 @@ def bench_one(shape: str, T: int, args, read_bw: float, flush: Flusher) -> dict:
     dense_ms, dense_out = {}, None
     for dt, (kd, vd) in dense.items():
         q4 = queries[0].reshape(1, KVH, G, D).to(dt)
-        dense_ms[str(dt).replace("torch.", "")] = 1e3 * timeit(lambda: F.scaled_dot_product_attention(q4, kd, vd),
-                                                               flush, 3, args.min_seconds)
+
+        def dense_call(q4=q4, kd=kd, vd=vd):
+            return F.scaled_dot_product_attention(q4, kd, vd)
+
+        dense_ms[str(dt).replace("torch.", "")] = 1e3 * timeit(dense_call, flush, 3, args.min_seconds)
         if dt == torch.float32 or dense_out is None:
-            dense_out = F.scaled_dot_product_attention(queries[0].reshape(1, KVH, G, D).to(dt), kd, vd).float()
+            dense_out = F.scaled_dot_product_attention(
+                queries[0].reshape(1, KVH, G, D).to(dt), kd, vd
+            ).float()
     best_dtype = min(dense_ms, key=dense_ms.get)
     del dense
     gc.collect()
@@ -135,7 +153,9 @@ def bench_one(shape: str, T: int, args, read_bw: float, flush: Flusher) -> dict:
     # full budget: every block (also the correctness check against torch dense)
     out_full, _, _ = store.select_attend(0, queries[0], nb, args.mode)
     max_err = (out_full - dense_out.reshape(H, D)).abs().max().item()
-    full_ms = 1e3 * timeit(lambda: store.select_attend(0, next_q(), nb, args.mode), flush, 3, args.min_seconds)
+    full_ms = 1e3 * timeit(
+        lambda: store.select_attend(0, next_q(), nb, args.mode), flush, 3, args.min_seconds
+    )
 
     # sparse: budget tokens per KV head (SEPARATE) or shared (SHARED)
     k_blocks = max(1, args.budget // bs)
@@ -161,36 +181,76 @@ def bench_one(shape: str, T: int, args, read_bw: float, flush: Flusher) -> dict:
     anchor_bytes = nb * KVH * store._st.anchor_slots * D * 4
     attend_bytes = statistics.median(sel_tokens) * 2 * D * BYTES_PER_VALUE[args.kv_type]
     row = {
-        "shape": shape, "context": T, "budget": args.budget, "block_size": bs, "kv_type": args.kv_type,
-        "anchor_type": args.anchor_type, "mode": args.mode, "threads": args.threads,
+        "shape": shape,
+        "context": T,
+        "budget": args.budget,
+        "block_size": bs,
+        "kv_type": args.kv_type,
+        "anchor_type": args.anchor_type,
+        "mode": args.mode,
+        "threads": args.threads,
         "cache": "warm" if args.warm else "cold",
-        "torch_dense_ms": dense_ms[best_dtype], "torch_dense_dtype": best_dtype, "torch_dense_ms_by_dtype": dense_ms,
-        "full_budget_ms": full_ms, "full_budget_max_abs_err": max_err,
-        "sparse_ms": sparse_ms, **stage, "speedup": dense_ms[best_dtype] / sparse_ms,
+        "torch_dense_ms": dense_ms[best_dtype],
+        "torch_dense_dtype": best_dtype,
+        "torch_dense_ms_by_dtype": dense_ms,
+        "full_budget_ms": full_ms,
+        "full_budget_max_abs_err": max_err,
+        "sparse_ms": sparse_ms,
+        **stage,
+        "speedup": dense_ms[best_dtype] / sparse_ms,
         "score_gbps": anchor_bytes / (stage["score_ms"] * 1e-3) / 1e9,
         "attend_gbps": attend_bytes / (stage["attend_ms"] * 1e-3) / 1e9,
         "full_budget_gbps": 2 * T * KVH * D * BYTES_PER_VALUE[args.kv_type] / (full_ms * 1e-3) / 1e9,
-        "read_bw_gbps": read_bw, "fill_s": t_fill, "kv_bytes": store.nbytes(),
+        "read_bw_gbps": read_bw,
+        "fill_s": t_fill,
+        "kv_bytes": store.nbytes(),
     }
-    del store
-    gc.collect()
     return row
 
 
 # ---- output ----
 
-COLUMNS = [("shape", "{:>8}"), ("context", "{:>8}"), ("torch_dense_ms", "{:>9.2f}"), ("torch_dense_dtype", "{:>8}"),
-           ("full_budget_ms", "{:>9.2f}"), ("sparse_ms", "{:>8.3f}"), ("score_ms", "{:>8.3f}"), ("topk_ms", "{:>7.3f}"),
-           ("attend_ms", "{:>8.3f}"), ("speedup", "{:>7.1f}"), ("score_gbps", "{:>6.1f}"), ("attend_gbps", "{:>6.1f}"),
-           ("read_bw_gbps", "{:>6.1f}")]
-HEADERS = ["shape", "context", "dense ms", "dtype", "full ms", "sparse", "score", "topk", "attend", "speedup",
-           "sc GB/s", "at GB/s", "bw GB/s"]
+COLUMNS = [
+    ("shape", "{:>8}"),
+    ("context", "{:>8}"),
+    ("torch_dense_ms", "{:>9.2f}"),
+    ("torch_dense_dtype", "{:>8}"),
+    ("full_budget_ms", "{:>9.2f}"),
+    ("sparse_ms", "{:>8.3f}"),
+    ("score_ms", "{:>8.3f}"),
+    ("topk_ms", "{:>7.3f}"),
+    ("attend_ms", "{:>8.3f}"),
+    ("speedup", "{:>7.1f}"),
+    ("score_gbps", "{:>6.1f}"),
+    ("attend_gbps", "{:>6.1f}"),
+    ("read_bw_gbps", "{:>6.1f}"),
+]
+HEADERS = [
+    "shape",
+    "context",
+    "dense ms",
+    "dtype",
+    "full ms",
+    "sparse",
+    "score",
+    "topk",
+    "attend",
+    "speedup",
+    "sc GB/s",
+    "at GB/s",
+    "bw GB/s",
+]
 
 
 def print_row(row: dict | None) -> None:
     if row is None:
-        print(" ".join(f"{h:>{len(f.format(0) if 'f' in f else f.format(''))}}"
-                       for h, (_, f) in zip(HEADERS, COLUMNS)), flush=True)
+        print(
+            " ".join(
+                f"{h:>{len(f.format(0) if 'f' in f else f.format(''))}}"
+                for h, (_, f) in zip(HEADERS, COLUMNS)
+            ),
+            flush=True,
+        )
         return
     print(" ".join(f.format(row[c]) for c, f in COLUMNS), flush=True)
 
@@ -207,15 +267,22 @@ def plot(rows: list[dict], path: Path) -> None:
         if not rs:
             continue
         x = [r["context"] for r in rs]
-        for key, label in [("torch_dense_ms", "torch dense SDPA"), ("full_budget_ms", "ktquest, every block"),
-                           ("sparse_ms", f"ktquest sparse ({rs[0]['budget']} tokens)"), ("score_ms", "  score"),
-                           ("attend_ms", "  attend")]:
-            ax.plot(x, [r[key] for r in rs], marker="o", label=label, linestyle="--" if key in ("score_ms", "attend_ms") else "-")
+        for key, label in [
+            ("torch_dense_ms", "torch dense SDPA"),
+            ("full_budget_ms", "ktquest, every block"),
+            ("sparse_ms", f"ktquest sparse ({rs[0]['budget']} tokens)"),
+            ("score_ms", "  score"),
+            ("attend_ms", "  attend"),
+        ]:
+            style = "--" if key in ("score_ms", "attend_ms") else "-"
+            ax.plot(x, [r[key] for r in rs], marker="o", label=label, linestyle=style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("ms per layer and decode step")
-        ax.set_title(f"{shape} (H/KVH/D), {rs[0]['kv_type']} KV, {rs[0]['threads']} threads, {rs[0]['cache']} cache")
+        ax.set_title(
+            f"{shape} (H/KVH/D), {rs[0]['kv_type']} KV, {rs[0]['threads']} threads, {rs[0]['cache']} cache"
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -238,7 +305,9 @@ def main() -> None:
     p.add_argument("--flush-mib", type=int, default=96, help="buffer that evicts the caches (> L3)")
     p.add_argument("--min-iters", type=int, default=20)
     p.add_argument("--min-seconds", type=float, default=1.0, help="time each measurement at least this long")
-    p.add_argument("--dense-fp32-max-gib", type=float, default=3.0, help="skip torch fp32 dense above this K+V size")
+    p.add_argument(
+        "--dense-fp32-max-gib", type=float, default=3.0, help="skip torch fp32 dense above this K+V size"
+    )
     p.add_argument("--json", default="tools/out/bench_attention.json")
     p.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
     args = p.parse_args()
@@ -248,9 +317,12 @@ def main() -> None:
     shapes = [s.strip() for s in args.shapes.split(",")]
     flush = Flusher(0 if args.warm else args.flush_mib)
     read_bw = read_bandwidth_gbps()
-    print(f"ktquest sparse attention: {args.kv_type} KV, {args.anchor_type} anchors, {args.mode}, block {args.block_size}, "
-          f"budget {args.budget} tokens, {args.threads} threads, AVX2 kernels: {_C.use_avx2()}, "
-          f"{'warm' if args.warm else 'cold'} caches; read bandwidth {read_bw:.1f} GB/s", flush=True)
+    print(
+        f"ktquest sparse attention: {args.kv_type} KV, {args.anchor_type} anchors, {args.mode}, "
+        f"block {args.block_size}, budget {args.budget} tokens, {args.threads} threads, AVX2 kernels: {_C.use_avx2()}, "
+        f"{'warm' if args.warm else 'cold'} caches; read bandwidth {read_bw:.1f} GB/s",
+        flush=True,
+    )
     print_row(None)
     rows = []
     for shape in shapes:
