@@ -11,6 +11,11 @@ softmax of that query (torch, fp32) says what fraction of its mass lies in what 
 - ``ctx_recall``: mass in the selected blocks / mass in all candidate blocks (the selection alone);
 - ``oracle``: ``recall`` of the best possible choice of ``--budget`` blocks (true block mass, per KV head).
 
+The windows are laid out as ``LongContextCache`` does (init rounded up to whole blocks, the local window
+starting at the block boundary at or before n - local_windows_len). DYNAMIC anchors need a per-token
+importance: here a token's SnapKV score from the recorded queries (the runtime uses the attention a token
+gets from its own prefill chunk), so DYNAMIC's numbers are indicative.
+
 Layers below dense_layer_num attend densely in long_context mode; they are still measured (marked ``*``) so
 the table shows which layers need it. QUEST tightness: for each query head and candidate block, the QUEST
 upper bound sum_d max(q_d min_d, q_d max_d) minus the true maximum q.k over the block's keys (both scaled by
@@ -80,9 +85,12 @@ def prompt_tokens(eng, path: str, raw: bool, max_tokens: int) -> list[int]:
 
 
 def candidate_range(n: int, block_size: int, init_len: int, local_len: int) -> tuple[int, int]:
-    """Blocks [b0, b1) that hold a token outside both windows [0, init) and [n - local, n)."""
-    b0 = min(init_len, n) // block_size
-    b1 = -(-max(n - local_len, 0) // block_size)
+    """Context blocks [b0, b1), as ``LongContextCache`` lays them out for n tokens: the init window is whole
+    blocks [0, b0) (init_len rounded up), the local window starts at a block boundary at or before
+    n - local_len (and not inside the init window); everything between is selectable."""
+    nb = -(-n // block_size)
+    b0 = min(-(-init_len // block_size), nb)
+    b1 = max(n - local_len, 0) // block_size
     return b0, max(b0, b1)
 
 
@@ -118,11 +126,11 @@ def measure(
         logits = logits.masked_fill(torch.arange(n)[None, None, :] > qpos[None, :, None], float("-inf"))
         p = torch.softmax(logits, -1)  # [H, W, n]
         tok_pos = torch.arange(n)
-        window = (tok_pos < lc.init_windows_len) | (tok_pos >= n - lc.local_windows_len)  # [n]
+        window = (tok_pos < b0 * bs) | (tok_pos >= b1 * bs)  # [n]: init and local windows, attended densely
         window_mass = p[:, :, window].sum(-1)  # [H, W]
         cand = torch.zeros(nb, dtype=torch.bool)
         cand[b0:b1] = True
-        # Tokens of candidate blocks that lie in a window are counted once, in the window.
+        # Windows are whole blocks, so this is the mass of each candidate block (0 for window blocks).
         outside = torch.nn.functional.pad(~window, (0, nb * bs - n)).view(nb, bs)  # [nb, bs]
         block_mass_out = (torch.nn.functional.pad(p, (0, nb * bs - n)).view(H, W, nb, bs) * outside).sum(-1)
         cand_mass = block_mass_out[:, :, cand].sum(-1)  # [H, W]
@@ -288,6 +296,7 @@ def heatmap(rows: list[dict], anchors: list[str], path: str, title: str) -> None
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_title("oracle" if key == "oracle" else a, fontsize=9)
         ax.set_xlabel("head")
+        ax.set_xticks(range(0, H, max(1, H // 8)))
     axes[0][0].set_ylabel("layer")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="dense attention mass recalled")
     fig.suptitle(title, fontsize=9)

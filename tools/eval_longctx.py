@@ -248,7 +248,7 @@ def heatmap(rows: list[dict], path: str, title: str) -> None:
         ax.set_title(c)
     axes[0][0].set_ylabel("depth")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
-    fig.suptitle(title)
+    fig.suptitle(title, y=1.02 + 0.15 / max(len(depths), 1))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
