@@ -93,9 +93,9 @@ def dequantize_tensor(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, na
     except NotImplementedError:
         raise GGUFError(f"{path}: tensor {name!r} has type {qtype.name}, which cannot be dequantized "
                         f"(the gguf package has no dequantizer for it)") from None
-    # F32 comes back as a view of the read-only memory map: copy it so torch can own it.
-    return np.array(out, dtype=np.float32, copy=True) if qtype == gguf.GGMLQuantizationType.F32 \
-        else out.astype(np.float32, copy=False)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return np.array(out, dtype=np.float32)  # a copy: F32 comes back as a view of the read-only map
+    return out.astype(np.float32, copy=False)
 
 
 class GGUFTensors(Mapping):

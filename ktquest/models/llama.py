@@ -111,8 +111,8 @@ class Attention(nn.Module):
                 cache: AttentionCache) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(t, h + 2 * kvh, d)  # [T, H + 2*KVH, D]
-        qk, v = qkv.split([h + kvh, kvh], dim=1)  # [T, H + KVH, D], v: [T, KVH, D]
-        q, k = apply_rope(qk, cos, sin).split([h, kvh], dim=1)  # q and k rotated in one go
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, D]: q and k rotated in one go
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]  # [T, H, D], [T, KVH, D], [T, KVH, D]
         out = cache.attend(self.layer_idx, q, k, v, start_pos)  # [T, H, D]
         return self.wo(out.reshape(t, h * d))  # [T, dim]
 
@@ -122,12 +122,11 @@ class FeedForward(nn.Module):
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
         super().__init__()
-        self.ffn_dim = w_gate.shape[0]
         self.w_gate_up = Linear(torch.cat([w_gate, w_up]))  # [2*ffn, dim]
         self.w_down = Linear(w_down)  # [dim, ffn]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)  # [T, ffn] each
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, ffn] each
         return self.w_down(F.silu(gate).mul_(up))
 
 
