@@ -42,7 +42,10 @@ def config_name(path: str) -> str:
 
 
 def load_engine(model: str | None, config: str, task: str, max_len: int, threads: int, sets: list[str]):
-    """One Engine for a config: greedy, room for the longest prompt and the reply."""
+    """One Engine for a config: greedy, room for the longest prompt and the reply.
+
+    max_seq_len becomes exactly that (a smaller KV allocation than the model's context for short runs);
+    at the model's full context the reply runs up to MAX_NEW_TOKENS positions past it."""
     new = MAX_NEW_TOKENS[task]
     overrides = [f"max_new_tokens={new}", "temperature=0", *sets]
     if threads:
