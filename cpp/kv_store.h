@@ -150,7 +150,7 @@ class KVStore {
   };
   void prepare_query(const float* q, int H);  // fills qs_, qe_, qraw_
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);  // fills runs_
-  void score_runs(const Layer& L, int H, HeadMode mode, float* scores, const int32_t* k, int64_t kcap);
+  void score_runs(const Layer& L, int H, HeadMode mode, float* scores);
   void select_locked(const Layer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
   void attend_locked(const Layer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse);
 
@@ -172,9 +172,7 @@ class KVStore {
   std::vector<int32_t> ids_;               // allowed ids, sorted
   std::vector<Runs> runs_;                 // [n_sets]
   std::vector<float> scores_;              // [n_sets, n_blocks]
-  std::vector<Cand> local_;                // per scoring task: its top-k candidates, [n_tasks, kcap]
-  std::vector<int64_t> local_n_;           // [n_tasks] entries in local_
-  std::vector<Cand> heap_;                 // [kcap] the merge heap
+  std::vector<Cand> heap_;                 // top-k heaps, [n_sets, kcap]
   std::vector<int64_t> task_start_;        // task ranges per set / head
   std::vector<int64_t> count_;             // [KVH] selected blocks per head
   std::vector<float> part_;                // split-K partials: [n_tasks, G, D + 2]

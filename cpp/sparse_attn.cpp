@@ -21,9 +21,10 @@ namespace ktq {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kScoreBlocksPerTask = 128;  // scoring task: this many blocks of one set
+constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks of one set
 constexpr int64_t kChunkTokens = 256;         // split-K: at least this many tokens per attention task
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
+constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -146,33 +147,17 @@ void KVStore::build_runs(int64_t nb, int n_sets, const SelectRequest* req) {
 
 namespace {
 
-// Heap order: a better block (higher score, then lower id) sorts below, so heap[0] is the worst kept.
+// Heap order: a better block (higher score, then the lower id) sorts below, so heap[0] is the worst kept.
+// A strict total order on distinct ids: the top-k set is unique, whatever the order of the offers.
 inline bool heap_less(const KVStore::Cand& a, const KVStore::Cand& b) {
   return a.score > b.score || (a.score == b.score && a.id < b.id);
-}
-
-// Offers c to a k-heap of n entries (n <= k); returns the new n. The unique top-k under "higher score,
-// then lower id" does not depend on the order of the offers, so any partition of the candidates merges
-// to the same set.
-inline int64_t heap_offer(KVStore::Cand* heap, int64_t n, int64_t k, KVStore::Cand c) {
-  if (n < k) {
-    heap[n++] = c;
-    std::push_heap(heap, heap + n, heap_less);
-  } else if (k > 0 && heap_less(c, heap[0])) {
-    std::pop_heap(heap, heap + n, heap_less);
-    heap[n - 1] = c;
-    std::push_heap(heap, heap + n, heap_less);
-  }
-  return n;
 }
 
 }  // namespace
 
 // scores: [n_sets, nb]; only the candidates of runs_ are written. Scoring reads the A*D anchor floats
 // of each candidate block and KV head, nothing else (never K or V).
-// With k (per set), each task also keeps the top-k of its own candidates (their scores are still in L1):
-// local_ [task, kcap] entries, local_n_[task] of them; select_locked merges them per set.
-void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores, const int32_t* k, int64_t kcap) {
+void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
   const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, G = H / KVH, A = A_;
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const int n_sets = int(runs_.size());
@@ -199,10 +184,6 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores, co
   for (int s = 0; s < n_sets; ++s)
     task_start_.push_back(task_start_.back() +
                           (runs_[s].prefix.back() + kScoreBlocksPerTask - 1) / kScoreBlocksPerTask);
-  if (k) {
-    local_.resize(size_t(task_start_.back()) * std::max<int64_t>(kcap, 1));
-    local_n_.assign(task_start_.back(), 0);
-  }
   ThreadPool::global().parallel_for(task_start_.back(), cfg_.threads_num, [&](int64_t task) {
     const int s = int(std::upper_bound(task_start_.begin(), task_start_.end(), task) - task_start_.begin()) - 1;
     const Runs& R = runs_[s];
@@ -211,26 +192,13 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores, co
     float* out = scores + s * nb;
     // SHARED sums every KV head's score (in head order); SEPARATE scores the set's own head.
     const int h0 = mode == HeadMode::SHARED ? 0 : s, h1 = mode == HeadMode::SHARED ? KVH : s + 1;
-    const size_t r0 = std::upper_bound(R.prefix.begin(), R.prefix.end(), i0) - R.prefix.begin() - 1;
-    size_t r = r0;
+    size_t r = std::upper_bound(R.prefix.begin(), R.prefix.end(), i0) - R.prefix.begin() - 1;
     for (int64_t i = i0; i < i1; ++r) {  // candidates [i, j) lie in run r
       const int64_t off = i - R.prefix[r], j = std::min(i1, R.prefix[r + 1]);
       const int64_t b = R.start[r] + off;
       for (int h = h0; h < h1; ++h) score_run(h, b, j - i, out + b, h > h0);
       i = j;
     }
-    if (!k) return;
-    const int64_t kk = std::min<int64_t>(k[s], kcap);
-    Cand* heap = local_.data() + task * std::max<int64_t>(kcap, 1);
-    int64_t n = 0;
-    r = r0;
-    for (int64_t i = i0; i < i1; ++r) {
-      const int64_t off = i - R.prefix[r], j = std::min(i1, R.prefix[r + 1]);
-      for (int64_t b = R.start[r] + off; b < R.start[r] + off + (j - i); ++b)
-        n = heap_offer(heap, n, kk, Cand{std::isnan(out[b]) ? kNegInf : out[b], int32_t(b)});
-      i = j;
-    }
-    local_n_[task] = n;
   });
 }
 
@@ -252,23 +220,38 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
     kcap = std::max(kcap, need);
   }
   scores_.resize(size_t(n_sets) * nb);
-  score_runs(L, H, req.mode, scores_.data(), req.k_per_set, kcap);  // scores + per-task top-k
+  score_runs(L, H, req.mode, scores_.data());
   const auto t1 = Clock::now();
   timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
 
-  // Merge the per-task top-k lists of each set (a few k entries per task) into the set's top-k.
-  heap_.resize(std::max<int64_t>(kcap, 1));
-  for (int s = 0; s < n_sets; ++s) {
-    const int64_t k = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
-    Cand* heap = heap_.data();
+  // Stream each set's candidates (ascending ids) through a k-heap. Almost every candidate loses to the
+  // worst kept one at the first comparison, so this is one predictable pass over the scores.
+  heap_.resize(size_t(n_sets) * std::max<int64_t>(kcap, 1));
+  // Threads only pay off for long contexts: a few microseconds per set otherwise, less than a hand-off.
+  const int topk_threads = n_sets * nb >= kParallelTopk ? cfg_.threads_num : 1;
+  ThreadPool::global().parallel_for(n_sets, topk_threads, [&](int64_t s) {
+    const Runs& R = runs_[s];
+    const int64_t k = std::min<int64_t>(req.k_per_set[s], R.prefix.back());
+    Cand* heap = heap_.data() + s * std::max<int64_t>(kcap, 1);
+    const float* sc = scores_.data() + s * nb;
     int64_t n = 0;
-    for (int64_t t = task_start_[s]; t < task_start_[s + 1]; ++t)
-      for (int64_t i = 0; i < local_n_[t]; ++i) n = heap_offer(heap, n, k, local_[t * std::max<int64_t>(kcap, 1) + i]);
+    for (size_t r = 0; k > 0 && r < R.start.size(); ++r)
+      for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
+        const Cand c{std::isnan(sc[b]) ? kNegInf : sc[b], b};
+        if (n < k) {
+          heap[n++] = c;
+          std::push_heap(heap, heap + n, heap_less);
+        } else if (heap_less(c, heap[0])) {
+          std::pop_heap(heap, heap + n, heap_less);
+          heap[n - 1] = c;
+          std::push_heap(heap, heap + n, heap_less);
+        }
+      }
     int32_t* row = out_ids + s * int64_t(out_cols);
     for (int64_t i = 0; i < n; ++i) row[i] = heap[i].id;
     std::sort(row, row + n);  // ascending: the attention kernel walks memory forward
     std::fill(row + n, row + out_cols, -1);
-  }
+  });
   timing_.topk_s = seconds_since(t1);
 }
 
@@ -370,7 +353,7 @@ void KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, floa
   const Layer& L = layer_at(layer);
   prepare_query(q, H);
   build_runs((L.len + cfg_.block_size - 1) / cfg_.block_size, mode == HeadMode::SHARED ? 1 : cfg_.n_kv_heads, nullptr);
-  score_runs(L, H, mode, out, nullptr, 0);
+  score_runs(L, H, mode, out);
 }
 
 void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {

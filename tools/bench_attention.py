@@ -104,7 +104,7 @@ def fill(store: KVStore, T: int, KVH: int, D: int, dense_dtypes: list[torch.dtyp
     return dense
 
 
-def bench_one(shape: str, T: int, args, read_bw: float, flush: Flusher) -> dict:
+def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
     H, KVH, D = SHAPES[shape]
     G = H // KVH
     bs = args.block_size
@@ -168,6 +168,7 @@ def bench_one(shape: str, T: int, args, read_bw: float, flush: Flusher) -> dict:
         for key, val in store.last_timing().items():  # a few microseconds; the bookkeeping waits until after
             stages[key].append(val)
 
+    read_bw = read_bandwidth_gbps()  # right before the sparse timing: the same machine state (a busy host varies)
     sparse_ms = 1e3 * timeit(sparse_call, flush, args.min_iters, args.min_seconds)
     stage = {key: statistics.median(vals[1:]) for key, vals in stages.items()}  # [0] is the warm-up call
     last = T - (nb - 1) * bs  # tokens in the (possibly partial) last block
@@ -202,6 +203,7 @@ def bench_one(shape: str, T: int, args, read_bw: float, flush: Flusher) -> dict:
         "attend_gbps": attend_bytes / (stage["attend_ms"] * 1e-3) / 1e9,
         "full_budget_gbps": 2 * T * KVH * D * BYTES_PER_VALUE[args.kv_type] / (full_ms * 1e-3) / 1e9,
         "read_bw_gbps": read_bw,
+        "load_avg": os.getloadavg()[0],
         "fill_s": t_fill,
         "kv_bytes": store.nbytes(),
     }
@@ -316,18 +318,17 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     shapes = [s.strip() for s in args.shapes.split(",")]
     flush = Flusher(0 if args.warm else args.flush_mib)
-    read_bw = read_bandwidth_gbps()
     print(
         f"ktquest sparse attention: {args.kv_type} KV, {args.anchor_type} anchors, {args.mode}, "
         f"block {args.block_size}, budget {args.budget} tokens, {args.threads} threads, AVX2 kernels: {_C.use_avx2()}, "
-        f"{'warm' if args.warm else 'cold'} caches; read bandwidth {read_bw:.1f} GB/s",
+        f"{'warm' if args.warm else 'cold'} caches; host load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     print_row(None)
     rows = []
     for shape in shapes:
         for T in contexts:
-            row = bench_one(shape, T, args, read_bw, flush)
+            row = bench_one(shape, T, args, flush)
             rows.append(row)
             print_row(row)
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
