@@ -25,6 +25,9 @@ constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks 
 constexpr int64_t kChunkTokens = 256;         // split-K: at least this many tokens per attention task
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
 constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
+// Scoring / attention use threads from this many bytes read on: below it (~30 us on one core) waking a
+// worker costs more than it saves.
+constexpr int64_t kParallelBytes = 512 << 10;
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -184,7 +187,11 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
   for (int s = 0; s < n_sets; ++s)
     task_start_.push_back(task_start_.back() +
                           (runs_[s].prefix.back() + kScoreBlocksPerTask - 1) / kScoreBlocksPerTask);
-  ThreadPool::global().parallel_for(task_start_.back(), cfg_.threads_num, [&](int64_t task) {
+  int64_t n_cand = 0;
+  for (int s = 0; s < n_sets; ++s) n_cand += runs_[s].prefix.back();
+  const int64_t bytes = n_cand * (mode == HeadMode::SHARED ? KVH : 1) * A * D * 4;
+  const int threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
+  ThreadPool::global().parallel_for(task_start_.back(), threads, [&](int64_t task) {
     const int s = int(std::upper_bound(task_start_.begin(), task_start_.end(), task) - task_start_.begin()) - 1;
     const Runs& R = runs_[s];
     const int64_t i0 = (task - task_start_[s]) * kScoreBlocksPerTask;
@@ -294,7 +301,10 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   part_.resize(n_tasks * pstride);
   const bool simd = use_avx2() && D % 8 == 0;
   const KVType kt = cfg_.kv_type;
-  ThreadPool::global().parallel_for(n_tasks, cfg_.threads_num, [&](int64_t task) {
+  int64_t n_sel = 0;
+  for (int h = 0; h < KVH; ++h) n_sel += count[h];
+  const int threads = n_sel * int64_t(tile_bytes_) * 2 >= kParallelBytes ? cfg_.threads_num : 1;
+  ThreadPool::global().parallel_for(n_tasks, threads, [&](int64_t task) {
     const int h = int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
     const int64_t j0 = (task - tstart[h]) * cb, j1 = std::min(count[h], j0 + cb);
     float* m = part_.data() + task * pstride;

@@ -373,17 +373,18 @@ def test_large_logits_do_not_overflow(force_scalar):
 # ---- threads and kernels ----
 
 
-@pytest.mark.parametrize("anchor_type,anchor_num", [("QUEST", 2), ("FIXED", 4)])
-def test_thread_counts_give_identical_bits(anchor_type, anchor_num):
+# Big enough that scoring, top-k (>= 64K scores) and attention all run on the pool's threads.
+@pytest.mark.parametrize(
+    "anchor_type,anchor_num,T,bs", [("QUEST", 2, 20000, 16), ("FIXED", 4, 20000, 16), ("QUEST", 2, 33000, 1)]
+)
+def test_thread_counts_give_identical_bits(anchor_type, anchor_num, T, bs):
     results = []
     for threads in (1, 2, 8):
-        store, q, *_ = make(
-            4000, 2, 4, 64, 16, anchor_type=anchor_type, anchor_num=anchor_num, threads=threads
-        )
+        store, q, *_ = make(T, 2, 4, 64, bs, anchor_type=anchor_type, anchor_num=anchor_num, threads=threads)
         nb = store.n_blocks(0)
         results.append(
             [
-                *store.select_attend(0, q, 120, "SEPARATE"),
+                *store.select_attend(0, q, 120 * 16 // bs, "SEPARATE"),
                 *store.select_attend(0, q, nb, "SHARED"),
                 store.block_scores(0, q, "SHARED"),
             ]
