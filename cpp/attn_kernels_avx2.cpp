@@ -111,6 +111,8 @@ inline void hsum_n(const __m256* a, float* out) {
 // enough independent FMA chains to cover the FMA latency. NB = rows (logits) or 8-column chunks (values).
 template <int NG>
 constexpr int kBlockRows = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 3 : NG == 4 ? 2 : 1;
+template <int NG>
+constexpr int kBlockCols = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 4 : NG == 4 ? 2 : 1;
 
 // Software prefetch of rows [r0, r0 + n) of the next tile into L2, spread over the current tile's work so
 // the next block streams in from DRAM while this one is computed.
@@ -121,7 +123,7 @@ inline void prefetch_rows(const uint8_t* tile, int r0, int n, size_t rb) {
 }
 
 template <class Dc, int NG, int NT>
-inline void logits_rows(const uint8_t* k, const float* ksc, size_t rb, int ns, int r0, int D, const float* q,
+__attribute__((always_inline)) inline void logits_rows(const uint8_t* k, const float* ksc, size_t rb, int ns, int r0, int D, const float* q,
                         float* s, int ss) {
   __m256 acc[NT * NG];
 #pragma GCC unroll 32
@@ -165,7 +167,7 @@ void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D,
 // ---- values: acc[g, chunk c0 .. c0+NC) += sum_r p[g, r] * v_r ----
 
 template <class Dc, int NG, int NC>
-inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int c0, int D, const float* p,
+__attribute__((always_inline)) inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int c0, int D, const float* p,
                        int ps, float* acc) {
   __m256 a[NC][NG];
 #pragma GCC unroll 8
@@ -191,7 +193,7 @@ inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, in
 
 template <class Dc, int NG>
 void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, const float* p, int ps, float* acc) {
-  constexpr int NC = kBlockRows<NG>;
+  constexpr int NC = kBlockCols<NG>;
   int c = 0;
   for (; c + NC <= D / 8; c += NC) accum_cols<Dc, NG, NC>(v, vsc, rb, ns, n, c, D, p, ps, acc);
   for (; c < D / 8; ++c) accum_cols<Dc, NG, 1>(v, vsc, rb, ns, n, c, D, p, ps, acc);
