@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig
 from ktquest.ops import KVStore
-from ktquest.selection_policy import ada_budgets_fast, block_scores_from_tokens, preselect_blocks, \
-    snapkv_token_scores
-
+from ktquest.selection_policy import (
+    ada_budgets_fast,
+    block_scores_from_tokens,
+    preselect_blocks,
+    snapkv_token_scores,
+)
 
 # torch's CPU flash attention with the log-sum-exp output (a private op: the explicit path is the fallback)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -148,6 +152,7 @@ class LongContextCache:
         self._all_blocks = torch.arange(-(-max_seq_len // self.bs), dtype=torch.int32)  # [max_blocks]
         self._out = torch.empty(self.H, self.D)  # decode: the store part, fp32 [H, D]
         self._lse = torch.empty(self.H)  # [H]
+        self._excl: tuple[int, np.ndarray | None] = (-1, None)  # (lb, exclude ranges) of the last selection
         self.reset()
 
     # ---- bookkeeping ----
@@ -368,7 +373,9 @@ class LongContextCache:
             return self.store.attend(layer, qc, ids, self._out, self._lse)
         st.select_calls[layer] += 1
         mode, allowed = lc.head_select_mode, self._allowed(layer, lb)
-        excl = [(0, self.ib), (lb, self._all_blocks.shape[0])]
+        if self._excl[0] != lb:  # [2, 2] int64 block ranges: the init window, and the local window onwards
+            self._excl = (lb, np.array([[0, self.ib], [lb, self._all_blocks.shape[0]]], np.int64))
+        excl = self._excl[1]
         ks = self.k_sel
         if lc.ada_budget and mode == "SEPARATE":
             scores = self.store.block_scores(layer, qc, "SEPARATE")  # [KVH, nb]
@@ -380,8 +387,8 @@ class LongContextCache:
                 scores.masked_fill_(~keep, float("-inf"))
             ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
         out, lse, ids = self.store.select_attend(layer, qc, ks, mode, excl, allowed, self._out, self._lse)
-        self.sel[layer] = _Selection(ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1]).clone(), lb,
-                                     self.decode_step)
+        self.sel[layer] = _Selection(ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1]), lb,
+                                     self.decode_step)  # ids: a fresh tensor per call
         return out, lse
 
     def _extend(self, sel: _Selection, lb: int) -> torch.Tensor:

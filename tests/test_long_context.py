@@ -107,8 +107,8 @@ def test_full_budget_logits_equal_dense(tiny, name, kv_type):
 
 
 def sparse_cfg(**kw) -> Config:
-    lc = dict(block_size=8, init_windows_len=8, local_windows_len=16, second_select_num=2, kv_type="FP32",
-              anchor_type="QUEST", head_select_mode="SEPARATE")
+    lc = {"block_size": 8, "init_windows_len": 8, "local_windows_len": 16, "second_select_num": 2, "kv_type": "FP32",
+              "anchor_type": "QUEST", "head_select_mode": "SEPARATE"}
     lc.update(kw)
     return Config(mode="long_context", chunk_size=16, max_seq_len=256, long_context=LongContextConfig(**lc))
 
@@ -274,9 +274,9 @@ def test_cache_truncate_then_continue_equals_dense():
 def test_chat_two_turns_long_context_equals_dense(tiny_llama):
     import ktquest
 
-    sets = dict(max_seq_len=256, chunk_size=16, threads=1, max_new_tokens=6)
+    sets = {"max_seq_len": 256, "chunk_size": 16, "threads": 1, "max_new_tokens": 6}
     dense = ktquest.load(tiny_llama.path, **sets)
-    lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=1000, kv_type="FP32")
+    lc = {"block_size": 4, "init_windows_len": 4, "local_windows_len": 8, "second_select_num": 1000, "kv_type": "FP32"}
     sparse = ktquest.load(tiny_llama.path, mode="long_context", **sets, **{f"long_context.{k}": v for k, v in lc.items()})
     assert isinstance(sparse.cache, LongContextCache)
     a, b = dense.chat_session(document="a b c d " * 10), sparse.chat_session(document="a b c d " * 10)
