@@ -382,9 +382,10 @@ class LongContextCache:
             scores[:, : self.ib] = float("-inf")
             scores[:, lb:] = float("-inf")
             if allowed is not None:
-                keep = torch.zeros_like(scores, dtype=torch.bool)
-                keep.scatter_(1, allowed.clamp(min=0).long(), allowed >= 0)
-                scores.masked_fill_(~keep, float("-inf"))
+                nb = scores.shape[1]
+                idx = allowed.long().masked_fill(allowed < 0, nb)  # padding -> a spare last column
+                keep = torch.zeros(scores.shape[0], nb + 1, dtype=torch.bool).scatter_(1, idx, True)
+                scores.masked_fill_(~keep[:, :nb], float("-inf"))
             ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
         out, lse, ids = self.store.select_attend(layer, qc, ks, mode, excl, allowed, self._out, self._lse)
         self.sel[layer] = _Selection(ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1]), lb,
