@@ -233,10 +233,11 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
   const float limit = cfg_.kv_type == KVType::FP16 ? kF16Overflow
                       : cfg_.kv_type == KVType::BF16 ? kBF16Overflow
                                                      : std::numeric_limits<float>::infinity();
-  std::vector<std::string> err(cfg_.threads_num);  // per task, to report the first bad element
+  // A decode step appends one token: waking a worker costs more than encoding a few rows.
+  const int threads = T * H < 64 ? 1 : cfg_.threads_num;
   const int64_t n_chunks = std::min<int64_t>(T, 64);
   std::vector<std::string> chunk_err(n_chunks);
-  ThreadPool::global().parallel_for(n_chunks, cfg_.threads_num, [&](int64_t c) {
+  ThreadPool::global().parallel_for(n_chunks, threads, [&](int64_t c) {
     std::vector<float> row(D);
     const int64_t t0 = T * c / n_chunks, t1 = T * (c + 1) / n_chunks;
     for (int64_t t = t0; t < t1; ++t)
@@ -268,7 +269,7 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
   const int64_t blocks_per_task = std::max<int64_t>(1, 1024 / bs);
   const int64_t tasks_per_head = (b1 - b0 + blocks_per_task - 1) / blocks_per_task;
   const int ns = kv_row_scales(cfg_.kv_type, D);
-  ThreadPool::global().parallel_for(H * tasks_per_head, cfg_.threads_num, [&](int64_t task) {
+  ThreadPool::global().parallel_for(H * tasks_per_head, threads, [&](int64_t task) {
     const int h = static_cast<int>(task / tasks_per_head);
     const int64_t tb0 = b0 + (task % tasks_per_head) * blocks_per_task;
     const int64_t q0 = std::max(p0, tb0 * bs), q1 = std::min(p1, (tb0 + blocks_per_task) * bs);
