@@ -284,3 +284,15 @@ def test_chat_two_turns_long_context_equals_dense(tiny_llama):
         ra, rb = a.send(text), b.send(text)
         assert ra.text == rb.text
         assert ra.stats.context_tokens == rb.stats.context_tokens == sparse.cache.store.length(0)
+
+
+def test_prompt_longer_than_max_seq_len_is_refused_before_work(tiny_llama):
+    import ktquest
+    from ktquest.engine import PromptTooLongError
+
+    eng = ktquest.load(tiny_llama.path, mode="long_context", max_seq_len=32, threads=1,
+                       **{"long_context.block_size": 4, "long_context.init_windows_len": 4,
+                          "long_context.local_windows_len": 8})
+    with pytest.raises(PromptTooLongError, match="prompt too long"):
+        eng.generate("the cat sat on the mat " * 20)
+    assert eng.cache.pos == 0 and eng.cache.store.length(0) == 0
