@@ -83,7 +83,11 @@ void ThreadPool::run(int64_t n_tasks, int n_threads, Call call, void* ctx) {
   cv_.notify_all();
   drain(gen, n_tasks, call, ctx);
   // Every task is claimed; wait for the ones still running on workers.
-  while (done_.load(std::memory_order_acquire) != n_tasks) KTQ_PAUSE();
+  // Yield after a short spin: on a busy host a worker may share this core, and must get to finish its task.
+  for (int spins = 0; done_.load(std::memory_order_acquire) != n_tasks; ++spins) {
+    if (spins < 64) KTQ_PAUSE();
+    else std::this_thread::yield();
+  }
 }
 
 void ThreadPool::worker_loop(int id, uint64_t seen) {
@@ -91,7 +95,8 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
     const auto t0 = std::chrono::steady_clock::now();
     int spins = 0;
     while (gen_.load(std::memory_order_acquire) == seen) {
-      KTQ_PAUSE();
+      if (spins % 16 == 15) std::this_thread::yield();  // never starve a thread that shares this core
+      else KTQ_PAUSE();
       if (++spins % 256 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
