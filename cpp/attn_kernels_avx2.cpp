@@ -119,7 +119,7 @@ constexpr int kBlockCols = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 4 : NG == 4 ? 2
 inline void prefetch_rows(const uint8_t* tile, int r0, int n, size_t rb) {
   if (!tile) return;
   for (size_t off = r0 * rb; off < (r0 + n) * rb; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(tile + off), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + off), _MM_HINT_T0);
 }
 
 template <class Dc, int NG, int NT>

@@ -23,6 +23,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks of one set
 constexpr int64_t kChunkTokens = 256;         // split-K: at least this many tokens per attention task
+constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
 constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
 // Scoring / attention use threads from this many bytes read on: below it (~30 us on one core) waking a
@@ -315,18 +316,20 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
     float* s = thread_scratch(size_t(G) * ((bs + 7) & ~7) + D);
     const float* q = qs_.data() + size_t(h) * G * D;
     const int32_t* row = row_of(h);
-    if (j0 < j1) {  // the first tiles: start all their cache misses now (later ones are prefetched by the kernel)
-      prefetch_l2(k_tile(L, h, row[j0]), tile_bytes_);
-      prefetch_l2(v_tile(L, h, row[j0]), tile_bytes_);
+    // Tiles kPrefetchAhead blocks ahead stream in from DRAM (into L2) while this one is computed; the
+    // task's first ones are requested up front.
+    for (int64_t j = j0; j < std::min(j1, j0 + kPrefetchAhead); ++j) {
+      prefetch_l2(k_tile(L, h, row[j]), tile_bytes_);
+      prefetch_l2(v_tile(L, h, row[j]), tile_bytes_);
     }
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t b = row[j];
       const int n = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
       const uint8_t* kb = k_tile(L, h, b);
       const uint8_t* vb = v_tile(L, h, b);
-      // The next tile of this task is prefetched while this one is computed (the list is known).
-      const uint8_t* nk = j + 1 < j1 ? k_tile(L, h, row[j + 1]) : nullptr;
-      const uint8_t* nv = j + 1 < j1 ? v_tile(L, h, row[j + 1]) : nullptr;
+      const int64_t jp = j + kPrefetchAhead;
+      const uint8_t* nk = jp < j1 ? k_tile(L, h, row[jp]) : nullptr;
+      const uint8_t* nv = jp < j1 ? v_tile(L, h, row[jp]) : nullptr;
       if (simd) avx2::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
       else scalar::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
     }
