@@ -88,8 +88,7 @@ KVStore::KVStore(const StoreConfig& c) : cfg_(c) {
   };
   try {
     for (Layer& L : layers_) {
-      L.k = static_cast<uint8_t*>(grab(hb * tile_bytes_));
-      L.v = static_cast<uint8_t*>(grab(hb * tile_bytes_));
+      L.kv = static_cast<uint8_t*>(grab(hb * 2 * tile_bytes_));
       L.anchors = static_cast<float*>(grab(hb * A_ * D * 4));
       L.n_anchor = static_cast<int32_t*>(grab(hb * 4));
       if (c.anchor_type == AnchorType::BLOCK_MEAN) L.sums = static_cast<double*>(grab(hb * D * 8));

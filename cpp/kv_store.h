@@ -2,20 +2,23 @@
 // set of block anchors per KV head that the decode step scores to pick the blocks worth attending.
 //
 // ---- layout (one layer) ----
-//   k, v:     [KVH, max_blocks, tile]   tile = [block_size rows of kv_row_bytes | block_size x D/32 fp32
-//                                                scales (Q8_0/Q4_0 only)], padded to 64 bytes
+//   kv:       [KVH, max_blocks, 2, tile] the K tile then the V tile of each (head, block);
+//             tile = [block_size rows of kv_row_bytes | block_size x D/32 fp32 scales (Q8_0/Q4_0 only)],
+//             padded to 64 bytes
 //   anchors:  [KVH, max_blocks, A, D]   fp32 (A = 2 for QUEST: min then max; 1 for BLOCK_MAX/BLOCK_MEAN;
 //                                                anchor_num for FIXED/DYNAMIC)
 //   n_anchor: [KVH, max_blocks]         int32 valid anchors (FIXED/DYNAMIC; partial blocks have fewer)
 //   sums:     [KVH, max_blocks, D]      fp64 running key sums (BLOCK_MEAN; exact for FP16/BF16 keys)
 //   imp, pos: [KVH, max_blocks, A]      anchor importance / token position (DYNAMIC)
-// Why head-major with whole-block tiles: attention runs per KV head over a sorted list of selected
-// blocks, so each (head, block) is one contiguous run of K rows and one of V rows (a 64-token FP16 tile
-// of D = 128 is 16 KiB: long sequential streams for the hardware prefetcher), and adjacent selected
-// blocks are adjacent in memory; with a full budget a head is one sequential sweep. Scoring reads
-// only `anchors`, also head-major and contiguous per block, so it streams A*D floats per block and
-// never touches K or V. Anchors are fp32 and are computed from the *stored* (rounded/quantised) keys,
-// so the QUEST bound holds for exactly the keys attention reads.
+// Why head-major with a block's K and V side by side: attention runs per KV head over a sorted list of
+// selected blocks, reading a block's K rows (logits) and then its V rows (values), so one selected block
+// is one contiguous run of 2 tiles (a 64-token FP16 block of D = 64 is 16 KiB, of D = 128 32 KiB): one
+// stream the hardware prefetcher follows from K into V, where separate K and V arrays would make two
+// short ones (measured: +20% attention throughput from DRAM for D = 64). Adjacent selected blocks are
+// adjacent in memory, and with a full budget a head is one sequential sweep. Scoring reads only
+// `anchors`, also head-major and contiguous per block, so it streams A*D floats per block and never
+// touches K or V. Anchors are fp32 and computed from the *stored* (rounded/quantised) keys, so the QUEST
+// bound holds for exactly the keys attention reads.
 //
 // Memory: capacity (max_seq_len) is reserved as address space per layer at construction (mmap,
 // MAP_NORESERVE); the OS commits pages only as blocks are written, so nbytes() — the bytes of the
@@ -119,8 +122,7 @@ class KVStore {
 
  private:
   struct Layer {
-    uint8_t* k = nullptr;  // [KVH, max_blocks, tile_bytes_]
-    uint8_t* v = nullptr;
+    uint8_t* kv = nullptr;  // [KVH, max_blocks, 2, tile_bytes_]
     float* anchors = nullptr;   // [KVH, max_blocks, A, D]
     int32_t* n_anchor = nullptr;  // [KVH, max_blocks]
     double* sums = nullptr;     // [KVH, max_blocks, D]   BLOCK_MEAN
@@ -130,8 +132,8 @@ class KVStore {
   };
 
   // ---- layout helpers ----
-  uint8_t* k_tile(const Layer& L, int h, int64_t b) const { return L.k + (h * max_blocks_ + b) * tile_bytes_; }
-  uint8_t* v_tile(const Layer& L, int h, int64_t b) const { return L.v + (h * max_blocks_ + b) * tile_bytes_; }
+  uint8_t* k_tile(const Layer& L, int h, int64_t b) const { return L.kv + (h * max_blocks_ + b) * 2 * tile_bytes_; }
+  uint8_t* v_tile(const Layer& L, int h, int64_t b) const { return k_tile(L, h, b) + tile_bytes_; }
   float* anchor_at(const Layer& L, int h, int64_t b) const {
     return L.anchors + (h * max_blocks_ + b) * int64_t(A_) * cfg_.head_dim;
   }

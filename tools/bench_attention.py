@@ -12,7 +12,9 @@ per-token Python), then one decode step of one layer is timed:
                   array sum measured in the same run
 
 Each sparse call uses another query (different blocks), and by default the caches are flushed before every
-timed call (--warm keeps them): a decode step finds a layer's KV and anchors in DRAM, not in L3.
+timed call (--warm keeps them), then the same operation runs once on a tiny second layer: as in a decode
+loop, where the previous layer just ran the same code on the same threads, code and workers are warm while
+this layer's KV and anchors are in DRAM only.
 
     python tools/bench_attention.py --contexts 4096,32768,131072,1048576 --budget 2048 --block-size 64 \
         --json tools/out/bench_attention.json
@@ -40,6 +42,7 @@ from ktquest.ops import KV_TYPES, KVStore
 SHAPES = {"9/3/64": (9, 3, 64), "32/8/128": (32, 8, 128)}  # query heads / KV heads / head_dim
 BYTES_PER_VALUE = {"FP32": 4.0, "FP16": 2.0, "BF16": 2.0, "Q8_0": 1 + 4 / 32, "Q4_0": 0.5 + 4 / 32}
 CHUNK = 1 << 16  # tokens per append
+WARMUP_TOKENS = 4096  # the second layer's context, for the code warm-up calls
 
 
 # ---- measurements ----
@@ -71,13 +74,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def timeit(fn, flush: Flusher, min_iters: int, min_s: float, max_iters: int = 1000) -> float:
-    """Median seconds of fn() over enough calls (each after a flush); one warm-up call first."""
+def timeit(fn, flush: Flusher, min_iters: int, min_s: float, warmup=None, max_iters: int = 1000) -> float:
+    """Median seconds of fn() over enough calls, each after a flush and then warmup() (code, not data)."""
     flush()
     fn()
     times, total = [], 0.0
     while len(times) < min_iters or (total < min_s and len(times) < max_iters):
         flush()
+        if warmup is not None and flush.buf is not None:
+            warmup()
         t = _timed(fn)
         times.append(t)
         total += t
@@ -111,8 +116,8 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
     dense_dtypes = [torch.bfloat16]
     if 2 * T * KVH * D * 4 <= args.dense_fp32_max_gib * (1 << 30):
         dense_dtypes.append(torch.float32)
-    store = KVStore(
-        1,
+    store = KVStore(  # layer 0: the context; layer 1: WARMUP_TOKENS for the code warm-up calls
+        2,
         KVH,
         D,
         T,
@@ -125,6 +130,7 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
     t_fill = time.perf_counter()
     dense = fill(store, T, KVH, D, dense_dtypes, seed=T)
     t_fill = time.perf_counter() - t_fill
+    store.append(1, torch.randn(WARMUP_TOKENS, KVH, D), torch.randn(WARMUP_TOKENS, KVH, D))
     nb = store.n_blocks(0)
     gen = torch.Generator().manual_seed(1)
     queries = [torch.randn(H, D, generator=gen) for _ in range(16)]
@@ -141,7 +147,12 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
         def dense_call(q4=q4, kd=kd, vd=vd):
             return F.scaled_dot_product_attention(q4, kd, vd)
 
-        dense_ms[str(dt).replace("torch.", "")] = 1e3 * timeit(dense_call, flush, 3, args.min_seconds)
+        def dense_warmup(q4=q4, kd=kd, vd=vd):
+            return F.scaled_dot_product_attention(q4, kd[:, :, :WARMUP_TOKENS], vd[:, :, :WARMUP_TOKENS])
+
+        dense_ms[str(dt).replace("torch.", "")] = 1e3 * timeit(
+            dense_call, flush, 3, args.min_seconds, warmup=dense_warmup
+        )
         if dt == torch.float32 or dense_out is None:
             dense_out = F.scaled_dot_product_attention(
                 queries[0].reshape(1, KVH, G, D).to(dt), kd, vd
@@ -153,8 +164,13 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
     # full budget: every block (also the correctness check against torch dense)
     out_full, _, _ = store.select_attend(0, queries[0], nb, args.mode)
     max_err = (out_full - dense_out.reshape(H, D)).abs().max().item()
+    nb_warm = store.n_blocks(1)
     full_ms = 1e3 * timeit(
-        lambda: store.select_attend(0, next_q(), nb, args.mode), flush, 3, args.min_seconds
+        lambda: store.select_attend(0, next_q(), nb, args.mode),
+        flush,
+        3,
+        args.min_seconds,
+        warmup=lambda: store.select_attend(1, queries[1], nb_warm, args.mode),
     )
 
     # sparse: budget tokens per KV head (SEPARATE) or shared (SHARED)
@@ -168,8 +184,17 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
         for key, val in store.last_timing().items():  # a few microseconds; the bookkeeping waits until after
             stages[key].append(val)
 
-    read_bw = read_bandwidth_gbps()  # right before the sparse timing: the same machine state (a busy host varies)
-    sparse_ms = 1e3 * timeit(sparse_call, flush, args.min_iters, args.min_seconds)
+    read_bw = (
+        read_bandwidth_gbps()
+    )  # right before the sparse timing: the same machine state (a busy host varies)
+    k_warm = max(1, min(k_blocks, store.n_blocks(1) // 2))
+    sparse_ms = 1e3 * timeit(
+        sparse_call,
+        flush,
+        args.min_iters,
+        args.min_seconds,
+        warmup=lambda: store.select_attend(1, queries[1], k_warm, args.mode, out=out, lse=lse),
+    )
     stage = {key: statistics.median(vals[1:]) for key, vals in stages.items()}  # [0] is the warm-up call
     last = T - (nb - 1) * bs  # tokens in the (possibly partial) last block
 
