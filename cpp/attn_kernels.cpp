@@ -21,7 +21,7 @@ inline float dot(const float* a, const float* b, int n) {
 // ---- attention ----
 
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t*, const uint8_t*, size_t) {
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t*, const uint8_t*) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
   const float* ksc = reinterpret_cast<const float*>(k + scale_off);

@@ -19,7 +19,7 @@ namespace ktq {
 //   m:   [G] running max of the logits (-inf before the first row), l: [G] sum of exp(logit - m),
 //   acc: [G, D] sum of exp(logit - m) * v (unnormalised)
 //   s:   scratch, at least G * round_up(n, 8) + D floats
-//   next_k, next_v: the next block's tiles (next_bytes each), prefetched while this one is computed (may be null)
+//   next_k, next_v: the next block's tiles (same layout), prefetched while this one is computed (may be null)
 // Subtracting the running max before exp keeps every exp argument <= 0: no overflow for any logit.
 
 // score_linear: linear block scores (QUEST / BLOCK_MAX / BLOCK_MEAN): out[i] (+)= dot(qe, a[i]).
@@ -30,8 +30,7 @@ namespace ktq {
 
 namespace scalar {
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
-                 size_t next_bytes);
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v);
 void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
                bool accumulate, float* s);
@@ -39,8 +38,7 @@ void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, cons
 
 namespace avx2 {  // require D % 8 == 0
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
-                 size_t next_bytes);
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v);
 void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
                bool accumulate, float* s);

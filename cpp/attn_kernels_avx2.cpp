@@ -114,32 +114,21 @@ constexpr int kBlockRows = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 3 : NG == 4 ? 2
 template <int NG>
 constexpr int kBlockCols = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 4 : NG == 4 ? 2 : 1;
 
-// Paced software prefetch of the next tile: `lines` cache lines from `base`, spread evenly over `steps`
-// calls of step(). In a burst they would stall the core as soon as its miss buffers are full (a prefetch
-// instruction then waits), serialising compute behind memory; paced at about the rate DRAM delivers,
-// the next tile streams in while this one is computed.
-struct Pacer {
-  const char* p;
-  int64_t left, num, den, acc = 0;  // lines still to request; num / den lines per step
-  Pacer(const uint8_t* base, int64_t lines, int64_t steps)
-      : p(reinterpret_cast<const char*>(base)), left(base ? lines : 0), num(lines), den(steps > 0 ? steps : 1) {}
-  inline void step() {
-    if (left <= 0) return;
-    for (acc += num; acc >= den && left > 0; acc -= den, --left, p += 64) _mm_prefetch(p, _MM_HINT_T0);
-  }
-  inline void finish() {
-    for (; left > 0; --left, p += 64) _mm_prefetch(p, _MM_HINT_T0);
-  }
-};
+// Software prefetch of the next tile, spread over this one's work: its K rows alongside the logits of the
+// same rows, its V rows one cache line per row and column pass alongside the values. Issued in one burst,
+// the prefetches would stall the core as soon as its miss buffers are full (the instruction then waits),
+// serialising compute behind memory; spread out, the next block streams in while this one is computed.
+inline void prefetch_lines(const uint8_t* p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+}
 
 template <class Dc, int NG, int NT>
 __attribute__((always_inline)) inline void logits_rows(const uint8_t* k, const float* ksc, size_t rb, int ns, int r0,
-                                                       int D, const float* q, float* s, int ss, Pacer& pf) {
+                                                       int D, const float* q, float* s, int ss) {
   __m256 acc[NT * NG];
 #pragma GCC unroll 32
   for (int i = 0; i < NT * NG; ++i) acc[i] = _mm256_setzero_ps();
   for (int c = 0; c < D / 8; ++c) {
-    pf.step();
     __m256 qv[NG];
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) {
@@ -161,28 +150,32 @@ __attribute__((always_inline)) inline void logits_rows(const uint8_t* k, const f
     for (int g = 0; g < NG; ++g) s[g * ss + r0 + r] = sums[r * NG + g];
 }
 
+// pk: the next block's K tile (its rows are prefetched alongside these), or null.
 template <class Dc, int NG>
 void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D, const float* q, float* s, int ss,
-            Pacer& pf) {
+            const uint8_t* pk) {
   constexpr int NT = kBlockRows<NG>;
   int r = 0;
-  for (; r + NT <= n; r += NT) logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, s, ss, pf);
-  for (; r < n; ++r) logits_rows<Dc, NG, 1>(k, ksc, rb, ns, r, D, q, s, ss, pf);
-  pf.finish();
+  for (; r + NT <= n; r += NT) {
+    if (pk) prefetch_lines(pk + r * rb, NT * rb);
+    logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, s, ss);
+  }
+  for (; r < n; ++r) logits_rows<Dc, NG, 1>(k, ksc, rb, ns, r, D, q, s, ss);
 }
 
 // ---- values: acc[g, chunk c0 .. c0+NC) += sum_r p[g, r] * v_r ----
 
 template <class Dc, int NG, int NC>
 __attribute__((always_inline)) inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, int n,
-                                                      int c0, int D, const float* p, int ps, float* acc, Pacer& pf) {
+                                                      int c0, int D, const float* p, int ps, float* acc,
+                                                      const uint8_t* pf) {
   __m256 a[NC][NG];
 #pragma GCC unroll 8
   for (int j = 0; j < NC; ++j)
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) a[j][g] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
   for (int r = 0; r < n; ++r) {
-    pf.step();
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + r * rb), _MM_HINT_T0);
     __m256 pv[NG];
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(p + g * ps + r);
@@ -199,14 +192,19 @@ __attribute__((always_inline)) inline void accum_cols(const uint8_t* v, const fl
     for (int g = 0; g < NG; ++g) _mm256_storeu_ps(acc + g * D + 8 * (c0 + j), a[j][g]);
 }
 
+// pv: the next block's V tile; column pass i prefetches line i of each of its rows (rows are rb bytes).
 template <class Dc, int NG>
 void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, const float* p, int ps, float* acc,
-           Pacer& pf) {
+           const uint8_t* pv) {
   constexpr int NC = kBlockCols<NG>;
+  const size_t lines = (rb + 63) / 64;
+  size_t pass = 0;
+  auto pf = [&]() { return pv && pass < lines ? pv + 64 * pass++ : nullptr; };
   int c = 0;
-  for (; c + NC <= D / 8; c += NC) accum_cols<Dc, NG, NC>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf);
-  for (; c < D / 8; ++c) accum_cols<Dc, NG, 1>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf);
-  pf.finish();
+  for (; c + NC <= D / 8; c += NC) accum_cols<Dc, NG, NC>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf());
+  for (; c < D / 8; ++c) accum_cols<Dc, NG, 1>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf());
+  for (; pv && pass < lines; ++pass)  // more lines per row than column passes (Q4_0 rows are short, FP32 long)
+    for (int r = 0; r < n; ++r) _mm_prefetch(reinterpret_cast<const char*>(pv + r * rb + 64 * pass), _MM_HINT_T0);
 }
 
 // ---- one block for NG <= 8 heads ----
@@ -214,12 +212,10 @@ void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, 
 template <class Dc, int NG>
 void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const float* vsc, size_t rb, int ns, int n,
                 int D, const float* q, float* s, int ss, float* m, float* l, float* acc, const uint8_t* pk,
-                const uint8_t* pv, size_t next_bytes) {
-  // The next K tile is requested during the logits (one step per row group and 8-column chunk), the next
-  // V tile during the value accumulation (one step per row and column pass).
-  const int64_t lines = int64_t((next_bytes + 63) / 64);
-  Pacer pfk(pk, lines, int64_t((n + kBlockRows<NG> - 1) / kBlockRows<NG>) * (D / 8));
-  logits<Dc, NG>(k, ksc, rb, ns, n, D, q, s, ss, pfk);
+                const uint8_t* pv, int bs_rows) {
+  if (pk && ns) prefetch_lines(pk + bs_rows * rb, size_t(bs_rows) * ns * 4);  // the next tiles' scales
+  if (pv && ns) prefetch_lines(pv + bs_rows * rb, size_t(bs_rows) * ns * 4);
+  logits<Dc, NG>(k, ksc, rb, ns, n, D, q, s, ss, pk);
 #pragma GCC unroll 8
   for (int g = 0; g < NG; ++g) {
     float* sg = s + g * ss;
@@ -244,20 +240,18 @@ void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const floa
       for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
     }
   }
-  const int passes = (D / 8) / kBlockCols<NG> + (D / 8) % kBlockCols<NG>;
-  Pacer pfv(pv, lines, int64_t(passes) * n);
-  accum<Dc, NG>(v, vsc, rb, ns, n, D, s, ss, acc, pfv);
+  accum<Dc, NG>(v, vsc, rb, ns, n, D, s, ss, acc, pv);
 }
 
 template <class Dc>
 void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off, int n,
-              float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
-              size_t next_bytes) {
+              float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
   const float* ksc = reinterpret_cast<const float*>(k + scale_off);
   const float* vsc = reinterpret_cast<const float*>(v + scale_off);
   const int ss = (n + 7) & ~7;
+  const int bs_rows = int(scale_off / rb);  // rows of a full tile (the next one may be full when this is not)
   // Heads in batches of up to 8 (registers); larger groups re-read the tile from L1.
   for (int g0 = 0; g0 < G; g0 += 8) {
     const int ng = std::min(8, G - g0);
@@ -267,7 +261,7 @@ void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const ui
     const uint8_t* pv = g0 == 0 ? next_v : nullptr;
     switch (ng) {
 #define KTQ_CASE(N) \
-  case N: tile_group<Dc, N>(k, v, ksc, vsc, rb, ns, n, D, qg, s, ss, mg, lg, ag, pk, pv, next_bytes); break;
+  case N: tile_group<Dc, N>(k, v, ksc, vsc, rb, ns, n, D, qg, s, ss, mg, lg, ag, pk, pv, bs_rows); break;
       KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
 #undef KTQ_CASE
     }
@@ -279,14 +273,13 @@ void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const ui
 // ---- entry points ----
 
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
-                 size_t next_bytes) {
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v) {
   switch (t) {
-    case KVType::FP32: tile_any<DecF32>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v, next_bytes); break;
-    case KVType::FP16: tile_any<DecF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v, next_bytes); break;
-    case KVType::BF16: tile_any<DecBF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v, next_bytes); break;
-    case KVType::Q8_0: tile_any<DecQ8>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v, next_bytes); break;
-    case KVType::Q4_0: tile_any<DecQ4>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v, next_bytes); break;
+    case KVType::FP32: tile_any<DecF32>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::FP16: tile_any<DecF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::BF16: tile_any<DecBF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::Q8_0: tile_any<DecQ8>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
+    case KVType::Q4_0: tile_any<DecQ4>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
   }
 }
 
@@ -318,7 +311,6 @@ void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, cons
                bool accumulate, float* s) {
   const size_t rb = size_t(D) * 4;
   const int ss = (A + 7) & ~7;
-  Pacer none(nullptr, 0, 1);  // anchors stream sequentially: the hardware prefetcher follows
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* ai = reinterpret_cast<const uint8_t*>(a + i * int64_t(A) * D);
     const int na = cnt[i];
@@ -327,7 +319,7 @@ void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, cons
       const int ng = std::min(8, G - g0);
       switch (ng) {
 #define KTQ_CASE(N) \
-  case N: logits<DecF32, N>(ai, nullptr, rb, 0, na, D, q + g0 * D, s, ss, none); break;
+  case N: logits<DecF32, N>(ai, nullptr, rb, 0, na, D, q + g0 * D, s, ss, nullptr); break;
         KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
 #undef KTQ_CASE
       }

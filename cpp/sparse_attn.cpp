@@ -330,8 +330,8 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
       const int64_t jp = j + kPrefetchAhead;
       const uint8_t* nk = jp < j1 ? k_tile(L, h, row[jp]) : nullptr;
       const uint8_t* nv = jp < j1 ? v_tile(L, h, row[jp]) : nullptr;
-      if (simd) avx2::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv, tile_bytes_);
-      else scalar::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv, tile_bytes_);
+      if (simd) avx2::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
+      else scalar::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
     }
   });
   // Merge the partials of each head in chunk order: out = sum_i w_i acc_i / sum_i w_i l_i, w_i = e^(m_i - M).
