@@ -20,6 +20,8 @@
 // touches K or V. Anchors are fp32 and computed from the *stored* (rounded/quantised) keys, so the QUEST
 // bound holds for exactly the keys attention reads.
 //
+// Threads: every operation runs on the shared ThreadPool with up to threads_num threads (thread_pool.h).
+//
 // Memory: capacity (max_seq_len) is reserved as address space per layer at construction (mmap,
 // MAP_NORESERVE); the OS commits pages only as blocks are written, so nbytes() — the bytes of the
 // blocks in use — is what the store really holds. Appending past max_seq_len throws before writing.
@@ -122,12 +124,12 @@ class KVStore {
 
  private:
   struct Layer {
-    uint8_t* kv = nullptr;  // [KVH, max_blocks, 2, tile_bytes_]
-    float* anchors = nullptr;   // [KVH, max_blocks, A, D]
+    uint8_t* kv = nullptr;        // [KVH, max_blocks, 2, tile_bytes_]  K tile, V tile
+    float* anchors = nullptr;     // [KVH, max_blocks, A, D]
     int32_t* n_anchor = nullptr;  // [KVH, max_blocks]
-    double* sums = nullptr;     // [KVH, max_blocks, D]   BLOCK_MEAN
-    float* imp = nullptr;       // [KVH, max_blocks, A]   DYNAMIC
-    int32_t* pos = nullptr;     // [KVH, max_blocks, A]   DYNAMIC
+    double* sums = nullptr;       // [KVH, max_blocks, D]   BLOCK_MEAN
+    float* imp = nullptr;         // [KVH, max_blocks, A]   DYNAMIC
+    int32_t* pos = nullptr;       // [KVH, max_blocks, A]   DYNAMIC
     int64_t len = 0;
   };
 

@@ -23,8 +23,8 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks of one set
 constexpr int64_t kChunkTokens = 256;         // split-K: at least this many tokens per attention task
-constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
+constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead
 constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
 // Scoring / attention use threads from this many bytes read on: below it (~30 us on one core) waking a
 // worker costs more than it saves.
