@@ -501,3 +501,62 @@ def test_native_calls_check_their_arrays():
             None,
             np.zeros((2, 3), np.int32),
         )
+
+
+# ---- benchmark ----
+
+
+def test_benchmark_smoke_run(tmp_path):
+    """tools/bench_attention.py end to end on a tiny context: the table's JSON fields and the plot."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    args = [
+        "--contexts",
+        "300",
+        "--shapes",
+        "9/3/64",
+        "--budget",
+        "64",
+        "--block-size",
+        "16",
+        "--min-iters",
+        "2",
+        "--min-seconds",
+        "0",
+        "--bw-gib",
+        "0.01",
+        "--flush-mib",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+    ]
+    rows = bench.main(args)
+    assert json.loads(out.read_text()) == rows and out.with_suffix(".png").stat().st_size > 0
+    need = {
+        "shape",
+        "context",
+        "budget",
+        "block_size",
+        "kv_type",
+        "torch_dense_ms",
+        "full_budget_ms",
+        "sparse_ms",
+        "score_ms",
+        "topk_ms",
+        "attend_ms",
+        "speedup",
+        "score_gbps",
+        "attend_gbps",
+        "read_bw_gbps",
+    }
+    assert need <= set(rows[0]) and rows[0]["context"] == 300 and rows[0]["kv_type"] == "FP16"
+    assert rows[0]["full_budget_max_abs_err"] < 2e-2  # FP16 store vs torch dense on the same data

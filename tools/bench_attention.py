@@ -130,7 +130,8 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
     t_fill = time.perf_counter()
     dense = fill(store, T, KVH, D, dense_dtypes, seed=T)
     t_fill = time.perf_counter() - t_fill
-    store.append(1, torch.randn(WARMUP_TOKENS, KVH, D), torch.randn(WARMUP_TOKENS, KVH, D))
+    n_warm = min(WARMUP_TOKENS, T)
+    store.append(1, torch.randn(n_warm, KVH, D), torch.randn(n_warm, KVH, D))
     nb = store.n_blocks(0)
     gen = torch.Generator().manual_seed(1)
     queries = [torch.randn(H, D, generator=gen) for _ in range(16)]
@@ -148,7 +149,7 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
             return F.scaled_dot_product_attention(q4, kd, vd)
 
         def dense_warmup(q4=q4, kd=kd, vd=vd):
-            return F.scaled_dot_product_attention(q4, kd[:, :, :WARMUP_TOKENS], vd[:, :, :WARMUP_TOKENS])
+            return F.scaled_dot_product_attention(q4, kd[:, :, :n_warm], vd[:, :, :n_warm])
 
         dense_ms[str(dt).replace("torch.", "")] = 1e3 * timeit(
             dense_call, flush, 3, args.min_seconds, warmup=dense_warmup
@@ -184,9 +185,8 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
         for key, val in store.last_timing().items():  # a few microseconds; the bookkeeping waits until after
             stages[key].append(val)
 
-    read_bw = (
-        read_bandwidth_gbps()
-    )  # right before the sparse timing: the same machine state (a busy host varies)
+    # Right before the sparse timing: the same machine state (a busy host varies).
+    read_bw = read_bandwidth_gbps(args.bw_gib)
     k_warm = max(1, min(k_blocks, store.n_blocks(1) // 2))
     sparse_ms = 1e3 * timeit(
         sparse_call,
@@ -317,7 +317,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="4096,32768,131072,1048576", help="comma-separated context lengths")
     p.add_argument("--budget", type=int, default=2048, help="tokens attended per KV head (sparse)")
@@ -330,6 +330,7 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {', '.join(SHAPES)}")
     p.add_argument("--warm", action="store_true", help="do not flush the caches between timed calls")
     p.add_argument("--flush-mib", type=int, default=96, help="buffer that evicts the caches (> L3)")
+    p.add_argument("--bw-gib", type=float, default=1.0, help="array size of the read-bandwidth measurement")
     p.add_argument("--min-iters", type=int, default=20)
     p.add_argument("--min-seconds", type=float, default=1.0, help="time each measurement at least this long")
     p.add_argument(
@@ -337,7 +338,7 @@ def main() -> None:
     )
     p.add_argument("--json", default="tools/out/bench_attention.json")
     p.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -361,6 +362,7 @@ def main() -> None:
     png = Path(args.png) if args.png else Path(args.json).with_suffix(".png")
     plot(rows, png)
     print(f"wrote {args.json} and {png}")
+    return rows
 
 
 if __name__ == "__main__":
