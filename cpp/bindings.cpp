@@ -5,9 +5,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+
 #include "cpu_features.h"
-#include "kv_store.h"
+#include "dense_attn.h"
 #include "gemv.h"
+#include "kv_store.h"
 
 namespace py = pybind11;
 
@@ -335,6 +338,42 @@ void bind_kv_store(py::module_& m) {
       }, "(score_s, topk_s, attend_s) of the last select/attend call.");
 }
 
+// ---- dense decode attention (cpp/dense_attn.*): mode dense on the CPU ----
+void bind_dense_attn(py::module_& m) {
+  m.def("dense_decode_attention", [](const py::handle& q_obj, const py::handle& k_obj, const py::handle& v_obj,
+                                     int64_t n, float scale, const py::handle& out_obj, const py::handle& lse_obj,
+                                     int n_threads) {
+    auto q = kv_arg<float>(q_obj, "q", {-1, -1});
+    const int64_t H = q.shape(0), D = q.shape(1);
+    auto k = kv_arg<float>(k_obj, "k", {-1, -1, D});
+    const int64_t KVH = k.shape(0), S = k.shape(1);
+    auto v = kv_arg<float>(v_obj, "v", {KVH, S, D});
+    if (KVH < 1 || H % KVH != 0)
+      throw py::value_error("q has " + std::to_string(H) + " heads: must be a positive multiple of the " +
+                            std::to_string(KVH) + " KV heads of k (GQA)");
+    auto out = kv_arg<float>(out_obj, "out", {H, D});
+    auto lse = kv_arg<float>(lse_obj, "lse", {H});
+    if (n < 1 || n > S)
+      throw py::value_error("n=" + std::to_string(n) + " rows: must be between 1 and the " + std::to_string(S) +
+                            " rows of k");
+    if (n_threads < 1) throw py::value_error("n_threads must be >= 1, got " + std::to_string(n_threads));
+    const float* qp = q.data();
+    for (int64_t i = 0; i < H * D; ++i)
+      if (!std::isfinite(qp[i]))
+        throw py::value_error("q contains a non-finite value at head " + std::to_string(i / D) + ", dim " +
+                              std::to_string(i % D));
+    const float* kp = k.data();
+    const float* vp = v.data();
+    float* op = out.mutable_data();
+    float* lp = lse.mutable_data();
+    py::gil_scoped_release nogil;
+    ktq::dense_decode_attention(qp, int(H), int(KVH), int(D), kp, vp, S * D, n, scale, op, lp, n_threads);
+  }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("n"), py::arg("scale"), py::arg("out"), py::arg("lse"),
+     py::arg("n_threads"),
+     "Decode attention of q [H, D] over rows [0, n) of k, v [KVH, S, D] fp32: out [H, D] and lse [H] "
+     "(GQA: head i reads KV head i // (H / KVH)).");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -343,4 +382,5 @@ PYBIND11_MODULE(_C, m) {
   bind_gemv(m);
   // ---- further sections are added below, one bind_* function per area ----
   bind_kv_store(m);
+  bind_dense_attn(m);
 }

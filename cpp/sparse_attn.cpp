@@ -13,6 +13,7 @@
 
 #include "attn_kernels.h"
 #include "cpu_features.h"
+#include "dense_attn.h"
 #include "kv_store.h"
 #include "thread_pool.h"
 
@@ -334,28 +335,7 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
       else scalar::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
     }
   });
-  // Merge the partials of each head in chunk order: out = sum_i w_i acc_i / sum_i w_i l_i, w_i = e^(m_i - M).
-  for (int h = 0; h < KVH; ++h)
-    for (int g = 0; g < G; ++g) {
-      float* o = out + (size_t(h) * G + g) * D;
-      std::fill(o, o + D, 0.f);
-      float M = kNegInf;
-      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) M = std::max(M, part_[t * pstride + g]);
-      if (M == kNegInf) {  // no block for this head
-        lse[h * G + g] = kNegInf;
-        continue;
-      }
-      float sum = 0.f;
-      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) {
-        const float* P = part_.data() + t * pstride;
-        const float w = std::exp(P[g] - M);
-        sum += w * P[G + g];
-        const float* a = P + 2 * G + size_t(g) * D;
-        for (int d = 0; d < D; ++d) o[d] += w * a[d];
-      }
-      for (int d = 0; d < D; ++d) o[d] /= sum;
-      lse[h * G + g] = M + std::log(sum);
-    }
+  merge_partials(part_.data(), tstart.data(), KVH, G, D, out, lse);  // in chunk order
   timing_.attend_s = seconds_since(t0);
 }
 

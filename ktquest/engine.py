@@ -200,10 +200,16 @@ class ChatSession:
         self._turns.append(stats)
         return Reply(text=text, stats=stats)
 
-    def reset(self) -> None:
-        """Forget the conversation (the system prompt and document stay for the next first turn)."""
+    def reset(self, keep_cache: bool = False) -> None:
+        """Forget the conversation (the system prompt and document stay for the next first turn).
+
+        ``keep_cache``: the forgotten tokens stay in the KV cache, so the next turn reads again only what
+        differs from them (another question about the same document costs the question alone).
+        """
         self.messages = self._opening()
         self._turns = []
+        if keep_cache:
+            return
         self._fed = []
         if self.engine._cache_owner is self:
             self.engine.cache.reset()
@@ -269,7 +275,8 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
     device windows, ``ktquest.long_context``)."""
     if config.mode == "long_context":
         return LongContextCache(args, config, max_seq_len, device, dtype)
-    return DenseKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)
+    return DenseKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype,
+                        threads=config.resolved_threads())
 
 
 def _pick_device(name: str) -> torch.device:

@@ -325,6 +325,22 @@ class KVStore:
         return out, lse, out_np, lse_np
 
 
+def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
+                           threads: int = 1, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token's attention over the first ``n`` rows of a dense fp32 cache, in C++.
+
+    q: [H, D], k/v: [KVH, S, D] (S >= n) -> out [H, D], lse [H] (fp32; GQA: head i reads KV head i // (H/KVH)).
+    """
+    qn = _np(q, "q", (torch.float32,), 2)
+    kn, vn = _np(k, "k", (torch.float32,), 3), _np(v, "v", (torch.float32,), 3)
+    if out is None:
+        out = torch.empty(qn.shape[0], qn.shape[1])
+    lse = torch.empty(qn.shape[0])
+    _C.dense_decode_attention(qn, kn, vn, _int(n, "n", 1), float(scale), _np(out, "out", (torch.float32,), 2),
+                              lse.numpy(), _int(threads, "threads", 1))
+    return out, lse
+
+
 def merge_attention(
     out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

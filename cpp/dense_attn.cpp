@@ -1,0 +1,93 @@
+#include "dense_attn.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attn_kernels.h"
+#include "cpu_features.h"
+#include "thread_pool.h"
+
+namespace ktq {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kDenseTile = 64;            // rows per attend_tile call
+constexpr int64_t kTaskRows = 512;        // split-K: at least this many rows per task
+constexpr int64_t kMaxTasksPerHead = 16;  // ... and at most this many tasks per KV head
+// Threads only from this many bytes read on (below it a wake-up costs more than it saves).
+constexpr int64_t kParallelBytes = 512 << 10;
+
+}  // namespace
+
+void merge_partials(const float* part, const int64_t* tstart, int KVH, int G, int D, float* out, float* lse) {
+  const size_t pstride = size_t(G) * (D + 2);
+  for (int h = 0; h < KVH; ++h)
+    for (int g = 0; g < G; ++g) {
+      float* o = out + (size_t(h) * G + g) * D;
+      std::fill(o, o + D, 0.f);
+      float M = kNegInf;
+      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) M = std::max(M, part[t * pstride + g]);
+      if (M == kNegInf) {  // nothing attended for this head
+        lse[h * G + g] = kNegInf;
+        continue;
+      }
+      // out = sum_i w_i acc_i / sum_i w_i l_i with w_i = e^(m_i - M) <= 1: no overflow.
+      float sum = 0.f;
+      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) {
+        const float* P = part + t * pstride;
+        const float w = std::exp(P[g] - M);
+        sum += w * P[G + g];
+        const float* a = P + 2 * G + size_t(g) * D;
+        for (int d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      for (int d = 0; d < D; ++d) o[d] /= sum;
+      lse[h * G + g] = M + std::log(sum);
+    }
+}
+
+void dense_decode_attention(const float* q, int H, int KVH, int D, const float* k, const float* v,
+                            int64_t head_stride, int64_t n, float scale, float* out, float* lse, int n_threads) {
+  const int G = H / KVH;
+  // q scaled once: attend_tile takes q * scale.  qs: [H, D]
+  std::vector<float> qs(size_t(H) * D);
+  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
+  const int64_t n_tiles = (n + kDenseTile - 1) / kDenseTile;
+  const int64_t tiles_per_task =
+      std::max((kTaskRows + kDenseTile - 1) / kDenseTile, (n_tiles + kMaxTasksPerHead - 1) / kMaxTasksPerHead);
+  const int64_t tasks_per_head = n_tiles == 0 ? 0 : (n_tiles + tiles_per_task - 1) / tiles_per_task;
+  std::vector<int64_t> tstart(KVH + 1);
+  for (int h = 0; h <= KVH; ++h) tstart[h] = h * tasks_per_head;
+  const size_t pstride = size_t(G) * (D + 2);  // partial: m [G], l [G], acc [G, D]
+  std::vector<float> part(size_t(KVH * tasks_per_head) * pstride);
+  const bool simd = use_avx2() && D % 8 == 0;
+  const size_t row_bytes = size_t(D) * sizeof(float);
+  const int threads = int64_t(KVH) * n * int64_t(row_bytes) * 2 >= kParallelBytes ? n_threads : 1;
+  ThreadPool::global().parallel_for(KVH * tasks_per_head, threads, [&](int64_t task) {
+    const int h = int(task / tasks_per_head);
+    const int64_t t0 = (task % tasks_per_head) * tiles_per_task, t1 = std::min(n_tiles, t0 + tiles_per_task);
+    float* m = part.data() + task * pstride;
+    float* l = m + G;
+    float* acc = l + G;
+    std::fill(m, m + G, kNegInf);
+    std::fill(l, l + G + size_t(G) * D, 0.f);
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(G) * kDenseTile + D);
+    const auto* kh = reinterpret_cast<const uint8_t*>(k + h * head_stride);
+    const auto* vh = reinterpret_cast<const uint8_t*>(v + h * head_stride);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int rows = int(std::min<int64_t>(kDenseTile, n - t * kDenseTile));
+      const size_t off = size_t(t) * kDenseTile * row_bytes, next = off + kDenseTile * row_bytes;
+      const uint8_t* nk = t + 1 < t1 ? kh + next : nullptr;
+      const uint8_t* nv = t + 1 < t1 ? vh + next : nullptr;
+      const float* qh = qs.data() + size_t(h) * G * D;
+      if (simd) avx2::attend_tile(KVType::FP32, D, G, qh, kh + off, vh + off, 0, rows, scratch.data(), m, l, acc, nk, nv);
+      else scalar::attend_tile(KVType::FP32, D, G, qh, kh + off, vh + off, 0, rows, scratch.data(), m, l, acc, nk, nv);
+    }
+  });
+  merge_partials(part.data(), tstart.data(), KVH, G, D, out, lse);
+}
+
+}  // namespace ktq

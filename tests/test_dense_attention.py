@@ -1,0 +1,116 @@
+"""Dense decode attention (cpp/dense_attn.cpp, the dense cache's CPU decode path) against torch."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ktquest import _C
+from ktquest.kv_cache import DenseKVCache
+from ktquest.ops import dense_decode_attention
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float):
+    """q [H, D], k/v [KVH, S, D] -> (out [H, D], lse [H]) over rows [0, n), in fp64."""
+    H, KVH = q.shape[0], k.shape[0]
+    kk = k[:, :n].double().repeat_interleave(H // KVH, 0)  # [H, n, D]
+    vv = v[:, :n].double().repeat_interleave(H // KVH, 0)
+    s = torch.einsum("hd,hnd->hn", q.double(), kk) * scale  # [H, n]
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("hn,hnd->hd", torch.exp(s - lse[:, None]), vv)
+    return out.float(), lse.float()
+
+
+# fp32 logits and an online softmax over tiles, against fp64: a few ulps per row summed over n rows.
+RTOL, ATOL = 1e-5, 1e-5
+
+
+@pytest.fixture(params=[False, True], ids=["avx2", "scalar"])
+def force_scalar(request):
+    _C.set_force_scalar(request.param)
+    yield request.param
+    _C.set_force_scalar(False)
+
+
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (32, 8, 128), (3, 1, 16)])
+@pytest.mark.parametrize("n", [1, 7, 64, 129, 1000])
+def test_matches_reference(force_scalar, H, KVH, D, n):
+    g = torch.Generator().manual_seed(H * 7 + n)
+    S = n + 5  # rows past n are never read
+    q = torch.randn(H, D, generator=g) * 2
+    k, v = torch.randn(KVH, S, D, generator=g), torch.randn(KVH, S, D, generator=g)
+    k[:, n:] = v[:, n:] = float("nan")
+    out, lse = dense_decode_attention(q, k, v, n, 1 / math.sqrt(D), threads=2)
+    ref_out, ref_lse = reference(q, k, v, n, 1 / math.sqrt(D))
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse, ref_lse, rtol=RTOL, atol=ATOL)
+
+
+def test_large_logits_do_not_overflow():
+    q = torch.full((2, 64), 30.0)
+    k = torch.full((1, 300, 64), 30.0)
+    k[0, 100] = 31.0  # logits ~ 7000: exp would overflow without subtracting the running max
+    v = torch.randn(1, 300, 64)
+    out, lse = dense_decode_attention(q, k, v, 300, 1 / 8)
+    torch.testing.assert_close(out, reference(q, k, v, 300, 1 / 8)[0], rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(lse).all()
+
+
+def test_thread_count_is_bitwise_deterministic():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(9, 64, generator=g), torch.randn(3, 5000, 64, generator=g), torch.randn(3, 5000, 64, generator=g)
+    outs = [dense_decode_attention(q, k, v, 4999, 0.125, threads=t) for t in (1, 2, 3, 8)]
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+def test_scalar_and_avx2_agree():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(9, 64, generator=g), torch.randn(3, 700, 64, generator=g), torch.randn(3, 700, 64, generator=g)
+    fast = dense_decode_attention(q, k, v, 700, 0.125)
+    _C.set_force_scalar(True)
+    try:
+        slow = dense_decode_attention(q, k, v, 700, 0.125)
+    finally:
+        _C.set_force_scalar(False)
+    torch.testing.assert_close(fast[0], slow[0], rtol=RTOL, atol=ATOL)
+
+
+def test_dense_cache_decode_uses_it_and_matches_sdpa():
+    """The dense cache's CPU decode step equals SDPA's (the path CUDA and other dtypes take)."""
+    g = torch.Generator().manual_seed(5)
+    cache = DenseKVCache(2, 3, 64, 512, threads=2)
+    assert cache._native_decode
+    for start, t in ((0, 300), (300, 1)):
+        for layer in range(2):
+            q, k, v = (torch.randn(t, h, 64, generator=g) for h in (9, 3, 3))
+            out = cache.attend(layer, q, k, v, start)
+    keys, values = cache.k[1, None, :, :301], cache.v[1, None, :, :301]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, :, None].transpose(0, 1).reshape(1, 9, 1, 64),
+                                                            keys, values, enable_gqa=True)
+    torch.testing.assert_close(out, sdpa.reshape(1, 9, 64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(q=np.zeros((9, 64), np.float64)), "q: expected a numpy array of dtype float32"),
+        (dict(q=np.zeros((8, 64), np.float32)), "multiple of the 3 KV heads"),
+        (dict(k=np.zeros((3, 10, 32), np.float32)), r"k: expected shape \[\*, \*, 64\]"),
+        (dict(v=np.zeros((3, 11, 64), np.float32)), r"v: expected shape \[3, 10, 64\]"),
+        (dict(n=11), "n=11 rows: must be between 1 and the 10 rows of k"),
+        (dict(n=0), "n=0 rows"),
+        (dict(out=np.zeros((9, 63), np.float32)), r"out: expected shape \[9, 64\]"),
+        (dict(n_threads=0), "n_threads must be >= 1"),
+        (dict(q=np.full((9, 64), np.inf, np.float32)), "q contains a non-finite value at head 0"),
+        (dict(k=np.zeros((3, 20, 64), np.float32)[:, ::2]), "must be C-contiguous"),
+    ],
+)
+def test_bad_arguments_raise(change, match):
+    args = dict(q=np.zeros((9, 64), np.float32), k=np.zeros((3, 10, 64), np.float32),
+                v=np.zeros((3, 10, 64), np.float32), n=10, scale=0.125, out=np.zeros((9, 64), np.float32),
+                lse=np.zeros(9, np.float32), n_threads=1)
+    args.update(change)
+    with pytest.raises((TypeError, ValueError), match=match):
+        _C.dense_decode_attention(**args)
