@@ -156,6 +156,22 @@ def test_reset(smol):
     assert s.send(QUESTION).stats.prompt_tokens == GOLDEN_PROMPT_TOKENS
 
 
+def test_reset_keeping_the_cache_reads_only_what_differs(tiny):
+    doc = "Once upon a time there was a tiny model that read a long story. " * 4
+    s = tiny.chat_session(document=doc)
+    first = s.send("Who was there?")
+    s.reset(keep_cache=True)
+    assert s.messages == [] and s.stats().turns == 0
+    again = s.send("What did it read?")  # the same document, another question: only the question is read
+    fresh = tiny.chat_session(document=doc).send("What did it read?")
+    assert again.text == fresh.text and again.stats.context_tokens == fresh.stats.context_tokens
+    assert again.stats.prompt_tokens < fresh.stats.prompt_tokens - first.stats.new_tokens
+    s.document = "Another story altogether."
+    s.reset(keep_cache=True)
+    other = s.send("Who?")  # nothing in common but the template's opening: read (almost) in full
+    assert other.text == tiny.chat_session(document="Another story altogether.").send("Who?").text
+
+
 def test_sessions_take_turns_on_one_cache(smol):
     a, b = smol.chat_session(), smol.chat_session(system="You answer in one word.")
     a.send(QUESTION)
