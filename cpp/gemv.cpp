@@ -48,12 +48,12 @@ void quantize_q8_0(const float* src, int64_t n, int8_t* q, float* d) {
 void gemv_q8_0(const float* x, int64_t T, int64_t in, const int8_t* qw, const float* dw, int64_t out,
                const float* bias, float* y, int n_threads) {
   const bool avx2 = use_avx2();
-  // A few contiguous row ranges per thread (in rows of 4): each thread then reads long forward
-  // streams that the prefetchers follow. Small chunks claimed in turn made each thread's reads jump
-  // every few KiB, and two threads read the bundled model's lm_head slower than one (12 vs 18 GB/s).
-  // Task c always covers the same rows and each output is computed by one thread in a fixed order.
+  // Two contiguous row ranges per thread: each thread then reads long forward streams that the
+  // prefetchers follow. (Small chunks claimed in turn made each thread's reads jump every few KiB, and
+  // two threads read the bundled model's lm_head slower than one: 12 vs 18 GB/s.) The ranges depend on
+  // n_threads, the result does not: output o is row o's dot products summed in a fixed order.
   const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(int64_t(n_threads) * 2, out / 64));
-  const int64_t rows_per_task = ((out + n_tasks - 1) / n_tasks + 3) / 4 * 4;
+  const int64_t rows_per_task = (out + n_tasks - 1) / n_tasks;
   auto task = [&](int64_t c) {
     const int64_t o0 = std::min(out, c * rows_per_task), o1 = std::min(out, o0 + rows_per_task);
     // T > 1 (a few tokens): every activation row over 64 weight rows while they are in L1/L2.
