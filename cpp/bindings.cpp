@@ -6,8 +6,11 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <memory>
+#include <vector>
 
 #include "cpu_features.h"
+#include "decode_layer.h"
 #include "dense_attn.h"
 #include "gemv.h"
 #include "kv_store.h"
@@ -374,6 +377,106 @@ void bind_dense_attn(py::module_& m) {
      "(GQA: head i reads KV head i // (H / KVH)).");
 }
 
+// ---- fused decode stages of one block (cpp/decode_layer.*) ----
+// The Python object keeps the weight arrays alive; shapes are checked once here, at construction.
+struct PyDecodeLayer {
+  std::vector<py::object> keep;
+  std::unique_ptr<ktq::DecodeLayer> layer;
+  int64_t dim = 0, n_qkv = 0, n_attn = 0;
+};
+
+ktq::Q8Matrix q8_matrix(PyDecodeLayer& L, const py::handle& q_obj, const py::handle& d_obj, const py::handle& b_obj,
+                        const char* name, int64_t out, int64_t in) {
+  const std::string n(name);
+  auto q = kv_arg<int8_t>(q_obj, (n + ".q").c_str(), {out, in});
+  auto d = kv_arg<float>(d_obj, (n + ".d").c_str(), {out, in / ktq::kQ8Group});
+  ktq::Q8Matrix m;
+  m.q = q.data();
+  m.d = d.data();
+  m.out = out;
+  m.in = in;
+  L.keep.push_back(q);
+  L.keep.push_back(d);
+  if (!b_obj.is_none()) {
+    auto b = kv_arg<float>(b_obj, (n + ".bias").c_str(), {out});
+    m.bias = b.data();
+    L.keep.push_back(b);
+  }
+  return m;
+}
+
+void bind_decode_layer(py::module_& m) {
+  py::class_<PyDecodeLayer>(m, "DecodeLayer",
+                            "One block's decode step around attention, with Q8_0 weights (cpp/decode_layer.h).")
+      .def(py::init([](const py::handle& attn_norm, const py::handle& ffn_norm, float eps, py::tuple wqkv,
+                       py::tuple wo, py::tuple w_gate_up, py::tuple w_down, int n_heads, int n_kv_heads,
+                       int head_dim) {
+             if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0)
+               throw py::value_error("n_heads=" + std::to_string(n_heads) + " must be a positive multiple of n_kv_heads=" +
+                                     std::to_string(n_kv_heads));
+             if (head_dim < 2 || head_dim % 2 != 0 || head_dim > 1024)
+               throw py::value_error("head_dim=" + std::to_string(head_dim) + " must be even and in [2, 1024]");
+             for (auto* t : {&wqkv, &wo, &w_gate_up, &w_down})
+               if (py::len(*t) != 3) throw py::value_error("each weight is a tuple (q, d, bias or None)");
+             auto L = std::make_unique<PyDecodeLayer>();
+             auto an = kv_arg<float>(attn_norm, "attn_norm", {-1});
+             const int64_t dim = an.shape(0);
+             auto fn = kv_arg<float>(ffn_norm, "ffn_norm", {dim});
+             if (dim % ktq::kQ8Group != 0 || (int64_t(n_heads) * head_dim) % ktq::kQ8Group != 0)
+               throw py::value_error("dim and n_heads * head_dim must be multiples of 32 (Q8_0 groups)");
+             const py::handle gu_q = w_gate_up[0];
+             if (!py::isinstance<py::array>(gu_q) || py::array(py::reinterpret_borrow<py::object>(gu_q)).ndim() != 2)
+               throw py::value_error("w_gate_up.q: expected a 2-D int8 array [2 * ffn, dim]");
+             const int64_t two_ffn = py::array(py::reinterpret_borrow<py::object>(gu_q)).shape(0);
+             if (two_ffn % 64 != 0) throw py::value_error("w_gate_up.q: 2 * ffn rows must be a multiple of 64");
+             const int64_t n_qkv = int64_t(n_heads + 2 * n_kv_heads) * head_dim, n_attn = int64_t(n_heads) * head_dim;
+             ktq::DecodeLayerWeights w;
+             w.attn_norm = an.data();
+             w.ffn_norm = fn.data();
+             L->keep.push_back(an);
+             L->keep.push_back(fn);
+             w.eps = eps;
+             w.wqkv = q8_matrix(*L, wqkv[0], wqkv[1], wqkv[2], "wqkv", n_qkv, dim);
+             w.wo = q8_matrix(*L, wo[0], wo[1], wo[2], "wo", dim, n_attn);
+             w.w_gate_up = q8_matrix(*L, w_gate_up[0], w_gate_up[1], w_gate_up[2], "w_gate_up", two_ffn, dim);
+             w.w_down = q8_matrix(*L, w_down[0], w_down[1], w_down[2], "w_down", dim, two_ffn / 2);
+             w.n_heads = n_heads;
+             w.n_kv_heads = n_kv_heads;
+             w.head_dim = head_dim;
+             L->layer = std::make_unique<ktq::DecodeLayer>(w);
+             L->dim = dim;
+             L->n_qkv = n_qkv;
+             L->n_attn = n_attn;
+             return L;
+           }),
+           py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("wo"),
+           py::arg("w_gate_up"), py::arg("w_down"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"))
+      .def("qkv", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj, const py::handle& sin_obj,
+                     const py::handle& out_obj, int n_threads) {
+             const int64_t D = L.layer->weights().head_dim;
+             auto x = kv_arg<float>(x_obj, "x", {L.dim});
+             auto c = kv_arg<float>(cos_obj, "cos", {D});
+             auto s = kv_arg<float>(sin_obj, "sin", {D});
+             auto o = kv_arg<float>(out_obj, "out", {L.n_qkv});
+             if (n_threads < 1) throw py::value_error("n_threads must be >= 1, got " + std::to_string(n_threads));
+             const float *xp = x.data(), *cp = c.data(), *sp = s.data();
+             float* op = o.mutable_data();
+             py::gil_scoped_release nogil;
+             L.layer->qkv(xp, cp, sp, op, n_threads);
+           }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("n_threads"),
+           "x [dim] -> out [(H + 2 KVH) * D]: RMSNorm, the qkv projection, RoPE on q and k.")
+      .def("out", [](PyDecodeLayer& L, const py::handle& attn_obj, const py::handle& x_obj, int n_threads) {
+             auto a = kv_arg<float>(attn_obj, "attn", {L.n_attn});
+             auto x = kv_arg<float>(x_obj, "x", {L.dim});
+             if (n_threads < 1) throw py::value_error("n_threads must be >= 1, got " + std::to_string(n_threads));
+             const float* ap = a.data();
+             float* xp = x.mutable_data();
+             py::gil_scoped_release nogil;
+             L.layer->out(ap, xp, n_threads);
+           }, py::arg("attn"), py::arg("x"), py::arg("n_threads"),
+           "x [dim] += Wo attn [H * D], then x += the SwiGLU FFN of RMSNorm(x), in place.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -383,4 +486,5 @@ PYBIND11_MODULE(_C, m) {
   // ---- further sections are added below, one bind_* function per area ----
   bind_kv_store(m);
   bind_dense_attn(m);
+  bind_decode_layer(m);
 }

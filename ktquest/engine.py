@@ -89,6 +89,9 @@ class Engine:
         if decode == "auto":
             decode = "q8_0" if self.device.type == "cpu" and self.dtype == torch.float32 else "fp32"
         set_decode_weights(self.model, decode, config.resolved_threads())
+        if decode == "q8_0":  # each block's decode step in two native calls around attention
+            for block in self.model.layers:
+                block.enable_fused_decode(config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         a = contents.args
         self.cache = make_cache(config, a, self.max_seq_len, self.device, self.dtype)

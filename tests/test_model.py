@@ -183,3 +183,60 @@ def test_bundled_model_greedy_next_token(bundled_gguf):
         assert logits.shape == (49152,) and torch.isfinite(logits).all()
         picks.append(int(logits.argmax()))
     assert picks[0] == picks[1]
+
+
+# ---- fused decode stages (cpp/decode_layer.*) ----
+
+
+def test_fused_decode_matches_the_torch_block(tiny_model):
+    """The two native decode stages give the logits of the torch ops on the same Q8_0 weights (every tiny
+    model: biases, tied embeddings, each RoPE scaling), over decode steps after a chunked prefill."""
+    from ktquest.linear import set_decode_weights
+
+    path, _ = tiny_model
+    model, _ = load_model(path)
+    assert set_decode_weights(model, "q8_0", threads=2) > 0
+    tokens = prompt_ids(40, model.args.vocab_size)
+    runs = []
+    for fused in (False, True):
+        for block in model.layers:
+            assert block.enable_fused_decode(threads=2) if fused else block.fused is None
+        cache = make_cache(model, 64)
+        with torch.inference_mode():
+            prefill(model, cache, tokens[:30], chunk_size=16)
+            runs.append(torch.cat([model(tokens[i:i + 1], i, cache) for i in range(30, 40)]))
+        for block in model.layers:
+            block.fused = None
+    # fp32 throughout; the native RMSNorm sums in double and the RoPE/SwiGLU loops round in another order.
+    torch.testing.assert_close(runs[1], runs[0], atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_fused_decode_needs_every_q8_weight(tiny_llama):
+    model, _ = load_model(tiny_llama.path)
+    assert not model.layers[0].enable_fused_decode(threads=1) and model.layers[0].fused is None  # no Q8_0 copy
+
+
+def test_fused_decode_layer_checks_its_arguments(tiny_llama):
+    import numpy as np
+
+    from ktquest import _C
+    from ktquest.linear import set_decode_weights
+
+    model, _ = load_model(tiny_llama.path)
+    set_decode_weights(model, "q8_0", threads=1)
+    block = model.layers[0]
+    assert block.enable_fused_decode(threads=1)
+    a = block.attn
+    dim = model.args.dim
+    with pytest.raises(ValueError, match=r"x: expected shape \[" + str(dim)):
+        block.fused.qkv(np.zeros(dim + 1, np.float32), np.zeros(a.head_dim, np.float32),
+                        np.zeros(a.head_dim, np.float32), np.zeros((a.n_heads + 2 * a.n_kv_heads) * a.head_dim,
+                                                                   np.float32), 1)
+    with pytest.raises(ValueError, match="n_threads"):
+        block.fused.out(np.zeros(a.n_heads * a.head_dim, np.float32), np.zeros(dim, np.float32), 0)
+    packs = [m._q8 for m in (a.wqkv, a.wo, block.ffn.w_gate_up, block.ffn.w_down)]
+    norm = block.attn_norm.weight.numpy()
+    with pytest.raises(ValueError, match="wo.q: expected shape"):  # wqkv where wo belongs
+        _C.DecodeLayer(norm, norm, 1e-5, packs[0], packs[0], packs[2], packs[3], a.n_heads, a.n_kv_heads, a.head_dim)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        _C.DecodeLayer(norm, norm, 1e-5, *packs, a.n_heads + 1, a.n_kv_heads, a.head_dim)

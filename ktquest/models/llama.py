@@ -138,11 +138,43 @@ class Block(nn.Module):
         self.attn = Attention(args, layer_idx, w)
         self.ffn_norm = RMSNorm(w[p + "ffn_norm.weight"], args.norm_eps)
         self.ffn = FeedForward(w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        self.layer_idx = layer_idx
+        self.fused = None  # native decode stages (enable_fused_decode), or None
+        self.threads = 1
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 cache: AttentionCache) -> torch.Tensor:
+        if self.fused is not None and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._decode_fused(x, start_pos, cos, sin, cache)
         h = x + self.attn(self.attn_norm(x), start_pos, cos, sin, cache)
         return h + self.ffn(self.ffn_norm(h))
+
+    def enable_fused_decode(self, threads: int) -> bool:
+        """Run single-token CPU decode as two native calls around attention (cpp/decode_layer.h): the same
+        math as forward() on the layers' Q8_0 weights. False (and off) unless every Linear has its Q8_0 copy."""
+        a, f = self.attn, self.ffn
+        packs = [m._q8 for m in (a.wqkv, a.wo, f.w_gate_up, f.w_down)]
+        self.fused = None
+        if any(p is None for p in packs):
+            return False
+        from ktquest import _C
+
+        self.fused = _C.DecodeLayer(self.attn_norm.weight.detach().numpy(), self.ffn_norm.weight.detach().numpy(),
+                                    self.attn_norm.eps, *packs, a.n_heads, a.n_kv_heads, a.head_dim)
+        self.threads = max(1, threads)
+        return True
+
+    def _decode_fused(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: AttentionCache) -> torch.Tensor:
+        """forward() for one token: x [1, dim] -> [1, dim] (updated in place)."""
+        a = self.attn
+        h, kvh = a.n_heads, a.n_kv_heads
+        qkv = torch.empty(1, h + 2 * kvh, a.head_dim)  # [1, H + 2*KVH, D], q and k rotated
+        self.fused.qkv(x[0].numpy(), cos[0, 0].numpy(), sin[0, 0].numpy(), qkv.view(-1).numpy(), self.threads)
+        q, k, v = qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]  # [1, H, D], [1, KVH, D], [1, KVH, D]
+        out = cache.attend(self.layer_idx, q, k, v, start_pos)  # [1, H, D]
+        self.fused.out(out.reshape(-1).contiguous().numpy(), x[0].numpy(), self.threads)
+        return x
 
 
 class Transformer(nn.Module):
