@@ -345,7 +345,7 @@ void bind_kv_store(py::module_& m) {
 void bind_dense_attn(py::module_& m) {
   m.def("dense_decode_attention", [](const py::handle& q_obj, const py::handle& k_obj, const py::handle& v_obj,
                                      int64_t n, float scale, const py::handle& out_obj, const py::handle& lse_obj,
-                                     int n_threads) {
+                                     int n_threads, int64_t skip0, int64_t skip1) {
     auto q = kv_arg<float>(q_obj, "q", {-1, -1});
     const int64_t H = q.shape(0), D = q.shape(1);
     auto k = kv_arg<float>(k_obj, "k", {-1, -1, D});
@@ -360,6 +360,9 @@ void bind_dense_attn(py::module_& m) {
       throw py::value_error("n=" + std::to_string(n) + " rows: must be between 1 and the " + std::to_string(S) +
                             " rows of k");
     if (n_threads < 1) throw py::value_error("n_threads must be >= 1, got " + std::to_string(n_threads));
+    if (skip0 < 0 || skip1 < skip0 || skip1 > n || (skip0 == 0 && skip1 == n && n > 0 && skip1 > 0))
+      throw py::value_error("skip [" + std::to_string(skip0) + ", " + std::to_string(skip1) +
+                            ") must be a range within [0, n=" + std::to_string(n) + ") that leaves a row");
     const float* qp = q.data();
     for (int64_t i = 0; i < H * D; ++i)
       if (!std::isfinite(qp[i]))
@@ -370,11 +373,12 @@ void bind_dense_attn(py::module_& m) {
     float* op = out.mutable_data();
     float* lp = lse.mutable_data();
     py::gil_scoped_release nogil;
-    ktq::dense_decode_attention(qp, int(H), int(KVH), int(D), kp, vp, S * D, n, scale, op, lp, n_threads);
+    ktq::dense_decode_attention(qp, int(H), int(KVH), int(D), kp, vp, S * D, n, scale, op, lp, n_threads, skip0,
+                                skip1);
   }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("n"), py::arg("scale"), py::arg("out"), py::arg("lse"),
-     py::arg("n_threads"),
-     "Decode attention of q [H, D] over rows [0, n) of k, v [KVH, S, D] fp32: out [H, D] and lse [H] "
-     "(GQA: head i reads KV head i // (H / KVH)).");
+     py::arg("n_threads"), py::arg("skip0") = 0, py::arg("skip1") = 0,
+     "Decode attention of q [H, D] over rows [0, n) of k, v [KVH, S, D] fp32 but [skip0, skip1): out [H, D] and "
+     "lse [H] (GQA: head i reads KV head i // (H / KVH)).");
 }
 
 // ---- fused decode stages of one block (cpp/decode_layer.*) ----

@@ -10,10 +10,12 @@
 namespace ktq {
 
 // q: [H, D] (unscaled), k/v: [KVH, head_stride] fp32 rows of D (head h's row r at h * head_stride + r * D),
-// n rows valid per head, H % KVH == 0 (GQA: query head i reads KV head i / (H / KVH)).
+// rows [0, n) valid per head except [skip0, skip1) (a stale stretch of a window buffer; 0, 0 = none),
+// H % KVH == 0 (GQA: query head i reads KV head i / (H / KVH)).
 // out: [H, D] = softmax(q k^T * scale) v; lse: [H] the log-sum-exp of the scaled logits.
 void dense_decode_attention(const float* q, int H, int KVH, int D, const float* k, const float* v,
-                            int64_t head_stride, int64_t n, float scale, float* out, float* lse, int n_threads);
+                            int64_t head_stride, int64_t n, float scale, float* out, float* lse, int n_threads,
+                            int64_t skip0 = 0, int64_t skip1 = 0);
 
 // Merge split-K partials: tasks [tstart[h], tstart[h + 1]) of KV head h, each partial at
 // part + task * G * (D + 2) laid out m [G], l [G], acc [G, D]; in task order.

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig
-from ktquest.ops import KVStore
+from ktquest.ops import KVStore, dense_decode_attention
 from ktquest.selection_policy import (
     ada_budgets_fast,
     block_scores_from_tokens,
@@ -114,6 +114,7 @@ class _Geometry:
     mask: torch.Tensor | None = None  # [T, W] additive, device: 0 = attend, -inf = not this part
     mask_rows: torch.Tensor | None = None  # [T*G, W]: the mask per query row (t, g)
     width: int = 0  # W: window buffer indexes 0..W-1 in use
+    skip: tuple[int, int] = (0, 0)  # decode: window indexes [a, b) that left the window (the mask's -inf)
 
 
 class LongContextCache:
@@ -149,6 +150,10 @@ class LongContextCache:
         self.q_win = torch.zeros(self.n_layers, W, self.H, self.D, device=self.device, dtype=dtype)  # [L, W, H, D]
         self.scale = 1.0 / math.sqrt(self.D)
         self.k_sel = lc.second_select_num
+        self.threads = threads
+        # Decode's window attention in C++ (ops.dense_decode_attention) on CPU fp32; DYNAMIC anchors need
+        # the attention probabilities, which only the explicit torch path returns.
+        self._native_decode = self.device.type == "cpu" and dtype == torch.float32 and lc.anchor_type != "DYNAMIC"
         self._all_blocks = torch.arange(-(-max_seq_len // self.bs), dtype=torch.int32)  # [max_blocks]
         self._out = torch.empty(self.H, self.D)  # decode: the store part, fp32 [H, D]
         self._lse = torch.empty(self.H)  # [H]
@@ -235,11 +240,13 @@ class LongContextCache:
         # Additive mask [T, W]: query start+i sees window index j iff its position p(j) <= start+i and
         # p(j) is in the init window or in [loc0, ...). Decode sees every index but the dropped ones.
         drop = loc0 - self.buf0 if start >= self.init_end else 0  # positions [buf0, loc0) left the window
+        skip = (0, 0)
         if T == 1:
             mask = None
             if drop > 0:
+                skip = (self.init_end, self.init_end + drop)
                 mask = torch.zeros(1, width, device=self.device)
-                mask[:, self.init_end: self.init_end + drop] = float("-inf")
+                mask[:, skip[0]: skip[1]] = float("-inf")
         else:
             j = torch.arange(width, device=self.device)
             p = torch.where(j < self.init_end, j, self.buf0 + j - self.init_end)  # [W] positions
@@ -247,7 +254,7 @@ class LongContextCache:
             ok = (p[None, :] <= qpos) & ((p < self.init_end) | (p >= loc0))[None, :]
             mask = torch.zeros(T, width, device=self.device).masked_fill_(~ok, float("-inf"))
         rows = None if mask is None else mask.repeat_interleave(self.G, 0)  # [T*G, W]
-        self.geo = _Geometry(start, T, loc0, mask, rows, width)
+        self.geo = _Geometry(start, T, loc0, mask, rows, width, skip)
         if T > 1:
             self.presel_pending = [self.lc.preselect_block] * self.n_layers
             self.sel = [None] * self.n_layers
@@ -317,6 +324,10 @@ class LongContextCache:
         T = 1 every reshape is a view: a decode step is one baddbmm, a softmax, a logsumexp and one bmm.
         """
         T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
+        if T == 1 and self._native_decode:  # the C++ split-K kernel, the dropped stretch skipped
+            out, lse = dense_decode_attention(q[0], self.win_k[layer], self.win_v[layer], g.width, self.scale,
+                                              self.threads, skip=g.skip)
+            return out[None], lse[None], None
         keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
         vals = self.win_v[layer, :, : g.width]
         qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]

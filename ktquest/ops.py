@@ -326,8 +326,9 @@ class KVStore:
 
 
 def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
-                           threads: int = 1, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode token's attention over the first ``n`` rows of a dense fp32 cache, in C++.
+                           threads: int = 1, out: torch.Tensor | None = None,
+                           skip: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token's attention over the first ``n`` rows of a dense fp32 cache but rows [skip), in C++.
 
     q: [H, D], k/v: [KVH, S, D] (S >= n) -> out [H, D], lse [H] (fp32; GQA: head i reads KV head i // (H/KVH)).
     """
@@ -337,7 +338,7 @@ def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n:
         out = torch.empty(qn.shape[0], qn.shape[1])
     lse = torch.empty(qn.shape[0])
     _C.dense_decode_attention(qn, kn, vn, _int(n, "n", 1), float(scale), _np(out, "out", (torch.float32,), 2),
-                              lse.numpy(), _int(threads, "threads", 1))
+                              lse.numpy(), _int(threads, "threads", 1), skip[0], skip[1])
     return out, lse
 
 

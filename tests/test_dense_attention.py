@@ -47,6 +47,20 @@ def test_matches_reference(force_scalar, H, KVH, D, n):
     torch.testing.assert_close(lse, ref_lse, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("n,skip", [(300, (16, 100)), (300, (0, 64)), (300, (64, 300)), (70, (5, 6))])
+def test_skipped_rows_are_not_read(force_scalar, n, skip):
+    g = torch.Generator().manual_seed(n + skip[0])
+    q = torch.randn(9, 64, generator=g)
+    k, v = torch.randn(3, n, 64, generator=g), torch.randn(3, n, 64, generator=g)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[skip[0]: skip[1]] = False
+    k[:, ~keep] = v[:, ~keep] = float("nan")  # a stale stretch: never read
+    out, lse = dense_decode_attention(q, k, v, n, 0.125, threads=2, skip=skip)
+    ref_out, ref_lse = reference(q, k[:, keep].contiguous(), v[:, keep].contiguous(), int(keep.sum()), 0.125)
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lse, ref_lse, rtol=RTOL, atol=ATOL)
+
+
 def test_large_logits_do_not_overflow():
     q = torch.full((2, 64), 30.0)
     k = torch.full((1, 300, 64), 30.0)
@@ -103,6 +117,8 @@ def test_dense_cache_decode_uses_it_and_matches_sdpa():
         (dict(n=0), "n=0 rows"),
         (dict(out=np.zeros((9, 63), np.float32)), r"out: expected shape \[9, 64\]"),
         (dict(n_threads=0), "n_threads must be >= 1"),
+        (dict(skip0=4, skip1=11), r"skip \[4, 11\) must be a range within"),
+        (dict(skip0=0, skip1=10), "that leaves a row"),
         (dict(q=np.full((9, 64), np.inf, np.float32)), "q contains a non-finite value at head 0"),
         (dict(k=np.zeros((3, 20, 64), np.float32)[:, ::2]), "must be C-contiguous"),
     ],
