@@ -26,7 +26,8 @@ constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks 
 constexpr int64_t kChunkTokens = 1024;        // split-K: at least this many tokens per attention task
                                               // (each task starts on a cold block: fewer, longer tasks)
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
-constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead
+constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead (L1)
+constexpr int64_t kL2Ahead = 1;               // ... and this many more into L2
 constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
 // Scoring / attention use threads from this many bytes read on: below it (~30 us on one core) waking a
 // worker costs more than it saves.
@@ -329,9 +330,9 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
       const int n = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
       const uint8_t* kb = k_tile(L, h, b);
       const uint8_t* vb = v_tile(L, h, b);
-      if (j + kPrefetchAhead + 1 < j1) {  // two blocks ahead into L2, one ahead into L1 (attend_tile)
-        prefetch_l2(k_tile(L, h, row[j + kPrefetchAhead + 1]), tile_bytes_);
-        prefetch_l2(v_tile(L, h, row[j + kPrefetchAhead + 1]), tile_bytes_);
+      if (j + kPrefetchAhead + kL2Ahead < j1) {  // blocks ahead into L2; the next one into L1 (attend_tile)
+        prefetch_l2(k_tile(L, h, row[j + kPrefetchAhead + kL2Ahead]), tile_bytes_);
+        prefetch_l2(v_tile(L, h, row[j + kPrefetchAhead + kL2Ahead]), tile_bytes_);
       }
       const int64_t jp = j + kPrefetchAhead;
       const uint8_t* nk = jp < j1 ? k_tile(L, h, row[jp]) : nullptr;

@@ -144,3 +144,24 @@ def test_attention_recall_smoke(recall_tool, bundled_gguf, tmp_path, capsys):
     assert len(data["rows"]) == 30 * 9 * 2 and len(data["quest"]) == 30 * 9
     assert all(0 <= r["recall"] <= 1 + 1e-5 for r in data["rows"])
     assert out_png.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
+    tool = _tool("fidelity")
+    out_json = tmp_path / "f.json"
+    # quest with a budget that covers every block: the same attention as dense up to FP16 storage
+    assert tool.budget_sets("configs/quest.yaml", 4096) == ["second_select_num=256"]
+    assert tool.budget_sets("configs/snapkv.yaml", 1024) == ["second_select_num=32", "preselect_block_count=32"]
+    assert tool.budget_sets("configs/ktransformers.yaml", 1024) == ["second_select_num=8", "preselect_block_count=32"]
+    rc = tool.main(["--model", str(bundled_gguf), "--length", "400", "--positions", "8", "--budget", "4096",
+                    "--configs", "configs/quest.yaml", "--set", "long_context.local_windows_len=64",
+                    "--threads", "2", "--json", str(out_json)])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| dense | all | 1.000 | 0.0000 |" in out and "| quest | 256 x 16 |" in out
+    dense, quest = json.loads(out_json.read_text())
+    assert (dense["config"], dense["top1_agreement"], dense["kl_mean"]) == ("dense", 1.0, 0.0)
+    assert quest["top1_agreement"] == 1.0 and 0 <= quest["kl_mean"] < 1e-3 and quest["positions"] == 8
+    assert {"config", "budget", "top1_agreement", "kl_mean", "kl_max", "top1_accuracy", "nll", "decode_tok_s",
+            "length"} <= quest.keys()

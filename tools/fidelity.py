@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Decode fidelity of sparse presets against dense attention: top-1 agreement and KL per decode step.
+
+The model reads the first ``length - positions`` tokens of a natural text (Python standard-library
+sources) as a prompt, then decodes the last ``positions`` tokens teacher-forced (each step is fed the
+text's next token, so every config sees the same tokens). At every decode step the next-token
+distribution of each config is compared with dense attention's: top-1 agreement (same argmax), mean
+KL(dense || config) in nats, and each one's top-1 accuracy on the text itself. The weights, threads
+and decode path are the same for every config: attention is the only difference.
+
+``--budget`` sets the tokens each decode step selects from the context blocks (per KV head in
+SEPARATE mode): ``second_select_num = budget / block_size`` (and ``preselect_block_count`` where a
+preset keeps exactly what it selects, as SnapKV does). The init and local windows come on top. Example:
+
+    python tools/fidelity.py --length 8192 --positions 256 --budget 1024 \
+        --configs configs/quest.yaml,configs/snapkv.yaml --json tools/out/fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktquest package
+from common import context_tokens, write_json
+
+import ktquest
+from ktquest.config import load_config
+from ktquest.generate import decode_one_token, prefill
+
+ALL_PRESETS = "configs/quest.yaml,configs/ktransformers.yaml,configs/snapkv.yaml,configs/ada_snapkv.yaml," \
+              "configs/ada_quest.yaml"
+
+
+def budget_sets(config: str, budget: int) -> list[str]:
+    """--set overrides that give a preset a decode budget of ``budget`` tokens of context blocks."""
+    lc = load_config(config).long_context
+    k = max(1, budget // lc.block_size)
+    sets = [f"second_select_num={k}"]
+    if lc.preselect_block:
+        keep = k if lc.preselect_block_count == lc.second_select_num else max(k, lc.preselect_block_count)
+        sets.append(f"preselect_block_count={keep}")
+    return sets
+
+
+@torch.inference_mode()
+def teacher_forced(model_path, config: str | None, sets: list[str], tokens: list[int], positions: int,
+                   threads: int) -> tuple[torch.Tensor, dict]:
+    """Log-probabilities [positions, V] of the last ``positions`` tokens' decode steps, and timings."""
+    overrides = [f"threads={threads}", f"max_seq_len={len(tokens) + 1}", *sets]
+    eng = ktquest.load(model=model_path, config=load_config(config, overrides))
+    n_prompt = len(tokens) - positions
+    t0 = time.perf_counter()
+    logits = prefill(eng.model, eng.cache, tokens[:n_prompt], eng.config.chunk_size)
+    t_prefill = time.perf_counter() - t0
+    out = torch.empty(positions, logits.shape[-1])
+    out[0] = torch.log_softmax(logits.float(), -1)  # the prompt's last logits predict tokens[n_prompt]
+    t0 = time.perf_counter()
+    for i in range(1, positions):
+        out[i] = torch.log_softmax(decode_one_token(eng.model, eng.cache, tokens[n_prompt + i - 1]).float(), -1)
+    t_decode = time.perf_counter() - t0
+    info = dict(mode=eng.config.mode, prefill_s=t_prefill, decode_tok_s=(positions - 1) / t_decode,
+                block_size=eng.config.long_context.block_size,
+                second_select_num=eng.config.long_context.second_select_num)
+    del eng
+    gc.collect()
+    return out, info
+
+
+def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict:
+    """ref/test: log-probs [P, V]; targets [P]: the text's tokens. Agreement, KL(ref || test), accuracy."""
+    kl = (ref.exp() * (ref - test)).sum(-1).clamp_min(0)  # [P], nats
+    return dict(top1_agreement=(ref.argmax(-1) == test.argmax(-1)).float().mean().item(),
+                kl_mean=kl.mean().item(), kl_max=kl.max().item(),
+                top1_accuracy=(test.argmax(-1) == targets).float().mean().item(),
+                nll=-test.gather(1, targets[:, None]).mean().item())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--length", type=int, default=8192, help="text length, tokens (prompt + decode steps)")
+    ap.add_argument("--positions", type=int, default=256, help="teacher-forced decode steps compared")
+    ap.add_argument("--budget", type=int, default=1024, help="context-block tokens selected per step")
+    ap.add_argument("--configs", default=ALL_PRESETS, help="comma-separated YAML presets compared with dense")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every config")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args(argv)
+    if not 1 <= a.positions < a.length:
+        ap.error(f"--positions={a.positions} must be between 1 and --length - 1 ({a.length - 1})")
+    if a.budget < 1:
+        ap.error(f"--budget={a.budget} must be >= 1")
+
+    from ktquest.bundled import bundled_model_path
+    from ktquest.gguf_loader import read_gguf
+    from ktquest.tokenizer import Tokenizer
+
+    model_path = str(a.model or bundled_model_path())
+    torch.set_num_threads(a.threads)
+    tokens = context_tokens(Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata), a.length)
+    targets = torch.tensor(tokens[a.length - a.positions:])
+    t_start = time.perf_counter()
+    ref, ref_info = teacher_forced(model_path, None, a.set, tokens, a.positions, a.threads)
+    rows = [dict(config="dense", budget=None, **compare(ref, ref, targets), **ref_info)]
+    print(f"dense: prefill {ref_info['prefill_s']:.1f} s, decode {ref_info['decode_tok_s']:.1f} tok/s", flush=True)
+    for config in [c for c in a.configs.split(",") if c]:
+        sets = [*budget_sets(config, a.budget), *a.set]
+        logp, info = teacher_forced(model_path, config, sets, tokens, a.positions, a.threads)
+        rows.append(dict(config=Path(config).stem, budget=a.budget, **compare(ref, logp, targets), **info))
+        r = rows[-1]
+        print(f"{r['config']}: top-1 agreement {r['top1_agreement']:.3f}, mean KL {r['kl_mean']:.4f} "
+              f"(prefill {info['prefill_s']:.1f} s, decode {info['decode_tok_s']:.1f} tok/s)", flush=True)
+    for r in rows:
+        r.update(length=a.length, positions=a.positions, threads=a.threads)
+
+    print(f"\n{a.positions} teacher-forced decode steps after {a.length - a.positions} prompt tokens of "
+          f"standard-library source; budget {a.budget} tokens of context blocks per step\n")
+    print("| config | blocks x size | top-1 agreement | mean KL (nats) | max KL | top-1 acc. | NLL | decode tok/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        shape = "all" if r["budget"] is None else f"{r['second_select_num']} x {r['block_size']}"
+        print(f"| {r['config']} | {shape} | {r['top1_agreement']:.3f} | {r['kl_mean']:.4f} | {r['kl_max']:.3f} "
+              f"| {r['top1_accuracy']:.3f} | {r['nll']:.3f} | {r['decode_tok_s']:.1f} |")
+    print(f"\n{time.perf_counter() - t_start:.0f} s in all")
+    if a.json:
+        write_json(a.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
