@@ -189,8 +189,8 @@ class LongContextCache:
             return
         self.pos = n
         if n < self.buf0:  # the local window now starts before the buffer: reload it from the store
-            loc0 = self._local_start(n)
-            for layer in range(self.n_layers):
+            loc0 = self._local_start(n)  # >= init_end: with n <= init_end the init window holds them all
+            for layer in range(self.n_layers if loc0 < n else 0):
                 k, v = self.store.read_range(layer, loc0, n)  # [n - loc0, KVH, D] fp32
                 self.win_k[layer, :, self.init_end: self.init_end + n - loc0] = k.transpose(0, 1).to(self.win_k)
                 self.win_v[layer, :, self.init_end: self.init_end + n - loc0] = v.transpose(0, 1).to(self.win_v)

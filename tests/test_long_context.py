@@ -253,19 +253,21 @@ def test_store_truncate_recomputes_partial_block_anchors(anchor_type):
         a.truncate(0, 50)
 
 
-def test_cache_truncate_then_continue_equals_dense():
+@pytest.mark.parametrize("keep", [30, 3])  # 3: inside the init window, nothing to refill
+def test_cache_truncate_then_continue_equals_dense(keep):
     q, k, v = qkv(N=90)
     cfg = full_budget("quest", kv_type="FP32")
     cache = LongContextCache(ARGS, cfg, 256)
     run(cache, q, k, v, 16, 80, n_layers=3)
-    cache.truncate(30)  # before the local window: the device window is refilled from the store
+    assert cache.init_end > 3
+    cache.truncate(keep)  # before the local window: the device window is refilled from the store
     out = []
-    for pos in range(30, 45):
+    for pos in range(keep, 45):
         for layer in range(3):
             o = cache.attend(layer, q[pos: pos + 1], k[pos: pos + 1], v[pos: pos + 1], pos)
             if layer == 0:
                 out.append(o)
-    torch.testing.assert_close(torch.cat(out), dense_ref(q[:45], k[:45], v[:45])[30:45], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(torch.cat(out), dense_ref(q[:45], k[:45], v[:45])[keep:45], atol=2e-5, rtol=2e-5)
 
 
 # ---- chat ----
