@@ -265,21 +265,9 @@ class LongContextCache:
                start_pos: int) -> torch.Tensor:
         """Store k/v at start_pos.. and return causal attention over everything held.
 
-        q: [T, H, D], k/v: [T, KVH, D] (device) -> out [T, H, D]. T <= chunk_size.
+        q: [T, H, D], k/v: [T, KVH, D] (device) -> out [T, H, D]. T <= chunk_size. (A CPU decode step runs
+        torch on one thread: ``generate.decode_one_token`` sets it for the whole step.)
         """
-        if q.shape[0] == 1 and self.device.type == "cpu":
-            # A decode step is a dozen tiny ops: on 2 threads each one pays a fork/join (and, on a busy
-            # machine, waits for a descheduled worker: 20 ms instead of 0.3 ms measured), so run them on one.
-            n = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                return self._attend(layer_idx, q, k, v, start_pos)
-            finally:
-                torch.set_num_threads(n)
-        return self._attend(layer_idx, q, k, v, start_pos)
-
-    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                start_pos: int) -> torch.Tensor:
         T = q.shape[0]
         if layer_idx == 0:
             self._begin_pass(start_pos, T)
