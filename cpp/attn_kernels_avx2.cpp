@@ -118,8 +118,13 @@ constexpr int kBlockCols = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 4 : NG == 4 ? 2
 // same rows, its V rows one cache line per row and column pass alongside the values. Issued in one burst,
 // the prefetches would stall the core as soon as its miss buffers are full (the instruction then waits),
 // serialising compute behind memory; spread out, the next block streams in while this one is computed.
+// Into L2 (T1), not L1: an L1 prefetch holds one of the core's few L1 miss buffers for the whole DRAM
+// round trip, so a tile's worth of them (256-512 lines) still stalls the FMAs; L2 prefetches queue at the
+// L2, and the current tile's loads then hit L2 (its own streamer moves them into L1). Measured on one core,
+// tiles from DRAM: 54 -> 36 ns per token and KV head (G = 4, D = 128, FP16), 22 -> 18 ns (G = 3, D = 64).
+constexpr _mm_hint kTileHint = _MM_HINT_T1;
 inline void prefetch_lines(const uint8_t* p, size_t bytes) {
-  for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+  for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), kTileHint);
 }
 
 template <class Dc, int NG, int NT>
@@ -175,7 +180,7 @@ __attribute__((always_inline)) inline void accum_cols(const uint8_t* v, const fl
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) a[j][g] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
   for (int r = 0; r < n; ++r) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + r * rb), _MM_HINT_T0);
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + r * rb), kTileHint);
     __m256 pv[NG];
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(p + g * ps + r);
@@ -204,7 +209,7 @@ void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, 
   for (; c + NC <= D / 8; c += NC) accum_cols<Dc, NG, NC>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf());
   for (; c < D / 8; ++c) accum_cols<Dc, NG, 1>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf());
   for (; pv && pass < lines; ++pass)  // more lines per row than column passes (Q4_0 rows are short, FP32 long)
-    for (int r = 0; r < n; ++r) _mm_prefetch(reinterpret_cast<const char*>(pv + r * rb + 64 * pass), _MM_HINT_T0);
+    for (int r = 0; r < n; ++r) _mm_prefetch(reinterpret_cast<const char*>(pv + r * rb + 64 * pass), kTileHint);
 }
 
 // ---- one block for NG <= 8 heads ----

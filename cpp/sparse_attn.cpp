@@ -26,8 +26,7 @@ constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks 
 constexpr int64_t kChunkTokens = 1024;        // split-K: at least this many tokens per attention task
                                               // (each task starts on a cold block: fewer, longer tasks)
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
-constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead (L1)
-constexpr int64_t kL2Ahead = 1;               // ... and this many more into L2
+constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead (L2)
 constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
 // Scoring / attention use threads from this many bytes read on: below it (~30 us on one core) waking a
 // worker costs more than it saves.
@@ -319,8 +318,9 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
     float* s = thread_scratch(size_t(G) * ((bs + 7) & ~7) + D);
     const float* q = qs_.data() + size_t(h) * G * D;
     const int32_t* row = row_of(h);
-    // Tiles kPrefetchAhead blocks ahead stream in from DRAM (into L2) while this one is computed; the
-    // task's first ones are requested up front.
+    // attend_tile streams the tiles kPrefetchAhead blocks ahead into L2, spread over its work on this one
+    // (a burst of prefetches would stall the core: see attn_kernels_avx2.cpp); the task's first ones are
+    // requested up front.
     for (int64_t j = j0; j < std::min(j1, j0 + kPrefetchAhead); ++j) {
       prefetch_l2(k_tile(L, h, row[j]), tile_bytes_);
       prefetch_l2(v_tile(L, h, row[j]), tile_bytes_);
@@ -330,10 +330,6 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
       const int n = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
       const uint8_t* kb = k_tile(L, h, b);
       const uint8_t* vb = v_tile(L, h, b);
-      if (j + kPrefetchAhead + kL2Ahead < j1) {  // blocks ahead into L2; the next one into L1 (attend_tile)
-        prefetch_l2(k_tile(L, h, row[j + kPrefetchAhead + kL2Ahead]), tile_bytes_);
-        prefetch_l2(v_tile(L, h, row[j + kPrefetchAhead + kL2Ahead]), tile_bytes_);
-      }
       const int64_t jp = j + kPrefetchAhead;
       const uint8_t* nk = jp < j1 ? k_tile(L, h, row[jp]) : nullptr;
       const uint8_t* nv = jp < j1 ? v_tile(L, h, row[jp]) : nullptr;
