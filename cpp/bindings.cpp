@@ -14,6 +14,7 @@
 #include "dense_attn.h"
 #include "gemv.h"
 #include "kv_store.h"
+#include "lc_decode.h"
 
 namespace py = pybind11;
 
@@ -173,6 +174,62 @@ void kv_select_args(const ktq::KVStore& st, KVSelectArgs& a, const std::string& 
     a.req.allowed_cols = int(a.allowed.shape(1));
   }
   if (!a.out_ids.writeable()) throw py::value_error("out_ids: must be writeable");
+}
+
+void kv_check_finite(const float* q, int H, int D) {
+  for (int64_t i = 0; i < int64_t(H) * D; ++i)
+    if (!std::isfinite(q[i]))
+      throw py::value_error("q contains a non-finite value at head " + std::to_string(i / D) + ", dim " +
+                            std::to_string(i % D));
+}
+
+// The window and store-part arguments of a long_context decode step (KVStore.decode_step and
+// DecodeLayer.step_long_context), checked; the arrays stay alive in here for the call.
+struct LcStepArgs {
+  py::array_t<float> wk, wv;
+  py::array_t<int32_t> blocks_arr;
+  KVSelectArgs sel;
+  ktq::WindowView win;
+  ktq::StorePart part = ktq::StorePart::NONE;
+  ktq::BlockSets blocks{nullptr, 0, 0};
+  int32_t* ids = nullptr;
+  int cols = 0;
+};
+
+void lc_step_args(const ktq::KVStore& st, LcStepArgs& a, int H, const py::handle& wk_obj, const py::handle& wv_obj,
+                  int64_t w0, int64_t width, int64_t skip0, int64_t skip1, int n_threads, int part,
+                  const py::handle& blocks_obj, const std::string& mode, const py::handle& k_sel,
+                  const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+  const int KVH = st.config().n_kv_heads, D = st.config().head_dim;
+  a.wk = kv_arg<float>(wk_obj, "win_k", {KVH, -1, D});
+  a.wv = kv_arg<float>(wv_obj, "win_v", {KVH, a.wk.shape(1), D});
+  if (!a.wk.writeable() || !a.wv.writeable()) throw py::value_error("win_k/win_v: must be writeable");
+  if (H % KVH != 0)
+    throw py::value_error("q has " + std::to_string(H) + " heads: must be a multiple of n_kv_heads=" +
+                          std::to_string(KVH) + " (GQA)");
+  const int64_t rows = a.wk.shape(1);
+  if (width < 1 || width > rows || w0 < 0 || w0 >= width)
+    throw py::value_error("window: row w0=" + std::to_string(w0) + " and width=" + std::to_string(width) +
+                          " must satisfy 0 <= w0 < width <= " + std::to_string(rows) + " (the buffer's rows)");
+  if (skip0 < 0 || skip1 < skip0 || skip1 > width || (w0 >= skip0 && w0 < skip1))
+    throw py::value_error("skip [" + std::to_string(skip0) + ", " + std::to_string(skip1) +
+                          ") must be a range within [0, width) that leaves the new row " + std::to_string(w0));
+  if (n_threads < 1) throw py::value_error("n_threads must be >= 1, got " + std::to_string(n_threads));
+  if (part < 0 || part > 2)
+    throw py::value_error("part must be 0 (none), 1 (attend) or 2 (select), got " + std::to_string(part));
+  a.part = ktq::StorePart(part);
+  if (part == 1) {
+    a.blocks_arr = kv_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
+    if (a.blocks_arr.shape(0) != 1 && a.blocks_arr.shape(0) != KVH)
+      throw py::value_error("blocks: expected 1 (shared) or n_kv_heads=" + std::to_string(KVH) + " rows, got " +
+                            std::to_string(a.blocks_arr.shape(0)));
+    a.blocks = ktq::BlockSets{a.blocks_arr.data(), int(a.blocks_arr.shape(0)), int(a.blocks_arr.shape(1))};
+  } else if (part == 2) {
+    kv_select_args(st, a.sel, mode, k_sel, exclude, allowed, out_ids);
+    a.ids = a.sel.out_ids.mutable_data();
+    a.cols = int(a.sel.out_ids.shape(1));
+  }
+  a.win = ktq::WindowView{a.wk.mutable_data(), a.wv.mutable_data(), rows, w0, width, skip0, skip1};
 }
 
 void bind_kv_store(py::module_& m) {
@@ -335,6 +392,36 @@ void bind_kv_store(py::module_& m) {
         st.select_attend(layer, qp, H, a.req, ip, cols, op, lp);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
          py::arg("out_ids"), py::arg("out"), py::arg("lse"))
+      .def("decode_step", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& k_obj,
+                             const py::handle& v_obj, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
+                             int64_t width, int64_t skip0, int64_t skip1, float scale, int n_threads, int part,
+                             const py::handle& blocks_obj, const std::string& mode, const py::handle& k_sel,
+                             const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
+                             const py::handle& out_obj) {
+        const int KVH = st.config().n_kv_heads, D = st.config().head_dim;
+        py::array_t<float> q;
+        const int H = kv_q(st, q_obj, q);
+        auto k = kv_arg<float>(k_obj, "k", {KVH, D});
+        auto v = kv_arg<float>(v_obj, "v", {KVH, D});
+        auto out = kv_arg<float>(out_obj, "out", {H, D});
+        if (!out.writeable()) throw py::value_error("out: must be writeable");
+        kv_check_finite(q.data(), H, D);
+        LcStepArgs a;
+        lc_step_args(st, a, H, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part, blocks_obj, mode, k_sel,
+                     exclude, allowed, out_ids);
+        const float *qp = q.data(), *kp = k.data(), *vp = v.data();
+        float* op = out.mutable_data();
+        py::gil_scoped_release nogil;
+        ktq::long_context_decode_step(st, layer, qp, H, kp, vp, a.win, scale, n_threads, a.part, a.blocks, a.sel.req,
+                                      a.ids, a.cols, op);
+      }, py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("win_k"), py::arg("win_v"),
+         py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"), py::arg("n_threads"),
+         py::arg("part"), py::arg("blocks"), py::arg("mode"), py::arg("k_sel"), py::arg("exclude"), py::arg("allowed"),
+         py::arg("out_ids"), py::arg("out"),
+         "One long_context decode step of a layer (cpp/lc_decode.h): k/v [KVH, D] written to row w0 of the window "
+         "win_k/win_v [KVH, rows, D], window rows [0, width) but [skip0, skip1) attended densely, the store part "
+         "(part 0: none, 1: blocks, 2: select with mode/k_sel/exclude/allowed into out_ids) attended sparsely, "
+         "merged by LSE into out [H, D]; then k/v appended to the store.")
       .def("last_timing", [](const KVStore& st) {
         const ktq::StageTiming t = st.last_timing();
         return py::make_tuple(t.score_s, t.topk_s, t.attend_s);
@@ -478,7 +565,44 @@ void bind_decode_layer(py::module_& m) {
              py::gil_scoped_release nogil;
              L.layer->out(ap, xp, n_threads);
            }, py::arg("attn"), py::arg("x"), py::arg("n_threads"),
-           "x [dim] += Wo attn [H * D], then x += the SwiGLU FFN of RMSNorm(x), in place.");
+           "x [dim] += Wo attn [H * D], then x += the SwiGLU FFN of RMSNorm(x), in place.")
+      .def("step_long_context", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj,
+                                   const py::handle& sin_obj, ktq::KVStore& st, int layer, const py::handle& wk_obj,
+                                   const py::handle& wv_obj, int64_t w0, int64_t width, int64_t skip0, int64_t skip1,
+                                   float scale, int n_threads, int part, const py::handle& blocks_obj,
+                                   const std::string& mode, const py::handle& k_sel, const py::handle& exclude,
+                                   const py::handle& allowed, const py::handle& out_ids) {
+             const ktq::DecodeLayerWeights& w = L.layer->weights();
+             const int H = w.n_heads, KVH = w.n_kv_heads, D = w.head_dim;
+             if (st.config().n_kv_heads != KVH || st.config().head_dim != D)
+               throw py::value_error("store: " + std::to_string(st.config().n_kv_heads) + " KV heads of dim " +
+                                     std::to_string(st.config().head_dim) + ", the layer has " + std::to_string(KVH) +
+                                     " of dim " + std::to_string(D));
+             auto x = kv_arg<float>(x_obj, "x", {L.dim});
+             auto c = kv_arg<float>(cos_obj, "cos", {D});
+             auto s = kv_arg<float>(sin_obj, "sin", {D});
+             if (!x.writeable()) throw py::value_error("x: must be writeable");
+             LcStepArgs a;
+             lc_step_args(st, a, H, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part, blocks_obj, mode, k_sel,
+                          exclude, allowed, out_ids);
+             float* xp = x.mutable_data();
+             const float *cp = c.data(), *sp = s.data();
+             py::gil_scoped_release nogil;
+             thread_local std::vector<float> buf;
+             buf.resize(size_t(L.n_qkv + L.n_attn));
+             float *qkv = buf.data(), *attn = qkv + L.n_qkv;
+             L.layer->qkv(xp, cp, sp, qkv, n_threads);
+             for (int64_t i = 0; i < int64_t(H) * D; ++i)  // as the store would, before anything is written
+               if (!std::isfinite(qkv[i])) throw std::invalid_argument("q is not finite (the layer's input overflowed?)");
+             ktq::long_context_decode_step(st, layer, qkv, H, qkv + int64_t(H) * D, qkv + int64_t(H + KVH) * D, a.win,
+                                           scale, n_threads, a.part, a.blocks, a.sel.req, a.ids, a.cols, attn);
+             L.layer->out(attn, xp, n_threads);
+           }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("layer"), py::arg("win_k"),
+           py::arg("win_v"), py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"),
+           py::arg("n_threads"), py::arg("part"), py::arg("blocks"), py::arg("mode"), py::arg("k_sel"),
+           py::arg("exclude"), py::arg("allowed"), py::arg("out_ids"),
+           "The whole decode step of the block in long_context mode: qkv(), KVStore.decode_step() on its q/k/v "
+           "(same window and store-part arguments), out(); x [dim] updated in place.");
 }
 
 }  // namespace

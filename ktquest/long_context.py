@@ -272,6 +272,8 @@ class LongContextCache:
         if layer_idx == 0:
             self._begin_pass(start_pos, T)
         g = self.geo
+        if T == 1 and self._native_decode:
+            return self._decode_native(layer_idx, q, k, v, start_pos)
         # ---- device part: init + local windows + this chunk, dense ----
         w0 = self.init_end + start_pos - self.buf0 if start_pos >= self.init_end else start_pos
         # positions below init_end map to themselves, later ones to init_end + p - buf0 (buf0 = init_end then)
@@ -353,14 +355,76 @@ class LongContextCache:
 
     # ---- decode: which context blocks ----
 
+    def decode_block(self, layer: int, fused, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     start_pos: int, threads: int) -> bool:
+        """A block's whole CPU decode step in one native call (models/llama.py; ops.KVStore.decode_block):
+        x [dim] is replaced by the block's output. False (nothing done) where the selection needs the query
+        first (Ada-KV budgets at decode time) or the native path does not apply."""
+        lc = self.lc
+        if not self._native_decode or (lc.ada_budget and lc.head_select_mode == "SEPARATE"):
+            return False
+        if layer == 0:
+            self._begin_pass(start_pos, 1)
+        g = self.geo
+        w0 = self.init_end + start_pos - self.buf0 if start_pos >= self.init_end else start_pos
+        lb = g.loc0 // self.bs
+        blocks = select = None
+        if lb > self.ib:
+            blocks, select = self._plan(layer, None, lb)
+        ids = self.store.decode_block(fused, layer, x, cos, sin, self.win_k[layer], self.win_v[layer], w0, g.width,
+                                      g.skip, self.scale, threads, blocks, select)
+        if ids is not None:
+            self._record_selection(layer, ids, lb)
+        if layer == self.n_layers - 1:
+            self.pos = start_pos + 1
+        return True
+
+    def _decode_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       start_pos: int) -> torch.Tensor:
+        """attend() for one token on the CPU in one native call (cpp/lc_decode.h): window write, dense window
+        attention, the store part as _plan() says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
+        g = self.geo
+        w0 = self.init_end + start_pos - self.buf0 if start_pos >= self.init_end else start_pos
+        lb = g.loc0 // self.bs
+        qc = q[0].contiguous()  # [H, D]
+        blocks = select = None
+        if lb > self.ib:
+            blocks, select = self._plan(layer, qc, lb)
+        out = torch.empty(1, self.H, self.D)
+        ids = self.store.decode_step(layer, qc, k[0].contiguous(), v[0].contiguous(), self.win_k[layer],
+                                     self.win_v[layer], w0, g.width, g.skip, self.scale, self.threads, out[0],
+                                     blocks, select)
+        if ids is not None:
+            self._record_selection(layer, ids, lb)
+        if layer == self.n_layers - 1:
+            self.pos = start_pos + 1
+        return out
+
     def _decode_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [1, H, D] -> (out [H, D], lse [H]) fp32 on the CPU over the selected context blocks."""
-        lc, st = self.lc, self.stats
         qc = q[0].float()
         qc = (qc.cpu() if qc.device.type != "cpu" else qc).contiguous()  # [H, D]
+        blocks, select = self._plan(layer, qc, lb)
+        if select is None:
+            return self.store.attend(layer, qc, blocks, self._out, self._lse)
+        out, lse, ids = self.store.select_attend(layer, qc, *select, self._out, self._lse)
+        self._record_selection(layer, ids, lb)
+        return out, lse
+
+    def _record_selection(self, layer: int, ids: torch.Tensor, lb: int) -> None:
+        mode = self.lc.head_select_mode
+        self.sel[layer] = _Selection(ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1]), lb,
+                                     self.decode_step)  # ids: a fresh tensor per call
+
+    def _plan(self, layer: int, qc: torch.Tensor, lb: int) -> tuple[torch.Tensor | None, tuple | None]:
+        """Which context blocks a decode step of ``layer`` attends to: (blocks, None) for a fixed list (dense
+        layers, a reused selection), or (None, (k, mode, exclude_ranges, allowed)) for a fresh selection.
+        qc: [H, D] fp32 CPU (only read for Ada-KV budgets in SEPARATE mode; may be None otherwise). Keeps the
+        call statistics and runs a pending preselection."""
+        lc, st = self.lc, self.stats
         if layer < lc.dense_layer_num:
             st.full_calls[layer] += 1
-            return self.store.attend(layer, qc, self._all_blocks[self.ib: lb], self._out, self._lse)
+            return self._all_blocks[self.ib: lb], None
         if self.presel_pending[layer]:
             self._preselect(layer, lb)
         leader = layer - (layer - lc.dense_layer_num) % lc.layer_step  # layer_step groups reuse its selection
@@ -368,8 +432,7 @@ class LongContextCache:
         due = sel is None or (layer == leader and self.decode_step - sel.step >= lc.token_step)
         if not due:
             st.reuse_calls[layer] += 1
-            ids = self._extend(sel, lb)
-            return self.store.attend(layer, qc, ids, self._out, self._lse)
+            return self._extend(sel, lb), None
         st.select_calls[layer] += 1
         mode, allowed = lc.head_select_mode, self._allowed(layer, lb)
         if self._excl[0] != lb:  # [2, 2] int64 block ranges: the init window, and the local window onwards
@@ -386,10 +449,7 @@ class LongContextCache:
                 keep = torch.zeros(scores.shape[0], nb + 1, dtype=torch.bool).scatter_(1, idx, True)
                 scores.masked_fill_(~keep[:, :nb], float("-inf"))
             ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
-        out, lse, ids = self.store.select_attend(layer, qc, ks, mode, excl, allowed, self._out, self._lse)
-        self.sel[layer] = _Selection(ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1]), lb,
-                                     self.decode_step)  # ids: a fresh tensor per call
-        return out, lse
+        return None, (ks, mode, excl, allowed)
 
     def _extend(self, sel: _Selection, lb: int) -> torch.Tensor:
         """A cached selection plus the context blocks that left the local window since it was taken."""

@@ -305,6 +305,55 @@ class KVStore:
         ids = torch.from_numpy(ids)
         return out, lse, (ids[0] if mode == "SHARED" else ids)
 
+    def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
+                    win_v: torch.Tensor, w0: int, width: int, skip: tuple[int, int], scale: float, threads: int,
+                    out: torch.Tensor, blocks=None, select: tuple | None = None) -> torch.Tensor | None:
+        """One long_context decode step of a layer in one native call (cpp/lc_decode.h).
+
+        k, v: [KVH, D] the new token, written to row ``w0`` of the window buffers win_k/win_v [KVH, rows, D];
+        window rows [0, width) but ``skip`` are attended densely (softmax scale ``scale``); the store part is
+        ``blocks`` (as attend()), or ``select`` = (k, mode, exclude_ranges, allowed) (as select_attend()), or
+        nothing when both are None; the parts are merged by LSE into out [H, D]; then k/v are appended to the
+        store. All fp32 on the CPU. Returns the selected ids (as select_attend()) or None.
+        """
+        f32 = (torch.float32,)
+        qn = self._q(q)
+        part, b, mode, ks, excl, allow, ids = self._step_args(layer, blocks, select)
+        self._st.decode_step(layer, qn, _np(k, "k", f32, 2), _np(v, "v", f32, 2), _np(win_k, "win_k", f32, 3),
+                             _np(win_v, "win_v", f32, 3), w0, width, skip[0], skip[1], float(scale), threads, part, b,
+                             mode, ks, excl, allow, ids, _np(out, "out", f32, 2))
+        return self._step_ids(ids, mode)
+
+    def decode_block(self, fused, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     win_k: torch.Tensor, win_v: torch.Tensor, w0: int, width: int, skip: tuple[int, int],
+                     scale: float, threads: int, blocks=None, select: tuple | None = None) -> torch.Tensor | None:
+        """A whole block's long_context decode step in one native call: ``fused`` (a ``_C.DecodeLayer``)
+        makes q/k/v from x [dim] (RoPE row cos/sin [D]), decode_step() attends (same window and store-part
+        arguments), and the block's output replaces x in place. Returns the selected ids or None."""
+        f32 = (torch.float32,)
+        part, b, mode, ks, excl, allow, ids = self._step_args(layer, blocks, select)
+        fused.step_long_context(_np(x, "x", f32, 1), _np(cos, "cos", f32, 1), _np(sin, "sin", f32, 1), self._st,
+                                layer, _np(win_k, "win_k", f32, 3), _np(win_v, "win_v", f32, 3), w0, width, skip[0],
+                                skip[1], float(scale), threads, part, b, mode, ks, excl, allow, ids)
+        return self._step_ids(ids, mode)
+
+    def _step_args(self, layer: int, blocks, select):
+        """decode_step's store part: (part, blocks, mode, k, exclude, allowed, out_ids) for the binding."""
+        if select is not None:
+            mode, ks, excl, allow, ids = self._request(layer, select[0], select[1], select[2], select[3])
+            return 2, None, mode, ks, excl, allow, ids
+        if blocks is not None:
+            n = blocks.shape[0] if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 else 1
+            return 1, _padded_ids(blocks, "blocks", n), "SEPARATE", None, None, None, None
+        return 0, None, "SEPARATE", None, None, None, None
+
+    @staticmethod
+    def _step_ids(ids, mode: str) -> torch.Tensor | None:
+        if ids is None:
+            return None
+        ids = torch.from_numpy(ids)
+        return ids[0] if mode == "SHARED" else ids
+
     def last_timing(self) -> dict[str, float]:
         """Milliseconds of the stages of the last select/attend call: score, topk, attend."""
         s, t, a = self._st.last_timing()

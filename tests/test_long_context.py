@@ -298,3 +298,63 @@ def test_prompt_longer_than_max_seq_len_is_refused_before_work(tiny_llama):
     with pytest.raises(PromptTooLongError, match="prompt too long"):
         eng.generate("the cat sat on the mat " * 20)
     assert eng.cache.pos == 0 and eng.cache.store.length(0) == 0
+
+
+# ---- the native decode step (cpp/lc_decode.h) ----
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("quest", {}),                                           # fresh selections; 1 dense layer (attend all)
+    ("quest", {"token_step": 3, "head_select_mode": "SHARED"}),  # reused selections, extended; one shared set
+    ("snapkv", {}),                                          # preselection, then select among the kept blocks
+    ("ada_quest", {}),                                       # Ada-KV decode budgets: the per-call fallback
+])
+def test_native_block_step_matches_the_per_call_path(tiny_llama, name, kw):
+    """A block's whole decode step as one native call (DecodeLayer.step_long_context) gives the logits,
+    the selections and the call statistics of the qkv / attend / out path on the same Q8_0 weights."""
+    from ktquest.linear import set_decode_weights
+
+    model, _ = load_model(tiny_llama.path)
+    assert set_decode_weights(model, "q8_0", threads=2) > 0
+    lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=3, preselect_block_count=6,
+              dense_layer_num=1, kv_type="FP16", anchor_num=2)
+    lc.update(kw)
+    cfg = dataclasses.replace(preset(name, **lc), chunk_size=16, max_seq_len=256)
+    prompt = torch.arange(3, 70) * 7 % 250
+    runs = []
+    for native in (False, True):
+        for block in model.layers:
+            assert block.enable_fused_decode(threads=2)
+        cache = LongContextCache(model.args, cfg, 256)
+        if not native:  # the three-call path: qkv, cache.attend, out
+            cache.decode_block = lambda *a, **k: False
+        with torch.inference_mode():
+            logits = [prefill(model, cache, prompt, 16)]
+            for tok in (5, 9, 11, 200, 7, 31, 64, 2, 90, 17):
+                logits.append(decode_one_token(model, cache, tok))
+        sel = [None if s is None else s.ids.clone() for s in cache.sel]
+        runs.append((torch.cat(logits), sel, dataclasses.asdict(cache.stats)))
+    (l0, s0, st0), (l1, s1, st1) = runs
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
+    assert st1 == st0 and sum(st0["select_calls"]) > 0
+    for a, b in zip(s0, s1):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def test_native_decode_step_checks_its_arguments():
+    H, KVH, D = 4, 2, 16
+    st = KVStore(1, KVH, D, max_seq_len=64, block_size=8, kv_type="FP32", threads_num=1)
+    q, k, v = torch.randn(H, D), torch.randn(KVH, D), torch.randn(KVH, D)
+    wk, wv, out = torch.zeros(KVH, 16, D), torch.zeros(KVH, 16, D), torch.empty(H, D)
+    st.decode_step(0, q, k, v, wk, wv, 0, 1, (0, 0), D ** -0.5, 1, out)  # no context block: the window alone
+    torch.testing.assert_close(out, v.repeat_interleave(H // KVH, 0))  # one row: softmax weight 1
+    assert st.length(0) == 1 and torch.equal(wk[:, 0], k)
+    with pytest.raises(ValueError, match="w0=5 and width=3"):
+        st.decode_step(0, q, k, v, wk, wv, 5, 3, (0, 0), D ** -0.5, 1, out)
+    with pytest.raises(ValueError, match="skip"):
+        st.decode_step(0, q, k, v, wk, wv, 1, 2, (1, 2), D ** -0.5, 1, out)
+    with pytest.raises(ValueError, match=r"win_v: expected shape \[2, 16, 16\]"):
+        st.decode_step(0, q, k, v, wk, torch.zeros(KVH, 8, D), 1, 2, (0, 0), D ** -0.5, 1, out)
+    with pytest.raises(ValueError, match="non-finite"):
+        st.decode_step(0, torch.full((H, D), float("nan")), k, v, wk, wv, 1, 2, (0, 0), D ** -0.5, 1, out)
+    assert st.length(0) == 1  # refused calls append nothing

@@ -29,6 +29,10 @@ class AttentionCache(Protocol):
         """
         ...
 
+    # Optional: ``decode_block(layer_idx, fused, x, cos, sin, start_pos, threads) -> bool`` runs a whole
+    # block's CPU decode step natively (qkv, attention, out: DecodeLayer.step_long_context) and returns
+    # True, or returns False and the block falls back to qkv / attend / out.
+
 
 # ---- rotary embeddings ----
 
@@ -167,6 +171,10 @@ class Block(nn.Module):
     def _decode_fused(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                       cache: AttentionCache) -> torch.Tensor:
         """forward() for one token: x [1, dim] -> [1, dim] (updated in place)."""
+        native = getattr(cache, "decode_block", None)
+        if native is not None and native(self.layer_idx, self.fused, x[0], cos[0, 0], sin[0, 0], start_pos,
+                                         self.threads):
+            return x
         a = self.attn
         h, kvh = a.n_heads, a.n_kv_heads
         qkv = torch.empty(1, h + 2 * kvh, a.head_dim)  # [1, H + 2*KVH, D], q and k rotated
