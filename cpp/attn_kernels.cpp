@@ -55,6 +55,13 @@ void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const
   }
 }
 
+void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* m,
+                  float* l, float* acc, const Tiles*) {
+  // The same online softmax, one tile at a time (equal up to rounding to one update over all rows).
+  for (int i = 0; i < cur.count; ++i)
+    attend_tile(t, D, G, q, cur.k[i], cur.v[i], scale_off, cur.n[i], s, m, l, acc, nullptr, nullptr);
+}
+
 // ---- scoring ----
 
 void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {

@@ -212,19 +212,26 @@ void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, 
     for (int r = 0; r < n; ++r) _mm_prefetch(reinterpret_cast<const char*>(pv + r * rb + 64 * pass), kTileHint);
 }
 
-// ---- one block for NG <= 8 heads ----
+// ---- a run of tiles for NG <= 8 heads: logits of every row, one softmax update, then the values ----
 
 template <class Dc, int NG>
-void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const float* vsc, size_t rb, int ns, int n,
-                int D, const float* q, float* s, int ss, float* m, float* l, float* acc, const uint8_t* pk,
-                const uint8_t* pv, int bs_rows) {
-  if (pk && ns) prefetch_lines(pk + bs_rows * rb, size_t(bs_rows) * ns * 4);  // the next tiles' scales
-  if (pv && ns) prefetch_lines(pv + bs_rows * rb, size_t(bs_rows) * ns * 4);
-  logits<Dc, NG>(k, ksc, rb, ns, n, D, q, s, ss, pk);
+void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss,
+                 float* m, float* l, float* acc, const Tiles* nx, int bs_rows) {
+  auto scales = [&](const uint8_t* tile) { return reinterpret_cast<const float*>(tile + scale_off); };
+  if (nx && ns)
+    for (int i = 0; i < nx->count; ++i) {  // the next tiles' scales
+      prefetch_lines(nx->k[i] + bs_rows * rb, size_t(bs_rows) * ns * 4);
+      prefetch_lines(nx->v[i] + bs_rows * rb, size_t(bs_rows) * ns * 4);
+    }
+  int off = 0;
+  for (int i = 0; i < T.count; ++i) {  // tile i of the next run streams in alongside tile i of this one
+    logits<Dc, NG>(T.k[i], scales(T.k[i]), rb, ns, T.n[i], D, q, s + off, ss, nx && i < nx->count ? nx->k[i] : nullptr);
+    off += T.n[i];
+  }
 #pragma GCC unroll 8
   for (int g = 0; g < NG; ++g) {
     float* sg = s + g * ss;
-    for (int r = n; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
+    for (int r = off; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
     __m256 mx = _mm256_set1_ps(kNegInf);
     for (int r = 0; r < ss; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
     const float m_new = std::max(m[g], hmax(mx));
@@ -235,7 +242,7 @@ void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const floa
       _mm256_storeu_ps(sg + r, pr);
       sum = _mm256_add_ps(sum, pr);
     }
-    // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first block).
+    // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first run).
     const float alpha = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(m[g] - m_new)));
     m[g] = m_new;
     l[g] = l[g] * alpha + hsum(sum);
@@ -245,28 +252,33 @@ void tile_group(const uint8_t* k, const uint8_t* v, const float* ksc, const floa
       for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
     }
   }
-  accum<Dc, NG>(v, vsc, rb, ns, n, D, s, ss, acc, pv);
+  off = 0;
+  for (int i = 0; i < T.count; ++i) {
+    accum<Dc, NG>(T.v[i], scales(T.v[i]), rb, ns, T.n[i], D, s + off, ss, acc, nx && i < nx->count ? nx->v[i] : nullptr);
+    off += T.n[i];
+  }
+  for (int i = T.count; nx && i < nx->count; ++i) {  // a longer next run (not produced by the store's tasks)
+    prefetch_lines(nx->k[i], bs_rows * rb);
+    prefetch_lines(nx->v[i], bs_rows * rb);
+  }
 }
 
 template <class Dc>
-void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off, int n,
-              float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v) {
+void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scale_off, float* s, float* m, float* l,
+               float* acc, const Tiles* nx) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
-  const float* ksc = reinterpret_cast<const float*>(k + scale_off);
-  const float* vsc = reinterpret_cast<const float*>(v + scale_off);
-  const int ss = (n + 7) & ~7;
+  const int ss = (T.rows() + 7) & ~7;
   const int bs_rows = int(scale_off / rb);  // rows of a full tile (the next one may be full when this is not)
-  // Heads in batches of up to 8 (registers); larger groups re-read the tile from L1.
+  // Heads in batches of up to 8 (registers); larger groups re-read the tiles from L1.
   for (int g0 = 0; g0 < G; g0 += 8) {
     const int ng = std::min(8, G - g0);
     const float* qg = q + g0 * D;
     float *mg = m + g0, *lg = l + g0, *ag = acc + g0 * D;
-    const uint8_t* pk = g0 == 0 ? next_k : nullptr;  // prefetch once
-    const uint8_t* pv = g0 == 0 ? next_v : nullptr;
+    const Tiles* pf = g0 == 0 ? nx : nullptr;  // prefetch once
     switch (ng) {
 #define KTQ_CASE(N) \
-  case N: tile_group<Dc, N>(k, v, ksc, vsc, rb, ns, n, D, qg, s, ss, mg, lg, ag, pk, pv, bs_rows); break;
+  case N: tiles_group<Dc, N>(T, scale_off, rb, ns, D, qg, s, ss, mg, lg, ag, pf, bs_rows); break;
       KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
 #undef KTQ_CASE
     }
@@ -277,15 +289,23 @@ void tile_any(KVType t, int D, int G, const float* q, const uint8_t* k, const ui
 
 // ---- entry points ----
 
+void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* m,
+                  float* l, float* acc, const Tiles* next) {
+  switch (t) {
+    case KVType::FP32: tiles_any<DecF32>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
+    case KVType::FP16: tiles_any<DecF16>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
+    case KVType::BF16: tiles_any<DecBF16>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
+    case KVType::Q8_0: tiles_any<DecQ8>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
+    case KVType::Q4_0: tiles_any<DecQ4>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
+  }
+}
+
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
                  int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v) {
-  switch (t) {
-    case KVType::FP32: tile_any<DecF32>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
-    case KVType::FP16: tile_any<DecF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
-    case KVType::BF16: tile_any<DecBF16>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
-    case KVType::Q8_0: tile_any<DecQ8>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
-    case KVType::Q4_0: tile_any<DecQ4>(t, D, G, q, k, v, scale_off, n, s, m, l, acc, next_k, next_v); break;
-  }
+  Tiles cur, nx;
+  cur.k[0] = k, cur.v[0] = v, cur.n[0] = n, cur.count = 1;
+  nx.k[0] = next_k, nx.v[0] = next_v, nx.n[0] = n, nx.count = next_k && next_v ? 1 : 0;
+  attend_tiles(t, D, G, q, cur, scale_off, s, m, l, acc, nx.count ? &nx : nullptr);
 }
 
 void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {

@@ -26,7 +26,8 @@ constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks 
 constexpr int64_t kChunkTokens = 1024;        // split-K: at least this many tokens per attention task
                                               // (each task starts on a cold block: fewer, longer tasks)
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
-constexpr int64_t kPrefetchAhead = 1;         // attention prefetches the tiles this many blocks ahead (L2)
+constexpr int64_t kRunRows = 64;              // attention: consecutive selected blocks of up to this many rows
+                                              // share one softmax update (attend_tiles)
 constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
 // Scoring / attention use threads from this many bytes read on: below it (~30 us on one core) waking a
 // worker costs more than it saves.
@@ -307,6 +308,7 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   int64_t n_sel = 0;
   for (int h = 0; h < KVH; ++h) n_sel += count[h];
   const int threads = n_sel * int64_t(tile_bytes_) * 2 >= kParallelBytes ? cfg_.threads_num : 1;
+  const int64_t per_run = std::clamp<int64_t>(kRunRows / bs, 1, kMaxTiles);  // blocks per softmax update
   ThreadPool::global().parallel_for(n_tasks, threads, [&](int64_t task) {
     const int h = int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
     const int64_t j0 = (task - tstart[h]) * cb, j1 = std::min(count[h], j0 + cb);
@@ -315,26 +317,32 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
     float* acc = l + G;
     std::fill(m, m + G, kNegInf);
     std::fill(l, l + G + size_t(G) * D, 0.f);
-    float* s = thread_scratch(size_t(G) * ((bs + 7) & ~7) + D);
+    float* s = thread_scratch(size_t(G) * ((per_run * bs + 7) & ~7) + D);
     const float* q = qs_.data() + size_t(h) * G * D;
     const int32_t* row = row_of(h);
-    // attend_tile streams the tiles kPrefetchAhead blocks ahead into L2, spread over its work on this one
-    // (a burst of prefetches would stall the core: see attn_kernels_avx2.cpp); the task's first ones are
-    // requested up front.
-    for (int64_t j = j0; j < std::min(j1, j0 + kPrefetchAhead); ++j) {
-      prefetch_l2(k_tile(L, h, row[j]), tile_bytes_);
-      prefetch_l2(v_tile(L, h, row[j]), tile_bytes_);
+    // Runs of per_run selected blocks share one softmax update (attend_tiles); attend_tiles streams the
+    // next run into L2, spread over its work on this one (a burst of prefetches would stall the core: see
+    // attn_kernels_avx2.cpp); the task's first run is requested up front.
+    auto fill = [&](Tiles& t, int64_t a) {
+      t.count = 0;
+      for (int64_t j = a; j < std::min(j1, a + per_run); ++j, ++t.count) {
+        const int64_t b = row[j];
+        t.k[t.count] = k_tile(L, h, b);
+        t.v[t.count] = v_tile(L, h, b);
+        t.n[t.count] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
+      }
+    };
+    Tiles cur, nxt;
+    fill(cur, j0);
+    for (int i = 0; i < cur.count; ++i) {
+      prefetch_l2(cur.k[i], tile_bytes_);
+      prefetch_l2(cur.v[i], tile_bytes_);
     }
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t b = row[j];
-      const int n = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
-      const uint8_t* kb = k_tile(L, h, b);
-      const uint8_t* vb = v_tile(L, h, b);
-      const int64_t jp = j + kPrefetchAhead;
-      const uint8_t* nk = jp < j1 ? k_tile(L, h, row[jp]) : nullptr;
-      const uint8_t* nv = jp < j1 ? v_tile(L, h, row[jp]) : nullptr;
-      if (simd) avx2::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
-      else scalar::attend_tile(kt, D, G, q, kb, vb, scale_off_, n, s, m, l, acc, nk, nv);
+    for (int64_t j = j0; j < j1; j += per_run) {
+      fill(nxt, j + per_run);
+      if (simd) avx2::attend_tiles(kt, D, G, q, cur, scale_off_, s, m, l, acc, nxt.count ? &nxt : nullptr);
+      else scalar::attend_tiles(kt, D, G, q, cur, scale_off_, s, m, l, acc, nxt.count ? &nxt : nullptr);
+      cur = nxt;
     }
   });
   merge_partials(part_.data(), tstart.data(), KVH, G, D, out, lse);  // in chunk order
