@@ -337,8 +337,13 @@ class LongContextCache:
         else:
             s = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)  # [KVH, T*G, W]
             s.view(KVH, T, G, g.width).add_(g.mask[:, None, :])
-        lse = torch.logsumexp(s, -1)  # [KVH, T*G]
-        probs = s.sub_(lse[..., None]).exp_()  # in place: [KVH, T*G, W]
+        # softmax and its log-sum-exp in one exp pass, in place (torch.logsumexp would run its own exp over a
+        # temporary of the scores' size): [KVH, T*G, W]
+        m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(s.dtype).min)  # a row of -inf keeps m finite
+        probs = s.sub_(m).exp_()
+        total = probs.sum(-1, keepdim=True)  # >= 1 in every row that has an unmasked key
+        probs.div_(total)
+        lse = (m + total.log()).squeeze(-1)  # [KVH, T*G]
         out = torch.bmm(probs, vals)  # [KVH, T*G, D]
         out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
         return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), probs
