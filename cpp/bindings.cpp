@@ -451,10 +451,7 @@ void bind_dense_attn(py::module_& m) {
       throw py::value_error("skip [" + std::to_string(skip0) + ", " + std::to_string(skip1) +
                             ") must be a range within [0, n=" + std::to_string(n) + ") that leaves a row");
     const float* qp = q.data();
-    for (int64_t i = 0; i < H * D; ++i)
-      if (!std::isfinite(qp[i]))
-        throw py::value_error("q contains a non-finite value at head " + std::to_string(i / D) + ", dim " +
-                              std::to_string(i % D));
+    kv_check_finite(qp, int(H), int(D));
     const float* kp = k.data();
     const float* vp = v.data();
     float* op = out.mutable_data();

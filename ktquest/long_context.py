@@ -275,8 +275,7 @@ class LongContextCache:
         if T == 1 and self._native_decode:
             return self._decode_native(layer_idx, q, k, v, start_pos)
         # ---- device part: init + local windows + this chunk, dense ----
-        w0 = self.init_end + start_pos - self.buf0 if start_pos >= self.init_end else start_pos
-        # positions below init_end map to themselves, later ones to init_end + p - buf0 (buf0 = init_end then)
+        w0 = self._window_row(start_pos)
         self.win_k[layer_idx, :, w0: w0 + T] = k.transpose(0, 1)
         self.win_v[layer_idx, :, w0: w0 + T] = v.transpose(0, 1)
         out_w, lse_w, probs = self._window_attention(layer_idx, q, g)  # [T, H, D], [T, H] fp32
@@ -360,6 +359,11 @@ class LongContextCache:
 
     # ---- decode: which context blocks ----
 
+    def _window_row(self, pos: int) -> int:
+        """Row of position ``pos`` in the window buffers: positions below init_end map to themselves, later
+        ones to init_end + pos - buf0 (buf0 = init_end then)."""
+        return self.init_end + pos - self.buf0 if pos >= self.init_end else pos
+
     def decode_block(self, layer: int, fused, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      start_pos: int, threads: int) -> bool:
         """A block's whole CPU decode step in one native call (models/llama.py; ops.KVStore.decode_block):
@@ -370,40 +374,38 @@ class LongContextCache:
             return False
         if layer == 0:
             self._begin_pass(start_pos, 1)
+        w0, lb, blocks, select = self._native_plan(layer, None, start_pos)
         g = self.geo
-        w0 = self.init_end + start_pos - self.buf0 if start_pos >= self.init_end else start_pos
-        lb = g.loc0 // self.bs
-        blocks = select = None
-        if lb > self.ib:
-            blocks, select = self._plan(layer, None, lb)
         ids = self.store.decode_block(fused, layer, x, cos, sin, self.win_k[layer], self.win_v[layer], w0, g.width,
                                       g.skip, self.scale, threads, blocks, select)
-        if ids is not None:
-            self._record_selection(layer, ids, lb)
-        if layer == self.n_layers - 1:
-            self.pos = start_pos + 1
+        self._native_done(layer, ids, lb, start_pos)
         return True
 
     def _decode_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        start_pos: int) -> torch.Tensor:
         """attend() for one token on the CPU in one native call (cpp/lc_decode.h): window write, dense window
         attention, the store part as _plan() says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
-        g = self.geo
-        w0 = self.init_end + start_pos - self.buf0 if start_pos >= self.init_end else start_pos
-        lb = g.loc0 // self.bs
         qc = q[0].contiguous()  # [H, D]
-        blocks = select = None
-        if lb > self.ib:
-            blocks, select = self._plan(layer, qc, lb)
+        w0, lb, blocks, select = self._native_plan(layer, qc, start_pos)
+        g = self.geo
         out = torch.empty(1, self.H, self.D)
         ids = self.store.decode_step(layer, qc, k[0].contiguous(), v[0].contiguous(), self.win_k[layer],
                                      self.win_v[layer], w0, g.width, g.skip, self.scale, self.threads, out[0],
                                      blocks, select)
+        self._native_done(layer, ids, lb, start_pos)
+        return out
+
+    def _native_plan(self, layer: int, qc: torch.Tensor | None, start_pos: int):
+        """(window row of the new token, first local block, blocks, select) of a native decode step."""
+        lb = self.geo.loc0 // self.bs
+        blocks, select = self._plan(layer, qc, lb) if lb > self.ib else (None, None)
+        return self._window_row(start_pos), lb, blocks, select
+
+    def _native_done(self, layer: int, ids: torch.Tensor | None, lb: int, start_pos: int) -> None:
         if ids is not None:
             self._record_selection(layer, ids, lb)
         if layer == self.n_layers - 1:
             self.pos = start_pos + 1
-        return out
 
     def _decode_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [1, H, D] -> (out [H, D], lse [H]) fp32 on the CPU over the selected context blocks."""

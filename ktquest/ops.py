@@ -260,8 +260,7 @@ class KVStore:
         qn = self._q(q)
         mode, ks, excl, allow, ids = self._request(layer, k, mode, exclude_ranges, allowed)
         self._st.select(layer, qn, mode, ks, excl, allow, ids)
-        ids = torch.from_numpy(ids)
-        return ids[0] if mode == "SHARED" else ids
+        return self._step_ids(ids, mode)
 
     def attend(
         self,
@@ -302,8 +301,7 @@ class KVStore:
         mode, ks, excl, allow, ids = self._request(layer, k, mode, exclude_ranges, allowed)
         out, lse, out_np, lse_np = self._outputs(qn.shape[0], out, lse)
         self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np)
-        ids = torch.from_numpy(ids)
-        return out, lse, (ids[0] if mode == "SHARED" else ids)
+        return out, lse, self._step_ids(ids, mode)
 
     def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
                     win_v: torch.Tensor, w0: int, width: int, skip: tuple[int, int], scale: float, threads: int,
@@ -349,6 +347,7 @@ class KVStore:
 
     @staticmethod
     def _step_ids(ids, mode: str) -> torch.Tensor | None:
+        """out_ids (numpy [n_sets, cols] or None) as the returned tensor: [cols] for SHARED."""
         if ids is None:
             return None
         ids = torch.from_numpy(ids)
