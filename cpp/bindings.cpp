@@ -260,6 +260,7 @@ void bind_kv_store(py::module_& m) {
            py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
            py::arg("threads_num"))
       .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
+      .def_property_readonly("anchor_elem_bytes", &KVStore::anchor_elem_bytes, "2 = fp16 anchors, 4 = fp32")
       .def("length", &KVStore::length, py::arg("layer"))
       .def("n_blocks", &KVStore::n_blocks, py::arg("layer"))
       .def("nbytes", &KVStore::nbytes)

@@ -73,6 +73,8 @@ KVStore::KVStore(const StoreConfig& c) : cfg_(c) {
       break;
   }
   const int D = c.head_dim, H = c.n_kv_heads;
+  a16_ = c.kv_type == KVType::FP16 && (c.anchor_type == AnchorType::QUEST || c.anchor_type == AnchorType::BLOCK_MAX ||
+                                       c.anchor_type == AnchorType::BLOCK_MEAN);
   max_blocks_ = (c.max_seq_len + c.block_size - 1) / c.block_size;
   row_bytes_ = kv_row_bytes(c.kv_type, D);
   scale_off_ = size_t(c.block_size) * row_bytes_;
@@ -89,7 +91,7 @@ KVStore::KVStore(const StoreConfig& c) : cfg_(c) {
   try {
     for (Layer& L : layers_) {
       L.kv = static_cast<uint8_t*>(grab(hb * 2 * tile_bytes_));
-      L.anchors = static_cast<float*>(grab(hb * A_ * D * 4));
+      L.anchors = grab(hb * A_ * D * anchor_elem_bytes());
       L.n_anchor = static_cast<int32_t*>(grab(hb * 4));
       if (c.anchor_type == AnchorType::BLOCK_MEAN) L.sums = static_cast<double*>(grab(hb * D * 8));
       if (c.anchor_type == AnchorType::DYNAMIC) {
@@ -129,7 +131,7 @@ int64_t KVStore::n_blocks(int layer) const {
 size_t KVStore::nbytes() const {
   std::lock_guard<std::mutex> lk(mu_);
   const int D = cfg_.head_dim;
-  size_t per_block = 2 * tile_bytes_ + size_t(A_) * D * 4 + 4;  // K, V, anchors, anchor count
+  size_t per_block = 2 * tile_bytes_ + size_t(A_) * D * anchor_elem_bytes() + 4;  // K, V, anchors, anchor count
   if (cfg_.anchor_type == AnchorType::BLOCK_MEAN) per_block += size_t(D) * 8;
   if (cfg_.anchor_type == AnchorType::DYNAMIC) per_block += size_t(A_) * 8;
   size_t total = 0;
@@ -154,7 +156,17 @@ void KVStore::update_anchors(Layer& L, int h, int64_t pos, const float* key, flo
   const int D = cfg_.head_dim, bs = cfg_.block_size;
   const int64_t b = pos / bs;
   const int r = static_cast<int>(pos % bs);
-  float* a = anchor_at(L, h, b);
+  // fp16 anchors are updated in fp32 and stored back: min / max of fp16 keys are fp16 values, so the
+  // round trip is exact for QUEST and BLOCK_MAX; BLOCK_MEAN's mean comes from the fp64 sums each time.
+  thread_local std::vector<float> work;
+  float* a;
+  if (a16_) {
+    work.resize(size_t(A_) * D);
+    a = work.data();
+    if (r > 0) decode_row(KVType::FP16, reinterpret_cast<const uint8_t*>(anchor16_at(L, h, b)), nullptr, A_ * D, a);
+  } else {
+    a = anchor_at(L, h, b);
+  }
   int32_t& cnt = L.n_anchor[h * max_blocks_ + b];
   if (r == 0) cnt = 0;  // a new block (fresh pages are zero anyway; be explicit)
   switch (cfg_.anchor_type) {
@@ -213,6 +225,7 @@ void KVStore::update_anchors(Layer& L, int h, int64_t pos, const float* key, flo
       break;
     }
   }
+  if (a16_) encode_row(KVType::FP16, a, A_ * D, reinterpret_cast<uint8_t*>(anchor16_at(L, h, b)), nullptr);
 }
 
 void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance) {
@@ -373,7 +386,10 @@ void KVStore::read_anchors(int layer, float* anchors, int32_t* counts) const {
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const size_t per = size_t(A_) * cfg_.head_dim;
   for (int h = 0; h < cfg_.n_kv_heads; ++h) {
-    std::memcpy(anchors + h * nb * per, anchor_at(L, h, 0), nb * per * 4);
+    if (a16_)
+      scalar::input_to_f32(InType::F16, anchor16_at(L, h, 0), nb * per, anchors + h * nb * per);
+    else
+      std::memcpy(anchors + h * nb * per, anchor_at(L, h, 0), nb * per * 4);
     std::memcpy(counts + h * nb, L.n_anchor + h * max_blocks_, nb * 4);
   }
 }

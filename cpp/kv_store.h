@@ -5,8 +5,9 @@
 //   kv:       [KVH, max_blocks, 2, tile] the K tile then the V tile of each (head, block);
 //             tile = [block_size rows of kv_row_bytes | block_size x D/32 fp32 scales (Q8_0/Q4_0 only)],
 //             padded to 64 bytes
-//   anchors:  [KVH, max_blocks, A, D]   fp32 (A = 2 for QUEST: min then max; 1 for BLOCK_MAX/BLOCK_MEAN;
-//                                                anchor_num for FIXED/DYNAMIC)
+//   anchors:  [KVH, max_blocks, A, D]   fp32, or fp16 when the anchors are linear and kv_type is FP16
+//                                        (A = 2 for QUEST: min then max; 1 for BLOCK_MAX/BLOCK_MEAN;
+//                                         anchor_num for FIXED/DYNAMIC)
 //   n_anchor: [KVH, max_blocks]         int32 valid anchors (FIXED/DYNAMIC; partial blocks have fewer)
 //   sums:     [KVH, max_blocks, D]      fp64 running key sums (BLOCK_MEAN; exact for FP16/BF16 keys)
 //   imp, pos: [KVH, max_blocks, A]      anchor importance / token position (DYNAMIC)
@@ -16,9 +17,12 @@
 // stream the hardware prefetcher follows from K into V, where separate K and V arrays would make two
 // short ones (measured: +20% attention throughput from DRAM for D = 64). Adjacent selected blocks are
 // adjacent in memory, and with a full budget a head is one sequential sweep. Scoring reads only
-// `anchors`, also head-major and contiguous per block, so it streams A*D floats per block and never
-// touches K or V. Anchors are fp32 and computed from the *stored* (rounded/quantised) keys, so the QUEST
-// bound holds for exactly the keys attention reads.
+// `anchors`, also head-major and contiguous per block, so it streams A*D values per block and never
+// touches K or V. Anchors are computed from the *stored* (rounded/quantised) keys, so the QUEST bound
+// holds for exactly the keys attention reads. With FP16 keys the QUEST / BLOCK_MAX anchors (element-wise
+// min / max of fp16 values) are fp16 values themselves, so they are kept as halves at no loss and
+// scoring streams half the bytes (at 16-token blocks fp32 min/max anchors are 1/8 of the K/V bytes);
+// BLOCK_MEAN's mean is rounded to the nearest half. Other anchors and KV types stay fp32.
 //
 // Threads: every operation runs on the shared ThreadPool with up to threads_num threads (thread_pool.h).
 //
@@ -89,6 +93,7 @@ class KVStore {
 
   const StoreConfig& config() const { return cfg_; }
   int anchor_slots() const { return A_; }  // A in the layout above
+  int anchor_elem_bytes() const { return a16_ ? 2 : 4; }  // 2 = fp16 anchors (see the layout above)
   int64_t max_blocks() const { return max_blocks_; }
   int64_t length(int layer) const;
   int64_t n_blocks(int layer) const;
@@ -125,7 +130,7 @@ class KVStore {
  private:
   struct Layer {
     uint8_t* kv = nullptr;        // [KVH, max_blocks, 2, tile_bytes_]  K tile, V tile
-    float* anchors = nullptr;     // [KVH, max_blocks, A, D]
+    void* anchors = nullptr;      // [KVH, max_blocks, A, D] fp32, or fp16 when a16_
     int32_t* n_anchor = nullptr;  // [KVH, max_blocks]
     double* sums = nullptr;       // [KVH, max_blocks, D]   BLOCK_MEAN
     float* imp = nullptr;         // [KVH, max_blocks, A]   DYNAMIC
@@ -136,8 +141,11 @@ class KVStore {
   // ---- layout helpers ----
   uint8_t* k_tile(const Layer& L, int h, int64_t b) const { return L.kv + (h * max_blocks_ + b) * 2 * tile_bytes_; }
   uint8_t* v_tile(const Layer& L, int h, int64_t b) const { return k_tile(L, h, b) + tile_bytes_; }
-  float* anchor_at(const Layer& L, int h, int64_t b) const {
-    return L.anchors + (h * max_blocks_ + b) * int64_t(A_) * cfg_.head_dim;
+  float* anchor_at(const Layer& L, int h, int64_t b) const {  // fp32 anchors
+    return static_cast<float*>(L.anchors) + (h * max_blocks_ + b) * int64_t(A_) * cfg_.head_dim;
+  }
+  uint16_t* anchor16_at(const Layer& L, int h, int64_t b) const {  // fp16 anchors (a16_)
+    return static_cast<uint16_t*>(L.anchors) + (h * max_blocks_ + b) * int64_t(A_) * cfg_.head_dim;
   }
   const Layer& layer_at(int layer) const;
   void check_q(const float* q, int H) const;
@@ -160,6 +168,7 @@ class KVStore {
 
   StoreConfig cfg_;
   int A_ = 2;
+  bool a16_ = false;  // anchors stored as fp16 (linear anchors over FP16 keys)
   int64_t max_blocks_ = 0;
   size_t tile_bytes_ = 0;   // one (head, block) tile of K or V
   size_t row_bytes_ = 0;    // one stored row

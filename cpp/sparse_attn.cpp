@@ -173,12 +173,18 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
                       cfg_.anchor_type == AnchorType::BLOCK_MEAN;
   // out[0, n) (+)= scores of blocks [b, b + n) for KV head h.
   auto score_run = [&](int h, int64_t b, int64_t n, float* out, bool accumulate) {
-    const float* a = anchor_at(L, h, b);
-    if (linear) {
+    if (linear && a16_) {
+      const uint16_t* a = anchor16_at(L, h, b);
+      const float* qe = qe_.data() + size_t(h) * A * D;
+      if (simd) avx2::score_linear16(a, n, A * D, qe, out, accumulate);
+      else scalar::score_linear16(a, n, A * D, qe, out, accumulate);
+    } else if (linear) {
+      const float* a = anchor_at(L, h, b);
       const float* qe = qe_.data() + size_t(h) * A * D;
       if (simd) avx2::score_linear(a, n, A * D, qe, out, accumulate);
       else scalar::score_linear(a, n, A * D, qe, out, accumulate);
     } else {
+      const float* a = anchor_at(L, h, b);
       const int32_t* cnt = L.n_anchor + h * max_blocks_ + b;
       const float* qh = qraw_ + size_t(h) * G * D;
       float* s = thread_scratch(size_t(G) * ((A + 7) & ~7) + D);
@@ -193,7 +199,7 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
                           (runs_[s].prefix.back() + kScoreBlocksPerTask - 1) / kScoreBlocksPerTask);
   int64_t n_cand = 0;
   for (int s = 0; s < n_sets; ++s) n_cand += runs_[s].prefix.back();
-  const int64_t bytes = n_cand * (mode == HeadMode::SHARED ? KVH : 1) * A * D * 4;
+  const int64_t bytes = n_cand * (mode == HeadMode::SHARED ? KVH : 1) * A * D * anchor_elem_bytes();
   const int threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
   ThreadPool::global().parallel_for(task_start_.back(), threads, [&](int64_t task) {
     const int s = int(std::upper_bound(task_start_.begin(), task_start_.end(), task) - task_start_.begin()) - 1;

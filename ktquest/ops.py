@@ -189,8 +189,14 @@ class KVStore:
             raise ValueError(f"layer={layer!r} is not allowed: a layer index, or -1 for every layer")
         self._st.truncate(int(layer), _int(n, "n"))
 
+    @property
+    def anchor_elem_bytes(self) -> int:
+        """Bytes per stored anchor value: 2 where the linear anchors (QUEST, BLOCK_MAX, BLOCK_MEAN) over FP16
+        keys are kept as fp16 (min / max exact, the mean rounded to the nearest half), else 4."""
+        return self._st.anchor_elem_bytes
+
     def anchors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32): QUEST A=2 (min, max)."""
+        """(anchors [KVH, n_blocks, A, D] as fp32, counts [KVH, n_blocks] int32): QUEST A=2 (min, max)."""
         a, c = self._st.read_anchors(layer)
         return torch.from_numpy(a), torch.from_numpy(c)
 

@@ -47,9 +47,13 @@ def ref_anchor_lists(
     anchor_type: str,
     anchor_num: int,
     importance: torch.Tensor | None = None,
+    kv_type: str = "FP32",
 ) -> list[list[torch.Tensor]]:
-    """Per KV head, per block: the anchor rows [A_b, D] (fp32) the store must hold. k: [T, KVH, D] stored keys."""
+    """Per KV head, per block: the anchor rows [A_b, D] (as fp32) the store must hold. k: [T, KVH, D] stored keys.
+    Over FP16 keys the linear anchors are kept as fp16: exact for QUEST / BLOCK_MAX (min and max of fp16 values),
+    the nearest half of the fp32 mean for BLOCK_MEAN."""
     T, KVH, _ = k.shape
+    half = kv_type == "FP16" and anchor_type in ("QUEST", "BLOCK_MAX", "BLOCK_MEAN")
     out = []
     for h in range(KVH):
         rows = []
@@ -69,6 +73,8 @@ def ref_anchor_lists(
                 imp = importance[b0 : b0 + block_size, h].tolist()
                 order = sorted(range(len(imp)), key=lambda i: (-imp[i], i))[:anchor_num]
                 rows.append(kb[sorted(order)].float())
+            if half:
+                rows[-1] = rows[-1].half().float()
         out.append(rows)
     return out
 
@@ -192,7 +198,7 @@ def test_anchors_follow_appends(force_scalar, anchor_type, anchor_num, block_siz
     anchors, counts = store.anchors(0)
     nb = (T + block_size - 1) // block_size
     assert store.n_blocks(0) == nb and anchors.shape[:2] == (KVH, nb)
-    ref = ref_anchor_lists(ks, block_size, anchor_type, anchor_num, imp)
+    ref = ref_anchor_lists(ks, block_size, anchor_type, anchor_num, imp, kv_type="FP16")
     for h in range(KVH):
         for b in range(nb):
             n = ref[h][b].shape[0]
@@ -247,7 +253,9 @@ def test_nbytes_counts_the_blocks_in_use(kv_type, row_bytes, scale_bytes):
     assert store.reserved_bytes() >= 2 * 2 * KVH * (1 << 20) * row_bytes  # address space, not memory
     store.append(1, randn(17, KVH, D), randn(17, KVH, D))
     tile = -(-bs * (row_bytes + scale_bytes) // 64) * 64
-    per_block = 2 * tile + 2 * D * 4 + 4  # K, V tiles, QUEST min/max anchors, anchor count
+    anchor_bytes = 2 if kv_type == "FP16" else 4  # QUEST anchors over FP16 keys are fp16
+    assert store.anchor_elem_bytes == anchor_bytes
+    per_block = 2 * tile + 2 * D * anchor_bytes + 4  # K, V tiles, QUEST min/max anchors, anchor count
     assert store.nbytes() == 2 * KVH * per_block
 
 

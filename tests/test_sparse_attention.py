@@ -165,7 +165,7 @@ def test_block_scores_match_reference(force_scalar, anchor_type, anchor_num, mod
         T, KVH, G, D, bs, anchor_type=anchor_type, anchor_num=anchor_num, importance=True
     )
     ks, _ = store.read(0)
-    ref = ref_scores(q, ref_anchor_lists(ks, bs, anchor_type, anchor_num, imp), anchor_type, mode)
+    ref = ref_scores(q, ref_anchor_lists(ks, bs, anchor_type, anchor_num, imp, "FP16"), anchor_type, mode)
     got = store.block_scores(0, q, mode)
     torch.testing.assert_close(
         got.double(), ref[0] if mode == "SHARED" else ref, rtol=SCORE_RTOL, atol=SCORE_ATOL

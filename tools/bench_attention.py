@@ -204,7 +204,7 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
         return ((int((rows >= 0).sum()) - n_last) * bs + n_last * last) * (KVH // rows.shape[0])
 
     sel_tokens = [tokens(b) for b in selected]
-    anchor_bytes = nb * KVH * store._st.anchor_slots * D * 4
+    anchor_bytes = nb * KVH * store._st.anchor_slots * D * store._st.anchor_elem_bytes
     attend_bytes = statistics.median(sel_tokens) * 2 * D * BYTES_PER_VALUE[args.kv_type]
     row = {
         "shape": shape,
