@@ -186,6 +186,7 @@ class KVStore {
   std::vector<Runs> runs_;                 // [n_sets]
   std::vector<float> scores_;              // [n_sets, n_blocks]
   std::vector<Cand> heap_;                 // top-k heaps, [n_sets, kcap]
+  std::vector<float> topv_;                // top-k score copies (nth_element), [n_sets, candidates]
   std::vector<int64_t> task_start_;        // task ranges per set / head
   std::vector<int64_t> count_;             // [KVH] selected blocks per head
   std::vector<float> part_;                // split-K partials: [n_tasks, G, D + 2]

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -23,15 +24,16 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks of one set
-constexpr int64_t kChunkTokens = 1024;        // split-K: at least this many tokens per attention task
-                                              // (each task starts on a cold block: fewer, longer tasks)
+constexpr int64_t kChunkTokens = 256;         // split-K: at least this many tokens per attention task (each
+                                              // starts on a cold block; 4+ tasks per head of a 1K budget keep
+                                              // 2 threads balanced where 3 KV heads are 3 tasks)
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
 constexpr int64_t kRunRows = 64;              // attention: consecutive selected blocks of up to this many rows
                                               // share one softmax update (attend_tiles)
-constexpr int64_t kParallelTopk = 1 << 16;    // top-k runs on threads from this many scores on
-// Scoring / attention use threads from this many bytes read on: below it (~30 us on one core) waking a
-// worker costs more than it saves.
-constexpr int64_t kParallelBytes = 512 << 10;
+constexpr int64_t kParallelTopk = 1 << 12;    // top-k runs on threads from this many scores on
+// Scoring / attention use threads from this many bytes read on: below it (~8 us on one core) handing work
+// to a worker costs more than it saves (workers spin between the calls of a decode step).
+constexpr int64_t kParallelBytes = 128 << 10;
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -236,37 +238,82 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
                                   std::to_string(s) + " selects " + std::to_string(need));
     kcap = std::max(kcap, need);
   }
+  bool keep_all = true;  // every set keeps all its candidates (SnapKV: k = the preselected blocks): no scores
+  for (int s = 0; s < n_sets; ++s) keep_all = keep_all && req.k_per_set[s] >= runs_[s].prefix.back();
+  if (keep_all) {
+    for (int s = 0; s < n_sets; ++s) {
+      int32_t* row = out_ids + s * int64_t(out_cols);
+      int64_t n = 0;
+      for (size_t r = 0; r < runs_[s].start.size(); ++r)
+        for (int32_t b = runs_[s].start[r]; b < runs_[s].start[r] + runs_[s].len[r]; ++b) row[n++] = b;
+      std::fill(row + n, row + out_cols, -1);
+    }
+    timing_.score_s = 0;
+    timing_.topk_s = seconds_since(t0);
+    return;
+  }
   scores_.resize(size_t(n_sets) * nb);
   score_runs(L, H, req.mode, scores_.data());
   const auto t1 = Clock::now();
   timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
 
-  // Stream each set's candidates (ascending ids) through a k-heap. Almost every candidate loses to the
-  // worst kept one at the first comparison, so this is one predictable pass over the scores.
+  // Few candidates per kept block (k >= n / kHeapRatio): find the k-th best score with nth_element over a
+  // copy of the scores (floats, O(n)), then take, in ascending id order, every candidate above it and the
+  // first ones equal to it. Many: stream the candidates (ascending ids) through a k-heap; almost every one
+  // then loses to the worst kept at the first comparison, one predictable pass. Both keep exactly the top k
+  // under the strict order of heap_less (higher score, then the lower id); NaN scores count as -inf.
+  constexpr int64_t kHeapRatio = 64;
+  auto partition = [&](int s) {
+    const int64_t n = runs_[s].prefix.back(), k = std::min<int64_t>(req.k_per_set[s], n);
+    return k > 0 && k * kHeapRatio >= n;
+  };
+  int64_t room = std::max<int64_t>(kcap, 1);  // heap_ / topv_ entries per set
+  for (int s = 0; s < n_sets; ++s)
+    if (partition(s)) room = std::max(room, runs_[s].prefix.back());
   heap_.resize(size_t(n_sets) * std::max<int64_t>(kcap, 1));
+  topv_.resize(size_t(n_sets) * room);
   // Threads only pay off for long contexts: a few microseconds per set otherwise, less than a hand-off.
   const int topk_threads = n_sets * nb >= kParallelTopk ? cfg_.threads_num : 1;
   ThreadPool::global().parallel_for(n_sets, topk_threads, [&](int64_t s) {
     const Runs& R = runs_[s];
     const int64_t k = std::min<int64_t>(req.k_per_set[s], R.prefix.back());
-    Cand* heap = heap_.data() + s * std::max<int64_t>(kcap, 1);
     const float* sc = scores_.data() + s * nb;
-    int64_t n = 0;
-    for (size_t r = 0; k > 0 && r < R.start.size(); ++r)
-      for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
-        const Cand c{std::isnan(sc[b]) ? kNegInf : sc[b], b};
-        if (n < k) {
-          heap[n++] = c;
-          std::push_heap(heap, heap + n, heap_less);
-        } else if (heap_less(c, heap[0])) {
-          std::pop_heap(heap, heap + n, heap_less);
-          heap[n - 1] = c;
-          std::push_heap(heap, heap + n, heap_less);
-        }
-      }
     int32_t* row = out_ids + s * int64_t(out_cols);
-    for (int64_t i = 0; i < n; ++i) row[i] = heap[i].id;
-    std::sort(row, row + n);  // ascending: the attention kernel walks memory forward
+    auto score = [&](int32_t b) { return std::isnan(sc[b]) ? kNegInf : sc[b]; };
+    int64_t n = 0;
+    if (partition(int(s))) {
+      float* v = topv_.data() + s * room;
+      const int64_t nc = R.prefix.back();
+      for (size_t r = 0; r < R.start.size(); ++r)
+        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) v[n++] = score(b);
+      std::nth_element(v, v + (k - 1), v + nc, std::greater<float>());
+      const float kth = v[k - 1];
+      int64_t above = 0;
+      for (int64_t i = 0; i < k; ++i) above += v[i] > kth;  // v[0, k) holds the k best values
+      int64_t ties = k - above;
+      n = 0;
+      for (size_t r = 0; r < R.start.size(); ++r)
+        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
+          const float x = score(b);
+          if (x > kth || (x == kth && ties-- > 0)) row[n++] = b;
+        }
+    } else if (k > 0) {
+      Cand* heap = heap_.data() + s * std::max<int64_t>(kcap, 1);
+      for (size_t r = 0; r < R.start.size(); ++r)
+        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
+          const Cand c{score(b), b};
+          if (n < k) {
+            heap[n++] = c;
+            std::push_heap(heap, heap + n, heap_less);
+          } else if (heap_less(c, heap[0])) {
+            std::pop_heap(heap, heap + n, heap_less);
+            heap[n - 1] = c;
+            std::push_heap(heap, heap + n, heap_less);
+          }
+        }
+      for (int64_t i = 0; i < n; ++i) row[i] = heap[i].id;
+      std::sort(row, row + n);  // ascending: the attention kernel walks memory forward
+    }
     std::fill(row + n, row + out_cols, -1);
   });
   timing_.topk_s = seconds_since(t1);

@@ -210,9 +210,14 @@ def test_quest_scores_bound_every_dot_product(KVH, G, D, bs, T, kv_type, scale, 
 
 @pytest.mark.parametrize("anchor_type,anchor_num", ANCHOR_CASES)
 @pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
-def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode):
-    """Integer data: every score is exact in fp32, so ties are real and the tie rule is checked exactly."""
-    T, KVH, G, D, bs = 301, 3, 3, 64, 8
+@pytest.mark.parametrize("bs", [8, 2])
+def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode, bs):
+    """Integer data: every score is exact in fp32, so ties are real and the tie rule is checked exactly.
+    k = 2 of 151 blocks (bs 2) takes the streaming k-heap, the other k the nth_element partition; a k that
+    covers every candidate takes them all without scoring."""
+    T, KVH, G, D = 301, 3, 3, 64
+    if anchor_type in ("FIXED", "DYNAMIC"):
+        anchor_num = min(anchor_num, bs)  # at most a block's tokens
     store, q, *_, imp = make(
         T,
         KVH,
@@ -239,6 +244,8 @@ def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode
         {"k": 6, "allowed": allowed},
         {"k": per_head_k, "exclude_ranges": [(3, 9)]},
         {"k": nb + 5},
+        {"k": 25, "allowed": allowed, "exclude_ranges": [(3, 9)]},
+        {"k": 2},
         {"k": 0},
     ]
     for case in cases:

@@ -8,6 +8,9 @@ that context. Example:
 
     python tools/bench_decode.py --contexts 1024,4096,8192 --modes dense,long_context \
         --peer llama.cpp --json tools/out/bench_decode.json
+
+A mode is `dense`, `long_context` (configs/quest.yaml unless --config says otherwise) or the name of a preset
+in configs/ (`--modes quest,snapkv,ktransformers`); rows carry it as `label`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ktquest.generate import decode_one_token, prefill  # noqa: E402
 MODE_CONFIGS = {"dense": None, "long_context": "configs/quest.yaml"}
 
 
-def bench_ktquest(model_path, mode: str, config: str | None, contexts: list[int], decode_n: int, threads: int,
+def bench_ktquest(model_path, label: str, mode: str, config: str | None, contexts: list[int], decode_n: int, threads: int,
                   chunk_size: int, sets: list[str]) -> list[dict]:
     overrides = [f"threads={threads}", f"max_seq_len={max(contexts) + decode_n + 8}", *sets]
     if chunk_size:
@@ -53,7 +56,7 @@ def bench_ktquest(model_path, mode: str, config: str | None, contexts: list[int]
         for _ in range(decode_n):
             tok = int(decode_one_token(eng.model, eng.cache, tok).argmax())
         t_decode = time.perf_counter() - t0
-        rows.append(dict(engine="ktquest", mode=eng.config.mode, config=config or "default", context=ctx,
+        rows.append(dict(engine="ktquest", label=label, mode=eng.config.mode, config=config or "default", context=ctx,
                          prefill_tok_s=ctx / t_prefill, decode_tok_s=decode_n / t_decode, threads=threads,
                          prefill_s=t_prefill, decode_tokens=decode_n, chunk_size=eng.config.chunk_size,
                          decode_weights=eng.config.decode_weights))
@@ -83,7 +86,7 @@ def bench_llama_cpp(model_path, contexts: list[int], decode_n: int, threads: int
             tok = _last_argmax(llm)
             llm.eval([tok])
         t_decode = time.perf_counter() - t0
-        rows.append(dict(engine="llama.cpp", mode="dense", config="llama.cpp defaults (F16 KV)", context=ctx,
+        rows.append(dict(engine="llama.cpp", label="llama.cpp", mode="dense", config="llama.cpp defaults (F16 KV)", context=ctx,
                          prefill_tok_s=ctx / t_prefill, decode_tok_s=decode_n / t_decode, threads=threads,
                          prefill_s=t_prefill, decode_tokens=decode_n,
                          version=getattr(lc, "__version__", "?")))
@@ -101,7 +104,7 @@ def _last_argmax(llm) -> int:
 
 
 def _fmt(r: dict) -> str:
-    return (f"{r['engine']:>9} {r['mode']:>12} ctx {r['context']:>7}: prefill {r['prefill_tok_s']:8.1f} tok/s  "
+    return (f"{r['engine']:>9} {r['label']:>13} ctx {r['context']:>7}: prefill {r['prefill_tok_s']:8.1f} tok/s  "
             f"decode {r['decode_tok_s']:7.2f} tok/s")
 
 
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--contexts", default="1024,4096,8192", help="comma-separated context lengths, tokens")
-    ap.add_argument("--modes", default="dense", help="comma-separated: dense, long_context")
+    ap.add_argument("--modes", default="dense",
+                    help="comma-separated: dense, long_context, or preset names from configs/ (quest, snapkv, ...)")
     ap.add_argument("--config", action="append", default=[],
                     help="MODE=YAML to bench a mode with a given preset (default long_context=configs/quest.yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for ktquest")
@@ -130,11 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     rows: list[dict] = []
     tokenizer = None
+    presets = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     for mode in modes:
         if mode not in configs:
-            ap.error(f"--modes: unknown mode {mode!r}; known: {', '.join(configs)}")
-        rows += bench_ktquest(model_path, mode, configs[mode], contexts, a.decode_tokens, a.threads, a.chunk_size,
-                              a.set)
+            path = os.path.join(presets, f"{mode}.yaml")
+            if not os.path.isfile(path):
+                known = sorted(set(configs) | {f[:-5] for f in os.listdir(presets) if f.endswith(".yaml")})
+                ap.error(f"--modes: unknown mode or preset {mode!r}; known: {', '.join(known)}")
+            configs[mode] = path
+        rows += bench_ktquest(model_path, mode, "long_context" if mode not in MODE_CONFIGS else mode, configs[mode],
+                              contexts, a.decode_tokens, a.threads, a.chunk_size, a.set)
     if a.peer == "llama.cpp":
         from ktquest.gguf_loader import read_gguf
         from ktquest.tokenizer import Tokenizer
@@ -143,18 +152,24 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_llama_cpp(model_path, contexts, a.decode_tokens, a.threads, tokenizer)
 
     print()
-    print("| engine | mode | context | prefill tok/s | decode tok/s |")
+    print("| engine | mode / preset | context | prefill tok/s | decode tok/s |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['engine']} | {r['mode']} | {r['context']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} |")
+        print(f"| {r['engine']} | {r['label']} | {r['context']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} |")
     peer = {r["context"]: r for r in rows if r["engine"] == "llama.cpp"}
     if peer:
         print()
         for r in rows:
             if r["engine"] == "ktquest" and r["context"] in peer:
                 p = peer[r["context"]]
-                print(f"ktquest {r['mode']} / llama.cpp at {r['context']}: prefill "
+                print(f"ktquest {r['label']} / llama.cpp at {r['context']}: prefill "
                       f"{r['prefill_tok_s'] / p['prefill_tok_s']:.2f}x, decode {r['decode_tok_s'] / p['decode_tok_s']:.2f}x")
+    if len(contexts) > 1:
+        lo, hi = min(contexts), max(contexts)
+        for label in dict.fromkeys(r["label"] for r in rows):
+            by_ctx = {r["context"]: r["decode_tok_s"] for r in rows if r["label"] == label}
+            if lo in by_ctx and hi in by_ctx:
+                print(f"{label}: decode at {hi} is {by_ctx[hi] / by_ctx[lo]:.0%} of its speed at {lo}")
     if a.json:
         write_json(a.json, rows)
     return 0
