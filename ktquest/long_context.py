@@ -55,8 +55,10 @@ def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim:
     bs, D = lc.block_size, head_dim
     scales = D // 32 * 4 if lc.kv_type in ("Q8_0", "Q4_0") else 0
     tile = int(bs * (D * _ROW_BYTES[lc.kv_type] + scales) + 63) // 64 * 64
-    A = 2 if lc.anchor_type == "QUEST" else 1 if lc.anchor_type.startswith("BLOCK") else lc.anchor_num
-    per_block = 2 * tile + A * D * 4 + 4 + (D * 8 if lc.anchor_type == "BLOCK_MEAN" else 0) \
+    linear = lc.anchor_type == "QUEST" or lc.anchor_type.startswith("BLOCK")
+    A = 2 if lc.anchor_type == "QUEST" else 1 if linear else lc.anchor_num
+    anchor_bytes = 2 if linear and lc.kv_type == "FP16" else 4  # linear anchors over FP16 keys are fp16
+    per_block = 2 * tile + A * D * anchor_bytes + 4 + (D * 8 if lc.anchor_type == "BLOCK_MEAN" else 0) \
         + (A * 8 if lc.anchor_type == "DYNAMIC" else 0)
     return n_layers * n_kv_heads * -(-max_seq_len // bs) * per_block
 

@@ -225,7 +225,14 @@ def test_invalid_knobs_are_clear_errors():
     huge = 1 << 40
     with pytest.raises(ConfigError, match=r"max_seq_len.*GiB"):
         LongContextCache(ARGS, dataclasses.replace(sparse_cfg(), max_seq_len=huge), huge)
-    assert store_bytes(LongContextConfig(kv_type="FP16", block_size=64), 1, 1, 64, 64) == 2 * 64 * 64 * 2 + 2 * 64 * 4 + 4
+    for kv_type, anchor_type, anchor_num in [("FP16", "QUEST", 2), ("FP32", "QUEST", 2), ("Q8_0", "BLOCK_MEAN", 1),
+                                             ("FP16", "BLOCK_MAX", 1), ("BF16", "DYNAMIC", 3), ("Q4_0", "FIXED", 2)]:
+        # the estimate is the store's own count when full (2 layers, 3 KV heads, 100 tokens = 6 blocks of 16 + 4)
+        lc = LongContextConfig(kv_type=kv_type, block_size=16, anchor_type=anchor_type, anchor_num=anchor_num)
+        st = KVStore(2, 3, 64, 100, block_size=16, kv_type=kv_type, anchor_type=anchor_type, anchor_num=anchor_num)
+        for layer in range(2):
+            st.append(layer, torch.randn(100, 3, 64), torch.randn(100, 3, 64))
+        assert store_bytes(lc, 2, 3, 64, 100) == st.nbytes(), (kv_type, anchor_type)
     cache = LongContextCache(ARGS, sparse_cfg(), 256)
     q, k, v = qkv(N=40)
     with pytest.raises(ValueError, match="chunk_size"):
