@@ -165,3 +165,36 @@ def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
     assert quest["top1_agreement"] == 1.0 and 0 <= quest["kl_mean"] < 1e-3 and quest["positions"] == 8
     assert {"config", "budget", "top1_agreement", "kl_mean", "kl_max", "top1_accuracy", "nll", "decode_tok_s",
             "length"} <= quest.keys()
+
+
+@pytest.mark.slow
+def test_bench_decode_takes_preset_names(bundled_gguf, tmp_path, capsys):
+    tool = _tool("bench_decode")
+    out_json = tmp_path / "b.json"
+    rc = tool.main(["--model", str(bundled_gguf), "--contexts", "600,700", "--modes", "snapkv", "--peer", "none",
+                    "--threads", "1", "--decode-tokens", "2", "--rounds", "3", "--json", str(out_json)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out_json.read_text())
+    assert [(r["label"], r["mode"], r["context"]) for r in rows] == [("snapkv", "long_context", 600),
+                                                                     ("snapkv", "long_context", 700)]
+    assert rows[0]["config"].endswith("configs/snapkv.yaml")
+    for r in rows:  # three rounds per cell; the reported speed is their median
+        assert len(r["decode_rounds_tok_s"]) == 3 and r["decode_tok_s"] == sorted(r["decode_rounds_tok_s"])[1]
+    out = capsys.readouterr().out
+    assert "round 3/3" in out and "snapkv: decode at 700 is" in out
+    with pytest.raises(SystemExit):  # argparse error: names the known modes and presets
+        tool.main(["--model", str(bundled_gguf), "--modes", "nosuchpreset", "--peer", "none"])
+    assert "nosuchpreset" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_decode_smoke(bundled_gguf, tmp_path, capsys):
+    tool = _tool("profile_decode")
+    # quest with a local window small enough that a 300-token prompt has context blocks to select from
+    rc = tool.main(["--model", str(bundled_gguf), "--config", str(TOOLS.parent / "configs/quest.yaml"),
+                    "--set", "long_context.local_windows_len=64", "--context", "300", "--tokens", "2",
+                    "--threads", "1"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "native block calls, dense layers" in out and "native block calls, sparse layers" in out
+    assert "store score in the sparse layers" in out and "store attend in the sparse layers" in out

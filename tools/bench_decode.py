@@ -3,11 +3,13 @@
 
 For each context length: the context is natural text (Python standard-library sources) tokenized by
 the model's tokenizer; both engines get the same token ids and thread count. Prefill tok/s is the
-context's tokens over the time to feed them; decode tok/s is greedy single-token steps right after
-that context. Example:
+context's tokens over the time to feed them; decode tok/s is greedy single-token steps after that
+context. Every (engine, context) keeps its own KV cache, so with --rounds R the decode is measured in R
+rounds that visit every cell in turn: the medians, and the ratios taken within each round, hold up on a
+noisy host where one pass of minutes per cell does not. Example:
 
     python tools/bench_decode.py --contexts 1024,4096,8192 --modes dense,long_context \
-        --peer llama.cpp --json tools/out/bench_decode.json
+        --peer llama.cpp --rounds 3 --json tools/out/bench_decode.json
 
 A mode is `dense`, `long_context` (configs/quest.yaml unless --config says otherwise) or the name of a preset
 in configs/ (`--modes quest,snapkv,ktransformers`); rows carry it as `label`.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -29,71 +32,122 @@ from common import context_tokens, llama_cpp, write_json  # noqa: E402
 import ktquest  # noqa: E402
 from ktquest.bundled import bundled_model_path  # noqa: E402
 from ktquest.config import load_config  # noqa: E402
+from ktquest.engine import make_cache  # noqa: E402
 from ktquest.generate import decode_one_token, prefill  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/quest.yaml"}
 
 
-def bench_ktquest(model_path, label: str, mode: str, config: str | None, contexts: list[int], decode_n: int, threads: int,
-                  chunk_size: int, sets: list[str]) -> list[dict]:
-    overrides = [f"threads={threads}", f"max_seq_len={max(contexts) + decode_n + 8}", *sets]
-    if chunk_size:
-        overrides.append(f"chunk_size={chunk_size}")
-    if config is None and mode != "dense":
-        overrides.append(f"mode={mode}")
-    eng = ktquest.load(model=str(model_path), config=load_config(config, overrides))
-    rows = []
-    for ctx in contexts:
+class KtquestRunner:
+    """One ktquest mode/preset: one model, one KV cache per context (so decode rounds can alternate)."""
+
+    engine = "ktquest"
+
+    def __init__(self, model_path, label: str, mode: str, config: str | None, max_len: int, threads: int,
+                 chunk_size: int, sets: list[str]):
+        overrides = [f"threads={threads}", f"max_seq_len={max_len}", *sets]
+        if chunk_size:
+            overrides.append(f"chunk_size={chunk_size}")
+        if config is None and mode != "dense":
+            overrides.append(f"mode={mode}")
+        self.label, self.config_path, self.threads = label, config, threads
+        self.eng = ktquest.load(model=str(model_path), config=load_config(config, overrides))
+        self.tokenizer = self.eng.tokenizer
+        self.state: dict[int, list] = {}  # context -> [cache, next token]
+
+    def prefill(self, ctx: int) -> float:
+        eng = self.eng
+        cache = eng.cache if not self.state else make_cache(eng.config, eng.model.args, eng.max_seq_len, eng.device,
+                                                            eng.dtype)
         tokens = context_tokens(eng.tokenizer, ctx)
-        eng.cache.reset()
         gc.collect()
         t0 = time.perf_counter()
-        logits = prefill(eng.model, eng.cache, tokens, eng.config.chunk_size)
-        t_prefill = time.perf_counter() - t0
-        tok = int(logits.argmax())
-        decode_one_token(eng.model, eng.cache, tok)  # warm-up step, not timed
+        logits = prefill(eng.model, cache, tokens, eng.config.chunk_size)
+        t = time.perf_counter() - t0
+        tok = int(decode_one_token(eng.model, cache, int(logits.argmax())).argmax())  # warm-up step, not timed
+        self.state[ctx] = [cache, tok]
+        return t
+
+    def decode(self, ctx: int, n: int) -> float:
+        st = self.state[ctx]
+        cache, tok = st
         t0 = time.perf_counter()
-        for _ in range(decode_n):
-            tok = int(decode_one_token(eng.model, eng.cache, tok).argmax())
-        t_decode = time.perf_counter() - t0
-        rows.append(dict(engine="ktquest", label=label, mode=eng.config.mode, config=config or "default", context=ctx,
-                         prefill_tok_s=ctx / t_prefill, decode_tok_s=decode_n / t_decode, threads=threads,
-                         prefill_s=t_prefill, decode_tokens=decode_n, chunk_size=eng.config.chunk_size,
-                         decode_weights=eng.config.decode_weights))
-        print(_fmt(rows[-1]), flush=True)
-    del eng
-    gc.collect()
-    return rows
+        for _ in range(n):
+            tok = int(decode_one_token(self.eng.model, cache, tok).argmax())
+        st[1] = tok
+        return time.perf_counter() - t0
+
+    def row(self) -> dict:
+        c = self.eng.config
+        return dict(engine="ktquest", label=self.label, mode=c.mode, config=self.config_path or "default",
+                    chunk_size=c.chunk_size, decode_weights=c.decode_weights)
 
 
-def bench_llama_cpp(model_path, contexts: list[int], decode_n: int, threads: int, tokenizer) -> list[dict]:
-    lc = llama_cpp()
-    if lc is None:
-        print("llama-cpp-python is not installed: no peer rows", file=sys.stderr)
-        return []
-    rows = []
-    for ctx in contexts:
-        tokens = context_tokens(tokenizer, ctx)
-        llm = lc.Llama(model_path=str(model_path), n_ctx=ctx + decode_n + 16, n_threads=threads,
-                       n_threads_batch=threads, n_batch=512, verbose=False)
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python: one Llama context per prompt length."""
+
+    engine = "llama.cpp"
+    label = "llama.cpp"
+
+    def __init__(self, lc, model_path, max_len: int, threads: int, tokenizer):
+        self.lc, self.model_path, self.max_len, self.threads, self.tokenizer = lc, model_path, max_len, threads, tokenizer
+        self.state: dict[int, list] = {}
+
+    def prefill(self, ctx: int) -> float:
+        tokens = context_tokens(self.tokenizer, ctx)
+        llm = self.lc.Llama(model_path=str(self.model_path), n_ctx=self.max_len, n_threads=self.threads,
+                            n_threads_batch=self.threads, n_batch=512, verbose=False)
         t0 = time.perf_counter()
         llm.eval(tokens)
-        t_prefill = time.perf_counter() - t0
+        t = time.perf_counter() - t0
         tok = _last_argmax(llm)
         llm.eval([tok])  # warm-up step, not timed
+        self.state[ctx] = [llm, _last_argmax(llm)]
+        return t
+
+    def decode(self, ctx: int, n: int) -> float:
+        st = self.state[ctx]
+        llm, tok = st
         t0 = time.perf_counter()
-        for _ in range(decode_n):
-            tok = _last_argmax(llm)
+        for _ in range(n):
             llm.eval([tok])
-        t_decode = time.perf_counter() - t0
-        rows.append(dict(engine="llama.cpp", label="llama.cpp", mode="dense", config="llama.cpp defaults (F16 KV)", context=ctx,
-                         prefill_tok_s=ctx / t_prefill, decode_tok_s=decode_n / t_decode, threads=threads,
-                         prefill_s=t_prefill, decode_tokens=decode_n,
-                         version=getattr(lc, "__version__", "?")))
-        print(_fmt(rows[-1]), flush=True)
-        del llm
-        gc.collect()
-    return rows
+            tok = _last_argmax(llm)
+        st[1] = tok
+        return time.perf_counter() - t0
+
+    def row(self) -> dict:
+        return dict(engine="llama.cpp", label="llama.cpp", mode="dense", config="llama.cpp defaults (F16 KV)",
+                    version=getattr(self.lc, "__version__", "?"))
+
+
+def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads: int) -> list[dict]:
+    """Prefill every (runner, context), then `rounds` rounds that each decode `decode_n` tokens in every
+    (runner, context) in turn: slow drifts of a noisy host hit every cell of a round alike, so per-round
+    ratios (and the medians over rounds) compare like with like."""
+    cells = {}
+    for r in runners:
+        for ctx in contexts:
+            t = r.prefill(ctx)
+            cells[(r.label, ctx)] = dict(r.row(), context=ctx, prefill_tok_s=ctx / t, prefill_s=t, threads=threads,
+                                         decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[])
+            print(f"{r.engine:>9} {r.label:>13} ctx {ctx:>7}: prefill {ctx / t:8.1f} tok/s", flush=True)
+    for i in range(rounds):
+        for r in runners:
+            for ctx in contexts:
+                cells[(r.label, ctx)]["decode_rounds_tok_s"].append(decode_n / r.decode(ctx, decode_n))
+        print(f"round {i + 1}/{rounds}: " + ", ".join(
+            f"{lab} {ctx}: {c['decode_rounds_tok_s'][-1]:.1f}" for (lab, ctx), c in cells.items()), flush=True)
+    for c in cells.values():
+        c["decode_tok_s"] = statistics.median(c["decode_rounds_tok_s"])
+    return list(cells.values())
+
+
+def paired_ratio(rows: list[dict], a: tuple[str, int], b: tuple[str, int]) -> float | None:
+    """Median over rounds of decode speed a / b (label, context), each round's cells against each other."""
+    by = {(r["label"], r["context"]): r["decode_rounds_tok_s"] for r in rows}
+    if a not in by or b not in by:
+        return None
+    return statistics.median(x / y for x, y in zip(by[a], by[b]))
 
 
 def _last_argmax(llm) -> int:
@@ -101,11 +155,6 @@ def _last_argmax(llm) -> int:
     import numpy as np
 
     return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())
-
-
-def _fmt(r: dict) -> str:
-    return (f"{r['engine']:>9} {r['label']:>13} ctx {r['context']:>7}: prefill {r['prefill_tok_s']:8.1f} tok/s  "
-            f"decode {r['decode_tok_s']:7.2f} tok/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for ktquest")
     ap.add_argument("--peer", default="llama.cpp", help="'llama.cpp' (when installed) or 'none'")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="decode tokens per round")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="decode rounds; each decodes in every (engine, context) in turn, medians reported")
     ap.add_argument("--chunk-size", type=int, default=0, help="prefill chunk (default: the config's)")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
@@ -132,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         mode, _, path = item.partition("=")
         configs[mode] = path
     torch.set_num_threads(a.threads)
-    rows: list[dict] = []
-    tokenizer = None
+    max_len = max(contexts) + a.decode_tokens * (a.rounds + 1) + 16
     presets = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    runners: list = []
     for mode in modes:
         if mode not in configs:
             path = os.path.join(presets, f"{mode}.yaml")
@@ -142,34 +193,44 @@ def main(argv: list[str] | None = None) -> int:
                 known = sorted(set(configs) | {f[:-5] for f in os.listdir(presets) if f.endswith(".yaml")})
                 ap.error(f"--modes: unknown mode or preset {mode!r}; known: {', '.join(known)}")
             configs[mode] = path
-        rows += bench_ktquest(model_path, mode, "long_context" if mode not in MODE_CONFIGS else mode, configs[mode],
-                              contexts, a.decode_tokens, a.threads, a.chunk_size, a.set)
+        runners.append(KtquestRunner(model_path, mode, "long_context" if mode not in MODE_CONFIGS else mode,
+                                     configs[mode], max_len, a.threads, a.chunk_size, a.set))
     if a.peer == "llama.cpp":
-        from ktquest.gguf_loader import read_gguf
-        from ktquest.tokenizer import Tokenizer
+        lc = llama_cpp()
+        if lc is None:
+            print("llama-cpp-python is not installed: no peer rows", file=sys.stderr)
+        else:
+            from ktquest.gguf_loader import read_gguf
+            from ktquest.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata)
-        rows += bench_llama_cpp(model_path, contexts, a.decode_tokens, a.threads, tokenizer)
+            tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata)
+            runners.append(LlamaCppRunner(lc, model_path, max_len, a.threads, tokenizer))
+    rows = run(runners, contexts, a.decode_tokens, a.rounds, a.threads)
 
     print()
+    print(f"decode tok/s: median of {a.rounds} round(s) of {a.decode_tokens} tokens")
     print("| engine | mode / preset | context | prefill tok/s | decode tok/s |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['engine']} | {r['label']} | {r['context']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} |")
-    peer = {r["context"]: r for r in rows if r["engine"] == "llama.cpp"}
-    if peer:
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    if "llama.cpp" in labels:
         print()
-        for r in rows:
-            if r["engine"] == "ktquest" and r["context"] in peer:
-                p = peer[r["context"]]
-                print(f"ktquest {r['label']} / llama.cpp at {r['context']}: prefill "
-                      f"{r['prefill_tok_s'] / p['prefill_tok_s']:.2f}x, decode {r['decode_tok_s'] / p['decode_tok_s']:.2f}x")
+        for lab in labels:
+            if lab == "llama.cpp":
+                continue
+            for ctx in contexts:
+                pre = next(r for r in rows if (r["label"], r["context"]) == (lab, ctx))["prefill_tok_s"] / next(
+                    r for r in rows if (r["label"], r["context"]) == ("llama.cpp", ctx))["prefill_tok_s"]
+                print(f"ktquest {lab} / llama.cpp at {ctx}: prefill {pre:.2f}x, decode "
+                      f"{paired_ratio(rows, (lab, ctx), ('llama.cpp', ctx)):.2f}x (median of per-round ratios)")
     if len(contexts) > 1:
-        lo, hi = min(contexts), max(contexts)
-        for label in dict.fromkeys(r["label"] for r in rows):
-            by_ctx = {r["context"]: r["decode_tok_s"] for r in rows if r["label"] == label}
-            if lo in by_ctx and hi in by_ctx:
-                print(f"{label}: decode at {hi} is {by_ctx[hi] / by_ctx[lo]:.0%} of its speed at {lo}")
+        lo = min(contexts)
+        for lab in labels:
+            for ctx in contexts:
+                if ctx != lo:
+                    print(f"{lab}: decode at {ctx} is {paired_ratio(rows, (lab, ctx), (lab, lo)):.0%} of its speed "
+                          f"at {lo} (median of per-round ratios)")
     if a.json:
         write_json(a.json, rows)
     return 0
