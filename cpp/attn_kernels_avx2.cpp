@@ -308,37 +308,21 @@ void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const
   attend_tiles(t, D, G, q, cur, scale_off, s, m, l, acc, nx.count ? &nx : nullptr);
 }
 
-void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
-  // A pure stream over the anchors: 4 independent FMA chains, one horizontal sum per block, and a
-  // software prefetch kPrefetchBytes ahead so enough cache-line misses are in flight to reach DRAM speed.
-  constexpr int64_t kPrefetchBytes = 2048;
-  const char* end = reinterpret_cast<const char*>(a + n * L);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* ai = a + i * L;
-    for (const char* p = reinterpret_cast<const char*>(ai) + kPrefetchBytes;
-         p < reinterpret_cast<const char*>(ai + L) + kPrefetchBytes && p < end; p += 64)
-      _mm_prefetch(p, _MM_HINT_T0);
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int c = 0;
-    for (; c + 32 <= L; c += 32) {
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c), _mm256_loadu_ps(ai + c), s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c + 8), _mm256_loadu_ps(ai + c + 8), s1);
-      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c + 16), _mm256_loadu_ps(ai + c + 16), s2);
-      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c + 24), _mm256_loadu_ps(ai + c + 24), s3);
-    }
-    for (; c < L; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c), _mm256_loadu_ps(ai + c), s0);
-    const float sc = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-    out[i] = accumulate ? out[i] + sc : sc;
-  }
-}
+namespace {
 
-void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
-  // score_linear over halves: one F16C conversion per 8 anchors, the stream half as long.
+// A pure stream over the anchors: 4 independent FMA chains, one horizontal sum per block, and a software
+// prefetch kPrefetchBytes ahead so enough cache-line misses are in flight to reach DRAM speed.
+// T: float or uint16_t (fp16, one F16C conversion per 8 anchors and a stream half as long).
+template <class T>
+void score_linear_any(const T* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
   constexpr int64_t kPrefetchBytes = 2048;
+  auto ld = [](const T* p) {
+    if constexpr (sizeof(T) == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else return _mm256_loadu_ps(p);
+  };
   const char* end = reinterpret_cast<const char*>(a + n * L);
-  auto ld = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
   for (int64_t i = 0; i < n; ++i) {
-    const uint16_t* ai = a + i * L;
+    const T* ai = a + i * L;
     for (const char* p = reinterpret_cast<const char*>(ai) + kPrefetchBytes;
          p < reinterpret_cast<const char*>(ai + L) + kPrefetchBytes && p < end; p += 64)
       _mm_prefetch(p, _MM_HINT_T0);
@@ -354,6 +338,16 @@ void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float*
     const float sc = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
     out[i] = accumulate ? out[i] + sc : sc;
   }
+}
+
+}  // namespace
+
+void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
+  score_linear_any(a, n, L, qe, out, accumulate);
+}
+
+void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
+  score_linear_any(a, n, L, qe, out, accumulate);
 }
 
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,

@@ -159,6 +159,11 @@ class KVStore {
   struct Runs {
     std::vector<int32_t> start, len;
     std::vector<int64_t> prefix;
+    template <class F>
+    void each(F&& f) const {  // f(block id) for every candidate, ascending
+      for (size_t r = 0; r < start.size(); ++r)
+        for (int32_t b = start[r]; b < start[r] + len[r]; ++b) f(b);
+    }
   };
   void prepare_query(const float* q, int H);  // fills qs_, qe_, qraw_
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);  // fills runs_

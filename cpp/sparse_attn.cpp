@@ -175,16 +175,12 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
                       cfg_.anchor_type == AnchorType::BLOCK_MEAN;
   // out[0, n) (+)= scores of blocks [b, b + n) for KV head h.
   auto score_run = [&](int h, int64_t b, int64_t n, float* out, bool accumulate) {
-    if (linear && a16_) {
-      const uint16_t* a = anchor16_at(L, h, b);
+    if (linear) {
       const float* qe = qe_.data() + size_t(h) * A * D;
-      if (simd) avx2::score_linear16(a, n, A * D, qe, out, accumulate);
-      else scalar::score_linear16(a, n, A * D, qe, out, accumulate);
-    } else if (linear) {
-      const float* a = anchor_at(L, h, b);
-      const float* qe = qe_.data() + size_t(h) * A * D;
-      if (simd) avx2::score_linear(a, n, A * D, qe, out, accumulate);
-      else scalar::score_linear(a, n, A * D, qe, out, accumulate);
+      if (a16_ && simd) avx2::score_linear16(anchor16_at(L, h, b), n, A * D, qe, out, accumulate);
+      else if (a16_) scalar::score_linear16(anchor16_at(L, h, b), n, A * D, qe, out, accumulate);
+      else if (simd) avx2::score_linear(anchor_at(L, h, b), n, A * D, qe, out, accumulate);
+      else scalar::score_linear(anchor_at(L, h, b), n, A * D, qe, out, accumulate);
     } else {
       const float* a = anchor_at(L, h, b);
       const int32_t* cnt = L.n_anchor + h * max_blocks_ + b;
@@ -244,8 +240,7 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
     for (int s = 0; s < n_sets; ++s) {
       int32_t* row = out_ids + s * int64_t(out_cols);
       int64_t n = 0;
-      for (size_t r = 0; r < runs_[s].start.size(); ++r)
-        for (int32_t b = runs_[s].start[r]; b < runs_[s].start[r] + runs_[s].len[r]; ++b) row[n++] = b;
+      runs_[s].each([&](int32_t b) { row[n++] = b; });
       std::fill(row + n, row + out_cols, -1);
     }
     timing_.score_s = 0;
@@ -267,7 +262,7 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
     const int64_t n = runs_[s].prefix.back(), k = std::min<int64_t>(req.k_per_set[s], n);
     return k > 0 && k * kHeapRatio >= n;
   };
-  int64_t room = std::max<int64_t>(kcap, 1);  // heap_ / topv_ entries per set
+  int64_t room = 0;  // topv_ entries per set
   for (int s = 0; s < n_sets; ++s)
     if (partition(s)) room = std::max(room, runs_[s].prefix.back());
   heap_.resize(size_t(n_sets) * std::max<int64_t>(kcap, 1));
@@ -284,33 +279,30 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
     if (partition(int(s))) {
       float* v = topv_.data() + s * room;
       const int64_t nc = R.prefix.back();
-      for (size_t r = 0; r < R.start.size(); ++r)
-        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) v[n++] = score(b);
+      R.each([&](int32_t b) { v[n++] = score(b); });
       std::nth_element(v, v + (k - 1), v + nc, std::greater<float>());
       const float kth = v[k - 1];
       int64_t above = 0;
       for (int64_t i = 0; i < k; ++i) above += v[i] > kth;  // v[0, k) holds the k best values
       int64_t ties = k - above;
       n = 0;
-      for (size_t r = 0; r < R.start.size(); ++r)
-        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
-          const float x = score(b);
-          if (x > kth || (x == kth && ties-- > 0)) row[n++] = b;
-        }
+      R.each([&](int32_t b) {
+        const float x = score(b);
+        if (x > kth || (x == kth && ties-- > 0)) row[n++] = b;
+      });
     } else if (k > 0) {
       Cand* heap = heap_.data() + s * std::max<int64_t>(kcap, 1);
-      for (size_t r = 0; r < R.start.size(); ++r)
-        for (int32_t b = R.start[r]; b < R.start[r] + R.len[r]; ++b) {
-          const Cand c{score(b), b};
-          if (n < k) {
-            heap[n++] = c;
-            std::push_heap(heap, heap + n, heap_less);
-          } else if (heap_less(c, heap[0])) {
-            std::pop_heap(heap, heap + n, heap_less);
-            heap[n - 1] = c;
-            std::push_heap(heap, heap + n, heap_less);
-          }
+      R.each([&](int32_t b) {
+        const Cand c{score(b), b};
+        if (n < k) {
+          heap[n++] = c;
+          std::push_heap(heap, heap + n, heap_less);
+        } else if (heap_less(c, heap[0])) {
+          std::pop_heap(heap, heap + n, heap_less);
+          heap[n - 1] = c;
+          std::push_heap(heap, heap + n, heap_less);
         }
+      });
       for (int64_t i = 0; i < n; ++i) row[i] = heap[i].id;
       std::sort(row, row + n);  // ascending: the attention kernel walks memory forward
     }
