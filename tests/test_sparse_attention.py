@@ -543,6 +543,8 @@ def test_benchmark_smoke_run(tmp_path):
         "1",
         "--threads",
         "1",
+        "--rounds",
+        "3",
         "--json",
         str(out),
     ]
@@ -564,6 +566,11 @@ def test_benchmark_smoke_run(tmp_path):
         "score_gbps",
         "attend_gbps",
         "read_bw_gbps",
+        "score_bw_ratio",
+        "attend_bw_ratio",
     }
     assert need <= set(rows[0]) and rows[0]["context"] == 300 and rows[0]["kv_type"] == "FP16"
+    r = rows[0]
+    assert len(r["read_bw_samples_gbps"]) == 3 and r["read_bw_gbps"] == sorted(r["read_bw_samples_gbps"])[1]
+    assert all(r[k] > 0 for k in ("score_bw_ratio", "attend_bw_ratio", "read_bw_gbps"))
     assert rows[0]["full_budget_max_abs_err"] < 2e-2  # FP16 store vs torch dense on the same data

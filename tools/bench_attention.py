@@ -9,7 +9,8 @@ per-token Python), then one decode step of one layer is timed:
   full_budget_ms  ktquest select_attend with a budget covering every block (checked against torch dense)
   sparse_ms       ktquest select_attend with --budget tokens per KV head, split into score / topk / attend
   *_gbps          bytes each stage reads (anchors; selected K/V tiles) over its time; read_bw_gbps is a large
-                  array sum measured in the same run
+                  array sum, sampled before each of --rounds rounds of sparse calls; *_bw_ratio: per round, the
+                  stage's GB/s over that round's bandwidth sample, median over the rounds
 
 Each sparse call uses another query (different blocks), and by default the caches are flushed before every
 timed call (--warm keeps them), then the same operation runs once on a tiny second layer: as in a decode
@@ -48,11 +49,20 @@ WARMUP_TOKENS = 4096  # the second layer's context, for the code warm-up calls
 # ---- measurements ----
 
 
-def read_bandwidth_gbps(gib: float = 1.0, reps: int = 5) -> float:
-    """Best-of-reps GB/s of torch.sum over a large fp32 array (the machine's read bandwidth)."""
-    x = torch.ones(int(gib * (1 << 28)))
-    best = min(_timed(lambda: x.sum()) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
+class ReadBandwidth:
+    """GB/s of torch.sum over a large fp32 array: the machine's read bandwidth at the moment of the call.
+
+    A shared host's bandwidth moves in phases of seconds (here: 30-35 GB/s, spells of ~50, dips to ~12),
+    so the benchmark samples it between the rounds of the timed calls and compares each round with its
+    own sample instead of comparing with one best-of figure taken at another moment."""
+
+    def __init__(self, gib: float):
+        self.x = torch.ones(int(gib * (1 << 28)))
+
+    def __call__(self, reps: int = 3) -> float:
+        t = statistics.median(_timed(lambda: self.x.sum()) for _ in range(reps))
+        time.sleep(0.02)  # torch's OpenMP workers spin a while after a parallel op: let them go to sleep
+        return self.x.numel() * 4 / t / 1e9
 
 
 class Flusher:
@@ -109,7 +119,7 @@ def fill(store: KVStore, T: int, KVH: int, D: int, dense_dtypes: list[torch.dtyp
     return dense
 
 
-def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
+def bench_one(shape: str, T: int, args, flush: Flusher, bandwidth: ReadBandwidth) -> dict:
     H, KVH, D = SHAPES[shape]
     G = H // KVH
     bs = args.block_size
@@ -185,17 +195,28 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
         for key, val in store.last_timing().items():  # a few microseconds; the bookkeeping waits until after
             stages[key].append(val)
 
-    # Right before the sparse timing: the same machine state (a busy host varies).
-    read_bw = read_bandwidth_gbps(args.bw_gib)
+    # Rounds of sparse calls, each after a read-bandwidth sample: every stage is compared with the
+    # bandwidth of the same moment (a busy host varies), and the ratios are medians over the rounds.
     k_warm = max(1, min(k_blocks, store.n_blocks(1) // 2))
-    sparse_ms = 1e3 * timeit(
-        sparse_call,
-        flush,
-        args.min_iters,
-        args.min_seconds,
-        warmup=lambda: store.select_attend(1, queries[1], k_warm, args.mode, out=out, lse=lse),
-    )
-    stage = {key: statistics.median(vals[1:]) for key, vals in stages.items()}  # [0] is the warm-up call
+    round_bw, round_stage, sparse_times = [], [], []
+    for _ in range(args.rounds):
+        round_bw.append(bandwidth())
+        for vals in stages.values():
+            vals.clear()
+        sparse_times.append(
+            timeit(
+                sparse_call,
+                flush,
+                max(1, args.min_iters // args.rounds),
+                args.min_seconds / args.rounds,
+                warmup=lambda: store.select_attend(1, queries[1], k_warm, args.mode, out=out, lse=lse),
+                max_iters=max(1, 1000 // args.rounds),
+            )
+        )
+        round_stage.append({key: statistics.median(vals[1:]) for key, vals in stages.items()})  # [0]: warm-up
+    sparse_ms = 1e3 * statistics.median(sparse_times)
+    stage = {key: statistics.median(r[key] for r in round_stage) for key in stages}
+    read_bw = statistics.median(round_bw)
     last = T - (nb - 1) * bs  # tokens in the (possibly partial) last block
 
     def tokens(blocks: torch.Tensor) -> int:  # tokens attended, summed over KV heads
@@ -228,6 +249,14 @@ def bench_one(shape: str, T: int, args, flush: Flusher) -> dict:
         "attend_gbps": attend_bytes / (stage["attend_ms"] * 1e-3) / 1e9,
         "full_budget_gbps": 2 * T * KVH * D * BYTES_PER_VALUE[args.kv_type] / (full_ms * 1e-3) / 1e9,
         "read_bw_gbps": read_bw,
+        "read_bw_samples_gbps": round_bw,
+        # per round: the stage's GB/s over the bandwidth sampled right before it; the median of the rounds
+        "score_bw_ratio": statistics.median(
+            anchor_bytes / (r["score_ms"] * 1e-3) / 1e9 / bw for r, bw in zip(round_stage, round_bw)
+        ),
+        "attend_bw_ratio": statistics.median(
+            attend_bytes / (r["attend_ms"] * 1e-3) / 1e9 / bw for r, bw in zip(round_stage, round_bw)
+        ),
         "load_avg": os.getloadavg()[0],
         "fill_s": t_fill,
         "kv_bytes": store.nbytes(),
@@ -251,6 +280,8 @@ COLUMNS = [
     ("score_gbps", "{:>6.1f}"),
     ("attend_gbps", "{:>6.1f}"),
     ("read_bw_gbps", "{:>6.1f}"),
+    ("score_bw_ratio", "{:>5.2f}"),
+    ("attend_bw_ratio", "{:>5.2f}"),
 ]
 HEADERS = [
     "shape",
@@ -266,6 +297,8 @@ HEADERS = [
     "sc GB/s",
     "at GB/s",
     "bw GB/s",
+    "sc/bw",
+    "at/bw",
 ]
 
 
@@ -330,7 +363,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {', '.join(SHAPES)}")
     p.add_argument("--warm", action="store_true", help="do not flush the caches between timed calls")
     p.add_argument("--flush-mib", type=int, default=96, help="buffer that evicts the caches (> L3)")
-    p.add_argument("--bw-gib", type=float, default=1.0, help="array size of the read-bandwidth measurement")
+    p.add_argument("--bw-gib", type=float, default=0.5, help="array size of the read-bandwidth measurement")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of sparse calls, each after a bandwidth sample")
     p.add_argument("--min-iters", type=int, default=20)
     p.add_argument("--min-seconds", type=float, default=1.0, help="time each measurement at least this long")
     p.add_argument(
@@ -344,6 +378,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     contexts = [int(c) for c in args.contexts.split(",")]
     shapes = [s.strip() for s in args.shapes.split(",")]
     flush = Flusher(0 if args.warm else args.flush_mib)
+    bandwidth = ReadBandwidth(args.bw_gib)
     print(
         f"ktquest sparse attention: {args.kv_type} KV, {args.anchor_type} anchors, {args.mode}, "
         f"block {args.block_size}, budget {args.budget} tokens, {args.threads} threads, AVX2 kernels: {_C.use_avx2()}, "
@@ -354,7 +389,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for shape in shapes:
         for T in contexts:
-            row = bench_one(shape, T, args, flush)
+            row = bench_one(shape, T, args, flush, bandwidth)
             rows.append(row)
             print_row(row)
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
