@@ -151,7 +151,7 @@ def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
     tool = _tool("fidelity")
     out_json = tmp_path / "f.json"
     # quest with a budget that covers every block: the same attention as dense up to FP16 storage
-    assert tool.budget_sets("configs/quest.yaml", 4096) == ["second_select_num=256"]
+    assert tool.budget_sets("configs/quest.yaml", 4096) == ["second_select_num=512"]
     assert tool.budget_sets("configs/snapkv.yaml", 1024) == ["second_select_num=32", "preselect_block_count=32"]
     assert tool.budget_sets("configs/ktransformers.yaml", 1024) == ["second_select_num=8", "preselect_block_count=32"]
     rc = tool.main(["--model", str(bundled_gguf), "--length", "400", "--positions", "8", "--budget", "4096",
@@ -159,7 +159,7 @@ def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
                     "--threads", "2", "--json", str(out_json)])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| dense | all | 1.000 | 0.0000 |" in out and "| quest | 256 x 16 |" in out
+    assert "| dense | all | 1.000 | 0.0000 |" in out and "| quest | 512 x 8 |" in out
     dense, quest = json.loads(out_json.read_text())
     assert (dense["config"], dense["top1_agreement"], dense["kl_mean"]) == ("dense", 1.0, 0.0)
     assert quest["top1_agreement"] == 1.0 and 0 <= quest["kl_mean"] < 1e-3 and quest["positions"] == 8
