@@ -278,14 +278,13 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
     int64_t n = 0;
     if (partition(int(s))) {
       float* v = topv_.data() + s * room;
-      const int64_t nc = R.prefix.back();
-      R.each([&](int32_t b) { v[n++] = score(b); });
-      std::nth_element(v, v + (k - 1), v + nc, std::greater<float>());
+      float* vend = v;
+      R.each([&](int32_t b) { *vend++ = score(b); });
+      std::nth_element(v, v + (k - 1), vend, std::greater<float>());
       const float kth = v[k - 1];
       int64_t above = 0;
       for (int64_t i = 0; i < k; ++i) above += v[i] > kth;  // v[0, k) holds the k best values
       int64_t ties = k - above;
-      n = 0;
       R.each([&](int32_t b) {
         const float x = score(b);
         if (x > kth || (x == kth && ties-- > 0)) row[n++] = b;

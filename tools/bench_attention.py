@@ -225,8 +225,14 @@ def bench_one(shape: str, T: int, args, flush: Flusher, bandwidth: ReadBandwidth
         return ((int((rows >= 0).sum()) - n_last) * bs + n_last * last) * (KVH // rows.shape[0])
 
     sel_tokens = [tokens(b) for b in selected]
-    anchor_bytes = nb * KVH * store._st.anchor_slots * D * store._st.anchor_elem_bytes
+    anchor_bytes = nb * KVH * store._st.anchor_slots * D * store.anchor_elem_bytes
     attend_bytes = statistics.median(sel_tokens) * 2 * D * BYTES_PER_VALUE[args.kv_type]
+
+    def gbps(nbytes: float, ms: float) -> float:
+        return nbytes / (ms * 1e-3) / 1e9
+
+    def bw_ratio(nbytes: float, key: str) -> float:  # per round: GB/s over the bandwidth sampled before it
+        return statistics.median(gbps(nbytes, r[key]) / bw for r, bw in zip(round_stage, round_bw))
     row = {
         "shape": shape,
         "context": T,
@@ -245,18 +251,13 @@ def bench_one(shape: str, T: int, args, flush: Flusher, bandwidth: ReadBandwidth
         "sparse_ms": sparse_ms,
         **stage,
         "speedup": dense_ms[best_dtype] / sparse_ms,
-        "score_gbps": anchor_bytes / (stage["score_ms"] * 1e-3) / 1e9,
-        "attend_gbps": attend_bytes / (stage["attend_ms"] * 1e-3) / 1e9,
-        "full_budget_gbps": 2 * T * KVH * D * BYTES_PER_VALUE[args.kv_type] / (full_ms * 1e-3) / 1e9,
+        "score_gbps": gbps(anchor_bytes, stage["score_ms"]),
+        "attend_gbps": gbps(attend_bytes, stage["attend_ms"]),
+        "full_budget_gbps": gbps(2 * T * KVH * D * BYTES_PER_VALUE[args.kv_type], full_ms),
         "read_bw_gbps": read_bw,
         "read_bw_samples_gbps": round_bw,
-        # per round: the stage's GB/s over the bandwidth sampled right before it; the median of the rounds
-        "score_bw_ratio": statistics.median(
-            anchor_bytes / (r["score_ms"] * 1e-3) / 1e9 / bw for r, bw in zip(round_stage, round_bw)
-        ),
-        "attend_bw_ratio": statistics.median(
-            attend_bytes / (r["attend_ms"] * 1e-3) / 1e9 / bw for r, bw in zip(round_stage, round_bw)
-        ),
+        "score_bw_ratio": bw_ratio(anchor_bytes, "score_ms"),
+        "attend_bw_ratio": bw_ratio(attend_bytes, "attend_ms"),
         "load_avg": os.getloadavg()[0],
         "fill_s": t_fill,
         "kv_bytes": store.nbytes(),

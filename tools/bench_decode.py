@@ -214,14 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['engine']} | {r['label']} | {r['context']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} |")
     labels = list(dict.fromkeys(r["label"] for r in rows))
+    cell = {(r["label"], r["context"]): r for r in rows}
     if "llama.cpp" in labels:
         print()
         for lab in labels:
             if lab == "llama.cpp":
                 continue
             for ctx in contexts:
-                pre = next(r for r in rows if (r["label"], r["context"]) == (lab, ctx))["prefill_tok_s"] / next(
-                    r for r in rows if (r["label"], r["context"]) == ("llama.cpp", ctx))["prefill_tok_s"]
+                pre = cell[(lab, ctx)]["prefill_tok_s"] / cell[("llama.cpp", ctx)]["prefill_tok_s"]
                 print(f"ktquest {lab} / llama.cpp at {ctx}: prefill {pre:.2f}x, decode "
                       f"{paired_ratio(rows, (lab, ctx), ('llama.cpp', ctx)):.2f}x (median of per-round ratios)")
     if len(contexts) > 1:
