@@ -11,8 +11,9 @@ noisy host where one pass of minutes per cell does not. Example:
     python tools/bench_decode.py --contexts 1024,4096,8192 --modes dense,long_context \
         --peer llama.cpp --rounds 3 --json tools/out/bench_decode.json
 
-A mode is `dense`, `long_context` (configs/quest.yaml unless --config says otherwise) or the name of a preset
-in configs/ (`--modes quest,snapkv,ktransformers`); rows carry it as `label`.
+A mode is `dense`, `long_context` (configs/snapkv.yaml unless --config says otherwise: the preset whose cost
+per token is flat in the context, a fixed set of preselected candidates) or the name of a preset in configs/
+(`--modes quest,snapkv,ktransformers`); rows carry it as `label`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ktquest.config import load_config  # noqa: E402
 from ktquest.engine import make_cache  # noqa: E402
 from ktquest.generate import decode_one_token, prefill  # noqa: E402
 
-MODE_CONFIGS = {"dense": None, "long_context": "configs/quest.yaml"}
+MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}
 
 
 class KtquestRunner:
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="dense",
                     help="comma-separated: dense, long_context, or preset names from configs/ (quest, snapkv, ...)")
     ap.add_argument("--config", action="append", default=[],
-                    help="MODE=YAML to bench a mode with a given preset (default long_context=configs/quest.yaml)")
+                    help="MODE=YAML to bench a mode with a given preset (default long_context=configs/snapkv.yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for ktquest")
     ap.add_argument("--peer", default="llama.cpp", help="'llama.cpp' (when installed) or 'none'")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
