@@ -143,12 +143,12 @@ def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads:
     return list(cells.values())
 
 
-def paired_ratio(rows: list[dict], a: tuple[str, int], b: tuple[str, int]) -> float | None:
-    """Median over rounds of decode speed a / b (label, context), each round's cells against each other."""
-    by = {(r["label"], r["context"]): r["decode_rounds_tok_s"] for r in rows}
-    if a not in by or b not in by:
+def paired_ratio(cell: dict[tuple[str, int], dict], a: tuple[str, int], b: tuple[str, int]) -> float | None:
+    """Median over rounds of decode speed a / b (label, context), each round's cells against each other.
+    cell: the rows by (label, context)."""
+    if a not in cell or b not in cell:
         return None
-    return statistics.median(x / y for x, y in zip(by[a], by[b]))
+    return statistics.median(x / y for x, y in zip(cell[a]["decode_rounds_tok_s"], cell[b]["decode_rounds_tok_s"]))
 
 
 def _last_argmax(llm) -> int:
@@ -224,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             for ctx in contexts:
                 pre = cell[(lab, ctx)]["prefill_tok_s"] / cell[("llama.cpp", ctx)]["prefill_tok_s"]
                 print(f"ktquest {lab} / llama.cpp at {ctx}: prefill {pre:.2f}x, decode "
-                      f"{paired_ratio(rows, (lab, ctx), ('llama.cpp', ctx)):.2f}x (median of per-round ratios)")
+                      f"{paired_ratio(cell, (lab, ctx), ('llama.cpp', ctx)):.2f}x (median of per-round ratios)")
     if len(contexts) > 1:
         lo = min(contexts)
         for lab in labels:
             for ctx in contexts:
                 if ctx != lo:
-                    print(f"{lab}: decode at {ctx} is {paired_ratio(rows, (lab, ctx), (lab, lo)):.0%} of its speed "
+                    print(f"{lab}: decode at {ctx} is {paired_ratio(cell, (lab, ctx), (lab, lo)):.0%} of its speed "
                           f"at {lo} (median of per-round ratios)")
     if a.json:
         write_json(a.json, rows)
