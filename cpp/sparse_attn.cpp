@@ -24,13 +24,14 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kScoreBlocksPerTask = 256;  // scoring task: this many blocks of one set
+constexpr int64_t kScorePrefetch = 16;        // scoring: anchors requested this many candidates ahead
 constexpr int64_t kChunkTokens = 1024;        // split-K: at least this many tokens per attention task
                                               // (each task starts on a cold block: fewer, longer tasks; 256
                                               // measured no better for a 1K budget over 3 KV heads)
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
 constexpr int64_t kRunRows = 64;              // attention: consecutive selected blocks of up to this many rows
                                               // share one softmax update (attend_tiles)
-constexpr int64_t kParallelTopk = 1 << 12;    // top-k runs on threads from this many scores on
+constexpr int64_t kParallelTopk = 512;        // top-k runs sets on threads from this many candidates on
 // Scoring / attention use threads from this many bytes read on: below it (~8 us on one core) handing work
 // to a worker costs more than it saves (workers spin between the calls of a decode step).
 constexpr int64_t kParallelBytes = 128 << 10;
@@ -135,8 +136,12 @@ void KVStore::build_runs(int64_t nb, int n_sets, const SelectRequest* req) {
                                   ") is out of range: the layer has " + std::to_string(nb) + " blocks");
         ids_.push_back(row[i]);
       }
-      std::sort(ids_.begin(), ids_.end());
-      ids_.erase(std::unique(ids_.begin(), ids_.end()), ids_.end());
+      // The decode loop passes ascending lists (preselected ids, then the blocks that entered later): only
+      // sort what is not already strictly ascending.
+      if (std::adjacent_find(ids_.begin(), ids_.end(), std::greater_equal<int32_t>()) != ids_.end()) {
+        std::sort(ids_.begin(), ids_.end());
+        ids_.erase(std::unique(ids_.begin(), ids_.end()), ids_.end());
+      }
       size_t e = 0;
       for (int32_t b : ids_) {
         while (e < excl_.size() && excl_[e].second <= b) ++e;
@@ -199,6 +204,11 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
   for (int s = 0; s < n_sets; ++s) n_cand += runs_[s].prefix.back();
   const int64_t bytes = n_cand * (mode == HeadMode::SHARED ? KVH : 1) * A * D * anchor_elem_bytes();
   const int threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
+  const size_t row_bytes = size_t(A) * D * anchor_elem_bytes();
+  auto anchor_row = [&](int h, int64_t b) -> const uint8_t* {
+    if (a16_) return reinterpret_cast<const uint8_t*>(anchor16_at(L, h, b));
+    return reinterpret_cast<const uint8_t*>(anchor_at(L, h, b));
+  };
   ThreadPool::global().parallel_for(task_start_.back(), threads, [&](int64_t task) {
     const int s = int(std::upper_bound(task_start_.begin(), task_start_.end(), task) - task_start_.begin()) - 1;
     const Runs& R = runs_[s];
@@ -208,9 +218,24 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
     // SHARED sums every KV head's score (in head order); SEPARATE scores the set's own head.
     const int h0 = mode == HeadMode::SHARED ? 0 : s, h1 = mode == HeadMode::SHARED ? KVH : s + 1;
     size_t r = std::upper_bound(R.prefix.begin(), R.prefix.end(), i0) - R.prefix.begin() - 1;
+    // Scattered candidates (preselected blocks) are short runs: the kernels' own prefetch stays inside a
+    // run, so a cursor kScorePrefetch candidates ahead requests the next runs' anchors (one (h, block)
+    // row is A*D elements) while this one is scored; a dependent miss per run otherwise.
+    size_t pr = r;
+    int64_t pi = i0;
+    auto prefetch_to = [&](int64_t upto) {
+      for (; pi < std::min(upto, i1); ++pi) {
+        while (R.prefix[pr + 1] <= pi) ++pr;
+        const int64_t b = R.start[pr] + (pi - R.prefix[pr]);
+        for (int h = h0; h < h1; ++h) prefetch_l2(anchor_row(h, b), row_bytes);
+      }
+    };
+    prefetch_to(i0 + kScorePrefetch);
     for (int64_t i = i0; i < i1; ++r) {  // candidates [i, j) lie in run r
       const int64_t off = i - R.prefix[r], j = std::min(i1, R.prefix[r + 1]);
       const int64_t b = R.start[r] + off;
+      if (j - i < kScorePrefetch) prefetch_to(j + kScorePrefetch);
+      else pi = std::max(pi, j);  // a long run: the kernel streams it
       for (int h = h0; h < h1; ++h) score_run(h, b, j - i, out + b, h > h0);
       i = j;
     }
@@ -267,8 +292,11 @@ void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int
     if (partition(s)) room = std::max(room, runs_[s].prefix.back());
   heap_.resize(size_t(n_sets) * std::max<int64_t>(kcap, 1));
   topv_.resize(size_t(n_sets) * room);
-  // Threads only pay off for long contexts: a few microseconds per set otherwise, less than a hand-off.
-  const int topk_threads = n_sets * nb >= kParallelTopk ? cfg_.threads_num : 1;
+  // Sets on threads from a few hundred candidates on (a few microseconds per set; the workers spin between
+  // the calls of a decode step, so a hand-off costs about one).
+  int64_t n_cand = 0;
+  for (int s = 0; s < n_sets; ++s) n_cand += runs_[s].prefix.back();
+  const int topk_threads = n_sets > 1 && n_cand >= kParallelTopk ? cfg_.threads_num : 1;
   ThreadPool::global().parallel_for(n_sets, topk_threads, [&](int64_t s) {
     const Runs& R = runs_[s];
     const int64_t k = std::min<int64_t>(req.k_per_set[s], R.prefix.back());

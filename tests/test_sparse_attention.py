@@ -237,6 +237,7 @@ def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode
     tol = 1e-4 if anchor_type == "BLOCK_MEAN" else 0.0
     gen = torch.Generator().manual_seed(1)
     allowed = [sorted(torch.randperm(nb, generator=gen)[:20].tolist()) for _ in range(n_sets)]
+    shuffled = [a[::-1] + a[:3] for a in allowed]  # the same candidates, unsorted and repeated
     per_head_k = [5, 0, 40] if mode == "SEPARATE" else 7
     cases = [
         {"k": 7},
@@ -245,6 +246,7 @@ def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode
         {"k": per_head_k, "exclude_ranges": [(3, 9)]},
         {"k": nb + 5},
         {"k": 25, "allowed": allowed, "exclude_ranges": [(3, 9)]},
+        {"k": 6, "allowed": shuffled},
         {"k": 2},
         {"k": 0},
     ]
