@@ -60,8 +60,12 @@ void dense_decode_attention(const float* q, int H, int KVH, int D, const float* 
   const int64_t seg[2][2] = {{0, std::min(skip0, n)}, {std::min(skip1, n), n}};
   const int64_t n_rows = seg[0][1] - seg[0][0] + seg[1][1] - seg[1][0];
   const int64_t tiles_max = (n_rows + kDenseTile - 1) / kDenseTile;
-  const int64_t tiles_per_task =
-      std::max((kTaskRows + kDenseTile - 1) / kDenseTile, (tiles_max + kMaxTasksPerHead - 1) / kMaxTasksPerHead);
+  // As many tasks per head as kTaskRows and kMaxTasksPerHead call for, the tiles spread evenly over them:
+  // 528 window rows are 5 + 4 tiles, not 8 + 1 (a task of 16 rows beside ones of 512 leaves a thread idle).
+  const int64_t min_tiles = std::max((kTaskRows + kDenseTile - 1) / kDenseTile,
+                                     (tiles_max + kMaxTasksPerHead - 1) / kMaxTasksPerHead);
+  const int64_t n_split = std::max<int64_t>(1, (tiles_max + min_tiles - 1) / min_tiles);
+  const int64_t tiles_per_task = std::max<int64_t>(1, (tiles_max + n_split - 1) / n_split);
   const int64_t rows_per_task = tiles_per_task * kDenseTile;
   std::vector<int64_t> task_row0;  // first row of each task of one head (the same for every head)
   std::vector<int64_t> task_row1;
