@@ -376,6 +376,7 @@ void KVStore::truncate(int layer, int64_t n) {
         }
       }
     }
+    if (n < L.len) ++L.gen;
     L.len = std::min(L.len, n);
   }
 }

@@ -136,6 +136,24 @@ class KVStore {
     float* imp = nullptr;         // [KVH, max_blocks, A]   DYNAMIC
     int32_t* pos = nullptr;       // [KVH, max_blocks, A]   DYNAMIC
     int64_t len = 0;
+    uint64_t gen = 0;             // bumped when truncate drops tokens: full blocks may then be rewritten
+  };
+
+  // A layer's last candidate list (SelectRequest::allowed) with its anchors copied contiguously: the decode
+  // loop passes the same preselected blocks every step, scattered over the layer; scoring them from one
+  // compact stream instead of one cache miss per block. Valid while the request's allowed rows and
+  // exclusions, the layer's gen and the anchors' types are unchanged, and only for full blocks (a full
+  // block's linear anchors never change until a truncate).
+  struct CandCache {
+    bool valid = false;
+    uint64_t gen = 0;
+    HeadMode mode = HeadMode::SEPARATE;
+    std::vector<int64_t> key;              // mode, the allowed rows as given, the exclusion ranges as given
+    int64_t max_id = -1;                   // highest candidate id (must be a full block)
+    std::vector<int32_t> ids;              // [n_sets, stride] candidate ids, ascending
+    std::vector<int64_t> count;            // [n_sets]
+    int64_t stride = 0;                    // candidates room per set
+    std::vector<uint8_t> anchors;          // [n_sets, heads per set, stride, A*D] fp16 or fp32 rows
   };
 
   // ---- layout helpers ----
@@ -168,7 +186,11 @@ class KVStore {
   void prepare_query(const float* q, int H);  // fills qs_, qe_, qraw_
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);  // fills runs_
   void score_runs(const Layer& L, int H, HeadMode mode, float* scores);
-  void select_locked(const Layer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  void select_locked(const Layer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  // The layer's CandCache for this request (built when missing or stale), or null when it does not apply.
+  // Builds runs_ whenever it does not return a hit.
+  const CandCache* cand_cache(const Layer& L, int layer, int64_t nb, int n_sets, const SelectRequest& req);
+  void select_cached(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols);
   void attend_locked(const Layer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse);
 
   StoreConfig cfg_;
@@ -190,6 +212,9 @@ class KVStore {
   std::vector<int32_t> ids_;               // allowed ids, sorted
   std::vector<Runs> runs_;                 // [n_sets]
   std::vector<float> scores_;              // [n_sets, n_blocks]
+  std::vector<CandCache> cand_;            // [n_layers]
+  std::vector<int64_t> key_;               // the current request's CandCache key
+  std::vector<float> cscores_;             // [n_sets, stride] scores of cached candidates
   std::vector<Cand> heap_;                 // top-k heaps, [n_sets, kcap]
   std::vector<float> topv_;                // top-k score copies (nth_element), [n_sets, candidates]
   std::vector<int64_t> task_start_;        // task ranges per set / head

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <stdexcept>
@@ -242,12 +243,145 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
   });
 }
 
-void KVStore::select_locked(const Layer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {
+// ---- cached candidates ----
+
+const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t nb, int n_sets,
+                                              const SelectRequest& req) {
+  key_.clear();
+  key_.push_back(int64_t(req.mode));
+  key_.push_back(req.allowed_cols);
+  key_.insert(key_.end(), req.allowed, req.allowed + int64_t(n_sets) * req.allowed_cols);
+  key_.push_back(req.n_exclude);
+  key_.insert(key_.end(), req.exclude, req.exclude + 2 * int64_t(req.n_exclude));
+  if (cand_.size() != layers_.size()) cand_.resize(layers_.size());
+  CandCache& C = cand_[layer];
+  // Hit: the same request on the same blocks. The layer only grew since (a truncate bumps gen), so the
+  // candidates are still in range and still full blocks.
+  if (C.valid && C.gen == L.gen && C.key == key_) return &C;
+  C.valid = false;
+  build_runs(nb, n_sets, &req);  // validates the ids
+  int64_t max_id = -1, stride = 0;
+  for (const Runs& R : runs_) {
+    if (!R.start.empty()) max_id = std::max<int64_t>(max_id, R.start.back() + R.len.back() - 1);
+    stride = std::max(stride, R.prefix.back());
+  }
+  if (max_id >= L.len / cfg_.block_size) return nullptr;  // a partial block's anchors still change
+  const int heads = req.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
+  const size_t row = size_t(A_) * cfg_.head_dim * anchor_elem_bytes();
+  C.mode = req.mode;
+  C.stride = stride;
+  C.ids.assign(size_t(n_sets) * stride, -1);
+  C.count.assign(n_sets, 0);
+  C.anchors.resize(size_t(n_sets) * heads * stride * row);
+  for (int s = 0; s < n_sets; ++s) {
+    int64_t n = 0;
+    runs_[s].each([&](int32_t b) {
+      C.ids[s * stride + n] = b;
+      for (int j = 0; j < heads; ++j) {
+        const int h = heads == 1 ? s : j;
+        const void* src = a16_ ? static_cast<const void*>(anchor16_at(L, h, b)) : anchor_at(L, h, b);
+        std::memcpy(C.anchors.data() + ((size_t(s) * heads + j) * stride + n) * row, src, row);
+      }
+      ++n;
+    });
+    C.count[s] = n;
+  }
+  C.key = key_;
+  C.gen = L.gen;
+  C.valid = true;
+  return &C;
+}
+
+// select_locked over a CandCache: the same scores (same kernels on the same anchor bytes, heads summed in
+// the same order) and the same top-k rule, so the same ids as the uncached path.
+void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols) {
   const auto t0 = Clock::now();
+  const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, A = A_;
+  const int n_sets = int(C.count.size()), heads = C.mode == HeadMode::SHARED ? KVH : 1;
+  const int64_t stride = C.stride;
+  const size_t row = size_t(A) * D * anchor_elem_bytes();
+  bool keep_all = true;
+  int64_t n_cand = 0;
+  for (int s = 0; s < n_sets; ++s) {
+    if (req.k_per_set[s] < 0)
+      throw std::invalid_argument("k must be >= 0, got " + std::to_string(req.k_per_set[s]) + " for set " +
+                                  std::to_string(s));
+    const int64_t need = std::min<int64_t>(req.k_per_set[s], C.count[s]);
+    if (need > out_cols)
+      throw std::invalid_argument("the output has room for " + std::to_string(out_cols) + " blocks per set, set " +
+                                  std::to_string(s) + " selects " + std::to_string(need));
+    keep_all = keep_all && req.k_per_set[s] >= C.count[s];
+    n_cand += C.count[s];
+  }
+  auto copy_ids = [&](int s, int64_t n) {
+    int32_t* row_out = out_ids + s * int64_t(out_cols);
+    std::copy(C.ids.begin() + s * stride, C.ids.begin() + s * stride + n, row_out);
+    std::fill(row_out + n, row_out + out_cols, -1);
+  };
+  if (keep_all) {
+    for (int s = 0; s < n_sets; ++s) copy_ids(s, C.count[s]);
+    timing_.score_s = 0;
+    timing_.topk_s = seconds_since(t0);
+    return;
+  }
+  const bool simd = use_avx2() && D % 8 == 0;
+  cscores_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
+  const int64_t bytes = n_cand * heads * int64_t(row);
+  ThreadPool::global().parallel_for(n_sets, bytes >= kParallelBytes ? cfg_.threads_num : 1, [&](int64_t s) {
+    float* out = cscores_.data() + s * stride;
+    for (int j = 0; j < heads; ++j) {
+      const int h = heads == 1 ? int(s) : j;
+      const float* qe = qe_.data() + size_t(h) * A * D;
+      const uint8_t* a = C.anchors.data() + (size_t(s) * heads + j) * stride * row;
+      const int64_t n = C.count[s];
+      if (a16_ && simd) avx2::score_linear16(reinterpret_cast<const uint16_t*>(a), n, A * D, qe, out, j > 0);
+      else if (a16_) scalar::score_linear16(reinterpret_cast<const uint16_t*>(a), n, A * D, qe, out, j > 0);
+      else if (simd) avx2::score_linear(reinterpret_cast<const float*>(a), n, A * D, qe, out, j > 0);
+      else scalar::score_linear(reinterpret_cast<const float*>(a), n, A * D, qe, out, j > 0);
+    }
+  });
+  const auto t1 = Clock::now();
+  timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
+  // Top k of each set: the k-th best value by nth_element over a copy, then in ascending id order every
+  // candidate above it and the first ones equal to it (select_locked's rule; NaN counts as -inf).
+  topv_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
+  const int topk_threads = n_sets > 1 && n_cand >= kParallelTopk ? cfg_.threads_num : 1;
+  ThreadPool::global().parallel_for(n_sets, topk_threads, [&](int64_t s) {
+    const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
+    if (k >= n) return copy_ids(int(s), n);
+    int32_t* row_out = out_ids + s * int64_t(out_cols);
+    if (k == 0) return std::fill(row_out, row_out + out_cols, -1);
+    float* sc = cscores_.data() + s * stride;
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(sc[i])) sc[i] = kNegInf;
+    float* v = topv_.data() + s * stride;
+    std::copy(sc, sc + n, v);
+    std::nth_element(v, v + (k - 1), v + n, std::greater<float>());
+    const float kth = v[k - 1];
+    int64_t above = 0;
+    for (int64_t i = 0; i < k; ++i) above += v[i] > kth;
+    int64_t ties = k - above, m = 0;
+    const int32_t* ids = C.ids.data() + s * stride;
+    for (int64_t i = 0; i < n; ++i)
+      if (sc[i] > kth || (sc[i] == kth && ties-- > 0)) row_out[m++] = ids[i];
+    std::fill(row_out + m, row_out + out_cols, -1);
+  });
+  timing_.topk_s = seconds_since(t1);
+}
+
+void KVStore::select_locked(const Layer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
+                            int out_cols) {
   const int KVH = cfg_.n_kv_heads;
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
-  build_runs(nb, n_sets, &req);
+  const bool linear = cfg_.anchor_type == AnchorType::QUEST || cfg_.anchor_type == AnchorType::BLOCK_MAX ||
+                      cfg_.anchor_type == AnchorType::BLOCK_MEAN;
+  if (req.allowed && linear) {
+    if (const CandCache* C = cand_cache(L, layer, nb, n_sets, req)) return select_cached(*C, req, out_ids, out_cols);
+  } else {
+    build_runs(nb, n_sets, &req);
+  }
+  const auto t0 = Clock::now();
   int64_t kcap = 0;
   for (int s = 0; s < n_sets; ++s) {
     if (req.k_per_set[s] < 0)
@@ -435,7 +569,7 @@ void KVStore::select(int layer, const float* q, int H, const SelectRequest& req,
   std::lock_guard<std::mutex> lk(mu_);
   const Layer& L = layer_at(layer);
   prepare_query(q, H);
-  select_locked(L, H, req, out_ids, out_cols);
+  select_locked(L, layer, H, req, out_ids, out_cols);
 }
 
 void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse) {
@@ -454,7 +588,7 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   std::lock_guard<std::mutex> lk(mu_);
   const Layer& L = layer_at(layer);
   prepare_query(q, H);
-  select_locked(L, H, req, out_ids, out_cols);
+  select_locked(L, layer, H, req, out_ids, out_cols);
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : cfg_.n_kv_heads;
   attend_locked(L, H, BlockSets{out_ids, n_sets, out_cols}, false, out, lse);
 }

@@ -267,6 +267,53 @@ def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode
                 assert all(abs(ref[s][b] - kth) <= tol for b in set(sel) ^ set(want)), case
 
 
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+@pytest.mark.parametrize("kv_type", ["FP16", "FP32"])  # fp16 and fp32 anchors
+def test_repeated_candidates_follow_the_store(force_scalar, mode, kv_type):
+    """The decode loop passes the same candidates every step, and the store keeps their anchors in a compact
+    copy between calls: selections must still equal torch's on what the store holds now, through appends
+    (also into a partial candidate block) and a truncate whose blocks are then written again."""
+    KVH, G, D, bs = 3, 3, 64, 8
+    n_sets = 1 if mode == "SHARED" else KVH
+    g = torch.Generator().manual_seed(5)
+    store = KVStore(1, KVH, D, 1024, block_size=bs, kv_type=kv_type, threads_num=2)
+
+    def append(T):  # small integers: every score exact in fp32 and fp16, so ties follow the id rule
+        store.append(0, torch.randint(-3, 4, (T, KVH, D), generator=g).float(), torch.randn(T, KVH, D, generator=g))
+
+    def check(allowed, k, excl=()):
+        q = torch.randint(-3, 4, (G * KVH, D), generator=g).float()
+        ks, _ = store.read(0)
+        ref = ref_scores(q, ref_anchor_lists(ks, bs, "QUEST", 2, None), "QUEST", mode)
+        got = store.select(0, q, k, mode, exclude_ranges=excl, allowed=allowed)
+        rows = [got.tolist()] if mode == "SHARED" else got.tolist()
+        for s in range(n_sets):
+            cand = [b for b in allowed[s] if not any(b0 <= b < b1 for b0, b1 in excl)]
+            assert [b for b in rows[s] if b >= 0] == ref_topk(ref[s], cand, k)
+
+    append(400)  # 50 full blocks
+    allowed = [sorted(torch.randperm(50, generator=g)[:24].tolist()) for _ in range(n_sets)]
+    for _ in range(3):  # new queries, the same candidates
+        check(allowed, 7)
+    check(allowed, 7, excl=[(0, 10)])
+    append(16)  # the store grows: the candidates' anchors stay
+    check(allowed, 5)
+    with_last = [a + [50, 51] for a in allowed]
+    append(3)  # block 52 is partial; 50 and 51 are full
+    check(with_last, 9)
+    partial = [a + [52] for a in with_last]
+    check(partial, 9)
+    append(5)  # block 52 fills up
+    check(partial, 9)
+    check(partial, 9)
+    store.truncate(0, 203)  # blocks 25.. are dropped (25 keeps 3 rows), then written with new keys
+    append(240)
+    for _ in range(2):
+        check(partial, 9)
+    got = store.select(0, torch.zeros(G * KVH, D), 100, mode, allowed=partial)  # k covers them: every one
+    assert ([got.tolist()] if mode == "SHARED" else got.tolist()) == [sorted(a) for a in partial]
+
+
 def test_select_attend_is_select_then_attend(force_scalar):
     store, q, *_ = make(700, 2, 4, 64, 16)
     for mode in ("SHARED", "SEPARATE"):
