@@ -156,6 +156,9 @@ class LongContextCache:
         # Decode's window attention in C++ (ops.dense_decode_attention) on CPU fp32; DYNAMIC anchors need
         # the attention probabilities, which only the explicit torch path returns.
         self._native_decode = self.device.type == "cpu" and dtype == torch.float32 and lc.anchor_type != "DYNAMIC"
+        # numpy views of each layer's window buffers for the native decode calls (the buffers are never replaced)
+        self._win_np = [(self.win_k[i].numpy(), self.win_v[i].numpy()) for i in range(self.n_layers)] \
+            if self._native_decode else None
         self._all_blocks = torch.arange(-(-max_seq_len // self.bs), dtype=torch.int32)  # [max_blocks]
         self._out = torch.empty(self.H, self.D)  # decode: the store part, fp32 [H, D]
         self._lse = torch.empty(self.H)  # [H]
@@ -178,6 +181,7 @@ class LongContextCache:
         self.sel: list[_Selection | None] = [None] * self.n_layers
         # per layer: [n_sets, N] int32 preselected blocks (-1 padded), and the context end it covers
         self.allowed: list[torch.Tensor | None] = [None] * self.n_layers
+        self.allowed_np: list[np.ndarray | None] = [None] * self.n_layers  # numpy views of allowed (decode calls)
         self.allowed_lb = [0] * self.n_layers
         self.presel_pending = [False] * self.n_layers
         self.decode_step = 0
@@ -378,8 +382,9 @@ class LongContextCache:
             self._begin_pass(start_pos, 1)
         w0, lb, blocks, select = self._native_plan(layer, None, start_pos)
         g = self.geo
-        ids = self.store.decode_block(fused, layer, x, cos, sin, self.win_k[layer], self.win_v[layer], w0, g.width,
-                                      g.skip, self.scale, threads, blocks, select)
+        wk, wv = self._win_np[layer]
+        ids = self.store.decode_block(fused, layer, x, cos, sin, wk, wv, w0, g.width, g.skip, self.scale, threads,
+                                      blocks, select)
         self._native_done(layer, ids, lb, start_pos)
         return True
 
@@ -422,8 +427,9 @@ class LongContextCache:
 
     def _record_selection(self, layer: int, ids: torch.Tensor, lb: int) -> None:
         mode = self.lc.head_select_mode
-        self.sel[layer] = _Selection(ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1]), lb,
-                                     self.decode_step)  # ids: a fresh tensor per call
+        if ids.dim() != 2 or mode != "SEPARATE":
+            ids = ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1])
+        self.sel[layer] = _Selection(ids, lb, self.decode_step)  # ids: a fresh tensor per call
 
     def _plan(self, layer: int, qc: torch.Tensor, lb: int) -> tuple[torch.Tensor | None, tuple | None]:
         """Which context blocks a decode step of ``layer`` attends to: (blocks, None) for a fixed list (dense
@@ -458,7 +464,7 @@ class LongContextCache:
                 keep = torch.zeros(scores.shape[0], nb + 1, dtype=torch.bool).scatter_(1, idx, True)
                 scores.masked_fill_(~keep[:, :nb], float("-inf"))
             ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
-        return None, (ks, mode, excl, allowed)
+        return None, (ks, mode, excl, None if allowed is None else self.allowed_np[layer])
 
     def _extend(self, sel: _Selection, lb: int) -> torch.Tensor:
         """A cached selection plus the context blocks that left the local window since it was taken."""
@@ -477,8 +483,12 @@ class LongContextCache:
         if allowed is None or lb <= a_lb:
             return allowed
         new = self._all_blocks[a_lb: lb].expand(allowed.shape[0], lb - a_lb)
-        self.allowed[layer], self.allowed_lb[layer] = torch.cat([allowed, new], 1).contiguous(), lb
+        self._set_allowed(layer, torch.cat([allowed, new], 1).contiguous(), lb)
         return self.allowed[layer]
+
+    def _set_allowed(self, layer: int, allowed: torch.Tensor, lb: int) -> None:
+        """allowed: [n_sets, N] int32 contiguous, covering the context blocks [ib, lb)."""
+        self.allowed[layer], self.allowed_np[layer], self.allowed_lb[layer] = allowed, allowed.numpy(), lb
 
     # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
 
@@ -517,4 +527,4 @@ class LongContextCache:
         allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
         for i, s in enumerate(sets):  # a few KV heads, once per prefill
             allowed[i, : len(s)] = s.to(torch.int32)
-        self.allowed[layer], self.allowed_lb[layer] = allowed, lb
+        self._set_allowed(layer, allowed, lb)

@@ -237,9 +237,13 @@ class KVStore:
                 raise ValueError(
                     f"exclude_ranges: expected a list of (b0, b1) block ranges, got {exclude_ranges!r}"
                 )
-        allow = None if allowed is None else _padded_ids(allowed, "allowed", n_sets)
-        n_blocks = self._st.n_blocks(layer)
-        cols = min(k_max, n_blocks if allow is None else allow.shape[1])
+        if allowed is None:
+            allow = None
+        elif type(allowed) is np.ndarray and allowed.dtype == np.int32 and allowed.ndim == 2:
+            allow = allowed  # the decode loop's cached ids: shape and contents are checked by the binding
+        else:
+            allow = _padded_ids(allowed, "allowed", n_sets)
+        cols = min(k_max, self._st.n_blocks(layer) if allow is None else allow.shape[1])
         ids = np.empty((n_sets, cols), np.int32)
         return mode, ks, excl, allow, ids
 
@@ -333,11 +337,14 @@ class KVStore:
                      scale: float, threads: int, blocks=None, select: tuple | None = None) -> torch.Tensor | None:
         """A whole block's long_context decode step in one native call: ``fused`` (a ``_C.DecodeLayer``)
         makes q/k/v from x [dim] (RoPE row cos/sin [D]), decode_step() attends (same window and store-part
-        arguments), and the block's output replaces x in place. Returns the selected ids or None."""
+        arguments; win_k/win_v may also be their numpy views), and the block's output replaces x in place.
+        Returns the selected ids or None."""
         f32 = (torch.float32,)
         part, b, mode, ks, excl, allow, ids = self._step_args(layer, blocks, select)
+        if type(win_k) is not np.ndarray or type(win_v) is not np.ndarray:  # numpy views: checked by the binding
+            win_k, win_v = _np(win_k, "win_k", f32, 3), _np(win_v, "win_v", f32, 3)
         fused.step_long_context(_np(x, "x", f32, 1), _np(cos, "cos", f32, 1), _np(sin, "sin", f32, 1), self._st,
-                                layer, _np(win_k, "win_k", f32, 3), _np(win_v, "win_v", f32, 3), w0, width, skip[0],
+                                layer, win_k, win_v, w0, width, skip[0],
                                 skip[1], float(scale), threads, part, b, mode, ks, excl, allow, ids)
         return self._step_ids(ids, mode)
 
