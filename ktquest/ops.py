@@ -337,15 +337,18 @@ class KVStore:
                      scale: float, threads: int, blocks=None, select: tuple | None = None) -> torch.Tensor | None:
         """A whole block's long_context decode step in one native call: ``fused`` (a ``_C.DecodeLayer``)
         makes q/k/v from x [dim] (RoPE row cos/sin [D]), decode_step() attends (same window and store-part
-        arguments; win_k/win_v may also be their numpy views), and the block's output replaces x in place.
-        Returns the selected ids or None."""
+        arguments; x, cos, sin, win_k and win_v may also be numpy views), and the block's output replaces x in
+        place. Returns the selected ids or None."""
         f32 = (torch.float32,)
         part, b, mode, ks, excl, allow, ids = self._step_args(layer, blocks, select)
-        if type(win_k) is not np.ndarray or type(win_v) is not np.ndarray:  # numpy views: checked by the binding
-            win_k, win_v = _np(win_k, "win_k", f32, 3), _np(win_v, "win_v", f32, 3)
-        fused.step_long_context(_np(x, "x", f32, 1), _np(cos, "cos", f32, 1), _np(sin, "sin", f32, 1), self._st,
-                                layer, win_k, win_v, w0, width, skip[0],
-                                skip[1], float(scale), threads, part, b, mode, ks, excl, allow, ids)
+        # numpy views go straight to the binding, which checks them as it checks every array
+        x = x if type(x) is np.ndarray else _np(x, "x", f32, 1)
+        cos = cos if type(cos) is np.ndarray else _np(cos, "cos", f32, 1)
+        sin = sin if type(sin) is np.ndarray else _np(sin, "sin", f32, 1)
+        win_k = win_k if type(win_k) is np.ndarray else _np(win_k, "win_k", f32, 3)
+        win_v = win_v if type(win_v) is np.ndarray else _np(win_v, "win_v", f32, 3)
+        fused.step_long_context(x, cos, sin, self._st, layer, win_k, win_v, w0, width, skip[0], skip[1], float(scale),
+                                threads, part, b, mode, ks, excl, allow, ids)
         return self._step_ids(ids, mode)
 
     def _step_args(self, layer: int, blocks, select):
