@@ -142,14 +142,13 @@ class KVStore {
   // A layer's last candidate list (SelectRequest::allowed) with its anchors copied contiguously: the decode
   // loop passes the same preselected blocks every step, scattered over the layer; scoring them from one
   // compact stream instead of one cache miss per block. Valid while the request's allowed rows and
-  // exclusions, the layer's gen and the anchors' types are unchanged, and only for full blocks (a full
-  // block's linear anchors never change until a truncate).
+  // exclusions and the layer's gen are unchanged, and only for full blocks (a full block's linear anchors
+  // never change until a truncate).
   struct CandCache {
     bool valid = false;
     uint64_t gen = 0;
     HeadMode mode = HeadMode::SEPARATE;
     std::vector<int64_t> key;              // mode, the allowed rows as given, the exclusion ranges as given
-    int64_t max_id = -1;                   // highest candidate id (must be a full block)
     std::vector<int32_t> ids;              // [n_sets, stride] candidate ids, ascending
     std::vector<int64_t> count;            // [n_sets]
     int64_t stride = 0;                    // candidates room per set
@@ -164,6 +163,10 @@ class KVStore {
   }
   uint16_t* anchor16_at(const Layer& L, int h, int64_t b) const {  // fp16 anchors (a16_)
     return static_cast<uint16_t*>(L.anchors) + (h * max_blocks_ + b) * int64_t(A_) * cfg_.head_dim;
+  }
+  const uint8_t* anchor_bytes(const Layer& L, int h, int64_t b) const {  // either layout: A*D elements
+    if (a16_) return reinterpret_cast<const uint8_t*>(anchor16_at(L, h, b));
+    return reinterpret_cast<const uint8_t*>(anchor_at(L, h, b));
   }
   const Layer& layer_at(int layer) const;
   void check_q(const float* q, int H) const;
@@ -186,6 +189,8 @@ class KVStore {
   void prepare_query(const float* q, int H);  // fills qs_, qe_, qraw_
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);  // fills runs_
   void score_runs(const Layer& L, int H, HeadMode mode, float* scores);
+  // out[0, n) (+)= linear scores (QUEST / BLOCK_*) of n consecutive anchor rows at a, for KV head h.
+  void score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate) const;
   void select_locked(const Layer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
   // The layer's CandCache for this request (built when missing or stale), or null when it does not apply.
   // Builds runs_ whenever it does not return a hit.

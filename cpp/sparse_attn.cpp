@@ -170,6 +170,18 @@ inline bool heap_less(const KVStore::Cand& a, const KVStore::Cand& b) {
 
 }  // namespace
 
+void KVStore::score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate) const {
+  const int L = A_ * cfg_.head_dim;
+  const float* qe = qe_.data() + size_t(h) * L;
+  const bool simd = use_avx2() && cfg_.head_dim % 8 == 0;
+  const auto* a16 = reinterpret_cast<const uint16_t*>(a);
+  const auto* a32 = reinterpret_cast<const float*>(a);
+  if (a16_ && simd) avx2::score_linear16(a16, n, L, qe, out, accumulate);
+  else if (a16_) scalar::score_linear16(a16, n, L, qe, out, accumulate);
+  else if (simd) avx2::score_linear(a32, n, L, qe, out, accumulate);
+  else scalar::score_linear(a32, n, L, qe, out, accumulate);
+}
+
 // scores: [n_sets, nb]; only the candidates of runs_ are written. Scoring reads the A*D anchor floats
 // of each candidate block and KV head, nothing else (never K or V).
 void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
@@ -182,11 +194,7 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
   // out[0, n) (+)= scores of blocks [b, b + n) for KV head h.
   auto score_run = [&](int h, int64_t b, int64_t n, float* out, bool accumulate) {
     if (linear) {
-      const float* qe = qe_.data() + size_t(h) * A * D;
-      if (a16_ && simd) avx2::score_linear16(anchor16_at(L, h, b), n, A * D, qe, out, accumulate);
-      else if (a16_) scalar::score_linear16(anchor16_at(L, h, b), n, A * D, qe, out, accumulate);
-      else if (simd) avx2::score_linear(anchor_at(L, h, b), n, A * D, qe, out, accumulate);
-      else scalar::score_linear(anchor_at(L, h, b), n, A * D, qe, out, accumulate);
+      score_linear_rows(anchor_bytes(L, h, b), n, h, out, accumulate);
     } else {
       const float* a = anchor_at(L, h, b);
       const int32_t* cnt = L.n_anchor + h * max_blocks_ + b;
@@ -206,10 +214,6 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
   const int64_t bytes = n_cand * (mode == HeadMode::SHARED ? KVH : 1) * A * D * anchor_elem_bytes();
   const int threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
   const size_t row_bytes = size_t(A) * D * anchor_elem_bytes();
-  auto anchor_row = [&](int h, int64_t b) -> const uint8_t* {
-    if (a16_) return reinterpret_cast<const uint8_t*>(anchor16_at(L, h, b));
-    return reinterpret_cast<const uint8_t*>(anchor_at(L, h, b));
-  };
   ThreadPool::global().parallel_for(task_start_.back(), threads, [&](int64_t task) {
     const int s = int(std::upper_bound(task_start_.begin(), task_start_.end(), task) - task_start_.begin()) - 1;
     const Runs& R = runs_[s];
@@ -228,7 +232,7 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
       for (; pi < std::min(upto, i1); ++pi) {
         while (R.prefix[pr + 1] <= pi) ++pr;
         const int64_t b = R.start[pr] + (pi - R.prefix[pr]);
-        for (int h = h0; h < h1; ++h) prefetch_l2(anchor_row(h, b), row_bytes);
+        for (int h = h0; h < h1; ++h) prefetch_l2(anchor_bytes(L, h, b), row_bytes);
       }
     };
     prefetch_to(i0 + kScorePrefetch);
@@ -242,6 +246,28 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
     }
   });
 }
+
+// Checks k per set against the output's room (count(s): the set's candidates); returns the largest
+// number of blocks a set keeps, and in *keep_all whether every set keeps all of its candidates.
+namespace {
+template <class Count>
+int64_t check_k(const SelectRequest& req, int n_sets, int out_cols, Count count, bool* keep_all) {
+  int64_t kcap = 0;
+  *keep_all = true;
+  for (int s = 0; s < n_sets; ++s) {
+    if (req.k_per_set[s] < 0)
+      throw std::invalid_argument("k must be >= 0, got " + std::to_string(req.k_per_set[s]) + " for set " +
+                                  std::to_string(s));
+    const int64_t need = std::min<int64_t>(req.k_per_set[s], count(s));
+    if (need > out_cols)
+      throw std::invalid_argument("the output has room for " + std::to_string(out_cols) + " blocks per set, set " +
+                                  std::to_string(s) + " selects " + std::to_string(need));
+    kcap = std::max(kcap, need);
+    *keep_all = *keep_all && req.k_per_set[s] >= count(s);
+  }
+  return kcap;
+}
+}  // namespace
 
 // ---- cached candidates ----
 
@@ -260,7 +286,7 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
   if (C.valid && C.gen == L.gen && C.key == key_) return &C;
   C.valid = false;
   build_runs(nb, n_sets, &req);  // validates the ids
-  int64_t max_id = -1, stride = 0;
+  int64_t max_id = -1, stride = 0;  // highest candidate id; candidates room per set
   for (const Runs& R : runs_) {
     if (!R.start.empty()) max_id = std::max<int64_t>(max_id, R.start.back() + R.len.back() - 1);
     stride = std::max(stride, R.prefix.back());
@@ -279,8 +305,7 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
       C.ids[s * stride + n] = b;
       for (int j = 0; j < heads; ++j) {
         const int h = heads == 1 ? s : j;
-        const void* src = a16_ ? static_cast<const void*>(anchor16_at(L, h, b)) : anchor_at(L, h, b);
-        std::memcpy(C.anchors.data() + ((size_t(s) * heads + j) * stride + n) * row, src, row);
+        std::memcpy(C.anchors.data() + ((size_t(s) * heads + j) * stride + n) * row, anchor_bytes(L, h, b), row);
       }
       ++n;
     });
@@ -300,19 +325,10 @@ void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_
   const int n_sets = int(C.count.size()), heads = C.mode == HeadMode::SHARED ? KVH : 1;
   const int64_t stride = C.stride;
   const size_t row = size_t(A) * D * anchor_elem_bytes();
-  bool keep_all = true;
+  bool keep_all;
+  check_k(req, n_sets, out_cols, [&](int s) { return C.count[s]; }, &keep_all);
   int64_t n_cand = 0;
-  for (int s = 0; s < n_sets; ++s) {
-    if (req.k_per_set[s] < 0)
-      throw std::invalid_argument("k must be >= 0, got " + std::to_string(req.k_per_set[s]) + " for set " +
-                                  std::to_string(s));
-    const int64_t need = std::min<int64_t>(req.k_per_set[s], C.count[s]);
-    if (need > out_cols)
-      throw std::invalid_argument("the output has room for " + std::to_string(out_cols) + " blocks per set, set " +
-                                  std::to_string(s) + " selects " + std::to_string(need));
-    keep_all = keep_all && req.k_per_set[s] >= C.count[s];
-    n_cand += C.count[s];
-  }
+  for (int64_t c : C.count) n_cand += c;
   auto copy_ids = [&](int s, int64_t n) {
     int32_t* row_out = out_ids + s * int64_t(out_cols);
     std::copy(C.ids.begin() + s * stride, C.ids.begin() + s * stride + n, row_out);
@@ -324,21 +340,12 @@ void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_
     timing_.topk_s = seconds_since(t0);
     return;
   }
-  const bool simd = use_avx2() && D % 8 == 0;
   cscores_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
   const int64_t bytes = n_cand * heads * int64_t(row);
   ThreadPool::global().parallel_for(n_sets, bytes >= kParallelBytes ? cfg_.threads_num : 1, [&](int64_t s) {
-    float* out = cscores_.data() + s * stride;
-    for (int j = 0; j < heads; ++j) {
-      const int h = heads == 1 ? int(s) : j;
-      const float* qe = qe_.data() + size_t(h) * A * D;
-      const uint8_t* a = C.anchors.data() + (size_t(s) * heads + j) * stride * row;
-      const int64_t n = C.count[s];
-      if (a16_ && simd) avx2::score_linear16(reinterpret_cast<const uint16_t*>(a), n, A * D, qe, out, j > 0);
-      else if (a16_) scalar::score_linear16(reinterpret_cast<const uint16_t*>(a), n, A * D, qe, out, j > 0);
-      else if (simd) avx2::score_linear(reinterpret_cast<const float*>(a), n, A * D, qe, out, j > 0);
-      else scalar::score_linear(reinterpret_cast<const float*>(a), n, A * D, qe, out, j > 0);
-    }
+    for (int j = 0; j < heads; ++j)  // SHARED: every head's score summed in head order, as score_runs does
+      score_linear_rows(C.anchors.data() + (size_t(s) * heads + j) * stride * row, C.count[s],
+                        heads == 1 ? int(s) : j, cscores_.data() + s * stride, j > 0);
   });
   const auto t1 = Clock::now();
   timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
@@ -382,19 +389,8 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
     build_runs(nb, n_sets, &req);
   }
   const auto t0 = Clock::now();
-  int64_t kcap = 0;
-  for (int s = 0; s < n_sets; ++s) {
-    if (req.k_per_set[s] < 0)
-      throw std::invalid_argument("k must be >= 0, got " + std::to_string(req.k_per_set[s]) + " for set " +
-                                  std::to_string(s));
-    const int64_t need = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
-    if (need > out_cols)
-      throw std::invalid_argument("the output has room for " + std::to_string(out_cols) + " blocks per set, set " +
-                                  std::to_string(s) + " selects " + std::to_string(need));
-    kcap = std::max(kcap, need);
-  }
-  bool keep_all = true;  // every set keeps all its candidates (SnapKV: k = the preselected blocks): no scores
-  for (int s = 0; s < n_sets; ++s) keep_all = keep_all && req.k_per_set[s] >= runs_[s].prefix.back();
+  bool keep_all;  // every set keeps all its candidates (SnapKV: k = the preselected blocks): no scores
+  const int64_t kcap = check_k(req, n_sets, out_cols, [&](int s) { return runs_[s].prefix.back(); }, &keep_all);
   if (keep_all) {
     for (int s = 0; s < n_sets; ++s) {
       int32_t* row = out_ids + s * int64_t(out_cols);

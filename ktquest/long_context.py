@@ -372,8 +372,9 @@ class LongContextCache:
 
     def decode_block(self, layer: int, fused, x, cos, sin, start_pos: int, threads: int) -> bool:
         """A block's whole CPU decode step in one native call (models/llama.py; ops.KVStore.decode_block):
-        x [dim] (fp32 tensor or numpy view, as cos/sin [D]) is replaced by the block's output. False (nothing done) where the selection needs the query
-        first (Ada-KV budgets at decode time) or the native path does not apply."""
+        x [dim] (an fp32 tensor or numpy view, as are cos/sin [D]) is replaced by the block's output. False
+        (nothing done) where the selection needs the query first (Ada-KV budgets at decode time) or the native
+        path does not apply."""
         lc = self.lc
         if not self._native_decode or (lc.ada_budget and lc.head_select_mode == "SEPARATE"):
             return False
