@@ -213,7 +213,7 @@ def test_quest_scores_bound_every_dot_product(KVH, G, D, bs, T, kv_type, scale, 
 @pytest.mark.parametrize("bs", [8, 2])
 def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode, bs):
     """Integer data: every score is exact in fp32, so ties are real and the tie rule is checked exactly.
-    k = 2 of 151 blocks (bs 2) takes the streaming k-heap, the other k the nth_element partition; a k that
+    k = 2 of 151 blocks (bs 2) takes the streaming k-heap, the other k the k-th-value partition; a k that
     covers every candidate takes them all without scoring."""
     T, KVH, G, D = 301, 3, 3, 64
     if anchor_type in ("FIXED", "DYNAMIC"):
