@@ -68,7 +68,10 @@ void gemv_q8_0_rows_avx2(const float* x, int64_t in, const int8_t* qw, const flo
   // time shared the loads of x but read four interleaved streams; with short rows, 576 bytes for the
   // bundled model, the hardware prefetcher never caught up: 5 GB/s from DRAM instead of 11+.) x is in
   // L1, so reloading it per row costs little. The prefetch kPrefetchBytes ahead may run past the last
-  // row: a prefetch never faults.
+  // row: a prefetch never faults. It is non-temporal: a decode step streams every weight once (the
+  // bundled model's 143 MB outgrow the L3), so they need not displace what is reused from token to
+  // token, the KV windows, anchors and selected blocks. Side by side at 8K (snapkv, 2 threads, 6 runs
+  // each): 90.7 -> 96.1 tok/s; at 1K 105.3 -> 103.1, within the noise.
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* w = qw + o * in;
     const float* d = dw + o * ng;
@@ -76,7 +79,7 @@ void gemv_q8_0_rows_avx2(const float* x, int64_t in, const int8_t* qw, const flo
     int64_t g = 0;
     for (; g + 2 <= ng; g += 2) {
       const int64_t off = g * kQ8Group;
-      _mm_prefetch(reinterpret_cast<const char*>(w + off) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + off) + kPrefetchBytes, _MM_HINT_NTA);
       const __m256 s0 = group_dot(w + off, _mm256_loadu_ps(x + off), _mm256_loadu_ps(x + off + 8),
                                   _mm256_loadu_ps(x + off + 16), _mm256_loadu_ps(x + off + 24));
       const __m256 s1 = group_dot(w + off + 32, _mm256_loadu_ps(x + off + 32), _mm256_loadu_ps(x + off + 40),
