@@ -222,7 +222,7 @@ class KVStore {
   std::vector<float> cscores_;             // [n_sets, stride] scores of cached candidates
   std::vector<Cand> heap_;                 // top-k heaps, [n_sets, kcap]
   std::vector<float> topv_;                // top-k: score copies of the uncached path, [n_sets, candidates]
-  std::vector<int32_t> topkeys_;           // top-k: kth_largest's scratch keys, [n_sets, candidates]
+  std::vector<int32_t> topkeys_;           // top-k: top_k_cut's scratch keys, [n_sets, candidates]
   std::vector<int64_t> task_start_;        // task ranges per set / head
   std::vector<int64_t> count_;             // [KVH] selected blocks per head
   std::vector<float> part_;                // split-K partials: [n_tasks, G, D + 2]

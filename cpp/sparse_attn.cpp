@@ -39,11 +39,18 @@ constexpr int64_t kParallelTopk = 512;        // top-k runs sets on threads from
 // to a worker costs more than it saves (workers spin between the calls of a decode step).
 constexpr int64_t kParallelBytes = 128 << 10;
 
-// The k-th largest of v[0, n) (1 <= k <= n, no NaN; -0 counts as +0), found bit by bit: the largest key T
-// with at least k keys >= T, where key(x) is an int32 whose order is x's. Each of the 32 steps is one
-// branch-free counting pass that the compiler vectorises; for a few hundred candidates it is about twice
-// as fast as std::nth_element over a copy, whose comparisons are unpredictable branches. keys: n scratch.
-float kth_largest(const float* v, int64_t n, int64_t k, int32_t* keys) {
+// Where the top k of v[0, n) end (1 <= k <= n, no NaN; -0 counts as +0): the k-th largest value, kth, and
+// how many values equal to it are kept, ties (the first ones in order; every value above it is kept). kth
+// is found bit by bit: the largest key T with at least k keys >= T, where key(x) is an int32 whose order is
+// x's. Each of the 32 steps is one branch-free counting pass that the compiler vectorises; for a few hundred
+// candidates it is about twice as fast as std::nth_element over a copy, whose comparisons are unpredictable
+// branches. keys: n scratch.
+struct TopKCut {
+  float kth;
+  int64_t ties;
+  bool keep(float x) { return x > kth || (x == kth && ties-- > 0); }  // every value once, in order
+};
+TopKCut top_k_cut(const float* v, int64_t n, int64_t k, int32_t* keys) {
   for (int64_t i = 0; i < n; ++i) {
     const float x = v[i] == 0.f ? 0.f : v[i];
     uint32_t b;
@@ -60,9 +67,11 @@ float kth_largest(const float* v, int64_t n, int64_t k, int32_t* keys) {
     if (count >= k) t = c;
   }
   t = (t & 0x80000000u) ? (t & 0x7fffffffu) : ~t;
-  float x;
-  std::memcpy(&x, &t, 4);
-  return x;
+  float kth;
+  std::memcpy(&kth, &t, 4);
+  int64_t above = 0;
+  for (int64_t i = 0; i < n; ++i) above += v[i] > kth;
+  return {kth, k - above};
 }
 
 using Clock = std::chrono::steady_clock;
@@ -377,7 +386,7 @@ void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_
   });
   const auto t1 = Clock::now();
   timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
-  // Top k of each set: the k-th best value (kth_largest), then in ascending id order every
+  // Top k of each set: the k-th best value (top_k_cut), then in ascending id order every
   // candidate above it and the first ones equal to it (select_locked's rule; NaN counts as -inf).
   topkeys_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
   const int topk_threads = n_sets > 1 && n_cand >= kParallelTopk ? cfg_.threads_num : 1;
@@ -389,13 +398,11 @@ void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_
     float* sc = cscores_.data() + s * stride;
     for (int64_t i = 0; i < n; ++i)
       if (std::isnan(sc[i])) sc[i] = kNegInf;
-    const float kth = kth_largest(sc, n, k, topkeys_.data() + s * stride);
-    int64_t above = 0;
-    for (int64_t i = 0; i < n; ++i) above += sc[i] > kth;
-    int64_t ties = k - above, m = 0;
+    TopKCut cut = top_k_cut(sc, n, k, topkeys_.data() + s * stride);
     const int32_t* ids = C.ids.data() + s * stride;
+    int64_t m = 0;
     for (int64_t i = 0; i < n; ++i)
-      if (sc[i] > kth || (sc[i] == kth && ties-- > 0)) row_out[m++] = ids[i];
+      if (cut.keep(sc[i])) row_out[m++] = ids[i];
     std::fill(row_out + m, row_out + out_cols, -1);
   });
   timing_.topk_s = seconds_since(t1);
@@ -432,7 +439,7 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
   const auto t1 = Clock::now();
   timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
 
-  // Few candidates per kept block (k >= n / kHeapRatio): find the k-th best score (kth_largest, O(n)
+  // Few candidates per kept block (k >= n / kHeapRatio): find the k-th best score (top_k_cut, O(n)
   // over a copy of the scores), then take, in ascending id order, every candidate above it and the
   // first ones equal to it. Many: stream the candidates (ascending ids) through a k-heap; almost every one
   // then loses to the worst kept at the first comparison, one predictable pass. Both keep exactly the top k
@@ -464,13 +471,9 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
       float* v = topv_.data() + s * room;
       float* vend = v;
       R.each([&](int32_t b) { *vend++ = score(b); });
-      const float kth = kth_largest(v, vend - v, k, topkeys_.data() + s * room);
-      int64_t above = 0;
-      for (const float* x = v; x < vend; ++x) above += *x > kth;
-      int64_t ties = k - above;
+      TopKCut cut = top_k_cut(v, vend - v, k, topkeys_.data() + s * room);
       R.each([&](int32_t b) {
-        const float x = score(b);
-        if (x > kth || (x == kth && ties-- > 0)) row[n++] = b;
+        if (cut.keep(score(b))) row[n++] = b;
       });
     } else if (k > 0) {
       Cand* heap = heap_.data() + s * std::max<int64_t>(kcap, 1);
