@@ -494,6 +494,33 @@ ktq::Q8Matrix q8_matrix(PyDecodeLayer& L, const py::handle& q_obj, const py::han
   return m;
 }
 
+// The layer's heads match the store's.
+void lc_layer_check(const PyDecodeLayer& L, const ktq::KVStore& st, const char* what) {
+  const ktq::DecodeLayerWeights& w = L.layer->weights();
+  if (st.config().n_kv_heads != w.n_kv_heads || st.config().head_dim != w.head_dim)
+    throw py::value_error("store: " + std::to_string(st.config().n_kv_heads) + " KV heads of dim " +
+                          std::to_string(st.config().head_dim) + ", " + what + " has " +
+                          std::to_string(w.n_kv_heads) + " of dim " + std::to_string(w.head_dim));
+}
+
+// One block's long_context decode step (GIL released): qkv, the attention step, out; x updated in place.
+void lc_block_step(PyDecodeLayer& L, ktq::KVStore& st, int layer, const LcStepArgs& a, float* x, const float* cos,
+                   const float* sin, float scale, int n_threads) {
+  const ktq::DecodeLayerWeights& w = L.layer->weights();
+  const int H = w.n_heads, KVH = w.n_kv_heads, D = w.head_dim;
+  thread_local std::vector<float> buf;
+  buf.resize(size_t(L.n_qkv + L.n_attn));
+  float *qkv = buf.data(), *attn = qkv + L.n_qkv;
+  L.layer->qkv(x, cos, sin, qkv, n_threads);
+  for (int64_t i = 0; i < int64_t(H) * D; ++i)  // as the store would, before anything is written
+    if (!std::isfinite(qkv[i]))
+      throw std::invalid_argument("layer " + std::to_string(layer) +
+                                  ": q is not finite (the layer's input overflowed?)");
+  ktq::long_context_decode_step(st, layer, qkv, H, qkv + int64_t(H) * D, qkv + int64_t(H + KVH) * D, a.win, scale,
+                                n_threads, a.part, a.blocks, a.sel.req, a.ids, a.cols, attn);
+  L.layer->out(attn, x, n_threads);
+}
+
 void bind_decode_layer(py::module_& m) {
   py::class_<PyDecodeLayer>(m, "DecodeLayer",
                             "One block's decode step around attention, with Q8_0 weights (cpp/decode_layer.h).")
@@ -570,37 +597,87 @@ void bind_decode_layer(py::module_& m) {
                                    float scale, int n_threads, int part, const py::handle& blocks_obj,
                                    const std::string& mode, const py::handle& k_sel, const py::handle& exclude,
                                    const py::handle& allowed, const py::handle& out_ids) {
-             const ktq::DecodeLayerWeights& w = L.layer->weights();
-             const int H = w.n_heads, KVH = w.n_kv_heads, D = w.head_dim;
-             if (st.config().n_kv_heads != KVH || st.config().head_dim != D)
-               throw py::value_error("store: " + std::to_string(st.config().n_kv_heads) + " KV heads of dim " +
-                                     std::to_string(st.config().head_dim) + ", the layer has " + std::to_string(KVH) +
-                                     " of dim " + std::to_string(D));
+             lc_layer_check(L, st, "the layer");
              auto x = kv_arg<float>(x_obj, "x", {L.dim});
+             const int D = L.layer->weights().head_dim;
              auto c = kv_arg<float>(cos_obj, "cos", {D});
              auto s = kv_arg<float>(sin_obj, "sin", {D});
              if (!x.writeable()) throw py::value_error("x: must be writeable");
              LcStepArgs a;
-             lc_step_args(st, a, H, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part, blocks_obj, mode, k_sel,
-                          exclude, allowed, out_ids);
+             lc_step_args(st, a, L.layer->weights().n_heads, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part,
+                          blocks_obj, mode, k_sel, exclude, allowed, out_ids);
              float* xp = x.mutable_data();
              const float *cp = c.data(), *sp = s.data();
              py::gil_scoped_release nogil;
-             thread_local std::vector<float> buf;
-             buf.resize(size_t(L.n_qkv + L.n_attn));
-             float *qkv = buf.data(), *attn = qkv + L.n_qkv;
-             L.layer->qkv(xp, cp, sp, qkv, n_threads);
-             for (int64_t i = 0; i < int64_t(H) * D; ++i)  // as the store would, before anything is written
-               if (!std::isfinite(qkv[i])) throw std::invalid_argument("q is not finite (the layer's input overflowed?)");
-             ktq::long_context_decode_step(st, layer, qkv, H, qkv + int64_t(H) * D, qkv + int64_t(H + KVH) * D, a.win,
-                                           scale, n_threads, a.part, a.blocks, a.sel.req, a.ids, a.cols, attn);
-             L.layer->out(attn, xp, n_threads);
+             lc_block_step(L, st, layer, a, xp, cp, sp, scale, n_threads);
            }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("layer"), py::arg("win_k"),
            py::arg("win_v"), py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"),
            py::arg("n_threads"), py::arg("part"), py::arg("blocks"), py::arg("mode"), py::arg("k_sel"),
            py::arg("exclude"), py::arg("allowed"), py::arg("out_ids"),
            "The whole decode step of the block in long_context mode: qkv(), KVStore.decode_step() on its q/k/v "
            "(same window and store-part arguments), out(); x [dim] updated in place.");
+
+  m.def("rms_norm", [](const py::handle& x_obj, const py::handle& w_obj, float eps, const py::handle& out_obj) {
+          auto x = kv_arg<float>(x_obj, "x", {-1});
+          auto w = kv_arg<float>(w_obj, "w", {x.shape(0)});
+          auto o = kv_arg<float>(out_obj, "out", {x.shape(0)});
+          if (!o.writeable()) throw py::value_error("out: must be writeable");
+          if (!(eps >= 0.f)) throw py::value_error("eps must be >= 0, got " + std::to_string(eps));
+          const float *xp = x.data(), *wp = w.data();
+          float* op = o.mutable_data();
+          py::gil_scoped_release nogil;
+          ktq::rms_norm(xp, wp, x.shape(0), eps, op);
+        }, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("out"),
+        "out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] for x, w, out [n] fp32 (the decode stages' RMSNorm).");
+
+  m.def("decode_token_long_context", [](const py::list& layers, const py::handle& x_obj, const py::handle& cos_obj,
+                                        const py::handle& sin_obj, ktq::KVStore& st, const py::list& windows,
+                                        int64_t w0, int64_t width, int64_t skip0, int64_t skip1, float scale,
+                                        int n_threads, const py::list& steps) {
+          const int n = st.config().n_layers;
+          if (int(py::len(layers)) != n || int(py::len(windows)) != n || int(py::len(steps)) != n)
+            throw py::value_error("layers, windows and steps: expected one per store layer (" + std::to_string(n) +
+                                  "), got " + std::to_string(py::len(layers)) + ", " +
+                                  std::to_string(py::len(windows)) + " and " + std::to_string(py::len(steps)));
+          // Every argument of every layer is checked before the first layer runs.
+          std::vector<PyDecodeLayer*> ls(n);
+          std::vector<LcStepArgs> args(n);
+          for (int i = 0; i < n; ++i) {
+            const std::string at = "layer " + std::to_string(i);
+            if (!py::isinstance<PyDecodeLayer>(layers[i]))
+              throw py::type_error("layers[" + std::to_string(i) + "]: expected a DecodeLayer, got " +
+                                   py::str(py::type::of(layers[i])).cast<std::string>());
+            ls[i] = &layers[i].cast<PyDecodeLayer&>();
+            lc_layer_check(*ls[i], st, at.c_str());
+            if (ls[i]->dim != ls[0]->dim)
+              throw py::value_error(at + ": dim " + std::to_string(ls[i]->dim) + ", layer 0 has " +
+                                    std::to_string(ls[0]->dim));
+            const py::handle w = windows[i], s = steps[i];
+            if (!py::isinstance<py::tuple>(w) || py::len(w) != 2)
+              throw py::value_error("windows[" + std::to_string(i) + "]: expected a tuple (win_k, win_v)");
+            if (!py::isinstance<py::tuple>(s) || py::len(s) != 7)
+              throw py::value_error("steps[" + std::to_string(i) +
+                                    "]: expected a tuple (part, blocks, mode, k, exclude, allowed, out_ids)");
+            const py::tuple wt = py::reinterpret_borrow<py::tuple>(w), t = py::reinterpret_borrow<py::tuple>(s);
+            lc_step_args(st, args[i], ls[i]->layer->weights().n_heads, wt[0], wt[1], w0, width, skip0, skip1,
+                         n_threads, t[0].cast<int>(), t[1], t[2].cast<std::string>(), t[3], t[4], t[5], t[6]);
+          }
+          const int D = ls[0]->layer->weights().head_dim;
+          auto x = kv_arg<float>(x_obj, "x", {ls[0]->dim});
+          auto c = kv_arg<float>(cos_obj, "cos", {D});
+          auto s = kv_arg<float>(sin_obj, "sin", {D});
+          if (!x.writeable()) throw py::value_error("x: must be writeable");
+          float* xp = x.mutable_data();
+          const float *cp = c.data(), *sp = s.data();
+          py::gil_scoped_release nogil;
+          for (int i = 0; i < n; ++i) lc_block_step(*ls[i], st, i, args[i], xp, cp, sp, scale, n_threads);
+        }, py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("windows"),
+        py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"), py::arg("n_threads"),
+        py::arg("steps"),
+        "A whole token's long_context decode through every block in one call: DecodeLayer.step_long_context for "
+        "layer i = 0..n_layers-1 of the store with layers[i], windows[i] = (win_k, win_v) and steps[i] = (part, "
+        "blocks, mode, k, exclude, allowed, out_ids); all arguments are checked first. A step's blocks may be "
+        "an earlier step's out_ids (read after that step wrote them).");
 }
 
 }  // namespace

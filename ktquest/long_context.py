@@ -107,6 +107,19 @@ class _Selection:
 
 
 @dataclass(slots=True)
+class _TokenPlan:
+    """decode_token's per-layer step args (ops.KVStore.step_args) for context end ``lb``; the layers that
+    select (with their args: the out_ids buffers are reused from token to token), and those that attend
+    every block or reuse a selection (the statistics to count)."""
+
+    lb: int
+    steps: list
+    fresh: dict
+    full: list
+    reuse: list
+
+
+@dataclass(slots=True)
 class _Geometry:
     """Where the windows stand for the current pass (the same for every layer)."""
 
@@ -160,9 +173,12 @@ class LongContextCache:
         self._win_np = [(self.win_k[i].numpy(), self.win_v[i].numpy()) for i in range(self.n_layers)] \
             if self._native_decode else None
         self._all_blocks = torch.arange(-(-max_seq_len // self.bs), dtype=torch.int32)  # [max_blocks]
+        self._all_blocks_np = self._all_blocks.numpy()
         self._out = torch.empty(self.H, self.D)  # decode: the store part, fp32 [H, D]
         self._lse = torch.empty(self.H)  # [H]
         self._excl: tuple[int, np.ndarray | None] = (-1, None)  # (lb, exclude ranges) of the last selection
+        self._sel: list[_Selection | None] = []
+        self._sel_live: tuple | None = None  # (plan, lb, step): sel's entries still in decode_token's buffers
         self.reset()
 
     # ---- bookkeeping ----
@@ -178,7 +194,8 @@ class LongContextCache:
         self.stats = SelectionStats([0] * self.n_layers, [0] * self.n_layers, [0] * self.n_layers)
 
     def _forget_selection(self) -> None:
-        self.sel: list[_Selection | None] = [None] * self.n_layers
+        self.sel = [None] * self.n_layers
+        self._token_plan: _TokenPlan | None = None  # decode_token's plan, valid while nothing changes
         # per layer: [n_sets, N] int32 preselected blocks (-1 padded), and the context end it covers
         self.allowed: list[torch.Tensor | None] = [None] * self.n_layers
         self.allowed_np: list[np.ndarray | None] = [None] * self.n_layers  # numpy views of allowed (decode calls)
@@ -251,6 +268,7 @@ class LongContextCache:
             mask = None
             if drop > 0:
                 skip = (self.init_end, self.init_end + drop)
+            if drop > 0 and not self._native_decode:  # the native kernel skips the stretch itself
                 mask = torch.zeros(1, width, device=self.device)
                 mask[:, skip[0]: skip[1]] = float("-inf")
         else:
@@ -264,6 +282,7 @@ class LongContextCache:
         if T > 1:
             self.presel_pending = [self.lc.preselect_block] * self.n_layers
             self.sel = [None] * self.n_layers
+            self._token_plan = None
         else:
             self.decode_step += 1
 
@@ -388,6 +407,86 @@ class LongContextCache:
         self._native_done(layer, ids, lb, start_pos)
         return True
 
+    def decode_token(self, layers: list, x, cos, sin, start_pos: int, threads: int) -> bool:
+        """Every block's CPU decode step of one token in one native call (ops.KVStore.decode_token): the
+        blocks' ``fused`` stages ``layers`` [n_layers], x [dim] numpy (replaced by the last block's output),
+        the token's RoPE rows cos/sin [D] numpy. Each layer's plan (_plan: fixed blocks or a fresh selection,
+        with the same statistics) is made before the call; a layer that reuses a selection its layer_step
+        leader makes in this token reads the leader's ids as the native call wrote them. False (nothing done)
+        where decode_block() would decline, so the caller goes layer by layer."""
+        lc = self.lc
+        if not self._native_decode or (lc.ada_budget and lc.head_select_mode == "SEPARATE") \
+                or len(layers) != self.n_layers:
+            return False
+        self._begin_pass(start_pos, 1)
+        lb = self.geo.loc0 // self.bs
+        plan = self._token_plan
+        if plan is not None and plan.lb == lb:  # the same plan as the last token: only the counters move
+            st = self.stats
+            for layer in plan.full:
+                st.full_calls[layer] += 1
+            for layer in plan.reuse:
+                st.reuse_calls[layer] += 1
+            for layer in plan.fresh:
+                st.select_calls[layer] += 1
+        else:  # (the same plan's next token replaces all of its picks: only a new plan needs the old ones)
+            self._flush_sel()
+            plan = self._make_token_plan(lb)
+        g = self.geo
+        try:
+            self.store.decode_token(layers, x, cos, sin, self._win_np, self._window_row(start_pos), g.width,
+                                    g.skip, self.scale, threads, plan.steps)
+        except BaseException:
+            self.sel = [None] * self.n_layers  # the ids buffers may hold part of this token's picks
+            raise
+        # The selections stay in the plan's buffers; ``sel`` copies them out when it is read (one copy per
+        # layer per token would cost ~6 us a layer on the decode path, and the next token replaces them).
+        self._sel_live = (plan, lb, self.decode_step)
+        self.pos = start_pos + 1
+        return True
+
+    @property
+    def sel(self) -> list[_Selection | None]:
+        """Each layer's last selection (None: none yet)."""
+        if self._sel_live is not None:
+            self._flush_sel()
+        return self._sel
+
+    def _flush_sel(self) -> None:
+        """Copy decode_token's picks of its last token out of its plan's buffers into ``sel``."""
+        live, self._sel_live = self._sel_live, None
+        if live is not None:
+            plan, lb, step = live
+            for layer, args in plan.fresh.items():  # [n_sets, cols], a fresh tensor per selection
+                self._sel[layer] = _Selection(torch.from_numpy(args[6].copy()), lb, step)
+
+    @sel.setter
+    def sel(self, value: list[_Selection | None]) -> None:
+        self._sel_live = None
+        self._sel = value
+
+    def _make_token_plan(self, lb: int) -> _TokenPlan:
+        """Every layer's step args for a decode token (_plan, with its statistics), kept for the next tokens
+        when they would plan the same: every selection due at every token (token_step 1), nothing pending,
+        the same context end."""
+        steps, fresh = [], {}  # fresh: layer -> its step args, for the layers that select in this token
+        full, reuse = [], []
+        st = self.stats
+        for layer in range(self.n_layers):
+            n_full, n_reuse = st.full_calls[layer], st.reuse_calls[layer]
+            blocks, select = self._plan(layer, None, lb, fresh) if lb > self.ib else (None, None)
+            args = self.store.step_args(layer, blocks, select)
+            if select is not None:
+                fresh[layer] = args
+            elif st.full_calls[layer] != n_full:
+                full.append(layer)
+            elif st.reuse_calls[layer] != n_reuse:
+                reuse.append(layer)
+            steps.append(args)
+        plan = _TokenPlan(lb, steps, fresh, full, reuse)
+        self._token_plan = plan if self.lc.token_step == 1 and lb > self.ib else None
+        return plan
+
     def _decode_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        start_pos: int) -> torch.Tensor:
         """attend() for one token on the CPU in one native call (cpp/lc_decode.h): window write, dense window
@@ -431,11 +530,13 @@ class LongContextCache:
             ids = ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1])
         self.sel[layer] = _Selection(ids, lb, self.decode_step)  # ids: a fresh tensor per call
 
-    def _plan(self, layer: int, qc: torch.Tensor, lb: int) -> tuple[torch.Tensor | None, tuple | None]:
+    def _plan(self, layer: int, qc: torch.Tensor, lb: int,
+              fresh: dict | None = None) -> tuple[torch.Tensor | None, tuple | None]:
         """Which context blocks a decode step of ``layer`` attends to: (blocks, None) for a fixed list (dense
         layers, a reused selection), or (None, (k, mode, exclude_ranges, allowed)) for a fresh selection.
         qc: [H, D] fp32 CPU (only read for Ada-KV budgets in SEPARATE mode; may be None otherwise). Keeps the
-        call statistics and runs a pending preselection."""
+        call statistics and runs a pending preselection. fresh (decode_token): the step args of the layers
+        that select in this token but have not run yet; a follower of one of them reuses its out_ids."""
         lc, st = self.lc, self.stats
         if layer < lc.dense_layer_num:
             st.full_calls[layer] += 1
@@ -443,6 +544,9 @@ class LongContextCache:
         if self.presel_pending[layer]:
             self._preselect(layer, lb)
         leader = layer - (layer - lc.dense_layer_num) % lc.layer_step  # layer_step groups reuse its selection
+        if fresh is not None and leader != layer and leader in fresh:
+            st.reuse_calls[layer] += 1
+            return torch.from_numpy(fresh[leader][6]), None  # [n_sets, cols], filled by the leader's step
         sel = self.sel[leader]
         due = sel is None or (layer == leader and self.decode_step - sel.step >= lc.token_step)
         if not due:
@@ -482,8 +586,11 @@ class LongContextCache:
         allowed, a_lb = self.allowed[layer], self.allowed_lb[layer]
         if allowed is None or lb <= a_lb:
             return allowed
-        new = self._all_blocks[a_lb: lb].expand(allowed.shape[0], lb - a_lb)
-        self._set_allowed(layer, torch.cat([allowed, new], 1).contiguous(), lb)
+        a = self.allowed_np[layer]  # numpy: torch.cat and friends cost several times more on the decode path
+        ext = np.empty((a.shape[0], a.shape[1] + lb - a_lb), np.int32)
+        ext[:, : a.shape[1]] = a
+        ext[:, a.shape[1]:] = self._all_blocks_np[a_lb: lb]
+        self._set_allowed(layer, torch.from_numpy(ext), lb)
         return self.allowed[layer]
 
     def _set_allowed(self, layer: int, allowed: torch.Tensor, lb: int) -> None:

@@ -351,6 +351,20 @@ class KVStore:
                                 threads, part, b, mode, ks, excl, allow, ids)
         return self._step_ids(ids, mode)
 
+    def decode_token(self, layers: list, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, windows: list,
+                     w0: int, width: int, skip: tuple[int, int], scale: float, threads: int, steps: list) -> None:
+        """A whole token's long_context decode through every layer in one native call: decode_block() for
+        layer i = 0..n_layers-1 with ``layers[i]`` (a ``_C.DecodeLayer``), ``windows[i]`` = (win_k, win_v)
+        numpy views and ``steps[i]`` = step_args(i, blocks, select). x, cos, sin: numpy [dim], [D], [D]; x is
+        replaced by the last block's output. A step's blocks may be an earlier step's out_ids (a tensor view
+        of them): they are read after that layer wrote them. The selected ids land in the steps' out_ids."""
+        _C.decode_token_long_context(layers, x, cos, sin, self._st, windows, w0, width, skip[0], skip[1],
+                                     float(scale), threads, steps)
+
+    def step_args(self, layer: int, blocks, select) -> tuple:
+        """decode_block()'s store part as the native call takes it (see _step_args)."""
+        return self._step_args(layer, blocks, select)
+
     def _step_args(self, layer: int, blocks, select):
         """decode_step's store part: (part, blocks, mode, k, exclude, allowed, out_ids) for the binding."""
         if select is not None:

@@ -313,12 +313,15 @@ def test_prompt_longer_than_max_seq_len_is_refused_before_work(tiny_llama):
 @pytest.mark.parametrize("name,kw", [
     ("quest", {}),                                           # fresh selections; 1 dense layer (attend all)
     ("quest", {"token_step": 3, "head_select_mode": "SHARED"}),  # reused selections, extended; one shared set
+    ("quest", {"layer_step": 2, "dense_layer_num": 0}),      # layer 1 reads layer 0's picks of the token
+    ("snapkv", {"layer_step": 3, "head_select_mode": "SHARED", "dense_layer_num": 0}),
     ("snapkv", {}),                                          # preselection, then select among the kept blocks
     ("ada_quest", {}),                                       # Ada-KV decode budgets: the per-call fallback
 ])
 def test_native_block_step_matches_the_per_call_path(tiny_llama, name, kw):
-    """A block's whole decode step as one native call (DecodeLayer.step_long_context) gives the logits,
-    the selections and the call statistics of the qkv / attend / out path on the same Q8_0 weights."""
+    """A block's whole decode step as one native call (DecodeLayer.step_long_context), and a whole token's
+    (LongContextCache.decode_token: every block in one call), give the logits, the selections and the call
+    statistics of the qkv / attend / out path on the same Q8_0 weights."""
     from ktquest.linear import set_decode_weights
 
     model, _ = load_model(tiny_llama.path)
@@ -329,23 +332,30 @@ def test_native_block_step_matches_the_per_call_path(tiny_llama, name, kw):
     cfg = dataclasses.replace(preset(name, **lc), chunk_size=16, max_seq_len=256)
     prompt = torch.arange(3, 70) * 7 % 250
     runs = []
-    for native in (False, True):
+    for native in ("calls", "block", "token"):
         for block in model.layers:
             assert block.enable_fused_decode(threads=2)
         cache = LongContextCache(model.args, cfg, 256)
-        if not native:  # the three-call path: qkv, cache.attend, out
+        if native != "token":  # layer by layer
+            cache.decode_token = lambda *a, **k: False
+        if native == "calls":  # the three-call path: qkv, cache.attend, out
             cache.decode_block = lambda *a, **k: False
         with torch.inference_mode():
             logits = [prefill(model, cache, prompt, 16)]
-            for tok in (5, 9, 11, 200, 7, 31, 64, 2, 90, 17):
+            for i, tok in enumerate((5, 9, 11, 200, 7, 31, 64, 2, 90, 17, 3, 8, 40, 41)):
                 logits.append(decode_one_token(model, cache, tok))
+                if i == 6:  # the selections read half-way (decode_token keeps them in its buffers until read)
+                    mid = [None if s is None else s.ids.clone() for s in cache.sel]
         sel = [None if s is None else s.ids.clone() for s in cache.sel]
-        runs.append((torch.cat(logits), sel, dataclasses.asdict(cache.stats)))
-    (l0, s0, st0), (l1, s1, st1) = runs
-    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
-    assert st1 == st0 and sum(st0["select_calls"]) > 0
-    for a, b in zip(s0, s1):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        runs.append((torch.cat(logits), mid + sel, dataclasses.asdict(cache.stats)))
+    (l0, s0, st0) = runs[0]
+    assert sum(st0["select_calls"]) > 0
+    assert (sum(st0["reuse_calls"]) > 0) == (cfg.long_context.token_step > 1 or cfg.long_context.layer_step > 1)
+    for l1, s1, st1 in runs[1:]:
+        torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
+        assert st1 == st0
+        for a, b in zip(s0, s1):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
 
 def test_native_decode_step_checks_its_arguments():
@@ -365,3 +375,46 @@ def test_native_decode_step_checks_its_arguments():
     with pytest.raises(ValueError, match="non-finite"):
         st.decode_step(0, torch.full((H, D), float("nan")), k, v, wk, wv, 1, 2, (0, 0), D ** -0.5, 1, out)
     assert st.length(0) == 1  # refused calls append nothing
+
+
+def test_native_token_step_checks_every_layer_first(tiny_llama):
+    """decode_token_long_context checks every layer's arguments before the first layer runs."""
+    import numpy as np
+
+    from ktquest import _C
+    from ktquest.linear import set_decode_weights
+
+    model, _ = load_model(tiny_llama.path)
+    set_decode_weights(model, "q8_0", threads=1)
+    for block in model.layers:
+        assert block.enable_fused_decode(threads=1)
+    a, L = model.args, model.args.n_layers
+    cache = LongContextCache(a, preset("quest", block_size=4, init_windows_len=4, local_windows_len=8), 64)
+    st = cache.store
+    layers = [b.fused for b in model.layers]
+    x, cs = np.zeros(a.dim, np.float32), np.zeros(a.head_dim, np.float32)
+    none = st.step_args(0, None, None)
+    wins = cache._win_np
+
+    def call(layers=layers, x=x, windows=wins, steps=[none] * L, store=st._st):
+        _C.decode_token_long_context(layers, x, cs, cs, store, windows, 0, 1, 0, 0, 0.125, 1, steps)
+
+    with pytest.raises(ValueError, match=f"one per store layer \\({L}\\), got {L - 1}"):
+        call(layers=layers[:-1])
+    with pytest.raises(TypeError, match=r"layers\[1\]: expected a DecodeLayer"):
+        call(layers=[layers[0], "not a layer"])
+    with pytest.raises(ValueError, match=r"steps\[1\]: expected a tuple \(part, blocks"):
+        call(steps=[none, none[:3]])
+    bad = (1, np.zeros((a.n_kv_heads + 1, 2), np.int32)) + none[2:]  # 1 or n_kv_heads rows
+    with pytest.raises(ValueError, match="blocks: expected 1 \\(shared\\) or n_kv_heads"):
+        call(steps=[none, bad])
+    with pytest.raises(ValueError, match=r"windows\[0\]: expected a tuple"):
+        call(windows=[wins[0][0]] + wins[1:])
+    with pytest.raises(ValueError, match=r"x: expected shape"):
+        call(x=np.zeros(a.dim + 1, np.float32))
+    other = KVStore(L, a.n_kv_heads + 1, a.head_dim, max_seq_len=64, block_size=4)
+    with pytest.raises(ValueError, match="KV heads"):
+        call(store=other._st)
+    assert all(st.length(i) == 0 for i in range(L))  # nothing ran
+    call()  # the same call with good arguments: one token in every layer's store
+    assert all(st.length(i) == 1 for i in range(L))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ktquest.generate import prefill
+from ktquest.generate import decode_one_token, prefill
 from ktquest.gguf_loader import load_model
 from ktquest.kv_cache import DenseKVCache
 
@@ -198,17 +198,42 @@ def test_fused_decode_matches_the_torch_block(tiny_model):
     assert set_decode_weights(model, "q8_0", threads=2) > 0
     tokens = prompt_ids(40, model.args.vocab_size)
     runs = []
-    for fused in (False, True):
+    for fused in ("torch", "stages", "native"):  # torch ops; forward() on the native stages; decode_native()
         for block in model.layers:
-            assert block.enable_fused_decode(threads=2) if fused else block.fused is None
+            assert block.enable_fused_decode(threads=2) if fused != "torch" else block.fused is None
         cache = make_cache(model, 64)
         with torch.inference_mode():
             prefill(model, cache, tokens[:30], chunk_size=16)
-            runs.append(torch.cat([model(tokens[i:i + 1], i, cache) for i in range(30, 40)]))
+            if fused == "native":  # embedding row, stages, native RMSNorm and LM head GEMV: no torch op
+                assert model.decode_native(int(tokens[30]), 30, cache) is not None
+                runs.append(torch.stack([decode_one_token(model, cache, int(tokens[i])) for i in range(31, 40)]))
+            else:
+                runs.append(torch.cat([model(tokens[i:i + 1], i, cache) for i in range(30, 40)]))
         for block in model.layers:
             block.fused = None
     # fp32 throughout; the native RMSNorm sums in double and the RoPE/SwiGLU loops round in another order.
     torch.testing.assert_close(runs[1], runs[0], atol=FP32_ATOL, rtol=FP32_RTOL)
+    torch.testing.assert_close(runs[2], runs[1][1:], atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def test_decode_native_refuses_bad_tokens_and_positions(tiny_llama):
+    from ktquest.linear import set_decode_weights
+
+    model, _ = load_model(tiny_llama.path)
+    assert model.decode_native(1, 0, make_cache(model, 8)) is None  # no Q8_0 head: the caller takes forward()
+    set_decode_weights(model, "q8_0", threads=1)
+    for block in model.layers:
+        assert block.enable_fused_decode(threads=1)
+    cache = make_cache(model, 8)
+    V = model.args.vocab_size
+    with pytest.raises(IndexError, match=f"token id {V} is outside the vocabulary"):
+        model.decode_native(V, 0, cache)
+    with pytest.raises(IndexError, match="token id -1"):
+        model.decode_native(-1, 0, cache)
+    with pytest.raises(ValueError, match="rope tables"):
+        model.decode_native(1, model.max_seq_len, cache)
+    assert cache.pos == 0
+    assert model.decode_native(1, 0, cache).shape == (V,) and cache.pos == 1
 
 
 def test_fused_decode_needs_every_q8_weight(tiny_llama):
@@ -240,3 +265,20 @@ def test_fused_decode_layer_checks_its_arguments(tiny_llama):
         _C.DecodeLayer(norm, norm, 1e-5, packs[0], packs[0], packs[2], packs[3], a.n_heads, a.n_kv_heads, a.head_dim)
     with pytest.raises(ValueError, match="multiple of n_kv_heads"):
         _C.DecodeLayer(norm, norm, 1e-5, *packs, a.n_heads + 1, a.n_kv_heads, a.head_dim)
+
+
+def test_native_rms_norm_matches_torch():
+    import numpy as np
+
+    from ktquest import _C
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(576, generator=g) * 3, torch.randn(576, generator=g)
+    ref = torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5).float()  # torch reference
+    out = np.empty(576, np.float32)
+    _C.rms_norm(x.numpy(), w.numpy(), 1e-5, out)
+    torch.testing.assert_close(torch.from_numpy(out), ref, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"w: expected shape \[576\]"):
+        _C.rms_norm(x.numpy(), w[:5].numpy(), 1e-5, out)
+    with pytest.raises(TypeError, match="out: expected a numpy array of dtype float32"):
+        _C.rms_norm(x.numpy(), w.numpy(), 1e-5, out.astype(np.float64))

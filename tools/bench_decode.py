@@ -34,7 +34,7 @@ import ktquest  # noqa: E402
 from ktquest.bundled import bundled_model_path  # noqa: E402
 from ktquest.config import load_config  # noqa: E402
 from ktquest.engine import make_cache  # noqa: E402
-from ktquest.generate import decode_one_token, prefill  # noqa: E402
+from ktquest.generate import decode_one_token, prefill, sample  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}
 
@@ -74,7 +74,7 @@ class KtquestRunner:
         cache, tok = st
         t0 = time.perf_counter()
         for _ in range(n):
-            tok = int(decode_one_token(self.eng.model, cache, tok).argmax())
+            tok = sample(decode_one_token(self.eng.model, cache, tok), 0.0, 0, 1.0)  # greedy, as chat's
         st[1] = tok
         return time.perf_counter() - t0
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -202,6 +203,48 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args, self.max_seq_len, emb.dtype, emb.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [S, D]
         self.register_buffer("rope_sin", sin, persistent=False)  # [S, D]
+        self._native: tuple = (None, ())  # (the LM head's Q8_0 pack, decode_native's numpy views of it all)
+
+    def decode_native(self, token: int, start_pos: int, cache: AttentionCache) -> torch.Tensor | None:
+        """forward() of one token on the CPU without torch ops: the embedding row, every block's native
+        stages (the whole token in one call where the cache has ``decode_token``), the final RMSNorm and
+        the LM head's Q8_0 GEMV. Logits [V], or None where the native stages do not cover the model (the
+        caller then runs forward()). Between tokens the caches are cold (the weights streamed through
+        them), and a torch op then costs 100-200 us, so every one of them counts."""
+        head, nat = self._native
+        if head is not self.output._q8:  # first call, or the decode weights changed
+            head, nat = self._native = (self.output._q8, self._native_parts())
+        if not nat or not self._all_fused:
+            return None
+        if not 0 <= start_pos < self.max_seq_len:
+            raise ValueError(f"positions {start_pos}..{start_pos} exceed the model's rope tables "
+                             f"(max_seq_len {self.max_seq_len})")
+        from ktquest import _C
+
+        emb, cos, sin, norm_w, (qw, dw, b), threads = nat
+        if not 0 <= token < emb.shape[0]:
+            raise IndexError(f"token id {token} is outside the vocabulary (0..{emb.shape[0] - 1})")
+        x = emb[token].copy()  # [dim]
+        rows = (x, cos[start_pos], sin[start_pos])
+        native = getattr(cache, "decode_token", None)
+        if native is None or not native([layer.fused for layer in self.layers], *rows, start_pos, threads):
+            xt = torch.from_numpy(x)[None]  # [1, dim], x's memory
+            for layer in self.layers:
+                layer.decode_fused(xt, rows, start_pos, cache)
+        xn = np.empty_like(x)
+        _C.rms_norm(x, norm_w, self.norm.eps, xn)
+        logits = np.empty((1, qw.shape[0]), np.float32)
+        _C.gemv_q8_0(xn[None], qw, dw, b, logits, threads)
+        return torch.from_numpy(logits[0])  # [V]
+
+    def _native_parts(self) -> tuple:
+        """numpy views for decode_native (embedding [V, dim], rope cos/sin [S, D], final norm weight [dim],
+        the LM head's Q8_0 pack, threads), or () where the model is not fp32 on the CPU with a Q8_0 head."""
+        emb = self.tok_embeddings
+        if emb.device.type != "cpu" or emb.dtype != torch.float32 or self.output._q8 is None:
+            return ()
+        return (emb.detach().numpy(), self.rope_cos.numpy(), self.rope_sin.numpy(),
+                self.norm.weight.detach().numpy(), self.output._q8, self.output._threads)
 
     @property
     def _all_fused(self) -> bool:
@@ -222,8 +265,11 @@ class Transformer(nn.Module):
             # One token on the native stages: the numpy views once per token, not per layer, and no module
             # dispatch (a few microseconds a layer, against ~300 of work).
             rows = (x[0].numpy(), cos[0, 0].numpy(), sin[0, 0].numpy())
-            for layer in self.layers:
-                layer.decode_fused(x, rows, start_pos, cache)
+            native = getattr(cache, "decode_token", None)  # every block in one native call (long_context)
+            if native is None or not native([layer.fused for layer in self.layers], *rows, start_pos,
+                                            self.layers[0].threads):
+                for layer in self.layers:
+                    layer.decode_fused(x, rows, start_pos, cache)
         else:
             for layer in self.layers:
                 x = layer(x, start_pos, cos, sin, cache)
