@@ -494,12 +494,13 @@ ktq::Q8Matrix q8_matrix(PyDecodeLayer& L, const py::handle& q_obj, const py::han
   return m;
 }
 
-// The layer's heads match the store's.
-void lc_layer_check(const PyDecodeLayer& L, const ktq::KVStore& st, const char* what) {
+// The layer's heads match the store's. index: the layer's place in a whole-token call, or -1.
+void lc_layer_check(const PyDecodeLayer& L, const ktq::KVStore& st, int index) {
   const ktq::DecodeLayerWeights& w = L.layer->weights();
   if (st.config().n_kv_heads != w.n_kv_heads || st.config().head_dim != w.head_dim)
     throw py::value_error("store: " + std::to_string(st.config().n_kv_heads) + " KV heads of dim " +
-                          std::to_string(st.config().head_dim) + ", " + what + " has " +
+                          std::to_string(st.config().head_dim) + ", " +
+                          (index < 0 ? std::string("the layer") : "layer " + std::to_string(index)) + " has " +
                           std::to_string(w.n_kv_heads) + " of dim " + std::to_string(w.head_dim));
 }
 
@@ -597,7 +598,7 @@ void bind_decode_layer(py::module_& m) {
                                    float scale, int n_threads, int part, const py::handle& blocks_obj,
                                    const std::string& mode, const py::handle& k_sel, const py::handle& exclude,
                                    const py::handle& allowed, const py::handle& out_ids) {
-             lc_layer_check(L, st, "the layer");
+             lc_layer_check(L, st, -1);
              auto x = kv_arg<float>(x_obj, "x", {L.dim});
              const int D = L.layer->weights().head_dim;
              auto c = kv_arg<float>(cos_obj, "cos", {D});
@@ -643,15 +644,14 @@ void bind_decode_layer(py::module_& m) {
           std::vector<PyDecodeLayer*> ls(n);
           std::vector<LcStepArgs> args(n);
           for (int i = 0; i < n; ++i) {
-            const std::string at = "layer " + std::to_string(i);
             if (!py::isinstance<PyDecodeLayer>(layers[i]))
               throw py::type_error("layers[" + std::to_string(i) + "]: expected a DecodeLayer, got " +
                                    py::str(py::type::of(layers[i])).cast<std::string>());
             ls[i] = &layers[i].cast<PyDecodeLayer&>();
-            lc_layer_check(*ls[i], st, at.c_str());
+            lc_layer_check(*ls[i], st, i);
             if (ls[i]->dim != ls[0]->dim)
-              throw py::value_error(at + ": dim " + std::to_string(ls[i]->dim) + ", layer 0 has " +
-                                    std::to_string(ls[0]->dim));
+              throw py::value_error("layer " + std::to_string(i) + ": dim " + std::to_string(ls[i]->dim) +
+                                    ", layer 0 has " + std::to_string(ls[0]->dim));
             const py::handle w = windows[i], s = steps[i];
             if (!py::isinstance<py::tuple>(w) || py::len(w) != 2)
               throw py::value_error("windows[" + std::to_string(i) + "]: expected a tuple (win_k, win_v)");

@@ -452,6 +452,11 @@ class LongContextCache:
             self._flush_sel()
         return self._sel
 
+    @sel.setter
+    def sel(self, value: list[_Selection | None]) -> None:
+        self._sel_live = None
+        self._sel = value
+
     def _flush_sel(self) -> None:
         """Copy decode_token's picks of its last token out of its plan's buffers into ``sel``."""
         live, self._sel_live = self._sel_live, None
@@ -460,28 +465,19 @@ class LongContextCache:
             for layer, args in plan.fresh.items():  # [n_sets, cols], a fresh tensor per selection
                 self._sel[layer] = _Selection(torch.from_numpy(args[6].copy()), lb, step)
 
-    @sel.setter
-    def sel(self, value: list[_Selection | None]) -> None:
-        self._sel_live = None
-        self._sel = value
-
     def _make_token_plan(self, lb: int) -> _TokenPlan:
         """Every layer's step args for a decode token (_plan, with its statistics), kept for the next tokens
         when they would plan the same: every selection due at every token (token_step 1), nothing pending,
         the same context end."""
         steps, fresh = [], {}  # fresh: layer -> its step args, for the layers that select in this token
-        full, reuse = [], []
-        st = self.stats
+        full, reuse = [], []  # the layers _plan counted as attending every block / reusing a selection
         for layer in range(self.n_layers):
-            n_full, n_reuse = st.full_calls[layer], st.reuse_calls[layer]
             blocks, select = self._plan(layer, None, lb, fresh) if lb > self.ib else (None, None)
             args = self.store.step_args(layer, blocks, select)
             if select is not None:
                 fresh[layer] = args
-            elif st.full_calls[layer] != n_full:
-                full.append(layer)
-            elif st.reuse_calls[layer] != n_reuse:
-                reuse.append(layer)
+            elif blocks is not None:
+                (full if layer < self.lc.dense_layer_num else reuse).append(layer)
             steps.append(args)
         plan = _TokenPlan(lb, steps, fresh, full, reuse)
         self._token_plan = plan if self.lc.token_step == 1 and lb > self.ib else None

@@ -326,7 +326,7 @@ class KVStore:
         """
         f32 = (torch.float32,)
         qn = self._q(q)
-        part, b, mode, ks, excl, allow, ids = self._step_args(layer, blocks, select)
+        part, b, mode, ks, excl, allow, ids = self.step_args(layer, blocks, select)
         self._st.decode_step(layer, qn, _np(k, "k", f32, 2), _np(v, "v", f32, 2), _np(win_k, "win_k", f32, 3),
                              _np(win_v, "win_v", f32, 3), w0, width, skip[0], skip[1], float(scale), threads, part, b,
                              mode, ks, excl, allow, ids, _np(out, "out", f32, 2))
@@ -340,7 +340,7 @@ class KVStore:
         arguments; x, cos, sin, win_k and win_v may also be numpy views), and the block's output replaces x in
         place. Returns the selected ids or None."""
         f32 = (torch.float32,)
-        part, b, mode, ks, excl, allow, ids = self._step_args(layer, blocks, select)
+        part, b, mode, ks, excl, allow, ids = self.step_args(layer, blocks, select)
         # numpy views go straight to the binding, which checks them as it checks every array
         x = x if type(x) is np.ndarray else _np(x, "x", f32, 1)
         cos = cos if type(cos) is np.ndarray else _np(cos, "cos", f32, 1)
@@ -362,10 +362,6 @@ class KVStore:
                                      float(scale), threads, steps)
 
     def step_args(self, layer: int, blocks, select) -> tuple:
-        """decode_block()'s store part as the native call takes it (see _step_args)."""
-        return self._step_args(layer, blocks, select)
-
-    def _step_args(self, layer: int, blocks, select):
         """decode_step's store part: (part, blocks, mode, k, exclude, allowed, out_ids) for the binding."""
         if select is not None:
             mode, ks, excl, allow, ids = self._request(layer, select[0], select[1], select[2], select[3])

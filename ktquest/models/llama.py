@@ -221,21 +221,26 @@ class Transformer(nn.Module):
                              f"(max_seq_len {self.max_seq_len})")
         from ktquest import _C
 
-        emb, cos, sin, norm_w, (qw, dw, b), threads = nat
+        emb, cos, sin, norm_w, (qw, dw, b), head_threads = nat
         if not 0 <= token < emb.shape[0]:
             raise IndexError(f"token id {token} is outside the vocabulary (0..{emb.shape[0] - 1})")
         x = emb[token].copy()  # [dim]
-        rows = (x, cos[start_pos], sin[start_pos])
-        native = getattr(cache, "decode_token", None)
-        if native is None or not native([layer.fused for layer in self.layers], *rows, start_pos, threads):
-            xt = torch.from_numpy(x)[None]  # [1, dim], x's memory
-            for layer in self.layers:
-                layer.decode_fused(xt, rows, start_pos, cache)
+        self._decode_blocks(torch.from_numpy(x)[None], (x, cos[start_pos], sin[start_pos]), start_pos, cache)
         xn = np.empty_like(x)
         _C.rms_norm(x, norm_w, self.norm.eps, xn)
         logits = np.empty((1, qw.shape[0]), np.float32)
-        _C.gemv_q8_0(xn[None], qw, dw, b, logits, threads)
+        _C.gemv_q8_0(xn[None], qw, dw, b, logits, head_threads)
         return torch.from_numpy(logits[0])  # [V]
+
+    def _decode_blocks(self, x: torch.Tensor, rows: tuple, start_pos: int, cache: AttentionCache) -> None:
+        """Every block's native decode step of one token, x [1, dim] updated in place; rows: numpy views of
+        (x[0], the token's RoPE cos row, its sin row). The whole token in one call where the cache has
+        ``decode_token`` (long_context), else block by block."""
+        native = getattr(cache, "decode_token", None)
+        if native is None or not native([layer.fused for layer in self.layers], *rows, start_pos,
+                                        self.layers[0].threads):
+            for layer in self.layers:
+                layer.decode_fused(x, rows, start_pos, cache)
 
     def _native_parts(self) -> tuple:
         """numpy views for decode_native (embedding [V, dim], rope cos/sin [S, D], final norm weight [dim],
@@ -264,12 +269,7 @@ class Transformer(nn.Module):
         if t == 1 and x.device.type == "cpu" and x.dtype == torch.float32 and self._all_fused:
             # One token on the native stages: the numpy views once per token, not per layer, and no module
             # dispatch (a few microseconds a layer, against ~300 of work).
-            rows = (x[0].numpy(), cos[0, 0].numpy(), sin[0, 0].numpy())
-            native = getattr(cache, "decode_token", None)  # every block in one native call (long_context)
-            if native is None or not native([layer.fused for layer in self.layers], *rows, start_pos,
-                                            self.layers[0].threads):
-                for layer in self.layers:
-                    layer.decode_fused(x, rows, start_pos, cache)
+            self._decode_blocks(x, (x[0].numpy(), cos[0, 0].numpy(), sin[0, 0].numpy()), start_pos, cache)
         else:
             for layer in self.layers:
                 x = layer(x, start_pos, cos, sin, cache)
