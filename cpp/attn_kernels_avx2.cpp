@@ -165,6 +165,7 @@ void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D,
     if (pk) prefetch_lines(pk + r * rb, NT * rb);
     logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, s, ss);
   }
+  if (pk && r < n) prefetch_lines(pk + r * rb, (n - r) * rb);  // rows left over: n % NT (8-row blocks, NT = 3: 2)
   for (; r < n; ++r) logits_rows<Dc, NG, 1>(k, ksc, rb, ns, r, D, q, s, ss);
 }
 
