@@ -92,4 +92,27 @@ void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, cons
   }
 }
 
+// ---- top-k ----
+
+int64_t top_k(const float* v, int64_t n, int64_t k, const int32_t* ids, int32_t* out, int32_t* keys) {
+  k = std::clamp<int64_t>(k, 0, n);
+  if (k == 0) return 0;
+  for (int64_t i = 0; i < n; ++i) keys[i] = topk_order_key(v[i]);
+  auto count_ge = [&](int32_t t) {
+    int32_t c = 0;
+    for (int64_t i = 0; i < n; ++i) c += keys[i] >= t;
+    return int64_t(c);
+  };
+  const int32_t kth = topk_kth_key(k, count_ge);
+  int64_t ties = k - (kth == INT32_MAX ? 0 : count_ge(kth + 1));
+  int64_t m = 0;
+  for (int64_t i = 0; i < n && m < k; ++i) {  // out[m] is in bounds: m < k
+    const int64_t eq = (keys[i] == kth) & (ties > 0);
+    ties -= eq;
+    out[m] = ids ? ids[i] : int32_t(i);
+    m += (keys[i] > kth) | eq;
+  }
+  return m;
+}
+
 }  // namespace ktq::scalar

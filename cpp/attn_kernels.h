@@ -5,6 +5,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 #include "kv_codec.h"
 
@@ -36,6 +38,32 @@ namespace ktq {
 // score_max: max-over-anchors block scores (FIXED / DYNAMIC): out[i] (+)= sum_g max_{j < cnt[i]} dot(q_g, a[i, j]).
 //   a: [n, A, D] fp32, cnt: [n] (>= 1), q: [G, D] unscaled, s: scratch of G * round_up(A, 8) + D floats.
 
+// top_k: the ids of the k largest of v[0, n) (0 <= k <= n), written to out in input order; returns how many
+// (min(k, n)). NaN counts as -inf and -0 as +0; of values equal to the k-th largest, the first ones in input
+// order are kept. ids: [n] the id of each value, or null for the index itself. keys: n int32 scratch.
+// Both twins find the k-th largest the same way: the largest order key T with at least k keys >= T, built
+// bit by bit (32 counting passes, branch-free, vectorised), then one branch-free compaction pass.
+
+// top_k's order key: an int32 whose signed order is the float order (NaN -> -inf's key, -0 -> +0's).
+inline int32_t topk_order_key(float x) {
+  if (x != x) x = -std::numeric_limits<float>::infinity();
+  if (x == 0.f) x = 0.f;
+  int32_t b;
+  std::memcpy(&b, &x, 4);
+  return b < 0 ? b ^ 0x7fffffff : b;  // negatives: larger magnitude, smaller key
+}
+
+// The k-th largest key (1 <= k <= n): the largest T with count_ge(T) >= k, from the top bit down.
+template <class CountGe>
+int32_t topk_kth_key(int64_t k, CountGe count_ge) {
+  uint32_t t = 0;  // T in unsigned order (signed key ^ 0x80000000)
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t c = t | (1u << bit);
+    if (count_ge(int32_t(c ^ 0x80000000u)) >= k) t = c;
+  }
+  return int32_t(t ^ 0x80000000u);
+}
+
 constexpr int kMaxTiles = 8;
 struct Tiles {
   const uint8_t* k[kMaxTiles];
@@ -58,6 +86,7 @@ void score_linear(const float* a, int64_t n, int L, const float* qe, float* out,
 void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
                bool accumulate, float* s);
+int64_t top_k(const float* v, int64_t n, int64_t k, const int32_t* ids, int32_t* out, int32_t* keys);
 }  // namespace scalar
 
 namespace avx2 {  // require D % 8 == 0
@@ -69,6 +98,7 @@ void score_linear(const float* a, int64_t n, int L, const float* qe, float* out,
 void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
                bool accumulate, float* s);
+int64_t top_k(const float* v, int64_t n, int64_t k, const int32_t* ids, int32_t* out, int32_t* keys);
 }  // namespace avx2
 
 }  // namespace ktq

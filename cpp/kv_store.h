@@ -58,6 +58,8 @@ struct StoreConfig {
 };
 
 // Wall time of the stages of the last select/attend call, seconds.
+// With cached candidates (SnapKV's preselection) a set is scored and cut in one task: topk_s is then the
+// top-k part of those tasks spread over the threads, score_s the rest of the pass.
 struct StageTiming {
   double score_s = 0, topk_s = 0, attend_s = 0;
 };
@@ -222,7 +224,9 @@ class KVStore {
   std::vector<float> cscores_;             // [n_sets, stride] scores of cached candidates
   std::vector<Cand> heap_;                 // top-k heaps, [n_sets, kcap]
   std::vector<float> topv_;                // top-k: score copies of the uncached path, [n_sets, candidates]
-  std::vector<int32_t> topkeys_;           // top-k: top_k_cut's scratch keys, [n_sets, candidates]
+  std::vector<int32_t> topids_;            // top-k: their block ids, [n_sets, candidates]
+  std::vector<int32_t> topkeys_;           // top-k: top_k's scratch keys, [n_sets, candidates]
+  std::vector<double> topk_task_s_;        // cached candidates: each set's top-k time (StageTiming split)
   std::vector<int64_t> task_start_;        // task ranges per set / head
   std::vector<int64_t> count_;             // [KVH] selected blocks per head
   std::vector<float> part_;                // split-K partials: [n_tasks, G, D + 2]

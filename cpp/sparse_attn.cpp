@@ -39,41 +39,6 @@ constexpr int64_t kParallelTopk = 512;        // top-k runs sets on threads from
 // to a worker costs more than it saves (workers spin between the calls of a decode step).
 constexpr int64_t kParallelBytes = 128 << 10;
 
-// Where the top k of v[0, n) end (1 <= k <= n, no NaN; -0 counts as +0): the k-th largest value, kth, and
-// how many values equal to it are kept, ties (the first ones in order; every value above it is kept). kth
-// is found bit by bit: the largest key T with at least k keys >= T, where key(x) is an int32 whose order is
-// x's. Each of the 32 steps is one branch-free counting pass that the compiler vectorises; for a few hundred
-// candidates it is about twice as fast as std::nth_element over a copy, whose comparisons are unpredictable
-// branches. keys: n scratch.
-struct TopKCut {
-  float kth;
-  int64_t ties;
-  bool keep(float x) { return x > kth || (x == kth && ties-- > 0); }  // every value once, in order
-};
-TopKCut top_k_cut(const float* v, int64_t n, int64_t k, int32_t* keys) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = v[i] == 0.f ? 0.f : v[i];
-    uint32_t b;
-    std::memcpy(&b, &x, 4);
-    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);  // unsigned order = float order
-    keys[i] = int32_t(b ^ 0x80000000u);               // signed order = float order
-  }
-  uint32_t t = 0;  // unsigned key, built from the top bit down
-  for (int bit = 31; bit >= 0; --bit) {
-    const uint32_t c = t | (1u << bit);
-    const int32_t cs = int32_t(c ^ 0x80000000u);
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; ++i) count += keys[i] >= cs;
-    if (count >= k) t = c;
-  }
-  t = (t & 0x80000000u) ? (t & 0x7fffffffu) : ~t;
-  float kth;
-  std::memcpy(&kth, &t, 4);
-  int64_t above = 0;
-  for (int64_t i = 0; i < n; ++i) above += v[i] > kth;
-  return {kth, k - above};
-}
-
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -377,35 +342,35 @@ void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_
     timing_.topk_s = seconds_since(t0);
     return;
   }
+  // One pass per set: its scores, then its top k (top_k: the k best in ascending id order, ties to the
+  // lower id, NaN as -inf; select_locked's rule), while the scores are still in L1 and with one hand-off to
+  // the workers instead of two.
   cscores_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
-  const int64_t bytes = n_cand * heads * int64_t(row);
-  ThreadPool::global().parallel_for(n_sets, bytes >= kParallelBytes ? cfg_.threads_num : 1, [&](int64_t s) {
-    for (int j = 0; j < heads; ++j)  // SHARED: every head's score summed in head order, as score_runs does
-      score_linear_rows(C.anchors.data() + (size_t(s) * heads + j) * stride * row, C.count[s],
-                        heads == 1 ? int(s) : j, cscores_.data() + s * stride, j > 0);
-  });
-  const auto t1 = Clock::now();
-  timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
-  // Top k of each set: the k-th best value (top_k_cut), then in ascending id order every
-  // candidate above it and the first ones equal to it (select_locked's rule; NaN counts as -inf).
   topkeys_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
-  const int topk_threads = n_sets > 1 && n_cand >= kParallelTopk ? cfg_.threads_num : 1;
-  ThreadPool::global().parallel_for(n_sets, topk_threads, [&](int64_t s) {
+  topk_task_s_.assign(n_sets, 0.0);
+  const int64_t bytes = n_cand * heads * int64_t(row);
+  const int threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
+  const auto pick_top_k = use_avx2() ? avx2::top_k : scalar::top_k;
+  ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) {
     const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
     if (k >= n) return copy_ids(int(s), n);
     int32_t* row_out = out_ids + s * int64_t(out_cols);
     if (k == 0) return std::fill(row_out, row_out + out_cols, -1);
     float* sc = cscores_.data() + s * stride;
-    for (int64_t i = 0; i < n; ++i)
-      if (std::isnan(sc[i])) sc[i] = kNegInf;
-    TopKCut cut = top_k_cut(sc, n, k, topkeys_.data() + s * stride);
-    const int32_t* ids = C.ids.data() + s * stride;
-    int64_t m = 0;
-    for (int64_t i = 0; i < n; ++i)
-      if (cut.keep(sc[i])) row_out[m++] = ids[i];
+    for (int j = 0; j < heads; ++j)  // SHARED: every head's score summed in head order, as score_runs does
+      score_linear_rows(C.anchors.data() + (size_t(s) * heads + j) * stride * row, n, heads == 1 ? int(s) : j, sc,
+                        j > 0);
+    const auto t1 = Clock::now();
+    const int64_t m = pick_top_k(sc, n, k, C.ids.data() + s * stride, row_out, topkeys_.data() + s * stride);
     std::fill(row_out + m, row_out + out_cols, -1);
+    topk_task_s_[s] = seconds_since(t1);
   });
-  timing_.topk_s = seconds_since(t1);
+  // The two stages share the pass: top-k's share is its tasks' time over the threads, scoring the rest.
+  const double total = seconds_since(t0);
+  double topk = 0;
+  for (double x : topk_task_s_) topk += x;
+  timing_.topk_s = std::min(total, topk / std::min<int64_t>(threads, n_sets));
+  timing_.score_s = total - timing_.topk_s;
 }
 
 void KVStore::select_locked(const Layer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
@@ -439,9 +404,9 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
   const auto t1 = Clock::now();
   timing_.score_s = std::chrono::duration<double>(t1 - t0).count();
 
-  // Few candidates per kept block (k >= n / kHeapRatio): find the k-th best score (top_k_cut, O(n)
-  // over a copy of the scores), then take, in ascending id order, every candidate above it and the
-  // first ones equal to it. Many: stream the candidates (ascending ids) through a k-heap; almost every one
+  // Few candidates per kept block (k >= n / kHeapRatio): top_k over a copy of the candidates' scores
+  // (the k-th best score in O(n) branch-free passes, then, in ascending id order, every candidate above it
+  // and the first ones equal to it). Many: stream the candidates (ascending ids) through a k-heap; almost every one
   // then loses to the worst kept at the first comparison, one predictable pass. Both keep exactly the top k
   // under the strict order of heap_less (higher score, then the lower id); NaN scores count as -inf.
   constexpr int64_t kHeapRatio = 64;
@@ -449,12 +414,13 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
     const int64_t n = runs_[s].prefix.back(), k = std::min<int64_t>(req.k_per_set[s], n);
     return k > 0 && k * kHeapRatio >= n;
   };
-  int64_t room = 0;  // topv_ and topkeys_ entries per set
+  int64_t room = 0;  // topv_, topids_ and topkeys_ entries per set
   for (int s = 0; s < n_sets; ++s)
     if (partition(s)) room = std::max(room, runs_[s].prefix.back());
   heap_.resize(size_t(n_sets) * std::max<int64_t>(kcap, 1));
   topv_.resize(size_t(n_sets) * room);
   topkeys_.resize(size_t(n_sets) * room);
+  topids_.resize(size_t(n_sets) * room);
   // Sets on threads from a few hundred candidates on (a few microseconds per set; the workers spin between
   // the calls of a decode step, so a hand-off costs about one).
   int64_t n_cand = 0;
@@ -469,12 +435,13 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
     int64_t n = 0;
     if (partition(int(s))) {
       float* v = topv_.data() + s * room;
-      float* vend = v;
-      R.each([&](int32_t b) { *vend++ = score(b); });
-      TopKCut cut = top_k_cut(v, vend - v, k, topkeys_.data() + s * room);
+      int32_t* ids = topids_.data() + s * room;
+      int64_t c = 0;
       R.each([&](int32_t b) {
-        if (cut.keep(score(b))) row[n++] = b;
+        v[c] = sc[b];  // top_k counts NaN as -inf
+        ids[c++] = b;
       });
+      n = (use_avx2() ? avx2::top_k : scalar::top_k)(v, c, k, ids, row, topkeys_.data() + s * room);
     } else if (k > 0) {
       Cand* heap = heap_.data() + s * std::max<int64_t>(kcap, 1);
       R.each([&](int32_t b) {

@@ -314,6 +314,33 @@ def test_repeated_candidates_follow_the_store(force_scalar, mode, kv_type):
     assert ([got.tolist()] if mode == "SHARED" else got.tolist()) == [sorted(a) for a in partial]
 
 
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_top_k_over_many_tied_candidates(force_scalar, mode):
+    """Hundreds of candidates (not a multiple of the 8-lane vectors) whose scores tie in large groups, zero
+    included: the top-k cut keeps exactly torch's top k, ties to the lower block id, through the cached
+    candidates (SnapKV's path: score and cut in one pass per set) and the uncached one."""
+    KVH, G, D, bs, nb = 3, 3, 64, 8, 700
+    n_sets = 1 if mode == "SHARED" else KVH
+    g = torch.Generator().manual_seed(11)
+    store = KVStore(1, KVH, D, nb * bs, block_size=bs, kv_type="FP16", threads_num=2)
+    store.append(0, torch.randint(-1, 2, (nb * bs, KVH, D), generator=g).float(), torch.randn(nb * bs, KVH, D))
+    ks, _ = store.read(0)
+    anchors = ref_anchor_lists(ks, bs, "QUEST", 2, None)
+    allowed = [sorted(torch.randperm(nb, generator=g)[:517].tolist()) for _ in range(n_sets)]
+    for q_hi in (2, 1):  # q in {-1, 0, 1}: a few distinct scores, most of them shared by many blocks
+        q = torch.randint(-q_hi + 1, q_hi, (G * KVH, D), generator=g).float()
+        q[:, : D // 2] = 0  # half the dimensions never count: fewer distinct scores
+        ref = ref_scores(q, anchors, "QUEST", mode)
+        for k in (1, 13, 100, 172, 516):
+            for cand_lists in (allowed, None):
+                got = store.select(0, q, k, mode, allowed=cand_lists)
+                rows = [got.tolist()] if mode == "SHARED" else got.tolist()
+                for s in range(n_sets):
+                    cand = allowed[s] if cand_lists else list(range(nb))
+                    assert [b for b in rows[s] if b >= 0] == ref_topk(ref[s], cand, k), (q_hi, k, s)
+        assert len(set(ref[0].tolist())) < nb // 4  # the ties are real
+
+
 def test_select_attend_is_select_then_attend(force_scalar):
     store, q, *_ = make(700, 2, 4, 64, 16)
     for mode in ("SHARED", "SEPARATE"):
