@@ -64,6 +64,20 @@ int32_t topk_kth_key(int64_t k, CountGe count_ge) {
   return int32_t(t ^ 0x80000000u);
 }
 
+// top_k's last pass, shared by both twins: in input order every key above kth and the first `ties` equal to
+// it (branch-free; out[m] is written only while m < k, so out needs room for k ids).
+inline int64_t topk_keep(const int32_t* keys, int64_t n, int64_t k, int32_t kth, int64_t ties, const int32_t* ids,
+                         int32_t* out) {
+  int64_t m = 0;
+  for (int64_t i = 0; i < n && m < k; ++i) {
+    const int64_t eq = (keys[i] == kth) & (ties > 0);
+    ties -= eq;
+    out[m] = ids ? ids[i] : int32_t(i);
+    m += (keys[i] > kth) | eq;
+  }
+  return m;
+}
+
 constexpr int kMaxTiles = 8;
 struct Tiles {
   const uint8_t* k[kMaxTiles];

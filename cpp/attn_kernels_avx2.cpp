@@ -408,15 +408,7 @@ int64_t top_k(const float* v, int64_t n, int64_t k, const int32_t* ids, int32_t*
     return n - below;
   };
   const int32_t kth = topk_kth_key(k, count_ge);
-  int64_t ties = k - (kth == INT32_MAX ? 0 : count_ge(kth + 1));
-  int64_t m = 0;
-  for (i = 0; i < n && m < k; ++i) {  // out[m] is in bounds: m < k
-    const int64_t eq = (keys[i] == kth) & (ties > 0);
-    ties -= eq;
-    out[m] = ids ? ids[i] : int32_t(i);
-    m += (keys[i] > kth) | eq;
-  }
-  return m;
+  return topk_keep(keys, n, k, kth, k - (kth == INT32_MAX ? 0 : count_ge(kth + 1)), ids, out);
 }
 
 }  // namespace ktq::avx2
