@@ -32,6 +32,10 @@ constexpr int64_t kChunkTokens = 256;         // split-K: at least this many tok
                                               // leave one thread idle a third of the time): 8K decode
                                               // 87 -> 91 tok/s against 1,024-token chunks
 constexpr int64_t kMaxChunksPerHead = 64;     // ... and at most this many tasks per KV head
+constexpr int64_t kPartialBytes = 16 << 20;   // ... and fewer where their partials (m, l, acc) would pass
+constexpr int64_t kMinChunksPerHead = 16;     // this many bytes (in L3), but never fewer than this many
+                                              // (16 threads). Prefill at 16K, 512-query chunks: 250 -> 230
+                                              // ms a store call against 61 tasks a head (75 MB of partials)
 constexpr int64_t kRunRows = 64;              // attention: consecutive selected blocks of up to this many rows
                                               // share one softmax update (attend_tiles)
 constexpr int64_t kParallelTopk = 512;        // top-k runs sets on threads from this many candidates on
@@ -492,19 +496,24 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
     count[h] = c;
     cmax = std::max(cmax, c);
   }
-  // Split-K: each head's blocks in chunks of cb; cb depends on the selection only.
-  const int64_t cb = std::max((kChunkTokens + bs - 1) / bs, (cmax + kMaxChunksPerHead - 1) / kMaxChunksPerHead);
+  int64_t n_sel = 0;
+  for (int h = 0; h < KVH; ++h) n_sel += count[h];
+  const int threads = n_sel * int64_t(tile_bytes_) * 2 >= kParallelBytes ? cfg_.threads_num : 1;
+  // Split-K: each head's blocks in chunks of cb; cb depends on the selection and the query shape only (so
+  // any thread count gives the same bits). A task's partial is G (D + 2) floats: bytes in decode, but a
+  // prefill chunk presents its T*G queries as the "heads", and then 64 tasks a head would write and merge
+  // tens of MB per call, more as the context grows. So the partials are also capped by kPartialBytes.
+  const size_t pstride = size_t(G) * (D + 2);  // partial: m [G], l [G], acc [G, D]
+  const int64_t per_head = std::clamp<int64_t>(kPartialBytes / int64_t(pstride * sizeof(float) * KVH),
+                                               kMinChunksPerHead, kMaxChunksPerHead);
+  const int64_t cb = std::max((kChunkTokens + bs - 1) / bs, (cmax + per_head - 1) / per_head);
   std::vector<int64_t>& tstart = task_start_;  // tasks of head h: [tstart[h], tstart[h + 1])
   tstart.assign(KVH + 1, 0);
   for (int h = 0; h < KVH; ++h) tstart[h + 1] = tstart[h] + (count[h] + cb - 1) / cb;
   const int64_t n_tasks = tstart[KVH];
-  const size_t pstride = size_t(G) * (D + 2);  // partial: m [G], l [G], acc [G, D]
   part_.resize(n_tasks * pstride);
   const bool simd = use_avx2() && D % 8 == 0;
   const KVType kt = cfg_.kv_type;
-  int64_t n_sel = 0;
-  for (int h = 0; h < KVH; ++h) n_sel += count[h];
-  const int threads = n_sel * int64_t(tile_bytes_) * 2 >= kParallelBytes ? cfg_.threads_num : 1;
   const int64_t per_run = std::clamp<int64_t>(kRunRows / bs, 1, kMaxTiles);  // blocks per softmax update
   ThreadPool::global().parallel_for(n_tasks, threads, [&](int64_t task) {
     const int h = int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;

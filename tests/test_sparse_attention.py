@@ -478,6 +478,25 @@ def test_thread_counts_give_identical_bits(anchor_type, anchor_num, T, bs):
             assert torch.equal(a, b)
 
 
+def test_prefill_shaped_queries_over_a_long_context():
+    """A prefill chunk's T*G queries presented as one group a KV head (as long_context's prefill does): with
+    2,048 rows a head the split-K partials are capped by bytes, so each task covers more than the minimum
+    chunk of blocks (6,000 tokens, 16 tasks a head). Exact against torch, and the same bits on 1, 2 and 8
+    threads."""
+    T, KVH, G, D, bs = 6000, 2, 2048, 64, 16
+    results = []
+    for threads in (1, 2, 8):
+        store, q, *_ = make(T, KVH, G, D, bs, threads=threads)
+        blocks = torch.arange(1, store.n_blocks(0), dtype=torch.int32)[None]  # all but the first block
+        results.append(store.attend(0, q, blocks))
+    ks, vs = store.read(0)
+    ref_out, ref_l = ref_sparse(q, ks, vs, rows_of(blocks[0], KVH), bs)
+    torch.testing.assert_close(results[0][0], ref_out, rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(results[0][1], ref_l, rtol=FP32_RTOL, atol=FP32_ATOL)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 @pytest.mark.parametrize("kv_type", ["FP32", "FP16", "BF16", "Q8_0", "Q4_0"])
 def test_scalar_and_avx2_agree(kv_type):
     if not _C.cpu_features()["avx2"]:
