@@ -202,3 +202,25 @@ def test_profile_decode_smoke(bundled_gguf, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tok/s" in out and "native block calls, dense layers" in out and "native block calls, sparse layers" in out
     assert "store score in the sparse layers" in out and "store attend in the sparse layers" in out
+
+
+@pytest.mark.slow
+def test_bench_memory_smoke(bundled_gguf, tmp_path, capsys):
+    tool = _tool("bench_memory")
+    out_json = tmp_path / "m.json"
+    rc = tool.main(["--model", str(bundled_gguf), "--contexts", "600,900", "--modes", "dense,snapkv",
+                    "--threads", "1", "--json", str(out_json)])  # fmt: skip
+    assert rc == 0
+    rows = {(r["label"], r["context"]): r for r in json.loads(out_json.read_text())}
+    assert set(rows) == {("dense", 600), ("dense", 900), ("snapkv", 600), ("snapkv", 900)}
+    lc, dense = (rows["snapkv", 600], rows["snapkv", 900]), (rows["dense", 600], rows["dense", 900])
+    # the windows are fixed; the store grows with the prompt; dense holds max_seq_len (context + 64) tokens
+    assert lc[0]["kv_device_bytes"] == lc[1]["kv_device_bytes"] > 0
+    assert 0 < lc[0]["store_bytes"] < lc[1]["store_bytes"]
+    assert [r["kv_device_bytes"] for r in dense] == [2 * 30 * 3 * (n + 64) * 64 * 4 for n in (600, 900)]
+    assert all(r["store_bytes"] == 0 and r["peak_growth_bytes"] > 0 for r in dense)
+    assert all(r["device_peak_source"].startswith("VmHWM") for r in rows.values())
+    assert "device peak" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # argparse error: names the known modes and presets
+        tool.main(["--modes", "nosuchpreset"])
+    assert "nosuchpreset" in capsys.readouterr().err
