@@ -29,7 +29,8 @@ namespace ktq {
 // update, is paid once per run instead of once per tile (a third of the work for 16-row tiles at D = 64).
 //   cur:  the tiles; s: scratch, at least G * round_up(cur.rows(), 8) + D floats
 //   next: the next run (prefetched while this one is computed; may be null)
-// Results equal attend_tile over the tiles in order up to rounding.
+// Results equal attend_tile over the tiles in order up to rounding. The AVX2 twin, from G >= 2 D + 6 (a prefill
+// chunk's queries), decodes the run's K/V once into fp32 inside s, which the contract's size already allows.
 
 // score_linear: linear block scores (QUEST / BLOCK_MAX / BLOCK_MEAN): out[i] (+)= dot(qe, a[i]).
 //   a: [n, L] fp32 anchors, qe: [L] the KV head's scoring vector.

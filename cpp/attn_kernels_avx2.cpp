@@ -215,6 +215,30 @@ void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, 
 
 // ---- a run of tiles for NG <= 8 heads: logits of every row, one softmax update, then the values ----
 
+// One head's online-softmax update over a run: sg [ss] holds its logits of n rows (the rest is padding, set
+// to -inf); they become exp(logit - m_new), l and the accumulated values acc [D] are rescaled to m_new.
+inline void softmax_update(float* sg, int n, int ss, float& m, float& l, float* ag, int D) {
+  for (int r = n; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
+  __m256 mx = _mm256_set1_ps(kNegInf);
+  for (int r = 0; r < ss; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
+  const float m_new = std::max(m, hmax(mx));
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int r = 0; r < ss; r += 8) {
+    const __m256 pr = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + r), vm));
+    _mm256_storeu_ps(sg + r, pr);
+    sum = _mm256_add_ps(sum, pr);
+  }
+  // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first run).
+  const float alpha = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(m - m_new)));
+  m = m_new;
+  l = l * alpha + hsum(sum);
+  if (alpha != 1.f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
+  }
+}
+
 template <class Dc, int NG>
 void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss,
                  float* m, float* l, float* acc, const Tiles* nx, int bs_rows) {
@@ -230,29 +254,7 @@ void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, con
     off += T.n[i];
   }
 #pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g) {
-    float* sg = s + g * ss;
-    for (int r = off; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
-    __m256 mx = _mm256_set1_ps(kNegInf);
-    for (int r = 0; r < ss; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
-    const float m_new = std::max(m[g], hmax(mx));
-    const __m256 vm = _mm256_set1_ps(m_new);
-    __m256 sum = _mm256_setzero_ps();
-    for (int r = 0; r < ss; r += 8) {
-      const __m256 pr = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + r), vm));
-      _mm256_storeu_ps(sg + r, pr);
-      sum = _mm256_add_ps(sum, pr);
-    }
-    // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first run).
-    const float alpha = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(m[g] - m_new)));
-    m[g] = m_new;
-    l[g] = l[g] * alpha + hsum(sum);
-    if (alpha != 1.f) {
-      const __m256 va = _mm256_set1_ps(alpha);
-      float* ag = acc + g * D;
-      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
-    }
-  }
+  for (int g = 0; g < NG; ++g) softmax_update(s + g * ss, off, ss, m[g], l[g], acc + g * D, D);
   off = 0;
   for (int i = 0; i < T.count; ++i) {
     accum<Dc, NG>(T.v[i], scales(T.v[i]), rb, ns, T.n[i], D, s + off, ss, acc, nx && i < nx->count ? nx->v[i] : nullptr);
@@ -264,6 +266,166 @@ void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, con
   }
 }
 
+// ---- a run of tiles for many query rows (a prefill chunk's T*G queries of one KV head) ----
+//
+// With hundreds of rows per KV head the K/V decode is worth doing once per run: K into fp32 scratch,
+// transposed (kt [D, ss]), V into fp32 rows (vf [ss, D]). The logits and the values are then GEMM-style
+// register tiles of kWideRows query rows: 6 rows x 16 keys (12 accumulators; per d two K loads and six q
+// broadcasts feed 12 FMAs, no horizontal sums) and 6 rows x 16 columns of V the same way. The row-by-row
+// path instead decoded every K/V value again for each group of 8 rows and summed every dot product
+// horizontally. Used from G >= 2 D + kWideRows, where the scratch contract (G ss + D floats) already holds
+// kt, vf and the logits of kWideRows rows.
+constexpr int kWideRows = 6;
+
+template <int R>
+__attribute__((always_inline)) inline void wide_logits(const float* q, int D, const float* kt, int ss, float* s) {
+  int j = 0;
+  for (; j + 16 <= ss; j += 16) {
+    __m256 a[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(kt + size_t(d) * ss + j), k1 = _mm256_loadu_ps(kt + size_t(d) * ss + j + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 qb = _mm256_broadcast_ss(q + r * D + d);
+        a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qb, k1, a[r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * ss + j, a[r][0]);
+      _mm256_storeu_ps(s + r * ss + j + 8, a[r][1]);
+    }
+  }
+  if (j < ss) {  // 8 keys left (ss is a multiple of 8)
+    __m256 a[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(kt + size_t(d) * ss + j);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * D + d), k0, a[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * ss + j, a[r]);
+  }
+}
+
+// acc [R, D] += p [R, n] (row stride ss) . vf [n, D], 16 columns (two vectors) at a time.
+template <int R>
+__attribute__((always_inline)) inline void wide_values(const float* p, int ss, int n, const float* vf, int D,
+                                                       float* acc) {
+  int c = 0;
+  for (; c + 16 <= D; c += 16) {
+    __m256 a[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm256_loadu_ps(acc + r * D + c);
+      a[r][1] = _mm256_loadu_ps(acc + r * D + c + 8);
+    }
+    for (int k = 0; k < n; ++k) {
+      const __m256 v0 = _mm256_loadu_ps(vf + size_t(k) * D + c), v1 = _mm256_loadu_ps(vf + size_t(k) * D + c + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 pb = _mm256_broadcast_ss(p + r * ss + k);
+        a[r][0] = _mm256_fmadd_ps(pb, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(pb, v1, a[r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * D + c, a[r][0]);
+      _mm256_storeu_ps(acc + r * D + c + 8, a[r][1]);
+    }
+  }
+  if (c < D) {  // 8 columns left (D % 8 == 0)
+    __m256 a[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * D + c);
+    for (int k = 0; k < n; ++k) {
+      const __m256 v0 = _mm256_loadu_ps(vf + size_t(k) * D + c);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ss + k), v0, a[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * D + c, a[r]);
+  }
+}
+
+template <int R>
+void wide_rows(const float* q, int D, const float* kt, const float* vf, int n, int ss, float* s, float* m, float* l,
+               float* acc) {
+  wide_logits<R>(q, D, kt, ss, s);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) softmax_update(s + r * ss, n, ss, m[r], l[r], acc + r * D, D);
+  wide_values<R>(s, ss, n, vf, D, acc);
+}
+
+template <class Dc>
+void tiles_wide(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, int G, const float* q, float* scratch,
+                int ss, float* m, float* l, float* acc, const Tiles* nx, int bs_rows) {
+  float* kt = scratch;                       // [D, ss]
+  float* vf = kt + size_t(D) * ss;           // [ss, D]
+  float* s = vf + size_t(ss) * D;            // [kWideRows, ss]
+  alignas(32) float tmp[8];
+  int j = 0;
+  for (int i = 0; i < T.count; ++i) {
+    const float* ksc = reinterpret_cast<const float*>(T.k[i] + scale_off);
+    const float* vsc = reinterpret_cast<const float*>(T.v[i] + scale_off);
+    for (int r = 0; r < T.n[i]; ++r, ++j)
+      for (int c = 0; c < D / 8; ++c) {
+        _mm256_storeu_ps(vf + size_t(j) * D + 8 * c, Dc::load(T.v[i] + r * rb, vsc + r * ns, c));
+        _mm256_store_ps(tmp, Dc::load(T.k[i] + r * rb, ksc + r * ns, c));
+        for (int e = 0; e < 8; ++e) kt[size_t(8 * c + e) * ss + j] = tmp[e];
+      }
+  }
+  const int n = j;
+  for (int d = 0; d < D; ++d)
+    for (int jj = n; jj < ss; ++jj) kt[size_t(d) * ss + jj] = 0.f;  // padding keys (their logits become -inf)
+  // The next run's lines (K, V and their scales), spread over the row blocks: a burst would stall the core.
+  struct Span {
+    const uint8_t* p;
+    size_t bytes;
+  } spans[4 * kMaxTiles];
+  int n_spans = 0;
+  size_t lines = 0;
+  for (int i = 0; nx && i < nx->count; ++i) {
+    const size_t rows = size_t(std::max(nx->n[i], bs_rows));
+    spans[n_spans++] = {nx->k[i], rows * rb};
+    spans[n_spans++] = {nx->v[i], rows * rb};
+    if (ns) {
+      spans[n_spans++] = {nx->k[i] + bs_rows * rb, size_t(bs_rows) * ns * 4};
+      spans[n_spans++] = {nx->v[i] + bs_rows * rb, size_t(bs_rows) * ns * 4};
+    }
+  }
+  for (int i = 0; i < n_spans; ++i) lines += (spans[i].bytes + 63) / 64;
+  const int blocks = (G + kWideRows - 1) / kWideRows;
+  const size_t per_block = (lines + blocks - 1) / blocks;
+  int span = 0;
+  size_t span_off = 0;
+  auto prefetch_some = [&](size_t count) {
+    for (; count > 0 && span < n_spans; --count) {
+      _mm_prefetch(reinterpret_cast<const char*>(spans[span].p + span_off), kTileHint);
+      span_off += 64;
+      if (span_off >= spans[span].bytes) ++span, span_off = 0;
+    }
+  };
+  int g = 0;
+  for (; g + kWideRows <= G; g += kWideRows) {
+    prefetch_some(per_block);
+    wide_rows<kWideRows>(q + size_t(g) * D, D, kt, vf, n, ss, s, m + g, l + g, acc + size_t(g) * D);
+  }
+  switch (G - g) {
+#define KTQ_CASE(N) \
+  case N: wide_rows<N>(q + size_t(g) * D, D, kt, vf, n, ss, s, m + g, l + g, acc + size_t(g) * D); break;
+    KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5)
+#undef KTQ_CASE
+  }
+  prefetch_some(lines);
+}
+
 template <class Dc>
 void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scale_off, float* s, float* m, float* l,
                float* acc, const Tiles* nx) {
@@ -271,6 +433,7 @@ void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t sc
   const int ns = kv_row_scales(t, D);
   const int ss = (T.rows() + 7) & ~7;
   const int bs_rows = int(scale_off / rb);  // rows of a full tile (the next one may be full when this is not)
+  if (G >= 2 * D + kWideRows) return tiles_wide<Dc>(T, scale_off, rb, ns, D, G, q, s, ss, m, l, acc, nx, bs_rows);
   // Heads in batches of up to 8 (registers); larger groups re-read the tiles from L1.
   for (int g0 = 0; g0 < G; g0 += 8) {
     const int ng = std::min(8, G - g0);

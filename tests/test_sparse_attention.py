@@ -367,6 +367,13 @@ FULL_CASES = [  # kv_type, G, D, block_size, T
     ("Q4_0", 4, 128, 64, 200),
     ("Q4_0", 1, 64, 128, 129),
     ("FP32", 3, 20, 16, 50),  # D % 8 != 0: scalar kernels
+    # G >= 2 D + 6 (a prefill chunk's queries): the AVX2 kernel's wide path, fp32 K/V scratch and 6-row tiles;
+    # row counts not a multiple of 6, D and run lengths with an 8-wide remainder, partial last blocks
+    ("FP32", 59, 24, 8, 203),
+    ("FP16", 140, 64, 64, 300),
+    ("BF16", 134, 64, 128, 129),
+    ("Q8_0", 135, 64, 16, 150),
+    ("Q4_0", 70, 32, 32, 77),
 ]
 
 
