@@ -277,90 +277,49 @@ void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, con
 // kt, vf and the logits of kWideRows rows.
 constexpr int kWideRows = 6;
 
-template <int R>
-__attribute__((always_inline)) inline void wide_logits(const float* q, int D, const float* kt, int ss, float* s) {
-  int j = 0;
-  for (; j + 16 <= ss; j += 16) {
-    __m256 a[R][2];
+// c [R, N] (+)= a [R, K] . b [K, N] (row strides lda, ldb, ldc; N a multiple of 8), 16 columns at a time: per k,
+// two b loads and R broadcasts of a feed 2R FMAs. The logits are q . kt (K = D, N = ss), the values p . vf
+// (K = rows, N = D) added to acc.
+template <int R, int NV, bool Add>
+__attribute__((always_inline)) inline void wide_tile(const float* a, int lda, int K, const float* b, int ldb,
+                                                     float* c, int ldc) {
+  __m256 acc[R][NV];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int d = 0; d < D; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(kt + size_t(d) * ss + j), k1 = _mm256_loadu_ps(kt + size_t(d) * ss + j + 8);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 qb = _mm256_broadcast_ss(q + r * D + d);
-        a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(qb, k1, a[r][1]);
-      }
-    }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = Add ? _mm256_loadu_ps(c + r * ldc + 8 * v) : _mm256_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    __m256 bv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + size_t(k) * ldb + 8 * v);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(s + r * ss + j, a[r][0]);
-      _mm256_storeu_ps(s + r * ss + j + 8, a[r][1]);
+      const __m256 ab = _mm256_broadcast_ss(a + r * lda + k);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ab, bv[v], acc[r][v]);
     }
   }
-  if (j < ss) {  // 8 keys left (ss is a multiple of 8)
-    __m256 a[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
-    for (int d = 0; d < D; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(kt + size_t(d) * ss + j);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * D + d), k0, a[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * ss + j, a[r]);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + r * ldc + 8 * v, acc[r][v]);
 }
 
-// acc [R, D] += p [R, n] (row stride ss) . vf [n, D], 16 columns (two vectors) at a time.
-template <int R>
-__attribute__((always_inline)) inline void wide_values(const float* p, int ss, int n, const float* vf, int D,
-                                                       float* acc) {
-  int c = 0;
-  for (; c + 16 <= D; c += 16) {
-    __m256 a[R][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = _mm256_loadu_ps(acc + r * D + c);
-      a[r][1] = _mm256_loadu_ps(acc + r * D + c + 8);
-    }
-    for (int k = 0; k < n; ++k) {
-      const __m256 v0 = _mm256_loadu_ps(vf + size_t(k) * D + c), v1 = _mm256_loadu_ps(vf + size_t(k) * D + c + 8);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 pb = _mm256_broadcast_ss(p + r * ss + k);
-        a[r][0] = _mm256_fmadd_ps(pb, v0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(pb, v1, a[r][1]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(acc + r * D + c, a[r][0]);
-      _mm256_storeu_ps(acc + r * D + c + 8, a[r][1]);
-    }
-  }
-  if (c < D) {  // 8 columns left (D % 8 == 0)
-    __m256 a[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * D + c);
-    for (int k = 0; k < n; ++k) {
-      const __m256 v0 = _mm256_loadu_ps(vf + size_t(k) * D + c);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ss + k), v0, a[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * D + c, a[r]);
-  }
+template <int R, bool Add>
+__attribute__((always_inline)) inline void wide_gemm(const float* a, int lda, int K, const float* b, int ldb, int N,
+                                                     float* c, int ldc) {
+  int j = 0;
+  for (; j + 16 <= N; j += 16) wide_tile<R, 2, Add>(a, lda, K, b + j, ldb, c + j, ldc);
+  if (j < N) wide_tile<R, 1, Add>(a, lda, K, b + j, ldb, c + j, ldc);  // 8 columns left
 }
 
 template <int R>
 void wide_rows(const float* q, int D, const float* kt, const float* vf, int n, int ss, float* s, float* m, float* l,
                float* acc) {
-  wide_logits<R>(q, D, kt, ss, s);
+  wide_gemm<R, false>(q, D, D, kt, ss, ss, s, ss);  // logits s [R, ss]
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) softmax_update(s + r * ss, n, ss, m[r], l[r], acc + r * D, D);
-  wide_values<R>(s, ss, n, vf, D, acc);
+  wide_gemm<R, true>(s, ss, n, vf, D, D, acc, D);  // acc [R, D] += p . vf
 }
 
 template <class Dc>
