@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import context_tokens, llama_cpp, write_json  # noqa: E402
+from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
 
 import ktquest  # noqa: E402
 from ktquest.bundled import bundled_model_path  # noqa: E402
@@ -185,15 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         configs[mode] = path
     torch.set_num_threads(a.threads)
     max_len = max(contexts) + a.decode_tokens * (a.rounds + 1) + 16
-    presets = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     runners: list = []
     for mode in modes:
-        if mode not in configs:
-            path = os.path.join(presets, f"{mode}.yaml")
-            if not os.path.isfile(path):
-                known = sorted(set(configs) | {f[:-5] for f in os.listdir(presets) if f.endswith(".yaml")})
-                ap.error(f"--modes: unknown mode or preset {mode!r}; known: {', '.join(known)}")
-            configs[mode] = path
+        try:
+            configs[mode] = mode_config(mode, configs)
+        except ValueError as e:
+            ap.error(str(e))
         runners.append(KtquestRunner(model_path, mode, "long_context" if mode not in MODE_CONFIGS else mode,
                                      configs[mode], max_len, a.threads, a.chunk_size, a.set))
     if a.peer == "llama.cpp":

@@ -33,9 +33,10 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(os.path.dirname(HERE), "configs")
-MODE_CONFIGS = {"dense": None, "long_context": os.path.join(CONFIGS, "snapkv.yaml")}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import CONFIGS, context_tokens, mode_config, write_json  # noqa: E402
+
+MODE_CONFIGS = {"dense": None, "long_context": os.fspath(CONFIGS / "snapkv.yaml")}
 
 
 def _status_kib(field: str) -> int:
@@ -48,10 +49,7 @@ def _status_kib(field: str) -> int:
 
 def measure(model: str | None, mode: str, config: str | None, context: int, max_len: int, threads: int) -> dict:
     """One prefill of ``context`` tokens in this process; the figures listed in the module docstring."""
-    sys.path.insert(0, HERE)
     import torch
-
-    from common import context_tokens
 
     import ktquest
     from ktquest.config import load_config
@@ -101,17 +99,6 @@ def measure(model: str | None, mode: str, config: str | None, context: int, max_
     return row
 
 
-def config_of(mode: str) -> str | None:
-    """The YAML of a mode (dense, long_context) or preset name; None for dense's defaults."""
-    if mode in MODE_CONFIGS:
-        return MODE_CONFIGS[mode]
-    path = os.path.join(CONFIGS, f"{mode}.yaml")
-    if not os.path.isfile(path):
-        known = sorted(set(MODE_CONFIGS) | {f[:-5] for f in os.listdir(CONFIGS) if f.endswith(".yaml")})
-        raise ValueError(f"--modes: unknown mode or preset {mode!r}; known: {', '.join(known)}")
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M-Instruct)")
@@ -126,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     try:
-        configs = {m: config_of(m) for m in modes}
+        configs = {m: mode_config(m, MODE_CONFIGS) for m in modes}
     except ValueError as e:
         ap.error(str(e))
     if a.one:
@@ -154,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['peak_growth_bytes'] / mib:>10.1f} {row['device_peak_bytes'] / mib:>12.1f} "
                   f"{row['prefill_s']:>10.1f}", flush=True)
     if a.json:
-        sys.path.insert(0, HERE)
-        from common import write_json
         write_json(a.json, rows)
     return 0
 

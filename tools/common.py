@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def stdlib_text(min_chars: int) -> str:
@@ -29,6 +32,18 @@ def context_tokens(tokenizer, n_tokens: int) -> list[int]:
     if len(ids) < n_tokens:
         ids = tokenizer.encode(stdlib_text(n_tokens * 12), add_bos=False, parse_special=False)
     return ids[:n_tokens]
+
+
+def mode_config(mode: str, known: dict[str, str | None]) -> str | None:
+    """The config of a --modes entry: ``known[mode]`` (a path, or None for the defaults), else the preset
+    ``configs/<mode>.yaml``. ValueError naming the known modes and presets when there is neither."""
+    if mode in known:
+        return known[mode]
+    path = CONFIGS / f"{mode}.yaml"
+    if not path.is_file():
+        names = sorted(set(known) | {p.stem for p in CONFIGS.glob("*.yaml")})
+        raise ValueError(f"--modes: unknown mode or preset {mode!r}; known: {', '.join(names)}")
+    return os.fspath(path)
 
 
 def write_json(path: str | Path, rows) -> None:
