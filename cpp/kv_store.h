@@ -59,7 +59,9 @@ struct StoreConfig {
 
 // Wall time of the stages of the last select/attend call, seconds.
 // With cached candidates (SnapKV's preselection) a set is scored and cut in one task: topk_s is then the
-// top-k part of those tasks spread over the threads, score_s the rest of the pass.
+// top-k part of those tasks spread over the threads, score_s the rest of the pass. In select_attend those
+// tasks share the attention's dispatch: score_s and topk_s are their task times over the threads, attend_s
+// the rest of the call.
 struct StageTiming {
   double score_s = 0, topk_s = 0, attend_s = 0;
 };
@@ -193,12 +195,33 @@ class KVStore {
   void score_runs(const Layer& L, int H, HeadMode mode, float* scores);
   // out[0, n) (+)= linear scores (QUEST / BLOCK_*) of n consecutive anchor rows at a, for KV head h.
   void score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate) const;
-  void select_locked(const Layer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  // defer: where the cached candidates' per-set pass is due (scores, then top k), leave it to the caller
+  // and return the cache (select_attend runs the pass inside the attention's dispatch); null otherwise,
+  // with out_ids written.
+  const CandCache* select_locked(const Layer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
+                                 int out_cols, bool defer = false);
   // The layer's CandCache for this request (built when missing or stale), or null when it does not apply.
   // Builds runs_ whenever it does not return a hit.
   const CandCache* cand_cache(const Layer& L, int layer, int64_t nb, int n_sets, const SelectRequest& req);
+  // Cached candidates: check k and write every set that keeps all of its candidates; true when a set
+  // still needs cached_set (the workspaces are then sized for it), with *threads the pass's threads.
+  bool cached_prepare(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols, int* threads);
+  // Set s's scores over its cached candidates and its top k into out_ids row s (thread-safe across sets).
+  void cached_set(const CandCache& C, const SelectRequest& req, int s, int32_t* out_ids, int out_cols);
   void select_cached(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols);
-  void attend_locked(const Layer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse);
+  // Work done in the attention's own dispatch, ahead of it: tasks [0, n) run run(ctx, s) (set s's
+  // selection; must not throw), and head h's attention tasks start once its set (h, or 0 when shared) is
+  // done, so the selection and the attention share one hand-off to the workers and the threads that
+  // finish a set early go on attending. count [KVH]: the blocks each head will attend (known up front).
+  struct Prologue {
+    int n = 0;
+    int threads = 1;
+    const int64_t* count = nullptr;
+    void (*run)(void* ctx, int s) = nullptr;
+    void* ctx = nullptr;
+  };
+  void attend_locked(const Layer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse,
+                     const Prologue* pre = nullptr);
 
   StoreConfig cfg_;
   int A_ = 2;
@@ -227,8 +250,10 @@ class KVStore {
   std::vector<int32_t> topids_;            // top-k: their block ids, [n_sets, candidates]
   std::vector<int32_t> topkeys_;           // top-k: top_k's scratch keys, [n_sets, candidates]
   std::vector<double> topk_task_s_;        // cached candidates: each set's top-k time (StageTiming split)
+  std::vector<double> score_task_s_;       // ... and its scoring time
   std::vector<int64_t> task_start_;        // task ranges per set / head
   std::vector<int64_t> count_;             // [KVH] selected blocks per head
+  std::vector<int64_t> count_pre_;         // [KVH] blocks per head a Prologue's selection will give
   std::vector<float> part_;                // split-K partials: [n_tasks, G, D + 2]
   StageTiming timing_;
 };

@@ -5,13 +5,16 @@
 // (m, l, acc) of its chunk), task boundaries depend only on the problem — never on threads_num — and
 // partials are merged afterwards in chunk order. So 1, 2 or 8 threads give the same bits.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "attn_kernels.h"
 #include "cpu_features.h"
@@ -324,51 +327,65 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
 }
 
 // select_locked over a CandCache: the same scores (same kernels on the same anchor bytes, heads summed in
-// the same order) and the same top-k rule, so the same ids as the uncached path.
-void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols) {
-  const auto t0 = Clock::now();
-  const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, A = A_;
-  const int n_sets = int(C.count.size()), heads = C.mode == HeadMode::SHARED ? KVH : 1;
-  const int64_t stride = C.stride;
-  const size_t row = size_t(A) * D * anchor_elem_bytes();
+// the same order) and the same top-k rule, so the same ids as the uncached path. One pass per set: its
+// scores, then its top k (top_k: the k best in ascending id order, ties to the lower id, NaN as -inf;
+// select_locked's rule), while the scores are still in L1.
+bool KVStore::cached_prepare(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols,
+                             int* threads) {
+  const int n_sets = int(C.count.size()), heads = C.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
   bool keep_all;
   check_k(req, n_sets, out_cols, [&](int s) { return C.count[s]; }, &keep_all);
+  if (keep_all) {
+    for (int s = 0; s < n_sets; ++s) {
+      int32_t* row_out = out_ids + s * int64_t(out_cols);
+      std::copy(C.ids.begin() + s * C.stride, C.ids.begin() + s * C.stride + C.count[s], row_out);
+      std::fill(row_out + C.count[s], row_out + out_cols, -1);
+    }
+    return false;
+  }
+  cscores_.resize(size_t(n_sets) * std::max<int64_t>(C.stride, 1));
+  topkeys_.resize(size_t(n_sets) * std::max<int64_t>(C.stride, 1));
+  topk_task_s_.assign(n_sets, 0.0);
+  score_task_s_.assign(n_sets, 0.0);
   int64_t n_cand = 0;
   for (int64_t c : C.count) n_cand += c;
-  auto copy_ids = [&](int s, int64_t n) {
-    int32_t* row_out = out_ids + s * int64_t(out_cols);
-    std::copy(C.ids.begin() + s * stride, C.ids.begin() + s * stride + n, row_out);
-    std::fill(row_out + n, row_out + out_cols, -1);
-  };
-  if (keep_all) {
-    for (int s = 0; s < n_sets; ++s) copy_ids(s, C.count[s]);
+  const int64_t bytes = n_cand * heads * int64_t(size_t(A_) * cfg_.head_dim * anchor_elem_bytes());
+  *threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
+  return true;
+}
+
+void KVStore::cached_set(const CandCache& C, const SelectRequest& req, int s, int32_t* out_ids, int out_cols) {
+  const auto t0 = Clock::now();
+  const int heads = C.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
+  const size_t row = size_t(A_) * cfg_.head_dim * anchor_elem_bytes();
+  const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
+  int32_t* row_out = out_ids + s * int64_t(out_cols);
+  if (k >= n || k == 0) {
+    if (k > 0) std::copy(C.ids.begin() + s * C.stride, C.ids.begin() + s * C.stride + n, row_out);
+    std::fill(row_out + k, row_out + out_cols, -1);
+    return;
+  }
+  float* sc = cscores_.data() + s * C.stride;
+  for (int j = 0; j < heads; ++j)  // SHARED: every head's score summed in head order, as score_runs does
+    score_linear_rows(C.anchors.data() + (size_t(s) * heads + j) * C.stride * row, n, heads == 1 ? s : j, sc, j > 0);
+  const auto t1 = Clock::now();
+  const int64_t m = (use_avx2() ? avx2::top_k : scalar::top_k)(sc, n, k, C.ids.data() + s * C.stride, row_out,
+                                                                topkeys_.data() + s * C.stride);
+  std::fill(row_out + m, row_out + out_cols, -1);
+  score_task_s_[s] = std::chrono::duration<double>(t1 - t0).count();
+  topk_task_s_[s] = seconds_since(t1);
+}
+
+void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols) {
+  const auto t0 = Clock::now();
+  const int n_sets = int(C.count.size());
+  int threads = 1;
+  if (!cached_prepare(C, req, out_ids, out_cols, &threads)) {
     timing_.score_s = 0;
     timing_.topk_s = seconds_since(t0);
     return;
   }
-  // One pass per set: its scores, then its top k (top_k: the k best in ascending id order, ties to the
-  // lower id, NaN as -inf; select_locked's rule), while the scores are still in L1 and with one hand-off to
-  // the workers instead of two.
-  cscores_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
-  topkeys_.resize(size_t(n_sets) * std::max<int64_t>(stride, 1));
-  topk_task_s_.assign(n_sets, 0.0);
-  const int64_t bytes = n_cand * heads * int64_t(row);
-  const int threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
-  const auto pick_top_k = use_avx2() ? avx2::top_k : scalar::top_k;
-  ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) {
-    const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
-    if (k >= n) return copy_ids(int(s), n);
-    int32_t* row_out = out_ids + s * int64_t(out_cols);
-    if (k == 0) return std::fill(row_out, row_out + out_cols, -1);
-    float* sc = cscores_.data() + s * stride;
-    for (int j = 0; j < heads; ++j)  // SHARED: every head's score summed in head order, as score_runs does
-      score_linear_rows(C.anchors.data() + (size_t(s) * heads + j) * stride * row, n, heads == 1 ? int(s) : j, sc,
-                        j > 0);
-    const auto t1 = Clock::now();
-    const int64_t m = pick_top_k(sc, n, k, C.ids.data() + s * stride, row_out, topkeys_.data() + s * stride);
-    std::fill(row_out + m, row_out + out_cols, -1);
-    topk_task_s_[s] = seconds_since(t1);
-  });
+  ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) { cached_set(C, req, int(s), out_ids, out_cols); });
   // The two stages share the pass: top-k's share is its tasks' time over the threads, scoring the rest.
   const double total = seconds_since(t0);
   double topk = 0;
@@ -377,15 +394,19 @@ void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_
   timing_.score_s = total - timing_.topk_s;
 }
 
-void KVStore::select_locked(const Layer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
-                            int out_cols) {
+const KVStore::CandCache* KVStore::select_locked(const Layer& L, int layer, int H, const SelectRequest& req,
+                                                int32_t* out_ids, int out_cols, bool defer) {
   const int KVH = cfg_.n_kv_heads;
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
   const bool linear = cfg_.anchor_type == AnchorType::QUEST || cfg_.anchor_type == AnchorType::BLOCK_MAX ||
                       cfg_.anchor_type == AnchorType::BLOCK_MEAN;
   if (req.allowed && linear) {
-    if (const CandCache* C = cand_cache(L, layer, nb, n_sets, req)) return select_cached(*C, req, out_ids, out_cols);
+    if (const CandCache* C = cand_cache(L, layer, nb, n_sets, req)) {
+      if (defer) return C;
+      select_cached(*C, req, out_ids, out_cols);
+      return nullptr;
+    }
   } else {
     build_runs(nb, n_sets, &req);
   }
@@ -401,7 +422,7 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
     }
     timing_.score_s = 0;
     timing_.topk_s = seconds_since(t0);
-    return;
+    return nullptr;
   }
   scores_.resize(size_t(n_sets) * nb);
   score_runs(L, H, req.mode, scores_.data());
@@ -465,11 +486,13 @@ void KVStore::select_locked(const Layer& L, int layer, int H, const SelectReques
     std::fill(row + n, row + out_cols, -1);
   });
   timing_.topk_s = seconds_since(t1);
+  return nullptr;
 }
 
 // ---- attention ----
 
-void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool validate, float* out, float* lse) {
+void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool validate, float* out, float* lse,
+                            const Prologue* pre) {
   const auto t0 = Clock::now();
   const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, G = H / KVH, bs = cfg_.block_size;
   const int64_t nb = (L.len + bs - 1) / bs;
@@ -481,7 +504,9 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   for (int h = 0; h < KVH; ++h) {
     const int32_t* row = row_of(h);
     int64_t c = 0;
-    while (c < bsets.cols && row[c] != -1) ++c;
+    if (pre) c = pre->count[h];  // the rows are written by the prologue, in this call
+    else
+      while (c < bsets.cols && row[c] != -1) ++c;
     if (validate && (bsets.n_sets == 1 ? h == 0 : true))
       for (int64_t i = 0; i < bsets.cols; ++i) {
         if (i >= c && row[i] != -1)
@@ -498,7 +523,13 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   }
   int64_t n_sel = 0;
   for (int h = 0; h < KVH; ++h) n_sel += count[h];
-  const int threads = n_sel * int64_t(tile_bytes_) * 2 >= kParallelBytes ? cfg_.threads_num : 1;
+  int threads = n_sel * int64_t(tile_bytes_) * 2 >= kParallelBytes ? cfg_.threads_num : 1;
+  const int n_pre = pre ? pre->n : 0;
+  if (pre) threads = std::max(threads, pre->threads);
+  // ready[s]: the prologue's set s is done (its ids are in bsets). Claimed in order, every prologue task
+  // is running or done before an attention task is claimed, so a wait is at most one set's work.
+  std::unique_ptr<std::atomic<int>[]> ready(n_pre ? new std::atomic<int>[n_pre] : nullptr);
+  for (int s = 0; s < n_pre; ++s) ready[s].store(0, std::memory_order_relaxed);
   // Split-K: each head's blocks in chunks of cb; cb depends on the selection and the query shape only (so
   // any thread count gives the same bits). A task's partial is G (D + 2) floats: bytes in decode, but a
   // prefill chunk presents its T*G queries as the "heads", and then 64 tasks a head would write and merge
@@ -515,8 +546,20 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   const bool simd = use_avx2() && D % 8 == 0;
   const KVType kt = cfg_.kv_type;
   const int64_t per_run = std::clamp<int64_t>(kRunRows / bs, 1, kMaxTiles);  // blocks per softmax update
-  ThreadPool::global().parallel_for(n_tasks, threads, [&](int64_t task) {
+  ThreadPool::global().parallel_for(n_pre + n_tasks, threads, [&](int64_t task) {
+    if (task < n_pre) {
+      pre->run(pre->ctx, int(task));
+      ready[task].store(1, std::memory_order_release);
+      return;
+    }
+    task -= n_pre;
     const int h = int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
+    if (n_pre) {
+      for (int spins = 0; !ready[bsets.n_sets == 1 ? 0 : h].load(std::memory_order_acquire); ++spins) {
+        if (spins < 64) cpu_pause();
+        else std::this_thread::yield();  // the set's thread may share this core: let it finish
+      }
+    }
     const int64_t j0 = (task - tstart[h]) * cb, j1 = std::min(count[h], j0 + cb);
     float* m = part_.data() + task * pstride;
     float* l = m + G;
@@ -588,9 +631,49 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   std::lock_guard<std::mutex> lk(mu_);
   const Layer& L = layer_at(layer);
   prepare_query(q, H);
-  select_locked(L, layer, H, req, out_ids, out_cols);
-  const int n_sets = req.mode == HeadMode::SHARED ? 1 : cfg_.n_kv_heads;
-  attend_locked(L, H, BlockSets{out_ids, n_sets, out_cols}, false, out, lse);
+  const auto t0 = Clock::now();
+  const int KVH = cfg_.n_kv_heads, n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
+  const BlockSets bsets{out_ids, n_sets, out_cols};
+  const CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/true);
+  Prologue pre;
+  pre.threads = 0;  // set by cached_prepare when the sets need their pass
+  if (C && !cached_prepare(*C, req, out_ids, out_cols, &pre.threads)) {  // every set keeps all its candidates
+    timing_.score_s = 0;
+    timing_.topk_s = seconds_since(t0);
+  }
+  if (!C || !pre.threads) return attend_locked(L, H, bsets, false, out, lse);
+  // Cached candidates (SnapKV): each set's selection runs in the attention's dispatch (Prologue).
+  count_pre_.resize(KVH);
+  for (int h = 0; h < KVH; ++h) {
+    const int s = n_sets == 1 ? 0 : h;
+    count_pre_[h] = std::min<int64_t>(req.k_per_set[s], C->count[s]);
+  }
+  struct Ctx {
+    KVStore* st;
+    const CandCache* C;
+    const SelectRequest* req;
+    int32_t* ids;
+    int cols;
+  } ctx{this, C, &req, out_ids, out_cols};
+  pre.n = n_sets;
+  pre.count = count_pre_.data();
+  pre.ctx = &ctx;
+  pre.run = [](void* p, int s) {
+    auto* c = static_cast<Ctx*>(p);
+    c->st->cached_set(*c->C, *c->req, s, c->ids, c->cols);
+  };
+  attend_locked(L, H, bsets, false, out, lse, &pre);
+  // The stages overlap in one pass: score and top-k are their tasks' time over the threads, attend the rest.
+  const int spread = std::max(1, std::min(pre.threads, n_sets));
+  double score = 0, topk = 0;
+  for (int s = 0; s < n_sets; ++s) {
+    score += score_task_s_[s];
+    topk += topk_task_s_[s];
+  }
+  const double total = seconds_since(t0);
+  timing_.score_s = std::min(total, score / spread);
+  timing_.topk_s = std::min(total - timing_.score_s, topk / spread);
+  timing_.attend_s = total - timing_.score_s - timing_.topk_s;
 }
 
 }  // namespace ktq

@@ -3,12 +3,6 @@
 #include <algorithm>
 #include <chrono>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define KTQ_PAUSE() _mm_pause()
-#else
-#define KTQ_PAUSE() std::this_thread::yield()
-#endif
 
 namespace ktq {
 
@@ -85,7 +79,7 @@ void ThreadPool::run(int64_t n_tasks, int n_threads, Call call, void* ctx) {
   // Every task is claimed; wait for the ones still running on workers.
   // Yield after a short spin: on a busy host a worker may share this core, and must get to finish its task.
   for (int spins = 0; done_.load(std::memory_order_acquire) != n_tasks; ++spins) {
-    if (spins < 64) KTQ_PAUSE();
+    if (spins < 64) cpu_pause();
     else std::this_thread::yield();
   }
 }
@@ -96,7 +90,7 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
     int spins = 0;
     while (gen_.load(std::memory_order_acquire) == seen) {
       if (spins % 16 == 15) std::this_thread::yield();  // never starve a thread that shares this core
-      else KTQ_PAUSE();
+      else cpu_pause();
       if (++spins % 256 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });

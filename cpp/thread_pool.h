@@ -20,6 +20,15 @@
 
 namespace ktq {
 
+// A spin-wait hint: x86's PAUSE (frees the pipeline for the core's other work), a yield elsewhere.
+inline void cpu_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
 class ThreadPool {
  public:
   static ThreadPool& global();

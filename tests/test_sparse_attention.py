@@ -350,6 +350,30 @@ def test_select_attend_is_select_then_attend(force_scalar):
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_select_attend_over_cached_candidates_is_select_then_attend(force_scalar, threads):
+    # Preselected candidates (SnapKV): each set's scores and top k run inside the attention's own dispatch,
+    # and a head's attention starts when its set is done. Same ids and the same bits as the two calls.
+    # Per-set k: some sets select, one keeps every candidate, one keeps none.
+    store, q, *_ = make(3000, 3, 3, 64, 8, threads=threads, seed=threads)
+    nb = store.n_blocks(0)
+    g = torch.Generator().manual_seed(7)
+    allowed = [sorted(torch.randperm(nb - 1, generator=g)[:200].tolist()) for _ in range(3)]
+    for mode, k in (("SEPARATE", 64), ("SEPARATE", [64, 200, 0]), ("SEPARATE", [5, 150, 199]), ("SHARED", 64),
+                    ("SHARED", 300)):
+        cand = allowed[:1] if mode == "SHARED" else allowed
+        for _ in range(2):  # the first call builds the candidate cache, the second uses it
+            out, lse, blocks = store.select_attend(0, q, k, mode, allowed=cand)
+            ref_blocks = store.select(0, q, k, mode, allowed=cand)
+            assert torch.equal(blocks, ref_blocks), (mode, k)
+            out2, lse2 = store.attend(0, q, blocks)
+            assert torch.equal(out, out2) and torch.equal(lse, lse2), (mode, k)
+        ks = [k] * len(cand) if isinstance(k, int) else k
+        for s, row in enumerate(blocks.reshape(len(cand), -1).tolist()):
+            assert len([b for b in row if b >= 0]) == min(ks[s], len(cand[s]))
+
+
 # ---- attention ----
 
 FULL_CASES = [  # kv_type, G, D, block_size, T
