@@ -149,7 +149,8 @@ class KVStore {
   // exclusions and the layer's gen are unchanged, and only for full blocks (a full block's linear anchors
   // never change until a truncate).
   struct CandCache {
-    bool valid = false;
+    bool valid = false;  // answers `key` (a hit)
+    bool built = false;  // ids, count and anchors are consistent for generation gen (they can be extended)
     uint64_t gen = 0;
     HeadMode mode = HeadMode::SEPARATE;
     std::vector<int64_t> key;              // mode, the allowed rows as given, the exclusion ranges as given

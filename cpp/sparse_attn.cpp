@@ -295,31 +295,53 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
   if (C.valid && C.gen == L.gen && C.key == key_) return &C;
   C.valid = false;
   build_runs(nb, n_sets, &req);  // validates the ids
-  int64_t max_id = -1, stride = 0;  // highest candidate id; candidates room per set
+  int64_t max_id = -1, need = 0;  // highest candidate id; most candidates of a set
   for (const Runs& R : runs_) {
     if (!R.start.empty()) max_id = std::max<int64_t>(max_id, R.start.back() + R.len.back() - 1);
-    stride = std::max(stride, R.prefix.back());
+    need = std::max(need, R.prefix.back());
   }
   if (max_id >= L.len / cfg_.block_size) return nullptr;  // a partial block's anchors still change
   const int heads = req.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
   const size_t row = size_t(A_) * cfg_.head_dim * anchor_elem_bytes();
-  C.mode = req.mode;
-  C.stride = stride;
-  C.ids.assign(size_t(n_sets) * stride, -1);
-  C.count.assign(n_sets, 0);
-  C.anchors.resize(size_t(n_sets) * heads * stride * row);
+  // A decode step's request changes whenever a block leaves the local window: that block joins the
+  // candidates (after every one of them) and the exclusion moves. Then every set's old candidates are the
+  // prefix of its new ones, and only the new ones' anchors are copied (a full block's anchors never change;
+  // a truncate bumps gen). Rebuilding instead copied every candidate's anchors: 42 us a layer at 384
+  // candidates x 3 heads, every 8 tokens.
+  bool extend = C.built && C.gen == L.gen && C.mode == req.mode && int64_t(C.count.size()) == n_sets &&
+                need <= C.stride;
+  for (int s = 0; extend && s < n_sets; ++s) {
+    const int32_t* old = C.ids.data() + s * C.stride;
+    int64_t n = 0;
+    extend = C.count[s] <= runs_[s].prefix.back();
+    runs_[s].each([&](int32_t b) {
+      if (n < C.count[s] && old[n] != b) extend = false;
+      ++n;
+    });
+  }
+  if (!extend) {
+    C.built = false;
+    C.mode = req.mode;
+    C.stride = need + std::max<int64_t>(64, need / 4);  // room for the blocks that join later
+    C.ids.assign(size_t(n_sets) * C.stride, -1);
+    C.count.assign(n_sets, 0);
+    C.anchors.resize(size_t(n_sets) * heads * C.stride * row);
+  }
   for (int s = 0; s < n_sets; ++s) {
     int64_t n = 0;
     runs_[s].each([&](int32_t b) {
-      C.ids[s * stride + n] = b;
-      for (int j = 0; j < heads; ++j) {
-        const int h = heads == 1 ? s : j;
-        std::memcpy(C.anchors.data() + ((size_t(s) * heads + j) * stride + n) * row, anchor_bytes(L, h, b), row);
+      if (n >= C.count[s]) {
+        C.ids[s * C.stride + n] = b;
+        for (int j = 0; j < heads; ++j) {
+          const int h = heads == 1 ? s : j;
+          std::memcpy(C.anchors.data() + ((size_t(s) * heads + j) * C.stride + n) * row, anchor_bytes(L, h, b), row);
+        }
       }
       ++n;
     });
     C.count[s] = n;
   }
+  C.built = true;
   C.key = key_;
   C.gen = L.gen;
   C.valid = true;

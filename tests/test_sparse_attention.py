@@ -315,6 +315,43 @@ def test_repeated_candidates_follow_the_store(force_scalar, mode, kv_type):
 
 
 @pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_candidates_that_grow_like_a_decode(force_scalar, mode):
+    """Decode after a preselection: every block that leaves the local window joins the candidates (after all
+    of them) and the exclusion of the window moves on. The store then extends its compact copy of their
+    anchors instead of copying it again, past its spare room too (80 blocks join); a changed list is
+    copied anew. Every selection must equal torch's on what the store holds."""
+    KVH, G, D, bs = 3, 3, 64, 8
+    n_sets = 1 if mode == "SHARED" else KVH
+    g = torch.Generator().manual_seed(9)
+    store = KVStore(1, KVH, D, 2048, block_size=bs, kv_type="FP16", threads_num=2)
+
+    def append(T):
+        store.append(0, torch.randint(-3, 4, (T, KVH, D), generator=g).float(), torch.randn(T, KVH, D, generator=g))
+
+    def check(allowed, k, excl):
+        q = torch.randint(-3, 4, (G * KVH, D), generator=g).float()
+        ks, _ = store.read(0)
+        ref = ref_scores(q, ref_anchor_lists(ks, bs, "QUEST", 2, None), "QUEST", mode)
+        got = store.select(0, q, k, mode, exclude_ranges=excl, allowed=allowed)
+        rows = [got.tolist()] if mode == "SHARED" else got.tolist()
+        for s in range(n_sets):
+            cand = [b for b in allowed[s] if not any(b0 <= b < b1 for b0, b1 in excl)]
+            assert [b for b in rows[s] if b >= 0] == ref_topk(ref[s], cand, k)
+
+    append(100 * bs)
+    lb = 90  # blocks [90, ...) are the local window
+    allowed = [sorted(torch.randperm(lb, generator=g)[:30].tolist()) for _ in range(n_sets)]
+    for step in range(80):
+        check(allowed, 12, [(0, 1), (lb, 10_000)])
+        append(bs)  # a block's worth of tokens: one block leaves the window and joins every set
+        allowed = [a + [lb] for a in allowed]
+        lb += 1
+        if step == 40:  # a different list (not the old one plus new blocks): a fresh copy
+            allowed = [a[1:] for a in allowed]
+    check(allowed, 12, [(0, 1), (lb, 10_000)])
+
+
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
 def test_top_k_over_many_tied_candidates(force_scalar, mode):
     """Hundreds of candidates (not a multiple of the 8-lane vectors) whose scores tie in large groups, zero
     included: the top-k cut keeps exactly torch's top k, ties to the lower block id, through the cached
