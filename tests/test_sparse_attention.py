@@ -267,6 +267,26 @@ def test_selection_equals_torch_topk(force_scalar, anchor_type, anchor_num, mode
                 assert all(abs(ref[s][b] - kth) <= tol for b in set(sel) ^ set(want)), case
 
 
+def _append_small_ints(store, g: torch.Generator, T: int, KVH: int, D: int) -> None:
+    """T tokens into layer 0, keys of small integers: every QUEST score is exact in fp32 and fp16, so ties
+    follow the id rule."""
+    store.append(0, torch.randint(-3, 4, (T, KVH, D), generator=g).float(), torch.randn(T, KVH, D, generator=g))
+
+
+def _check_candidates(store, g: torch.Generator, mode: str, G: int, KVH: int, D: int, bs: int,
+                      allowed: list[list[int]], k: int, excl=()) -> None:
+    """A new small-integer query: layer 0's selection over the allowed candidates (less the excluded
+    ranges) equals torch's top k on QUEST scores of what the store holds now."""
+    q = torch.randint(-3, 4, (G * KVH, D), generator=g).float()
+    ks, _ = store.read(0)
+    ref = ref_scores(q, ref_anchor_lists(ks, bs, "QUEST", 2, None), "QUEST", mode)
+    got = store.select(0, q, k, mode, exclude_ranges=excl, allowed=allowed)
+    rows = [got.tolist()] if mode == "SHARED" else got.tolist()
+    for s in range(len(rows)):
+        cand = [b for b in allowed[s] if not any(b0 <= b < b1 for b0, b1 in excl)]
+        assert [b for b in rows[s] if b >= 0] == ref_topk(ref[s], cand, k)
+
+
 @pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
 @pytest.mark.parametrize("kv_type", ["FP16", "FP32"])  # fp16 and fp32 anchors
 def test_repeated_candidates_follow_the_store(force_scalar, mode, kv_type):
@@ -278,18 +298,11 @@ def test_repeated_candidates_follow_the_store(force_scalar, mode, kv_type):
     g = torch.Generator().manual_seed(5)
     store = KVStore(1, KVH, D, 1024, block_size=bs, kv_type=kv_type, threads_num=2)
 
-    def append(T):  # small integers: every score exact in fp32 and fp16, so ties follow the id rule
-        store.append(0, torch.randint(-3, 4, (T, KVH, D), generator=g).float(), torch.randn(T, KVH, D, generator=g))
+    def append(T):
+        _append_small_ints(store, g, T, KVH, D)
 
     def check(allowed, k, excl=()):
-        q = torch.randint(-3, 4, (G * KVH, D), generator=g).float()
-        ks, _ = store.read(0)
-        ref = ref_scores(q, ref_anchor_lists(ks, bs, "QUEST", 2, None), "QUEST", mode)
-        got = store.select(0, q, k, mode, exclude_ranges=excl, allowed=allowed)
-        rows = [got.tolist()] if mode == "SHARED" else got.tolist()
-        for s in range(n_sets):
-            cand = [b for b in allowed[s] if not any(b0 <= b < b1 for b0, b1 in excl)]
-            assert [b for b in rows[s] if b >= 0] == ref_topk(ref[s], cand, k)
+        _check_candidates(store, g, mode, G, KVH, D, bs, allowed, k, excl)
 
     append(400)  # 50 full blocks
     allowed = [sorted(torch.randperm(50, generator=g)[:24].tolist()) for _ in range(n_sets)]
@@ -326,17 +339,10 @@ def test_candidates_that_grow_like_a_decode(force_scalar, mode):
     store = KVStore(1, KVH, D, 2048, block_size=bs, kv_type="FP16", threads_num=2)
 
     def append(T):
-        store.append(0, torch.randint(-3, 4, (T, KVH, D), generator=g).float(), torch.randn(T, KVH, D, generator=g))
+        _append_small_ints(store, g, T, KVH, D)
 
     def check(allowed, k, excl):
-        q = torch.randint(-3, 4, (G * KVH, D), generator=g).float()
-        ks, _ = store.read(0)
-        ref = ref_scores(q, ref_anchor_lists(ks, bs, "QUEST", 2, None), "QUEST", mode)
-        got = store.select(0, q, k, mode, exclude_ranges=excl, allowed=allowed)
-        rows = [got.tolist()] if mode == "SHARED" else got.tolist()
-        for s in range(n_sets):
-            cand = [b for b in allowed[s] if not any(b0 <= b < b1 for b0, b1 in excl)]
-            assert [b for b in rows[s] if b >= 0] == ref_topk(ref[s], cand, k)
+        _check_candidates(store, g, mode, G, KVH, D, bs, allowed, k, excl)
 
     append(100 * bs)
     lb = 90  # blocks [90, ...) are the local window
