@@ -79,6 +79,16 @@ void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float*
   }
 }
 
+void score_linear8(const int8_t* a, const float* scale, int64_t n, int L, const float* qe, float* out,
+                   bool accumulate) {
+  for (int64_t i = 0; i < n; ++i) {
+    float sc = 0.f;
+    for (int c = 0; c < L; ++c) sc += qe[c] * float(a[i * L + c]);
+    sc *= scale[i];
+    out[i] = accumulate ? out[i] + sc : sc;
+  }
+}
+
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
                bool accumulate, float*) {
   for (int64_t i = 0; i < n; ++i) {

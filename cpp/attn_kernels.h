@@ -35,6 +35,8 @@ namespace ktq {
 // score_linear: linear block scores (QUEST / BLOCK_MAX / BLOCK_MEAN): out[i] (+)= dot(qe, a[i]).
 //   a: [n, L] fp32 anchors, qe: [L] the KV head's scoring vector.
 // score_linear16: the same over fp16 anchors (a: [n, L] IEEE halves), half the bytes to stream.
+// score_linear8: the same over int8 anchors with one scale per row (a: [n, L], scale: [n]):
+//   out[i] (+)= scale[i] * dot(qe, a[i]); a quarter of fp32's bytes (cached candidates, int8_candidates).
 
 // score_max: max-over-anchors block scores (FIXED / DYNAMIC): out[i] (+)= sum_g max_{j < cnt[i]} dot(q_g, a[i, j]).
 //   a: [n, A, D] fp32, cnt: [n] (>= 1), q: [G, D] unscaled, s: scratch of G * round_up(A, 8) + D floats.
@@ -99,6 +101,7 @@ void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const
                  int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v);
 void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
+void score_linear8(const int8_t* a, const float* scale, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
                bool accumulate, float* s);
 int64_t top_k(const float* v, int64_t n, int64_t k, const int32_t* ids, int32_t* out, int32_t* keys);
@@ -111,6 +114,7 @@ void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const
                  int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v);
 void score_linear(const float* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float* out, bool accumulate);
+void score_linear8(const int8_t* a, const float* scale, int64_t n, int L, const float* qe, float* out, bool accumulate);
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,
                bool accumulate, float* s);
 int64_t top_k(const float* v, int64_t n, int64_t k, const int32_t* ids, int32_t* out, int32_t* keys);

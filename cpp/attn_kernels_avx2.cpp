@@ -435,12 +435,17 @@ namespace {
 
 // A pure stream over the anchors: 4 independent FMA chains, one horizontal sum per block, and a software
 // prefetch kPrefetchBytes ahead so enough cache-line misses are in flight to reach DRAM speed.
-// T: float or uint16_t (fp16, one F16C conversion per 8 anchors and a stream half as long).
+// T: float, uint16_t (fp16, one F16C conversion per 8 anchors and a stream half as long) or int8_t (a
+// quarter as long; each row's sum is then multiplied by its scale[i]).
 template <class T>
-void score_linear_any(const T* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
+void score_linear_any(const T* a, int64_t n, int L, const float* qe, float* out, bool accumulate,
+                      const float* scale = nullptr) {
   constexpr int64_t kPrefetchBytes = 2048;
   auto ld = [](const T* p) {
-    if constexpr (sizeof(T) == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (sizeof(T) == 1)
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    else if constexpr (sizeof(T) == 2)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     else return _mm256_loadu_ps(p);
   };
   const char* end = reinterpret_cast<const char*>(a + n * L);
@@ -458,7 +463,8 @@ void score_linear_any(const T* a, int64_t n, int L, const float* qe, float* out,
       s3 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c + 24), ld(ai + c + 24), s3);
     }
     for (; c < L; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qe + c), ld(ai + c), s0);
-    const float sc = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    float sc = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    if constexpr (sizeof(T) == 1) sc *= scale[i];
     out[i] = accumulate ? out[i] + sc : sc;
   }
 }
@@ -471,6 +477,11 @@ void score_linear(const float* a, int64_t n, int L, const float* qe, float* out,
 
 void score_linear16(const uint16_t* a, int64_t n, int L, const float* qe, float* out, bool accumulate) {
   score_linear_any(a, n, L, qe, out, accumulate);
+}
+
+void score_linear8(const int8_t* a, const float* scale, int64_t n, int L, const float* qe, float* out,
+                   bool accumulate) {
+  score_linear_any(a, n, L, qe, out, accumulate, scale);
 }
 
 void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, const float* q, int G, float* out,

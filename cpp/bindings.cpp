@@ -236,7 +236,8 @@ void bind_kv_store(py::module_& m) {
   using ktq::KVStore;
   py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest.ops).")
       .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
-                       const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num) {
+                       const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
+                       bool int8_candidates) {
              ktq::StoreConfig c;
              c.n_layers = n_layers;
              c.n_kv_heads = n_kv_heads;
@@ -254,11 +255,12 @@ void bind_kv_store(py::module_& m) {
                   {"DYNAMIC", ktq::AnchorType::DYNAMIC}});
              c.anchor_num = anchor_num;
              c.threads_num = threads_num;
+             c.int8_candidates = int8_candidates;
              return new KVStore(c);
            }),
            py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
            py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
-           py::arg("threads_num"))
+           py::arg("threads_num"), py::arg("int8_candidates") = false)
       .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
       .def_property_readonly("anchor_elem_bytes", &KVStore::anchor_elem_bytes, "2 = fp16 anchors, 4 = fp32")
       .def("length", &KVStore::length, py::arg("layer"))

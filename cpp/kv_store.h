@@ -55,6 +55,12 @@ struct StoreConfig {
   AnchorType anchor_type = AnchorType::QUEST;
   int anchor_num = 2;  // FIXED/DYNAMIC: anchors per block; QUEST always 2, BLOCK_MAX/MEAN always 1
   int threads_num = 1;
+  // Linear anchors only: the compact copy of a layer's candidates (SelectRequest::allowed, SnapKV's
+  // preselected blocks) holds each (block, head) anchor row as int8 with one fp32 scale, a quarter of fp32's
+  // bytes and half of fp16's to stream per decode step. QUEST's min row is rounded down and its max row up,
+  // so the scores stay upper bounds of q.k over the block; BLOCK_MAX / BLOCK_MEAN round to nearest. The
+  // uncached path (no candidate list) still scores the stored anchors.
+  bool int8_candidates = false;
 };
 
 // Wall time of the stages of the last select/attend call, seconds.
@@ -157,7 +163,9 @@ class KVStore {
     std::vector<int32_t> ids;              // [n_sets, stride] candidate ids, ascending
     std::vector<int64_t> count;            // [n_sets]
     int64_t stride = 0;                    // candidates room per set
-    std::vector<uint8_t> anchors;          // [n_sets, heads per set, stride, A*D] fp16 or fp32 rows
+    std::vector<uint8_t> anchors;          // [n_sets, heads per set, stride, A*D] fp16 or fp32 rows, or
+                                           // int8 rows (int8_candidates)
+    std::vector<float> scales;             // [n_sets, heads per set, stride] int8 rows' scales
   };
 
   // ---- layout helpers ----
@@ -194,8 +202,13 @@ class KVStore {
   void prepare_query(const float* q, int H);  // fills qs_, qe_, qraw_
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);  // fills runs_
   void score_runs(const Layer& L, int H, HeadMode mode, float* scores);
-  // out[0, n) (+)= linear scores (QUEST / BLOCK_*) of n consecutive anchor rows at a, for KV head h.
-  void score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate) const;
+  // out[0, n) (+)= linear scores (QUEST / BLOCK_*) of n consecutive anchor rows at a, for KV head h; int8
+  // rows (a CandCache of int8_candidates) when scale8 is given, their scales.
+  void score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate,
+                         const float* scale8 = nullptr) const;
+  // One stored anchor row (A*D elements at src) as int8 at dst with its scale (int8_candidates' rounding).
+  void quantize_anchor_row(const uint8_t* src, int8_t* dst, float* scale) const;
+  size_t cand_row_bytes() const;  // one anchor row of a CandCache
   // defer: where the cached candidates' per-set pass is due (scores, then top k), leave it to the caller
   // and return the cache (select_attend runs the pass inside the attention's dispatch); null otherwise,
   // with out_ids written.

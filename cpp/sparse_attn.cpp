@@ -179,13 +179,17 @@ inline bool heap_less(const KVStore::Cand& a, const KVStore::Cand& b) {
 
 }  // namespace
 
-void KVStore::score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate) const {
+void KVStore::score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate,
+                                const float* scale8) const {
   const int L = A_ * cfg_.head_dim;
   const float* qe = qe_.data() + size_t(h) * L;
   const bool simd = use_avx2() && cfg_.head_dim % 8 == 0;
+  const auto* a8 = reinterpret_cast<const int8_t*>(a);
   const auto* a16 = reinterpret_cast<const uint16_t*>(a);
   const auto* a32 = reinterpret_cast<const float*>(a);
-  if (a16_ && simd) avx2::score_linear16(a16, n, L, qe, out, accumulate);
+  if (scale8 && simd) avx2::score_linear8(a8, scale8, n, L, qe, out, accumulate);
+  else if (scale8) scalar::score_linear8(a8, scale8, n, L, qe, out, accumulate);
+  else if (a16_ && simd) avx2::score_linear16(a16, n, L, qe, out, accumulate);
   else if (a16_) scalar::score_linear16(a16, n, L, qe, out, accumulate);
   else if (simd) avx2::score_linear(a32, n, L, qe, out, accumulate);
   else scalar::score_linear(a32, n, L, qe, out, accumulate);
@@ -280,6 +284,45 @@ int64_t check_k(const SelectRequest& req, int n_sets, int out_cols, Count count,
 
 // ---- cached candidates ----
 
+size_t KVStore::cand_row_bytes() const {
+  return size_t(A_) * cfg_.head_dim * (cfg_.int8_candidates ? 1 : anchor_elem_bytes());
+}
+
+// scale = max |x| / 127, nudged up until 127 * scale >= max |x|, so every rounded value fits in [-127, 127].
+// QUEST's row is [min (D), max (D)]: min elements are rounded down and max elements up (then x <= q * scale
+// for a max, >= for a min, checked in fp32), so sum_d max(q_d min_d, q_d max_d) over the int8 bounds is >=
+// the score over the stored ones for every q: still an upper bound of q.k. Other linear anchors: nearest.
+void KVStore::quantize_anchor_row(const uint8_t* src, int8_t* dst, float* scale) const {
+  const int L = A_ * cfg_.head_dim;
+  thread_local std::vector<float> x;
+  x.resize(L);
+  if (a16_) decode_row(KVType::FP16, src, nullptr, L, x.data());
+  else std::memcpy(x.data(), src, size_t(L) * 4);
+  float amax = 0.f;
+  for (float v : x) amax = std::max(amax, std::fabs(v));
+  float s = amax / 127.f;
+  while (s * 127.f < amax) s = std::nextafter(s, std::numeric_limits<float>::infinity());
+  *scale = s;
+  const bool quest = cfg_.anchor_type == AnchorType::QUEST;
+  for (int i = 0; i < L; ++i) {
+    if (s == 0.f) {
+      dst[i] = 0;
+      continue;
+    }
+    float r = x[i] / s;
+    if (!quest) {
+      r = std::nearbyint(r);
+    } else if (i < cfg_.head_dim) {  // min: q * s <= x
+      r = std::floor(r);
+      while (r > -127.f && r * s > x[i]) r -= 1.f;
+    } else {  // max: q * s >= x
+      r = std::ceil(r);
+      while (r < 127.f && r * s < x[i]) r += 1.f;
+    }
+    dst[i] = int8_t(std::clamp(r, -127.f, 127.f));
+  }
+}
+
 const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t nb, int n_sets,
                                               const SelectRequest& req) {
   key_.clear();
@@ -302,7 +345,7 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
   }
   if (max_id >= L.len / cfg_.block_size) return nullptr;  // a partial block's anchors still change
   const int heads = req.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
-  const size_t row = size_t(A_) * cfg_.head_dim * anchor_elem_bytes();
+  const size_t row = cand_row_bytes();
   // A decode step's request changes whenever a block leaves the local window: that block joins the
   // candidates (after every one of them) and the exclusion moves. Then every set's old candidates are the
   // prefix of its new ones, and only the new ones' anchors are copied (a full block's anchors never change;
@@ -326,6 +369,7 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
     C.ids.assign(size_t(n_sets) * C.stride, -1);
     C.count.assign(n_sets, 0);
     C.anchors.resize(size_t(n_sets) * heads * C.stride * row);
+    if (cfg_.int8_candidates) C.scales.resize(size_t(n_sets) * heads * C.stride);
   }
   for (int s = 0; s < n_sets; ++s) {
     int64_t n = 0;
@@ -334,7 +378,12 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
         C.ids[s * C.stride + n] = b;
         for (int j = 0; j < heads; ++j) {
           const int h = heads == 1 ? s : j;
-          std::memcpy(C.anchors.data() + ((size_t(s) * heads + j) * C.stride + n) * row, anchor_bytes(L, h, b), row);
+          const size_t at = (size_t(s) * heads + j) * C.stride + n;
+          if (cfg_.int8_candidates)
+            quantize_anchor_row(anchor_bytes(L, h, b), reinterpret_cast<int8_t*>(C.anchors.data() + at * row),
+                                C.scales.data() + at);
+          else
+            std::memcpy(C.anchors.data() + at * row, anchor_bytes(L, h, b), row);
         }
       }
       ++n;
@@ -349,7 +398,8 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
 }
 
 // select_locked over a CandCache: the same scores (same kernels on the same anchor bytes, heads summed in
-// the same order) and the same top-k rule, so the same ids as the uncached path. One pass per set: its
+// the same order) and the same top-k rule, so the same ids as the uncached path (int8_candidates: the
+// scores of the int8 copy, upper bounds for QUEST, instead). One pass per set: its
 // scores, then its top k (top_k: the k best in ascending id order, ties to the lower id, NaN as -inf;
 // select_locked's rule), while the scores are still in L1.
 bool KVStore::cached_prepare(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols,
@@ -371,7 +421,7 @@ bool KVStore::cached_prepare(const CandCache& C, const SelectRequest& req, int32
   score_task_s_.assign(n_sets, 0.0);
   int64_t n_cand = 0;
   for (int64_t c : C.count) n_cand += c;
-  const int64_t bytes = n_cand * heads * int64_t(size_t(A_) * cfg_.head_dim * anchor_elem_bytes());
+  const int64_t bytes = n_cand * heads * int64_t(cand_row_bytes());
   *threads = bytes >= kParallelBytes ? cfg_.threads_num : 1;
   return true;
 }
@@ -379,7 +429,7 @@ bool KVStore::cached_prepare(const CandCache& C, const SelectRequest& req, int32
 void KVStore::cached_set(const CandCache& C, const SelectRequest& req, int s, int32_t* out_ids, int out_cols) {
   const auto t0 = Clock::now();
   const int heads = C.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
-  const size_t row = size_t(A_) * cfg_.head_dim * anchor_elem_bytes();
+  const size_t row = cand_row_bytes();
   const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
   int32_t* row_out = out_ids + s * int64_t(out_cols);
   if (k >= n || k == 0) {
@@ -388,8 +438,11 @@ void KVStore::cached_set(const CandCache& C, const SelectRequest& req, int s, in
     return;
   }
   float* sc = cscores_.data() + s * C.stride;
-  for (int j = 0; j < heads; ++j)  // SHARED: every head's score summed in head order, as score_runs does
-    score_linear_rows(C.anchors.data() + (size_t(s) * heads + j) * C.stride * row, n, heads == 1 ? s : j, sc, j > 0);
+  for (int j = 0; j < heads; ++j) {  // SHARED: every head's score summed in head order, as score_runs does
+    const size_t at = (size_t(s) * heads + j) * C.stride;
+    score_linear_rows(C.anchors.data() + at * row, n, heads == 1 ? s : j, sc, j > 0,
+                      cfg_.int8_candidates ? C.scales.data() + at : nullptr);
+  }
   const auto t1 = Clock::now();
   const int64_t m = (use_avx2() ? avx2::top_k : scalar::top_k)(sc, n, k, C.ids.data() + s * C.stride, row_out,
                                                                 topkeys_.data() + s * C.stride);

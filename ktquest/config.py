@@ -64,6 +64,9 @@ class LongContextConfig:
     preselect_block_count: int = 64  # blocks that stay candidates after preselection
     preselect_window: int = 32  # last prompt tokens whose queries score the context (SnapKV W)
     preselect_pool_kernel: int = 7  # max-pool over neighbouring tokens
+    # The preselected candidates' anchors scored from an int8 copy (one scale per block and head; QUEST
+    # bounds rounded outward, so they stay upper bounds): half the bytes of fp16 anchors per decode step.
+    int8_candidates: bool = False
     ada_budget: bool = False  # Ada-KV adaptive per-head budgets
     ada_alpha: float = 0.2  # uniform floor share
     ada_gqa_merge: Literal["mean", "max"] = "mean"
@@ -92,6 +95,12 @@ class LongContextConfig:
         _check(self.preselect_window >= 1, p + "preselect_window", self.preselect_window, "an integer >= 1")
         _check(self.preselect_pool_kernel >= 1 and self.preselect_pool_kernel % 2 == 1,
                p + "preselect_pool_kernel", self.preselect_pool_kernel, "an odd integer >= 1")
+        if self.int8_candidates:
+            _check(self.preselect_block, p + "int8_candidates", self.int8_candidates,
+                   "false unless preselect_block is true (only the preselected candidates have an int8 copy)")
+            _check(self.anchor_type in ("QUEST", "BLOCK_MAX", "BLOCK_MEAN"), p + "int8_candidates",
+                   self.int8_candidates, f"false with anchor_type {self.anchor_type} (int8 copies are of linear "
+                   "anchors: QUEST, BLOCK_MAX, BLOCK_MEAN)")
         _check(0.0 <= self.ada_alpha <= 1.0, p + "ada_alpha", self.ada_alpha, "a number in [0, 1]")
         _check(self.token_step >= 1, p + "token_step", self.token_step, "an integer >= 1")
         _check(self.layer_step >= 1, p + "layer_step", self.layer_step, "an integer >= 1")

@@ -157,7 +157,7 @@ class LongContextCache:
         self.cap = lc.local_windows_len + self.bs + cfg.chunk_size  # local buffer capacity, tokens
         threads = lc.threads_num or cfg.resolved_threads()
         self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
-                             lc.anchor_num, threads)
+                             lc.anchor_num, threads, lc.int8_candidates)
         shape = (self.n_layers, self.KVH, self.init_end + self.cap, self.D)
         self.win_k = torch.zeros(shape, device=self.device, dtype=dtype)  # [L, KVH, init_end + cap, D]
         self.win_v = torch.zeros(shape, device=self.device, dtype=dtype)

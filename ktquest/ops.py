@@ -99,6 +99,8 @@ class KVStore:
     anchor_type: QUEST (element-wise min/max keys, scores are upper bounds of q.k), BLOCK_MAX (element-wise
     max key), BLOCK_MEAN (mean key), FIXED (``anchor_num`` tokens at a fixed stride, the first at 0), DYNAMIC
     (the ``anchor_num`` tokens of highest caller-given importance). threads_num: operator threads.
+    int8_candidates (linear anchors): selections over a candidate list (``allowed``) score an int8 copy of
+    the candidates' anchors, one scale per block and head, QUEST's min rounded down and max up.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class KVStore:
         anchor_type: str = "QUEST",
         anchor_num: int = 2,
         threads_num: int = 1,
+        int8_candidates: bool = False,
     ):
         self.n_layers = _int(n_layers, "n_layers", 1)
         self.n_kv_heads = _int(n_kv_heads, "n_kv_heads", 1)
@@ -122,6 +125,9 @@ class KVStore:
         self.anchor_type = _name(anchor_type, "anchor_type", ANCHOR_TYPES)
         self.anchor_num = _int(anchor_num, "anchor_num", 1)
         self.threads_num = _int(threads_num, "threads_num", 1)
+        if not isinstance(int8_candidates, bool):
+            raise TypeError(f"int8_candidates must be a bool, got {type(int8_candidates).__name__}")
+        self.int8_candidates = int8_candidates
         self._st = _C.KVStore(
             self.n_layers,
             self.n_kv_heads,
@@ -132,6 +138,7 @@ class KVStore:
             self.anchor_type,
             self.anchor_num,
             self.threads_num,
+            self.int8_candidates,
         )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 

@@ -92,6 +92,9 @@ def test_bad_enum(tmp_path):
     ("long_context:\n  anchor_num: 3", "long_context.anchor_num", "3", "exactly 2"),
     ("long_context:\n  preselect_pool_kernel: 4", "long_context.preselect_pool_kernel", "4", "odd"),
     ("mode: long_context\nmax_seq_len: 100", "long_context.local_windows_len", "1024", "<= max_seq_len (100)"),
+    ("long_context:\n  int8_candidates: true", "long_context.int8_candidates", "True", "unless preselect_block"),
+    ("long_context:\n  int8_candidates: true\n  preselect_block: true\n  anchor_type: DYNAMIC\n  anchor_num: 1",
+     "long_context.int8_candidates", "True", "anchor_type DYNAMIC"),
 ])
 def test_out_of_range(tmp_path, text, key, value, allowed):
     p = _write(tmp_path, text + "\n")

@@ -357,6 +357,71 @@ def test_candidates_that_grow_like_a_decode(force_scalar, mode):
     check(allowed, 12, [(0, 1), (lb, 10_000)])
 
 
+def ref_int8_anchors(a: torch.Tensor, anchor_type: str) -> torch.Tensor:
+    """int8_candidates' copy of anchor rows a [..., A, D] (fp32), returned dequantised (q * scale, fp64): per
+    row scale = max |a| / 127 nudged up until 127 * scale covers it; QUEST's min row rounded down and max row
+    up (checked in fp32), BLOCK_MAX / BLOCK_MEAN to nearest."""
+    flat = a.reshape(*a.shape[:-2], -1).float()  # [..., A*D]
+    amax = flat.abs().amax(-1, keepdim=True)
+    s = amax / 127
+    while bool((s * 127 < amax).any()):
+        s = torch.where(s * 127 < amax, torch.nextafter(s, torch.tensor(float("inf"))), s)
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    r = flat / safe
+    if anchor_type == "QUEST":
+        D = a.shape[-1]
+        lo, hi = r[..., :D].floor(), r[..., D:].ceil()
+        x_lo, x_hi, s_b = flat[..., :D], flat[..., D:], safe.expand_as(lo)
+        while bool(((lo > -127) & (lo * s_b > x_lo)).any()):
+            lo = torch.where((lo > -127) & (lo * s_b > x_lo), lo - 1, lo)
+        while bool(((hi < 127) & (hi * s_b < x_hi)).any()):
+            hi = torch.where((hi < 127) & (hi * s_b < x_hi), hi + 1, hi)
+        r = torch.cat([lo, hi], -1)
+    else:
+        r = r.round()
+    r = torch.where(s == 0, torch.zeros_like(r), r.clamp(-127, 127))
+    return (r.double() * s.double()).reshape(a.shape)
+
+
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+@pytest.mark.parametrize("anchor_type,kv_type", [("QUEST", "FP16"), ("QUEST", "FP32"), ("BLOCK_MAX", "FP16"),
+                                                 ("BLOCK_MEAN", "FP32")])
+def test_int8_candidates_select_by_their_int8_bounds(force_scalar, mode, anchor_type, kv_type):
+    """int8_candidates: the cached candidates are scored from an int8 copy of their anchors (one scale per
+    block and head). Selections equal torch's top k over the same int8 anchors (only blocks tied with the k-th
+    score within fp32 rounding may differ), through blocks joining the list as in a decode; they differ from
+    the selections over the exact anchors (so the copy is what is scored), and QUEST's int8 scores are upper
+    bounds of the exact ones."""
+    KVH, G, D, bs = 3, 3, 64, 8
+    g = torch.Generator().manual_seed(13)
+    store = KVStore(1, KVH, D, 4096, block_size=bs, kv_type=kv_type, anchor_type=anchor_type,
+                    anchor_num=2 if anchor_type == "QUEST" else 1, threads_num=2, int8_candidates=True)
+    store.append(0, torch.randn(300 * bs, KVH, D, generator=g), torch.randn(300 * bs, KVH, D, generator=g))
+    n_sets = 1 if mode == "SHARED" else KVH
+    allowed = [sorted(torch.randperm(250, generator=g)[:120].tolist()) for _ in range(n_sets)]
+    k, differs = 40, 0
+    for step in range(12):
+        q = torch.randn(G * KVH, D, generator=g)
+        anchors, _ = store.anchors(0)  # [KVH, nb, A, D] as stored
+        lists = [list(anchors[h]) for h in range(KVH)]
+        exact = ref_scores(q, lists, anchor_type, mode)
+        ref = ref_scores(q, [list(ref_int8_anchors(anchors[h], anchor_type)) for h in range(KVH)], anchor_type, mode)
+        if anchor_type == "QUEST":
+            assert bool((ref >= exact - 1e-9 * exact.abs().max()).all())
+        got = store.select(0, q, k, mode, exclude_ranges=[(0, 1)], allowed=allowed)
+        rows = [got.tolist()] if mode == "SHARED" else got.tolist()
+        for s in range(n_sets):
+            cand = [b for b in allowed[s] if b >= 1]
+            sel, want = [b for b in rows[s] if b >= 0], ref_topk(ref[s], cand, k)
+            kth = sorted(ref[s][cand].tolist(), reverse=True)[k - 1]
+            tol = 1e-5 * ref[s][cand].abs().max().item()
+            assert all(abs(ref[s][b] - kth) <= tol for b in set(sel) ^ set(want)), (step, s)
+            differs += sel != ref_topk(exact[s], cand, k)
+        store.append(0, torch.randn(bs, KVH, D, generator=g), torch.randn(bs, KVH, D, generator=g))
+        allowed = [a + [300 + step] for a in allowed]  # a block joins every set: the copy is extended
+    assert differs > 0
+
+
 @pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
 def test_top_k_over_many_tied_candidates(force_scalar, mode):
     """Hundreds of candidates (not a multiple of the 8-lane vectors) whose scores tie in large groups, zero
