@@ -72,12 +72,11 @@ KVStore::KVStore(const StoreConfig& c) : cfg_(c) {
       A_ = c.anchor_num;
       break;
   }
-  if (c.int8_candidates && (c.anchor_type == AnchorType::FIXED || c.anchor_type == AnchorType::DYNAMIC))
+  if (c.int8_candidates && !linear_anchors(c.anchor_type))
     bad(std::string("int8_candidates needs linear anchors (QUEST, BLOCK_MAX or BLOCK_MEAN), got anchor_type ") +
         anchor_type_name(c.anchor_type));
   const int D = c.head_dim, H = c.n_kv_heads;
-  a16_ = c.kv_type == KVType::FP16 && (c.anchor_type == AnchorType::QUEST || c.anchor_type == AnchorType::BLOCK_MAX ||
-                                       c.anchor_type == AnchorType::BLOCK_MEAN);
+  a16_ = c.kv_type == KVType::FP16 && linear_anchors(c.anchor_type);
   max_blocks_ = (c.max_seq_len + c.block_size - 1) / c.block_size;
   row_bytes_ = kv_row_bytes(c.kv_type, D);
   scale_off_ = size_t(c.block_size) * row_bytes_;

@@ -44,6 +44,10 @@ enum class AnchorType : int { QUEST = 0, BLOCK_MAX = 1, BLOCK_MEAN = 2, FIXED = 
 enum class HeadMode : int { SHARED = 0, SEPARATE = 1 };
 
 const char* anchor_type_name(AnchorType t);
+// QUEST / BLOCK_MAX / BLOCK_MEAN: a block's score is one dot product with its anchor row (score_linear).
+inline bool linear_anchors(AnchorType t) {
+  return t == AnchorType::QUEST || t == AnchorType::BLOCK_MAX || t == AnchorType::BLOCK_MEAN;
+}
 
 struct StoreConfig {
   int n_layers = 1;

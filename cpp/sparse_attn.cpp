@@ -202,8 +202,7 @@ void KVStore::score_runs(const Layer& L, int H, HeadMode mode, float* scores) {
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const int n_sets = int(runs_.size());
   const bool simd = use_avx2() && D % 8 == 0;
-  const bool linear = cfg_.anchor_type == AnchorType::QUEST || cfg_.anchor_type == AnchorType::BLOCK_MAX ||
-                      cfg_.anchor_type == AnchorType::BLOCK_MEAN;
+  const bool linear = linear_anchors(cfg_.anchor_type);
   // out[0, n) (+)= scores of blocks [b, b + n) for KV head h.
   auto score_run = [&](int h, int64_t b, int64_t n, float* out, bool accumulate) {
     if (linear) {
@@ -303,12 +302,12 @@ void KVStore::quantize_anchor_row(const uint8_t* src, int8_t* dst, float* scale)
   float s = amax / 127.f;
   while (s * 127.f < amax) s = std::nextafter(s, std::numeric_limits<float>::infinity());
   *scale = s;
+  if (s == 0.f) {  // an all-zero row
+    std::memset(dst, 0, size_t(L));
+    return;
+  }
   const bool quest = cfg_.anchor_type == AnchorType::QUEST;
   for (int i = 0; i < L; ++i) {
-    if (s == 0.f) {
-      dst[i] = 0;
-      continue;
-    }
     float r = x[i] / s;
     if (!quest) {
       r = std::nearbyint(r);
@@ -474,8 +473,7 @@ const KVStore::CandCache* KVStore::select_locked(const Layer& L, int layer, int 
   const int KVH = cfg_.n_kv_heads;
   const int64_t nb = (L.len + cfg_.block_size - 1) / cfg_.block_size;
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
-  const bool linear = cfg_.anchor_type == AnchorType::QUEST || cfg_.anchor_type == AnchorType::BLOCK_MAX ||
-                      cfg_.anchor_type == AnchorType::BLOCK_MEAN;
+  const bool linear = linear_anchors(cfg_.anchor_type);
   if (req.allowed && linear) {
     if (const CandCache* C = cand_cache(L, layer, nb, n_sets, req)) {
       if (defer) return C;

@@ -42,6 +42,7 @@ class GenerationConfig:
 
 
 AnchorType = Literal["QUEST", "BLOCK_MAX", "BLOCK_MEAN", "FIXED", "DYNAMIC"]
+LINEAR_ANCHORS = ("QUEST", "BLOCK_MAX", "BLOCK_MEAN")  # a block's score is one dot product with its anchor row
 KVType = Literal["FP32", "FP16", "BF16", "Q8_0", "Q4_0"]
 HeadSelectMode = Literal["SHARED", "SEPARATE"]
 
@@ -98,7 +99,7 @@ class LongContextConfig:
         if self.int8_candidates:
             _check(self.preselect_block, p + "int8_candidates", self.int8_candidates,
                    "false unless preselect_block is true (only the preselected candidates have an int8 copy)")
-            _check(self.anchor_type in ("QUEST", "BLOCK_MAX", "BLOCK_MEAN"), p + "int8_candidates",
+            _check(self.anchor_type in LINEAR_ANCHORS, p + "int8_candidates",
                    self.int8_candidates, f"false with anchor_type {self.anchor_type} (int8 copies are of linear "
                    "anchors: QUEST, BLOCK_MAX, BLOCK_MEAN)")
         _check(0.0 <= self.ada_alpha <= 1.0, p + "ada_alpha", self.ada_alpha, "a number in [0, 1]")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ktquest.config import Config, ConfigError, LongContextConfig
+from ktquest.config import LINEAR_ANCHORS, Config, ConfigError, LongContextConfig
 from ktquest.ops import KVStore, dense_decode_attention
 from ktquest.selection_policy import (
     ada_budgets_fast,
@@ -55,7 +55,7 @@ def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim:
     bs, D = lc.block_size, head_dim
     scales = D // 32 * 4 if lc.kv_type in ("Q8_0", "Q4_0") else 0
     tile = int(bs * (D * _ROW_BYTES[lc.kv_type] + scales) + 63) // 64 * 64
-    linear = lc.anchor_type == "QUEST" or lc.anchor_type.startswith("BLOCK")
+    linear = lc.anchor_type in LINEAR_ANCHORS
     A = 2 if lc.anchor_type == "QUEST" else 1 if linear else lc.anchor_num
     anchor_bytes = 2 if linear and lc.kv_type == "FP16" else 4  # linear anchors over FP16 keys are fp16
     per_block = 2 * tile + A * D * anchor_bytes + 4 + (D * 8 if lc.anchor_type == "BLOCK_MEAN" else 0) \
