@@ -260,7 +260,7 @@ void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, con
     accum<Dc, NG>(T.v[i], scales(T.v[i]), rb, ns, T.n[i], D, s + off, ss, acc, nx && i < nx->count ? nx->v[i] : nullptr);
     off += T.n[i];
   }
-  for (int i = T.count; nx && i < nx->count; ++i) {  // a longer next run (not produced by the store's tasks)
+  for (int i = T.count; nx && i < nx->count; ++i) {  // a longer next run (the first of the thread's next task)
     prefetch_lines(nx->k[i], bs_rows * rb);
     prefetch_lines(nx->v[i], bs_rows * rb);
   }

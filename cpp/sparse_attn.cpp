@@ -619,21 +619,39 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   const bool simd = use_avx2() && D % 8 == 0;
   const KVType kt = cfg_.kv_type;
   const int64_t per_run = std::clamp<int64_t>(kRunRows / bs, 1, kMaxTiles);  // blocks per softmax update
-  ThreadPool::global().parallel_for(n_pre + n_tasks, threads, [&](int64_t task) {
-    if (task < n_pre) {
-      pre->run(pre->ctx, int(task));
-      ready[task].store(1, std::memory_order_release);
-      return;
+  auto set_ready = [&](int h) { return !n_pre || ready[bsets.n_sets == 1 ? 0 : h].load(std::memory_order_acquire); };
+  auto head_of = [&](int64_t task) {
+    return int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
+  };
+  // Tiles [a, a + per_run) of head h's selected blocks, ending at j1.
+  auto fill = [&](Tiles& t, int h, int64_t a, int64_t j1) {
+    const int32_t* row = row_of(h);
+    t.count = 0;
+    for (int64_t j = a; j < std::min(j1, a + per_run); ++j, ++t.count) {
+      const int64_t b = row[j];
+      t.k[t.count] = k_tile(L, h, b);
+      t.v[t.count] = v_tile(L, h, b);
+      t.n[t.count] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
     }
-    task -= n_pre;
-    const int h = int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
-    if (n_pre) {
-      for (int spins = 0; !ready[bsets.n_sets == 1 ? 0 : h].load(std::memory_order_acquire); ++spins) {
-        if (spins < 64) cpu_pause();
-        else std::this_thread::yield();  // the set's thread may share this core: let it finish
-      }
+  };
+  auto task_end = [&](int h, int64_t task) { return std::min(count[h], (task - tstart[h]) * cb + cb); };
+  // Tasks are claimed in order from one counter (prologue sets first), each thread running a loop of
+  // claims. A thread claims its next task while it computes the last run of the current one, so that
+  // task's first run streams in alongside (attend_tiles prefetches the "next" tiles it is given): without
+  // this, every task would start on a cold run. Task boundaries and partials are those of the task index,
+  // whichever thread runs it, so the bits do not depend on the threads. (A descheduled thread now holds
+  // up the call with at most two tasks: the one it runs and the one it claimed next.)
+  std::atomic<int64_t> claim{0};
+  const int64_t n_all = n_pre + n_tasks;
+  // Runs attention task `task`; returns the task claimed next, and in *warm whether its first run was
+  // requested.
+  auto attend_task = [&](int64_t task, bool* warm) -> int64_t {
+    const int h = head_of(task);
+    for (int spins = 0; !set_ready(h); ++spins) {
+      if (spins < 64) cpu_pause();
+      else std::this_thread::yield();  // the set's thread may share this core: let it finish
     }
-    const int64_t j0 = (task - tstart[h]) * cb, j1 = std::min(count[h], j0 + cb);
+    const int64_t j0 = (task - tstart[h]) * cb, j1 = task_end(h, task);
     float* m = part_.data() + task * pstride;
     float* l = m + G;
     float* acc = l + G;
@@ -641,30 +659,46 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
     std::fill(l, l + G + size_t(G) * D, 0.f);
     float* s = thread_scratch(size_t(G) * ((per_run * bs + 7) & ~7) + D);
     const float* q = qs_.data() + size_t(h) * G * D;
-    const int32_t* row = row_of(h);
-    // Runs of per_run selected blocks share one softmax update (attend_tiles); attend_tiles streams the
-    // next run into L2, spread over its work on this one (a burst of prefetches would stall the core: see
-    // attn_kernels_avx2.cpp); the task's first run is requested up front.
-    auto fill = [&](Tiles& t, int64_t a) {
-      t.count = 0;
-      for (int64_t j = a; j < std::min(j1, a + per_run); ++j, ++t.count) {
-        const int64_t b = row[j];
-        t.k[t.count] = k_tile(L, h, b);
-        t.v[t.count] = v_tile(L, h, b);
-        t.n[t.count] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
-      }
-    };
     Tiles cur, nxt;
-    fill(cur, j0);
-    for (int i = 0; i < cur.count; ++i) {
-      prefetch_l2(cur.k[i], tile_bytes_);
-      prefetch_l2(cur.v[i], tile_bytes_);
-    }
+    fill(cur, h, j0, j1);
+    if (!*warm)  // the first run is requested up front, unless the previous task already did
+      for (int i = 0; i < cur.count; ++i) {
+        prefetch_l2(cur.k[i], tile_bytes_);
+        prefetch_l2(cur.v[i], tile_bytes_);
+      }
+    int64_t following = -1;
+    *warm = false;
     for (int64_t j = j0; j < j1; j += per_run) {
-      fill(nxt, j + per_run);
+      fill(nxt, h, j + per_run, j1);
+      if (!nxt.count) {  // the last run: claim the next task, stream its first run in (if its ids are known)
+        following = claim.fetch_add(1, std::memory_order_relaxed);
+        if (following >= n_pre && following < n_all) {
+          const int hf = head_of(following - n_pre);
+          if (set_ready(hf)) {
+            fill(nxt, hf, (following - n_pre - tstart[hf]) * cb, task_end(hf, following - n_pre));
+            *warm = true;
+          }
+        }
+      }
       if (simd) avx2::attend_tiles(kt, D, G, q, cur, scale_off_, s, m, l, acc, nxt.count ? &nxt : nullptr);
       else scalar::attend_tiles(kt, D, G, q, cur, scale_off_, s, m, l, acc, nxt.count ? &nxt : nullptr);
       cur = nxt;
+    }
+    if (following < 0) following = claim.fetch_add(1, std::memory_order_relaxed);  // an empty task
+    return following;
+  };
+  ThreadPool::global().parallel_for(std::min<int64_t>(threads, n_all), threads, [&](int64_t) {
+    int64_t task = claim.fetch_add(1, std::memory_order_relaxed);
+    bool warm = false;
+    while (task < n_all) {
+      if (task < n_pre) {
+        pre->run(pre->ctx, int(task));
+        ready[task].store(1, std::memory_order_release);
+        task = claim.fetch_add(1, std::memory_order_relaxed);
+        warm = false;
+        continue;
+      }
+      task = attend_task(task - n_pre, &warm);
     }
   });
   merge_partials(part_.data(), tstart.data(), KVH, G, D, out, lse);  // in chunk order
