@@ -109,8 +109,8 @@ inline void hsum_n(const __m256* a, float* out) {
 
 // Register blocking per query-group size: NB * NG accumulators in flight (8-12 of the 16 ymm registers),
 // enough independent FMA chains to cover the FMA latency. NB = rows (logits) or 8-column chunks (values).
-// NG = 3 (GQA 9/3) takes 4 rows: an 8-row block is then two calls with 12 chains each, where 3 + 3 rows
-// left 2 single rows of 3 chains (one layer's 384 blocks x 8 rows, data in cache: 1 thread 60.4 -> 59.0 us).
+// NG = 3 (GQA 9/3) takes 4 rows: an 8-row block is then two calls with 12 chains each. One layer's 384
+// blocks x 8 rows, data in cache, 1 thread: 62.1 us as 3 + 3 + 1 + 1 rows, 60.4 as 3 + 3 + 2, 59.0 as 4 + 4.
 template <int NG>
 constexpr int kBlockRows = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 4 : NG == 4 ? 2 : 1;
 template <int NG>
