@@ -620,8 +620,15 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   const KVType kt = cfg_.kv_type;
   const int64_t per_run = std::clamp<int64_t>(kRunRows / bs, 1, kMaxTiles);  // blocks per softmax update
   auto set_ready = [&](int h) { return !n_pre || ready[bsets.n_sets == 1 ? 0 : h].load(std::memory_order_acquire); };
-  auto head_of = [&](int64_t task) {
-    return int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
+  // Attention task -> its KV head and its range [j0, j1) of that head's selected blocks.
+  struct Span {
+    int h;
+    int64_t j0, j1;
+  };
+  auto span_of = [&](int64_t task) {
+    const int h = int(std::upper_bound(tstart.begin(), tstart.end(), task) - tstart.begin()) - 1;
+    const int64_t j0 = (task - tstart[h]) * cb;
+    return Span{h, j0, std::min(count[h], j0 + cb)};
   };
   // Tiles [a, a + per_run) of head h's selected blocks, ending at j1.
   auto fill = [&](Tiles& t, int h, int64_t a, int64_t j1) {
@@ -634,7 +641,6 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
       t.n[t.count] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
     }
   };
-  auto task_end = [&](int h, int64_t task) { return std::min(count[h], (task - tstart[h]) * cb + cb); };
   // Tasks are claimed in order from one counter (prologue sets first), each thread running a loop of
   // claims. A thread claims its next task while it computes the last run of the current one, so that
   // task's first run streams in alongside (attend_tiles prefetches the "next" tiles it is given): without
@@ -646,12 +652,11 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   // Runs attention task `task`; returns the task claimed next, and in *warm whether its first run was
   // requested.
   auto attend_task = [&](int64_t task, bool* warm) -> int64_t {
-    const int h = head_of(task);
+    const auto [h, j0, j1] = span_of(task);
     for (int spins = 0; !set_ready(h); ++spins) {
       if (spins < 64) cpu_pause();
       else std::this_thread::yield();  // the set's thread may share this core: let it finish
     }
-    const int64_t j0 = (task - tstart[h]) * cb, j1 = task_end(h, task);
     float* m = part_.data() + task * pstride;
     float* l = m + G;
     float* acc = l + G;
@@ -673,9 +678,9 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
       if (!nxt.count) {  // the last run: claim the next task, stream its first run in (if its ids are known)
         following = claim.fetch_add(1, std::memory_order_relaxed);
         if (following >= n_pre && following < n_all) {
-          const int hf = head_of(following - n_pre);
-          if (set_ready(hf)) {
-            fill(nxt, hf, (following - n_pre - tstart[hf]) * cb, task_end(hf, following - n_pre));
+          const Span f = span_of(following - n_pre);
+          if (set_ready(f.h)) {
+            fill(nxt, f.h, f.j0, f.j1);
             *warm = true;
           }
         }
