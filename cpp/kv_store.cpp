@@ -36,6 +36,27 @@ std::string where(int64_t t, int h) { return " at token " + std::to_string(t) + 
 
 }  // namespace
 
+MappedBuffer::MappedBuffer(size_t bytes) : n_(bytes) {
+  if (bytes == 0) return;
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t want = bytes >= kHuge ? bytes + kHuge : bytes;  // room to start on a 2 MiB boundary
+  base_ = mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base_ == MAP_FAILED) {
+    base_ = nullptr;
+    throw std::bad_alloc();
+  }
+  mapped_ = want;
+  p_ = static_cast<uint8_t*>(base_);
+  if (bytes >= kHuge) {
+    p_ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base_) + kHuge - 1) & ~(kHuge - 1));
+    madvise(base_, mapped_, MADV_HUGEPAGE);
+  }
+}
+
+MappedBuffer::~MappedBuffer() {
+  if (base_) munmap(base_, mapped_);
+}
+
 const char* anchor_type_name(AnchorType t) {
   switch (t) {
     case AnchorType::QUEST: return "QUEST";
@@ -144,6 +165,14 @@ size_t KVStore::nbytes() const {
 size_t KVStore::reserved_bytes() const {
   size_t total = 0;
   for (const auto& m : maps_) total += m.second;
+  return total;
+}
+
+size_t KVStore::cand_nbytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t total = 0;
+  for (const CandCache& C : cand_)
+    total += C.anchors.size() + C.scales.size() * 4 + C.ids.size() * 4 + C.kv.size();
   return total;
 }
 

@@ -34,6 +34,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "kv_codec.h"
@@ -48,6 +49,32 @@ const char* anchor_type_name(AnchorType t);
 inline bool linear_anchors(AnchorType t) {
   return t == AnchorType::QUEST || t == AnchorType::BLOCK_MAX || t == AnchorType::BLOCK_MEAN;
 }
+
+// Anonymous memory from mmap, 2 MiB aligned with a huge-page hint, released in the destructor; move-only.
+class MappedBuffer {
+ public:
+  MappedBuffer() = default;
+  explicit MappedBuffer(size_t bytes);
+  ~MappedBuffer();
+  MappedBuffer(MappedBuffer&& o) noexcept { swap(o); }
+  MappedBuffer& operator=(MappedBuffer&& o) noexcept {
+    swap(o);
+    return *this;
+  }
+  MappedBuffer(const MappedBuffer&) = delete;
+  MappedBuffer& operator=(const MappedBuffer&) = delete;
+  uint8_t* data() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  void swap(MappedBuffer& o) noexcept {
+    std::swap(base_, o.base_), std::swap(mapped_, o.mapped_), std::swap(p_, o.p_), std::swap(n_, o.n_);
+  }
+  void* base_ = nullptr;
+  size_t mapped_ = 0;
+  uint8_t* p_ = nullptr;
+  size_t n_ = 0;
+};
 
 struct StoreConfig {
   int n_layers = 1;
@@ -113,6 +140,7 @@ class KVStore {
   int64_t n_blocks(int layer) const;
   size_t nbytes() const;          // bytes of the blocks in use (K, V, scales, anchors, bookkeeping)
   size_t reserved_bytes() const;  // address space reserved for max_seq_len
+  size_t cand_nbytes() const;     // the candidate caches' copies (anchors, scales, ids, K/V tiles), all layers
 
   // k, v: [T, KVH, D] in `in`; importance: [T, KVH] fp32 or null (DYNAMIC: a token without importance
   // only fills a free anchor slot). Throws (nothing written) past max_seq_len or on non-finite input.
@@ -170,6 +198,12 @@ class KVStore {
     std::vector<uint8_t> anchors;          // [n_sets, heads per set, stride, A*D] fp16 or fp32 rows, or
                                            // int8 rows (int8_candidates)
     std::vector<float> scales;             // [n_sets, heads per set, stride] int8 rows' scales
+    // The candidates' K and V tiles, copied once (cand_tiles): [n_sets, heads per set, stride, 2, tile]. A
+    // step attends to a third of a set's candidates; read from here they are near neighbours in one compact
+    // region per layer instead of 2 KiB pieces spread over the whole context, so the hardware prefetchers
+    // and the DRAM pages work for them (the attention reads the store's tiles only through this copy).
+    MappedBuffer kv;
+    std::vector<int64_t> kv_count;         // [n_sets] candidates whose tiles are in kv (a prefix of ids)
   };
 
   // ---- layout helpers ----
@@ -227,6 +261,12 @@ class KVStore {
   // Set s's scores over its cached candidates and its top k into out_ids row s (thread-safe across sets).
   void cached_set(const CandCache& C, const SelectRequest& req, int s, int32_t* out_ids, int out_cols);
   void select_cached(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  // Copies the tiles of the candidates that joined the layer's CandCache since the last call into C.kv.
+  void cand_tiles(const Layer& L, CandCache& C);
+  uint8_t* cand_tile(const CandCache& C, int s, int j, int64_t slot) const {  // set s, head j of the set
+    return C.kv.data() + ((size_t(s) * (C.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1) + j) * C.stride + slot) *
+                             2 * tile_bytes_;
+  }
   // Work done in the attention's own dispatch, ahead of it: tasks [0, n) run run(ctx, s) (set s's
   // selection; must not throw), and head h's attention tasks start once its set (h, or 0 when shared) is
   // done, so the selection and the attention share one hand-off to the workers and the threads that
@@ -238,8 +278,9 @@ class KVStore {
     void (*run)(void* ctx, int s) = nullptr;
     void* ctx = nullptr;
   };
+  // kvc: read the tiles from kvc->kv at the slots in slots_ (a select_attend over cached candidates).
   void attend_locked(const Layer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse,
-                     const Prologue* pre = nullptr);
+                     const Prologue* pre = nullptr, const CandCache* kvc = nullptr);
 
   StoreConfig cfg_;
   int A_ = 2;
@@ -263,6 +304,7 @@ class KVStore {
   std::vector<CandCache> cand_;            // [n_layers]
   std::vector<int64_t> key_;               // the current request's CandCache key
   std::vector<float> cscores_;             // [n_sets, stride] scores of cached candidates
+  std::vector<int32_t> slots_;             // [n_sets, out_cols] the kept cached candidates' positions
   std::vector<Cand> heap_;                 // top-k heaps, [n_sets, kcap]
   std::vector<float> topv_;                // top-k: score copies of the uncached path, [n_sets, candidates]
   std::vector<int32_t> topids_;            // top-k: their block ids, [n_sets, candidates]

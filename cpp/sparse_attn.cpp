@@ -12,6 +12,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -368,6 +369,7 @@ const KVStore::CandCache* KVStore::cand_cache(const Layer& L, int layer, int64_t
     C.ids.assign(size_t(n_sets) * C.stride, -1);
     C.count.assign(n_sets, 0);
     C.anchors.resize(size_t(n_sets) * heads * C.stride * row);
+    C.kv_count.assign(n_sets, 0);  // cand_tiles copies them all again
     if (cfg_.int8_candidates) C.scales.resize(size_t(n_sets) * heads * C.stride);
   }
   for (int s = 0; s < n_sets; ++s) {
@@ -406,11 +408,13 @@ bool KVStore::cached_prepare(const CandCache& C, const SelectRequest& req, int32
   const int n_sets = int(C.count.size()), heads = C.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
   bool keep_all;
   check_k(req, n_sets, out_cols, [&](int s) { return C.count[s]; }, &keep_all);
+  slots_.resize(size_t(n_sets) * out_cols);
   if (keep_all) {
     for (int s = 0; s < n_sets; ++s) {
       int32_t* row_out = out_ids + s * int64_t(out_cols);
       std::copy(C.ids.begin() + s * C.stride, C.ids.begin() + s * C.stride + C.count[s], row_out);
       std::fill(row_out + C.count[s], row_out + out_cols, -1);
+      std::iota(slots_.begin() + s * int64_t(out_cols), slots_.begin() + s * int64_t(out_cols) + C.count[s], 0);
     }
     return false;
   }
@@ -431,8 +435,10 @@ void KVStore::cached_set(const CandCache& C, const SelectRequest& req, int s, in
   const size_t row = cand_row_bytes();
   const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
   int32_t* row_out = out_ids + s * int64_t(out_cols);
+  int32_t* slot_out = slots_.data() + s * int64_t(out_cols);  // positions in the set's candidates
   if (k >= n || k == 0) {
     if (k > 0) std::copy(C.ids.begin() + s * C.stride, C.ids.begin() + s * C.stride + n, row_out);
+    std::iota(slot_out, slot_out + k, 0);
     std::fill(row_out + k, row_out + out_cols, -1);
     return;
   }
@@ -443,11 +449,27 @@ void KVStore::cached_set(const CandCache& C, const SelectRequest& req, int s, in
                       cfg_.int8_candidates ? C.scales.data() + at : nullptr);
   }
   const auto t1 = Clock::now();
-  const int64_t m = (use_avx2() ? avx2::top_k : scalar::top_k)(sc, n, k, C.ids.data() + s * C.stride, row_out,
+  const int64_t m = (use_avx2() ? avx2::top_k : scalar::top_k)(sc, n, k, nullptr, slot_out,
                                                                 topkeys_.data() + s * C.stride);
+  for (int64_t i = 0; i < m; ++i) row_out[i] = C.ids[s * C.stride + slot_out[i]];
   std::fill(row_out + m, row_out + out_cols, -1);
   score_task_s_[s] = std::chrono::duration<double>(t1 - t0).count();
   topk_task_s_[s] = seconds_since(t1);
+}
+
+void KVStore::cand_tiles(const Layer& L, CandCache& C) {
+  const int n_sets = int(C.count.size()), heads = C.mode == HeadMode::SHARED ? cfg_.n_kv_heads : 1;
+  const size_t bytes = size_t(n_sets) * heads * C.stride * 2 * tile_bytes_;
+  if (C.kv.size() != bytes) {
+    C.kv = MappedBuffer(bytes);
+    C.kv_count.assign(n_sets, 0);
+  }
+  for (int s = 0; s < n_sets; ++s) {
+    for (int64_t n = C.kv_count[s]; n < C.count[s]; ++n)
+      for (int j = 0; j < heads; ++j)  // a (head, block)'s K and V tiles are adjacent in the store
+        std::memcpy(cand_tile(C, s, j, n), k_tile(L, heads == 1 ? s : j, C.ids[s * C.stride + n]), 2 * tile_bytes_);
+    C.kv_count[s] = C.count[s];
+  }
 }
 
 void KVStore::select_cached(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols) {
@@ -565,7 +587,7 @@ const KVStore::CandCache* KVStore::select_locked(const Layer& L, int layer, int 
 // ---- attention ----
 
 void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool validate, float* out, float* lse,
-                            const Prologue* pre) {
+                            const Prologue* pre, const CandCache* kvc) {
   const auto t0 = Clock::now();
   const int D = cfg_.head_dim, KVH = cfg_.n_kv_heads, G = H / KVH, bs = cfg_.block_size;
   const int64_t nb = (L.len + bs - 1) / bs;
@@ -631,13 +653,17 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
     return Span{h, j0, std::min(count[h], j0 + cb)};
   };
   // Tiles [a, a + per_run) of head h's selected blocks, ending at j1.
+  // Cached candidates: their tiles are read from the cache's copy (always full blocks), at the slots.
   auto fill = [&](Tiles& t, int h, int64_t a, int64_t j1) {
-    const int32_t* row = row_of(h);
+    const int64_t set = bsets.n_sets == 1 ? 0 : h;
+    const int32_t* row = bsets.ids + set * bsets.cols;
+    const int32_t* slot = kvc ? slots_.data() + set * bsets.cols : nullptr;
+    const int jh = kvc && kvc->mode == HeadMode::SHARED ? h : 0;
     t.count = 0;
     for (int64_t j = a; j < std::min(j1, a + per_run); ++j, ++t.count) {
       const int64_t b = row[j];
-      t.k[t.count] = k_tile(L, h, b);
-      t.v[t.count] = v_tile(L, h, b);
+      t.k[t.count] = kvc ? cand_tile(*kvc, int(set), jh, slot[j]) : k_tile(L, h, b);
+      t.v[t.count] = t.k[t.count] + tile_bytes_;
       t.n[t.count] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
     }
   };
@@ -747,13 +773,14 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   const int KVH = cfg_.n_kv_heads, n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
   const BlockSets bsets{out_ids, n_sets, out_cols};
   const CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/true);
+  if (C) cand_tiles(L, cand_[layer]);  // the attention reads the candidates' tiles from the cache's copy
   Prologue pre;
   pre.threads = 0;  // set by cached_prepare when the sets need their pass
   if (C && !cached_prepare(*C, req, out_ids, out_cols, &pre.threads)) {  // every set keeps all its candidates
     timing_.score_s = 0;
     timing_.topk_s = seconds_since(t0);
   }
-  if (!C || !pre.threads) return attend_locked(L, H, bsets, false, out, lse);
+  if (!C || !pre.threads) return attend_locked(L, H, bsets, false, out, lse, nullptr, C);
   // Cached candidates (SnapKV): each set's selection runs in the attention's dispatch (Prologue).
   count_pre_.resize(KVH);
   for (int h = 0; h < KVH; ++h) {
@@ -774,7 +801,7 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
     auto* c = static_cast<Ctx*>(p);
     c->st->cached_set(*c->C, *c->req, s, c->ids, c->cols);
   };
-  attend_locked(L, H, bsets, false, out, lse, &pre);
+  attend_locked(L, H, bsets, false, out, lse, &pre, C);
   // The stages overlap in one pass: score and top-k are their tasks' time over the threads, attend the rest.
   const int spread = std::max(1, std::min(pre.threads, n_sets));
   double score = 0, topk = 0;

@@ -63,6 +63,22 @@ def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim:
     return n_layers * n_kv_heads * -(-max_seq_len // bs) * per_block
 
 
+def candidate_copy_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int,
+                         max_seq_len: int) -> int:
+    """Bytes of the store's copy of the preselected candidates (their K/V tiles and anchor rows, per layer and
+    KV head), at the size it starts with after prefill: room for preselect_block_count blocks and a quarter
+    more (at least 64) that join as decoding goes on; it grows by a block each block_size tokens past that."""
+    if not lc.preselect_block or lc.anchor_type not in LINEAR_ANCHORS:  # only linear anchors' candidates are cached
+        return 0
+    bs, D = lc.block_size, head_dim
+    scales = D // 32 * 4 if lc.kv_type in ("Q8_0", "Q4_0") else 0
+    tile = int(bs * (D * _ROW_BYTES[lc.kv_type] + scales) + 63) // 64 * 64
+    A = 2 if lc.anchor_type == "QUEST" else 1
+    row = A * D * (1 if lc.int8_candidates else 2 if lc.kv_type == "FP16" else 4) + (4 if lc.int8_candidates else 0)
+    need = min(lc.preselect_block_count, -(-max_seq_len // bs))
+    return n_layers * n_kv_heads * (need + max(64, need // 4)) * (2 * tile + row + 4)
+
+
 def available_ram() -> int:
     """MemAvailable from /proc/meminfo (else physical memory), bytes."""
     try:
@@ -77,7 +93,8 @@ def available_ram() -> int:
 
 def check_store_fits(lc: LongContextConfig, args, max_seq_len: int) -> None:
     """ConfigError (with the figure) when a full store for ``max_seq_len`` would not fit in available RAM."""
-    need, have = store_bytes(lc, args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len), available_ram()
+    dims = (args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len)
+    need, have = store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims), available_ram()
     if need > have:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the {lc.kv_type} KV store would need "
                           f"{need / 2**30:.2f} GiB and {have / 2**30:.2f} GiB of RAM is available; lower "
@@ -222,8 +239,8 @@ class LongContextCache:
         self._forget_selection()
 
     def nbytes(self) -> int:
-        """KV bytes held: the DRAM store's blocks in use plus the device windows."""
-        return self.store.nbytes() + self.device_kv_bytes()
+        """KV bytes held: the DRAM store's blocks in use, its copy of the candidates, the device windows."""
+        return self.store.nbytes() + self.store.cand_nbytes() + self.device_kv_bytes()
 
     def device_kv_bytes(self) -> int:
         """Bytes of K/V held on the device (the windows; fixed at construction)."""

@@ -178,6 +178,10 @@ class KVStore:
         """Address space reserved for max_seq_len (committed by the OS only as blocks fill)."""
         return self._st.reserved_bytes()
 
+    def cand_nbytes(self) -> int:
+        """Bytes of the candidate caches: each layer's copy of its preselected candidates' anchors and K/V."""
+        return self._st.cand_nbytes()
+
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What is stored, dequantised: (k, v), each [length, KVH, D] fp32."""
         k, v = self._st.read(layer)

@@ -13,7 +13,7 @@ from ktquest.config import Config, ConfigError, LongContextConfig, load_config
 from ktquest.generate import decode_one_token, prefill
 from ktquest.gguf_loader import load_model
 from ktquest.kv_cache import DenseKVCache
-from ktquest.long_context import LongContextCache, store_bytes
+from ktquest.long_context import LongContextCache, candidate_copy_bytes, store_bytes
 from ktquest.ops import KVStore
 from ktquest.selection_policy import ada_budgets, ada_budgets_fast
 
@@ -233,6 +233,18 @@ def test_invalid_knobs_are_clear_errors():
         for layer in range(2):
             st.append(layer, torch.randn(100, 3, 64), torch.randn(100, 3, 64))
         assert store_bytes(lc, 2, 3, 64, 100) == st.nbytes(), (kv_type, anchor_type)
+    for kv_type, int8 in [("FP16", True), ("FP16", False), ("Q8_0", False), ("FP32", True)]:
+        # the copy of the preselected candidates at its starting size: the store's own count after a step
+        # over preselect_block_count candidates per KV head (2 layers, 3 KV heads, 100 blocks of 8)
+        lc = LongContextConfig(kv_type=kv_type, block_size=8, preselect_block=True, preselect_block_count=40,
+                               second_select_num=10, int8_candidates=int8)
+        st = KVStore(2, 3, 64, 800, block_size=8, kv_type=kv_type, int8_candidates=int8)
+        g = torch.Generator().manual_seed(3)
+        for layer in range(2):
+            st.append(layer, torch.randn(800, 3, 64), torch.randn(800, 3, 64))
+            allowed = [sorted(torch.randperm(100, generator=g)[:40].tolist()) for _ in range(3)]
+            st.select_attend(layer, torch.randn(9, 64), 10, "SEPARATE", allowed=allowed)
+        assert candidate_copy_bytes(lc, 2, 3, 64, 800) == st.cand_nbytes() > 2 * 3 * 104 * 2 * 8 * 64, kv_type
     cache = LongContextCache(ARGS, sparse_cfg(), 256)
     q, k, v = qkv(N=40)
     with pytest.raises(ValueError, match="chunk_size"):

@@ -482,6 +482,49 @@ def test_select_attend_over_cached_candidates_is_select_then_attend(force_scalar
             assert len([b for b in row if b >= 0]) == min(ks[s], len(cand[s]))
 
 
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+@pytest.mark.parametrize("kv_type", ["FP16", "Q8_0", "FP32"])
+def test_cached_candidates_attend_to_what_the_store_holds(force_scalar, mode, kv_type):
+    """select_attend over cached candidates reads their K/V from the store's compact copy of them: every
+    output must still be torch's attention over the selected blocks of what the store holds now (and bit for
+    bit attend's over the store's own tiles), while blocks join the list as in a decode (the copy is
+    extended, past its spare room too), after a changed list, and after a truncate whose blocks are then
+    written with new keys and values (a stale copy would attend to the old ones)."""
+    KVH, G, D, bs = 3, 3, 64, 8
+    n_sets = 1 if mode == "SHARED" else KVH
+    g = torch.Generator().manual_seed(21)
+    store = KVStore(1, KVH, D, 2048, block_size=bs, kv_type=kv_type, threads_num=2)
+
+    def append(T):
+        store.append(0, torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, D, generator=g))
+
+    append(100 * bs)
+    lb = 90  # blocks [lb, ...) are the local window
+    allowed = [sorted(torch.randperm(lb, generator=g)[:30].tolist()) for _ in range(n_sets)]
+    for step in range(110):
+        q = torch.randn(G * KVH, D, generator=g)
+        out, lse, blocks = store.select_attend(0, q, 12, mode, exclude_ranges=[(0, 1), (lb, 10_000)],
+                                               allowed=allowed)
+        ks, vs = store.read(0)
+        rows = rows_of(blocks, KVH)
+        assert all(len(r) == 12 for r in rows)
+        ref_out, ref_l = ref_sparse(q, ks, vs, rows, bs)
+        torch.testing.assert_close(out, ref_out, rtol=FP32_RTOL, atol=FP32_ATOL)
+        torch.testing.assert_close(lse, ref_l, rtol=FP32_RTOL, atol=FP32_ATOL)
+        out2, lse2 = store.attend(0, q, blocks)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2), step
+        if step == 31:  # right after the copy of step 30's new list, the same list and length again, but
+            n = store.length(0)  # blocks from 40 on dropped and written with new keys and values
+            store.truncate(0, 40 * bs + 3)
+            append(n - (40 * bs + 3))
+            continue
+        append(bs)  # one block leaves the window and joins every set
+        allowed = [a + [lb] for a in allowed]
+        lb += 1
+        if step == 30:  # a changed list: copied anew
+            allowed = [a[2:] for a in allowed]
+
+
 # ---- attention ----
 
 FULL_CASES = [  # kv_type, G, D, block_size, T
