@@ -11,6 +11,9 @@
 //   n_anchor: [KVH, max_blocks]         int32 valid anchors (FIXED/DYNAMIC; partial blocks have fewer)
 //   sums:     [KVH, max_blocks, D]      fp64 running key sums (BLOCK_MEAN; exact for FP16/BF16 keys)
 //   imp, pos: [KVH, max_blocks, A]      anchor importance / token position (DYNAMIC)
+//   candidates (CandCache, below): for a request that passes preselected candidate lists (SnapKV), their
+//             anchor rows and their K/V tiles copied into one compact region per layer, read by
+//             select_attend instead of the scattered originals
 // Why head-major with a block's K and V side by side: attention runs per KV head over a sorted list of
 // selected blocks, reading a block's K rows (logits) and then its V rows (values), so one selected block
 // is one contiguous run of 2 tiles (a 64-token FP16 block of D = 64 is 16 KiB, of D = 128 32 KiB): one
