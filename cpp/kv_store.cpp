@@ -21,21 +21,13 @@ namespace {
 constexpr float kF16Overflow = 65520.f;
 constexpr float kBF16Overflow = 0x1.fffp127f;
 
-void* reserve(size_t bytes) {
-  if (bytes == 0) return nullptr;
-  // Address space only: pages are committed (zero-filled) on first write.
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
-  // Selected blocks are scattered over the whole context: with 2 MiB pages a tile costs no TLB miss of its
-  // own (a hint; without transparent huge pages it is a no-op).
-  if (bytes >= (size_t(2) << 20)) madvise(p, bytes, MADV_HUGEPAGE);
-  return p;
-}
-
 std::string where(int64_t t, int h) { return " at token " + std::to_string(t) + ", kv head " + std::to_string(h); }
 
 }  // namespace
 
+// Address space only: pages are committed (zero-filled) on first write. Selected blocks are scattered over
+// the whole context: with 2 MiB pages a tile costs no TLB miss of its own (a hint; without transparent huge
+// pages it is a no-op).
 MappedBuffer::MappedBuffer(size_t bytes) : n_(bytes) {
   if (bytes == 0) return;
   constexpr size_t kHuge = size_t(2) << 20;
@@ -106,31 +98,20 @@ KVStore::KVStore(const StoreConfig& c) : cfg_(c) {
 
   const size_t hb = size_t(H) * max_blocks_;  // (head, block) pairs
   layers_.resize(c.n_layers);
-  auto grab = [&](size_t bytes) {
-    void* p = reserve(bytes);
-    maps_.emplace_back(p, bytes);
-    return p;
-  };
-  try {
-    for (Layer& L : layers_) {
-      L.kv = static_cast<uint8_t*>(grab(hb * 2 * tile_bytes_));
-      L.anchors = grab(hb * A_ * D * anchor_elem_bytes());
-      L.n_anchor = static_cast<int32_t*>(grab(hb * 4));
-      if (c.anchor_type == AnchorType::BLOCK_MEAN) L.sums = static_cast<double*>(grab(hb * D * 8));
-      if (c.anchor_type == AnchorType::DYNAMIC) {
-        L.imp = static_cast<float*>(grab(hb * A_ * 4));
-        L.pos = static_cast<int32_t*>(grab(hb * A_ * 4));
-      }
+  auto grab = [&](size_t bytes) -> void* { return maps_.emplace_back(bytes).data(); };
+  for (Layer& L : layers_) {  // a throw unmaps what was reserved (maps_ is destroyed)
+    L.kv = static_cast<uint8_t*>(grab(hb * 2 * tile_bytes_));
+    L.anchors = grab(hb * A_ * D * anchor_elem_bytes());
+    L.n_anchor = static_cast<int32_t*>(grab(hb * 4));
+    if (c.anchor_type == AnchorType::BLOCK_MEAN) L.sums = static_cast<double*>(grab(hb * D * 8));
+    if (c.anchor_type == AnchorType::DYNAMIC) {
+      L.imp = static_cast<float*>(grab(hb * A_ * 4));
+      L.pos = static_cast<int32_t*>(grab(hb * A_ * 4));
     }
-  } catch (...) {
-    for (auto& [p, n] : maps_) munmap(p, n);
-    throw;
   }
 }
 
-KVStore::~KVStore() {
-  for (auto& [p, n] : maps_) munmap(p, n);
-}
+KVStore::~KVStore() = default;
 
 // ---- queries ----
 
@@ -164,7 +145,7 @@ size_t KVStore::nbytes() const {
 
 size_t KVStore::reserved_bytes() const {
   size_t total = 0;
-  for (const auto& m : maps_) total += m.second;
+  for (const MappedBuffer& m : maps_) total += m.size();
   return total;
 }
 

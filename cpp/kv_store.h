@@ -293,7 +293,7 @@ class KVStore {
   size_t row_bytes_ = 0;    // one stored row
   size_t scale_off_ = 0;    // offset of the scales inside a tile
   std::vector<Layer> layers_;
-  std::vector<std::pair<void*, size_t>> maps_;  // reserved regions, unmapped in the destructor
+  std::vector<MappedBuffer> maps_;  // the reserved regions
 
   // Per-call workspaces, grown on demand and reused (no allocation on the decode path once warm).
   mutable std::mutex mu_;  // one operation at a time per store (the GIL is released during calls)

@@ -50,11 +50,16 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _ROW_BYTES = {"FP32": 4.0, "FP16": 2.0, "BF16": 2.0, "Q8_0": 1.0, "Q4_0": 0.5}  # bytes per element
 
 
+def _tile_bytes(lc: LongContextConfig, head_dim: int) -> int:
+    """One (KV head, block) tile of K or V: block_size rows and their Q8_0/Q4_0 scales, padded to 64 bytes."""
+    scales = head_dim // 32 * 4 if lc.kv_type in ("Q8_0", "Q4_0") else 0
+    return int(lc.block_size * (head_dim * _ROW_BYTES[lc.kv_type] + scales) + 63) // 64 * 64
+
+
 def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int) -> int:
     """Bytes the DRAM store needs when full (K, V, scales, anchors): the layout of cpp/kv_store.h."""
     bs, D = lc.block_size, head_dim
-    scales = D // 32 * 4 if lc.kv_type in ("Q8_0", "Q4_0") else 0
-    tile = int(bs * (D * _ROW_BYTES[lc.kv_type] + scales) + 63) // 64 * 64
+    tile = _tile_bytes(lc, D)
     linear = lc.anchor_type in LINEAR_ANCHORS
     A = 2 if lc.anchor_type == "QUEST" else 1 if linear else lc.anchor_num
     anchor_bytes = 2 if linear and lc.kv_type == "FP16" else 4  # linear anchors over FP16 keys are fp16
@@ -70,13 +75,11 @@ def candidate_copy_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, 
     more (at least 64) that join as decoding goes on; it grows by a block each block_size tokens past that."""
     if not lc.preselect_block or lc.anchor_type not in LINEAR_ANCHORS:  # only linear anchors' candidates are cached
         return 0
-    bs, D = lc.block_size, head_dim
-    scales = D // 32 * 4 if lc.kv_type in ("Q8_0", "Q4_0") else 0
-    tile = int(bs * (D * _ROW_BYTES[lc.kv_type] + scales) + 63) // 64 * 64
+    D = head_dim
     A = 2 if lc.anchor_type == "QUEST" else 1
     row = A * D * (1 if lc.int8_candidates else 2 if lc.kv_type == "FP16" else 4) + (4 if lc.int8_candidates else 0)
-    need = min(lc.preselect_block_count, -(-max_seq_len // bs))
-    return n_layers * n_kv_heads * (need + max(64, need // 4)) * (2 * tile + row + 4)
+    need = min(lc.preselect_block_count, -(-max_seq_len // lc.block_size))
+    return n_layers * n_kv_heads * (need + max(64, need // 4)) * (2 * _tile_bytes(lc, D) + row + 4)
 
 
 def available_ram() -> int:
