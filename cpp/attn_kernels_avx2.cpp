@@ -107,6 +107,18 @@ inline void hsum_n(const __m256* a, float* out) {
   }
 }
 
+// The same tree as hsum_n, its sums left in a vector: lane i = the sum of a[i] (8 vectors), or the low
+// 128 bits for 4 vectors. Stored straight into the logits rows, without hsum_n's scalar copies.
+inline __m256 hsum8_vec(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline __m128 hsum4_vec(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1));
+}
+
 // Register blocking per query-group size: NB * NG accumulators in flight (8-12 of the 16 ymm registers),
 // enough independent FMA chains to cover the FMA latency. NB = rows (logits) or 8-column chunks (values).
 // NG = 3 (GQA 9/3) takes 4 rows: an 8-row block is then two calls with 12 chains each. One layer's 384
@@ -132,9 +144,9 @@ inline void prefetch_lines(const uint8_t* p, size_t bytes) {
 template <class Dc, int NG, int NT>
 __attribute__((always_inline)) inline void logits_rows(const uint8_t* k, const float* ksc, size_t rb, int ns, int r0,
                                                        int D, const float* q, float* s, int ss) {
-  __m256 acc[NT * NG];
+  __m256 acc[NG * NT];  // head-major: acc[g * NT + r], so a head's NT row sums come out side by side
 #pragma GCC unroll 32
-  for (int i = 0; i < NT * NG; ++i) acc[i] = _mm256_setzero_ps();
+  for (int i = 0; i < NG * NT; ++i) acc[i] = _mm256_setzero_ps();
   for (int c = 0; c < D / 8; ++c) {
     __m256 qv[NG];
 #pragma GCC unroll 8
@@ -146,59 +158,94 @@ __attribute__((always_inline)) inline void logits_rows(const uint8_t* k, const f
     for (int r = 0; r < NT; ++r) {
       const __m256 kv = Dc::load(k + (r0 + r) * rb, ksc + (r0 + r) * ns, c);
 #pragma GCC unroll 8
-      for (int g = 0; g < NG; ++g) acc[r * NG + g] = _mm256_fmadd_ps(qv[g], kv, acc[r * NG + g]);
+      for (int g = 0; g < NG; ++g) acc[g * NT + r] = _mm256_fmadd_ps(qv[g], kv, acc[g * NT + r]);
     }
   }
-  float sums[NT * NG];
-  hsum_n<NT * NG>(acc, sums);
+  // 8 or 4 rows: each head's sums are one vector store into its logits row (two heads per hadd tree of 4
+  // rows). Fewer rows (a block's left-overs): hsum_n and scalar stores.
+  if constexpr (NT == 8) {
 #pragma GCC unroll 8
-  for (int r = 0; r < NT; ++r)
+    for (int g = 0; g < NG; ++g) _mm256_storeu_ps(s + g * ss + r0, hsum8_vec(acc + g * 8));
+  } else if constexpr (NT == 4) {
 #pragma GCC unroll 8
-    for (int g = 0; g < NG; ++g) s[g * ss + r0 + r] = sums[r * NG + g];
+    for (int g = 0; g + 2 <= NG; g += 2) {
+      const __m256 v = hsum8_vec(acc + g * 4);
+      _mm_storeu_ps(s + g * ss + r0, _mm256_castps256_ps128(v));
+      _mm_storeu_ps(s + (g + 1) * ss + r0, _mm256_extractf128_ps(v, 1));
+    }
+    if constexpr (NG % 2) _mm_storeu_ps(s + (NG - 1) * ss + r0, hsum4_vec(acc + (NG - 1) * 4));
+  } else {
+    float sums[NG * NT];
+    hsum_n<NG * NT>(acc, sums);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 8
+      for (int r = 0; r < NT; ++r) s[g * ss + r0 + r] = sums[g * NT + r];
+  }
 }
 
-// pk: the next block's K tile (its rows are prefetched alongside these), or null.
+// The logits of every row of a run: s [NG, ss], tile i's rows from the run's row offset of tile i. nx: the next
+// run, whose tile i's K rows are prefetched alongside tile i's logits (null: none).
 template <class Dc, int NG>
-void logits(const uint8_t* k, const float* ksc, size_t rb, int ns, int n, int D, const float* q, float* s, int ss,
-            const uint8_t* pk) {
+void logits(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss,
+            const Tiles* nx) {
   constexpr int NT = kBlockRows<NG>;
-  int r = 0;
-  for (; r + NT <= n; r += NT) {
-    if (pk) prefetch_lines(pk + r * rb, NT * rb);
-    logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, s, ss);
-  }
-  if (pk && r < n) prefetch_lines(pk + r * rb, (n - r) * rb);  // rows left over: n % NT (a partial last block)
-  if constexpr (NT > 2) {
-    if (r + 2 <= n) {  // two rows left over: one call, twice the independent FMA chains of two single rows
-      logits_rows<Dc, NG, 2>(k, ksc, rb, ns, r, D, q, s, ss);
-      r += 2;
+  int off = 0;
+  for (int i = 0; i < T.count; ++i) {
+    const uint8_t* k = T.k[i];
+    const float* ksc = reinterpret_cast<const float*>(k + scale_off);
+    const uint8_t* pk = nx && i < nx->count ? nx->k[i] : nullptr;
+    const int n = T.n[i];
+    float* si = s + off;
+    int r = 0;
+    for (; r + NT <= n; r += NT) {
+      if (pk) prefetch_lines(pk + r * rb, NT * rb);
+      logits_rows<Dc, NG, NT>(k, ksc, rb, ns, r, D, q, si, ss);
     }
+    if (pk && r < n) prefetch_lines(pk + r * rb, (n - r) * rb);  // rows left over: n % NT (a partial last block)
+    if constexpr (NT > 2) {
+      if (r + 2 <= n) {  // two rows left over: one call, twice the independent FMA chains of two single rows
+        logits_rows<Dc, NG, 2>(k, ksc, rb, ns, r, D, q, si, ss);
+        r += 2;
+      }
+    }
+    for (; r < n; ++r) logits_rows<Dc, NG, 1>(k, ksc, rb, ns, r, D, q, si, ss);
+    off += n;
   }
-  for (; r < n; ++r) logits_rows<Dc, NG, 1>(k, ksc, rb, ns, r, D, q, s, ss);
 }
 
-// ---- values: acc[g, chunk c0 .. c0+NC) += sum_r p[g, r] * v_r ----
+// ---- values: acc[g, chunk c0 .. c0+NC) += sum_r p[g, r] * v_r over the rows of a run ----
 
+// One column pass over every tile of the run: the NC x NG accumulators are loaded and stored once a run,
+// not once a tile. line: the line of each next tile's rows to prefetch in this pass (or none when null).
 template <class Dc, int NG, int NC>
-__attribute__((always_inline)) inline void accum_cols(const uint8_t* v, const float* vsc, size_t rb, int ns, int n,
-                                                      int c0, int D, const float* p, int ps, float* acc,
-                                                      const uint8_t* pf) {
+__attribute__((always_inline)) inline void accum_cols(const Tiles& T, size_t scale_off, size_t rb, int ns, int c0,
+                                                      int D, const float* p, int ps, float* acc, const Tiles* nx,
+                                                      const size_t* line) {
   __m256 a[NC][NG];
 #pragma GCC unroll 8
   for (int j = 0; j < NC; ++j)
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) a[j][g] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
-  for (int r = 0; r < n; ++r) {
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + r * rb), kTileHint);
-    __m256 pv[NG];
+  int off = 0;
+  for (int i = 0; i < T.count; ++i) {
+    const uint8_t* v = T.v[i];
+    const float* vsc = reinterpret_cast<const float*>(v + scale_off);
+    const uint8_t* pf = line && i < nx->count ? nx->v[i] + 64 * *line : nullptr;
+    const float* pi = p + off;
+    for (int r = 0; r < T.n[i]; ++r) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + r * rb), kTileHint);
+      __m256 pv[NG];
 #pragma GCC unroll 8
-    for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(p + g * ps + r);
+      for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(pi + g * ps + r);
 #pragma GCC unroll 8
-    for (int j = 0; j < NC; ++j) {
-      const __m256 vv = Dc::load(v + r * rb, vsc + r * ns, c0 + j);
+      for (int j = 0; j < NC; ++j) {
+        const __m256 vv = Dc::load(v + r * rb, vsc + r * ns, c0 + j);
 #pragma GCC unroll 8
-      for (int g = 0; g < NG; ++g) a[j][g] = _mm256_fmadd_ps(pv[g], vv, a[j][g]);
+        for (int g = 0; g < NG; ++g) a[j][g] = _mm256_fmadd_ps(pv[g], vv, a[j][g]);
+      }
     }
+    off += T.n[i];
   }
 #pragma GCC unroll 8
   for (int j = 0; j < NC; ++j)
@@ -206,19 +253,23 @@ __attribute__((always_inline)) inline void accum_cols(const uint8_t* v, const fl
     for (int g = 0; g < NG; ++g) _mm256_storeu_ps(acc + g * D + 8 * (c0 + j), a[j][g]);
 }
 
-// pv: the next block's V tile; column pass i prefetches line i of each of its rows (rows are rb bytes).
+// The run's values; p: the run's probabilities [NG, ps]. nx: the next run, whose V tiles stream in one line of
+// each row per column pass (rows are rb bytes; tile i of the next run alongside tile i of this one).
 template <class Dc, int NG>
-void accum(const uint8_t* v, const float* vsc, size_t rb, int ns, int n, int D, const float* p, int ps, float* acc,
-           const uint8_t* pv) {
+void accum(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* p, int ps, float* acc,
+           const Tiles* nx) {
   constexpr int NC = kBlockCols<NG>;
-  const size_t lines = (rb + 63) / 64;
-  size_t pass = 0;
-  auto pf = [&]() { return pv && pass < lines ? pv + 64 * pass++ : nullptr; };
+  const size_t lines = nx ? (rb + 63) / 64 : 0;
+  size_t pass = 0;  // column pass i prefetches line i of the next run's rows (while i < lines)
   int c = 0;
-  for (; c + NC <= D / 8; c += NC) accum_cols<Dc, NG, NC>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf());
-  for (; c < D / 8; ++c) accum_cols<Dc, NG, 1>(v, vsc, rb, ns, n, c, D, p, ps, acc, pf());
-  for (; pv && pass < lines; ++pass)  // more lines per row than column passes (Q4_0 rows are short, FP32 long)
-    for (int r = 0; r < n; ++r) _mm_prefetch(reinterpret_cast<const char*>(pv + r * rb + 64 * pass), kTileHint);
+  for (; c + NC <= D / 8; c += NC, ++pass)
+    accum_cols<Dc, NG, NC>(T, scale_off, rb, ns, c, D, p, ps, acc, nx, pass < lines ? &pass : nullptr);
+  for (; c < D / 8; ++c, ++pass)
+    accum_cols<Dc, NG, 1>(T, scale_off, rb, ns, c, D, p, ps, acc, nx, pass < lines ? &pass : nullptr);
+  for (; pass < lines; ++pass)  // more lines per row than column passes (Q4_0 rows are short, FP32 long)
+    for (int i = 0; i < T.count && i < nx->count; ++i)
+      for (int r = 0; r < T.n[i]; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(nx->v[i] + r * rb + 64 * pass), kTileHint);
 }
 
 // ---- a run of tiles for NG <= 8 heads: logits of every row, one softmax update, then the values ----
@@ -247,27 +298,61 @@ inline void softmax_update(float* sg, int n, int ss, float& m, float& l, float* 
   }
 }
 
+// softmax_update for the NG heads of a run at once (head g's logits at s + g * ss), the same arithmetic per
+// head: interleaved, the heads' dependency chains (the max, the exps, the rescale factor, all NG of those in
+// one exp_neg) overlap instead of running one head after another.
+template <int NG>
+inline void softmax_group(float* s, int n, int ss, float* m, float* l, float* acc, int D) {
+  __m256 mx[NG], vm[NG], sum[NG];
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    for (int r = n; r < ss; ++r) s[g * ss + r] = kNegInf;  // padding rows: exp -> 0
+    mx[g] = _mm256_set1_ps(kNegInf);
+    sum[g] = _mm256_setzero_ps();
+  }
+  for (int r = 0; r < ss; r += 8)
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) mx[g] = _mm256_max_ps(mx[g], _mm256_loadu_ps(s + g * ss + r));
+  alignas(32) float diff[8] = {};  // m - m_new per head (lanes past NG: 0)
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    const float m_new = std::max(m[g], hmax(mx[g]));
+    diff[g] = m[g] - m_new;
+    m[g] = m_new;
+    vm[g] = _mm256_set1_ps(m_new);
+  }
+  for (int r = 0; r < ss; r += 8)
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pr = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + g * ss + r), vm[g]));
+      _mm256_storeu_ps(s + g * ss + r, pr);
+      sum[g] = _mm256_add_ps(sum[g], pr);
+    }
+  // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first run).
+  alignas(32) float alpha[8];
+  _mm256_store_ps(alpha, exp_neg(_mm256_load_ps(diff)));
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    l[g] = l[g] * alpha[g] + hsum(sum[g]);
+    if (alpha[g] != 1.f) {
+      const __m256 va = _mm256_set1_ps(alpha[g]);
+      float* ag = acc + g * D;
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
+    }
+  }
+}
+
 template <class Dc, int NG>
 void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss,
                  float* m, float* l, float* acc, const Tiles* nx, int bs_rows) {
-  auto scales = [&](const uint8_t* tile) { return reinterpret_cast<const float*>(tile + scale_off); };
   if (nx && ns)
     for (int i = 0; i < nx->count; ++i) {  // the next tiles' scales
       prefetch_lines(nx->k[i] + bs_rows * rb, size_t(bs_rows) * ns * 4);
       prefetch_lines(nx->v[i] + bs_rows * rb, size_t(bs_rows) * ns * 4);
     }
-  int off = 0;
-  for (int i = 0; i < T.count; ++i) {  // tile i of the next run streams in alongside tile i of this one
-    logits<Dc, NG>(T.k[i], scales(T.k[i]), rb, ns, T.n[i], D, q, s + off, ss, nx && i < nx->count ? nx->k[i] : nullptr);
-    off += T.n[i];
-  }
-#pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g) softmax_update(s + g * ss, off, ss, m[g], l[g], acc + g * D, D);
-  off = 0;
-  for (int i = 0; i < T.count; ++i) {
-    accum<Dc, NG>(T.v[i], scales(T.v[i]), rb, ns, T.n[i], D, s + off, ss, acc, nx && i < nx->count ? nx->v[i] : nullptr);
-    off += T.n[i];
-  }
+  logits<Dc, NG>(T, scale_off, rb, ns, D, q, s, ss, nx);  // tile i of the next run streams in alongside tile i
+  softmax_group<NG>(s, T.rows(), ss, m, l, acc, D);
+  accum<Dc, NG>(T, scale_off, rb, ns, D, s, ss, acc, nx);
   for (int i = T.count; nx && i < nx->count; ++i) {  // a longer next run (the thread's next task's first)
     prefetch_lines(nx->k[i], bs_rows * rb);
     prefetch_lines(nx->v[i], bs_rows * rb);
@@ -499,12 +584,14 @@ void score_max(const float* a, const int32_t* cnt, int64_t n, int A, int D, cons
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* ai = reinterpret_cast<const uint8_t*>(a + i * int64_t(A) * D);
     const int na = cnt[i];
+    Tiles T;  // the block's anchors as one tile of na rows
+    T.k[0] = T.v[0] = ai, T.n[0] = na, T.count = 1;
     float sc = 0.f;
     for (int g0 = 0; g0 < G; g0 += 8) {
       const int ng = std::min(8, G - g0);
       switch (ng) {
 #define KTQ_CASE(N) \
-  case N: logits<DecF32, N>(ai, nullptr, rb, 0, na, D, q + g0 * D, s, ss, nullptr); break;
+  case N: logits<DecF32, N>(T, 0, rb, 0, D, q + g0 * D, s, ss, nullptr); break;
         KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
 #undef KTQ_CASE
       }
