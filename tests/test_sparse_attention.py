@@ -535,6 +535,7 @@ FULL_CASES = [  # kv_type, G, D, block_size, T
     ("FP16", 3, 64, 64, 1000),
     ("FP16", 8, 128, 16, 19),
     ("FP16", 12, 64, 16, 77),  # G > 8: heads in batches
+    ("FP16", 2, 64, 8, 77),  # an even group: both heads' logits from one hadd tree, 5-row last block
     ("BF16", 4, 64, 128, 129),
     ("BF16", 1, 128, 1, 19),
     ("Q8_0", 3, 64, 64, 150),
