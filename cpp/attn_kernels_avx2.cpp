@@ -274,33 +274,10 @@ void accum(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const flo
 
 // ---- a run of tiles for NG <= 8 heads: logits of every row, one softmax update, then the values ----
 
-// One head's online-softmax update over a run: sg [ss] holds its logits of n rows (the rest is padding, set
-// to -inf); they become exp(logit - m_new), l and the accumulated values acc [D] are rescaled to m_new.
-inline void softmax_update(float* sg, int n, int ss, float& m, float& l, float* ag, int D) {
-  for (int r = n; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
-  __m256 mx = _mm256_set1_ps(kNegInf);
-  for (int r = 0; r < ss; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
-  const float m_new = std::max(m, hmax(mx));
-  const __m256 vm = _mm256_set1_ps(m_new);
-  __m256 sum = _mm256_setzero_ps();
-  for (int r = 0; r < ss; r += 8) {
-    const __m256 pr = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + r), vm));
-    _mm256_storeu_ps(sg + r, pr);
-    sum = _mm256_add_ps(sum, pr);
-  }
-  // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first run).
-  const float alpha = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(m - m_new)));
-  m = m_new;
-  l = l * alpha + hsum(sum);
-  if (alpha != 1.f) {
-    const __m256 va = _mm256_set1_ps(alpha);
-    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(va, _mm256_loadu_ps(ag + d)));
-  }
-}
-
-// softmax_update for the NG heads of a run at once (head g's logits at s + g * ss), the same arithmetic per
-// head: interleaved, the heads' dependency chains (the max, the exps, the rescale factor, all NG of those in
-// one exp_neg) overlap instead of running one head after another.
+// The online-softmax update of NG heads (NG <= 8) over a run: head g's logits of n rows at s + g * ss (the
+// rest of the ss is padding, set to -inf) become exp(logit - m_new); l[g] and the accumulated values
+// acc + g * D are rescaled to m_new. The heads are interleaved, so their dependency chains (the max, the
+// exps, the rescale factors, all NG of those in one exp_neg) overlap instead of running one after another.
 template <int NG>
 inline void softmax_group(float* s, int n, int ss, float* m, float* l, float* acc, int D) {
   __m256 mx[NG], vm[NG], sum[NG];
@@ -410,8 +387,7 @@ template <int R>
 void wide_rows(const float* q, int D, const float* kt, const float* vf, int n, int ss, float* s, float* m, float* l,
                float* acc) {
   wide_gemm<R, false>(q, D, D, kt, ss, ss, s, ss);  // logits s [R, ss]
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) softmax_update(s + r * ss, n, ss, m[r], l[r], acc + r * D, D);
+  softmax_group<R>(s, n, ss, m, l, acc, D);
   wide_gemm<R, true>(s, ss, n, vf, D, D, acc, D);  // acc [R, D] += p . vf
 }
 

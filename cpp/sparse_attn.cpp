@@ -656,7 +656,7 @@ void KVStore::attend_locked(const Layer& L, int H, const BlockSets& bsets, bool 
   // Cached candidates: their tiles are read from the cache's copy (always full blocks), at the slots.
   auto fill = [&](Tiles& t, int h, int64_t a, int64_t j1) {
     const int64_t set = bsets.n_sets == 1 ? 0 : h;
-    const int32_t* row = bsets.ids + set * bsets.cols;
+    const int32_t* row = row_of(h);
     const int32_t* slot = kvc ? slots_.data() + set * bsets.cols : nullptr;
     const int jh = kvc && kvc->mode == HeadMode::SHARED ? h : 0;
     t.count = 0;
