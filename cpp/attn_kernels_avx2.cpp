@@ -52,37 +52,48 @@ inline __m256 exp_neg(__m256 x) {
 
 // ---- row decoders: 8 fp32 values of chunk c (elements 8c .. 8c+7) of one stored row ----
 
+// kGroupScale: one scale per 32 values (chunks 4j .. 4j+3), which raw() leaves out; the values loop applies it
+// to the row's probability once per group instead of once per chunk.
 struct DecF32 {
+  static constexpr bool kGroupScale = false;
   static __m256 load(const uint8_t* row, const float*, int c) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + 8 * c);
   }
 };
 struct DecF16 {
+  static constexpr bool kGroupScale = false;
   static __m256 load(const uint8_t* row, const float*, int c) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
   }
 };
 struct DecBF16 {
+  static constexpr bool kGroupScale = false;
   static __m256 load(const uint8_t* row, const float*, int c) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
 };
 struct DecQ8 {
+  static constexpr bool kGroupScale = true;
+  static __m256 raw(const uint8_t* row, int c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c))));
+  }
   static __m256 load(const uint8_t* row, const float* sc, int c) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
-    return _mm256_mul_ps(_mm256_set1_ps(sc[c >> 2]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    return _mm256_mul_ps(_mm256_set1_ps(sc[c >> 2]), raw(row, c));
   }
 };
 struct DecQ4 {
   // Group g = c / 4 is 16 bytes: chunks 0, 1 are the low nibbles of bytes 0-7, 8-15; chunks 2, 3 the high.
-  static __m256 load(const uint8_t* row, const float* sc, int c) {
+  static constexpr bool kGroupScale = true;
+  static __m256 raw(const uint8_t* row, int c) {
     const int sub = c & 3;
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (c >> 2) * 16 + (sub & 1) * 8));
     if (sub >= 2) b = _mm_srli_epi16(b, 4);
     b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(b), _mm256_set1_epi32(8));
-    return _mm256_mul_ps(_mm256_set1_ps(sc[c >> 2]), _mm256_cvtepi32_ps(q));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(b), _mm256_set1_epi32(8)));
+  }
+  static __m256 load(const uint8_t* row, const float* sc, int c) {
+    return _mm256_mul_ps(_mm256_set1_ps(sc[c >> 2]), raw(row, c));
   }
 };
 
@@ -227,6 +238,8 @@ __attribute__((always_inline)) inline void accum_cols(const Tiles& T, size_t sca
   for (int j = 0; j < NC; ++j)
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) a[j][g] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
+  // chunks c0 .. c0+NC-1 share a scale (kGroupScale types)
+  [[maybe_unused]] const bool one_group = (c0 & 3) + NC <= 4;
   int off = 0;
   for (int i = 0; i < T.count; ++i) {
     const uint8_t* v = T.v[i];
@@ -238,6 +251,20 @@ __attribute__((always_inline)) inline void accum_cols(const Tiles& T, size_t sca
       __m256 pv[NG];
 #pragma GCC unroll 8
       for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(pi + g * ps + r);
+      if constexpr (Dc::kGroupScale) {
+        if (one_group) {  // the pass lies in one scale group: p * scale once per head, not scale * v per chunk
+          const __m256 sc = _mm256_broadcast_ss(vsc + r * ns + (c0 >> 2));
+#pragma GCC unroll 8
+          for (int g = 0; g < NG; ++g) pv[g] = _mm256_mul_ps(pv[g], sc);
+#pragma GCC unroll 8
+          for (int j = 0; j < NC; ++j) {
+            const __m256 vv = Dc::raw(v + r * rb, c0 + j);
+#pragma GCC unroll 8
+            for (int g = 0; g < NG; ++g) a[j][g] = _mm256_fmadd_ps(pv[g], vv, a[j][g]);
+          }
+          continue;
+        }
+      }
 #pragma GCC unroll 8
       for (int j = 0; j < NC; ++j) {
         const __m256 vv = Dc::load(v + r * rb, vsc + r * ns, c0 + j);
