@@ -238,8 +238,13 @@ __attribute__((always_inline)) inline void accum_cols(const Tiles& T, size_t sca
   for (int j = 0; j < NC; ++j)
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) a[j][g] = _mm256_loadu_ps(acc + g * D + 8 * (c0 + j));
-  // chunks c0 .. c0+NC-1 share a scale (kGroupScale types)
-  [[maybe_unused]] const bool one_group = (c0 & 3) + NC <= 4;
+  // Grouped-scale types (Q8_0, Q4_0): a pass of NC <= 4 chunks from a multiple of NC lies in one group of
+  // 4, so its scale multiplies the row's probability once per head instead of each chunk of V.
+  constexpr bool fold = Dc::kGroupScale && NC <= 4;
+  auto load = [&](const uint8_t* row, const float* sc, int c) {
+    if constexpr (fold) return Dc::raw(row, c);
+    else return Dc::load(row, sc, c);
+  };
   int off = 0;
   for (int i = 0; i < T.count; ++i) {
     const uint8_t* v = T.v[i];
@@ -251,23 +256,14 @@ __attribute__((always_inline)) inline void accum_cols(const Tiles& T, size_t sca
       __m256 pv[NG];
 #pragma GCC unroll 8
       for (int g = 0; g < NG; ++g) pv[g] = _mm256_broadcast_ss(pi + g * ps + r);
-      if constexpr (Dc::kGroupScale) {
-        if (one_group) {  // the pass lies in one scale group: p * scale once per head, not scale * v per chunk
-          const __m256 sc = _mm256_broadcast_ss(vsc + r * ns + (c0 >> 2));
+      if constexpr (fold) {
+        const __m256 sc = _mm256_broadcast_ss(vsc + r * ns + (c0 >> 2));
 #pragma GCC unroll 8
-          for (int g = 0; g < NG; ++g) pv[g] = _mm256_mul_ps(pv[g], sc);
-#pragma GCC unroll 8
-          for (int j = 0; j < NC; ++j) {
-            const __m256 vv = Dc::raw(v + r * rb, c0 + j);
-#pragma GCC unroll 8
-            for (int g = 0; g < NG; ++g) a[j][g] = _mm256_fmadd_ps(pv[g], vv, a[j][g]);
-          }
-          continue;
-        }
+        for (int g = 0; g < NG; ++g) pv[g] = _mm256_mul_ps(pv[g], sc);
       }
 #pragma GCC unroll 8
       for (int j = 0; j < NC; ++j) {
-        const __m256 vv = Dc::load(v + r * rb, vsc + r * ns, c0 + j);
+        const __m256 vv = load(v + r * rb, vsc + r * ns, c0 + j);
 #pragma GCC unroll 8
         for (int g = 0; g < NG; ++g) a[j][g] = _mm256_fmadd_ps(pv[g], vv, a[j][g]);
       }
