@@ -64,8 +64,8 @@ def _is_user_error(e: Exception) -> bool:
     from jinja2 import TemplateError
 
     from ktquest.engine import PromptTooLongError
-    from ktquest.gguf_loader import GGUFError
-    from ktquest.tokenizer import TokenizerError
+    from ktquest.formats.gguf import GGUFError
+    from ktquest.formats.tokenizer import TokenizerError
 
     return isinstance(e, (UsageError, ConfigError, GGUFError, TokenizerError, PromptTooLongError,
                           FileNotFoundError, TemplateError))

@@ -1,6 +1,6 @@
 """Runtime configuration: dataclasses are the schema (with defaults), YAML only loads into them.
 
-Model hyper-parameters never live here: they come from the GGUF file (see ``ktquest.gguf_loader``).
+Model hyper-parameters never live here: they come from the GGUF file (see ``ktquest.models.args``).
 Every error names the source (file or ``--set``), the key, the value and what is allowed.
 """
 

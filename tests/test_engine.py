@@ -12,7 +12,7 @@ import torch
 import ktquest
 from ktquest.config import Config, ConfigError
 from ktquest.engine import PromptTooLongError
-from ktquest.gguf_loader import GGUFError
+from ktquest.formats.gguf import GGUFError
 
 QUESTION = "What is the capital of France?"
 GOLDEN_REPLY = "The capital of France is Paris."  # the same as HF transformers' Llama on these weights

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ktquest.config import LongContextConfig
-from ktquest.kv_cache import DenseKVCache
+from ktquest.kv.dense import DenseKVCache
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
@@ -86,7 +86,7 @@ def test_recall_matches_a_direct_computation(recall_tool):
     rec = _recorded(recall_tool, n=n, L=1, W=1, seed=1)
     lc = LongContextConfig(block_size=bs, init_windows_len=16, local_windows_len=32, second_select_num=3)
     rows, _ = recall_tool.measure(rec, n, lc, 3, 4, 1, ["QUEST"])
-    from ktquest.ops import KVStore
+    from ktquest.kv.store import KVStore
 
     k = rec.inner.k[0, :, :n]  # [KVH, n, D]
     q = rec.query(0)[0]  # [H, D]
@@ -200,7 +200,7 @@ def test_profile_decode_smoke(bundled_gguf, tmp_path, capsys):
                     "--threads", "1"])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out
-    assert "tok/s" in out and "native block calls, dense layers" in out and "native block calls, sparse layers" in out
+    assert "tok/s" in out and "attention, dense layers" in out and "attention, sparse layers" in out
     assert "store score in the sparse layers" in out and "store attend in the sparse layers" in out
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ktquest.evaltasks import (
+from ktquest.eval.tasks import (
     LENGTH_TOLERANCE,
     MAX_NEW_TOKENS,
     TASKS,
@@ -30,8 +30,8 @@ from ktquest.evaltasks import (
 
 @pytest.fixture(scope="module")
 def tok(bundled_gguf):
-    from ktquest.gguf_loader import read_gguf
-    from ktquest.tokenizer import Tokenizer
+    from ktquest.models.loader import read_gguf
+    from ktquest.formats.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_metadata(read_gguf(bundled_gguf).metadata)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ktquest import _C
-from ktquest.linear import Linear
+from ktquest.layers.linear import Linear
 
 
 def q8_0_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import TINY_SPECS, gguf_metadata, hf_to_gguf_tensors, permute_qk, write_gguf
 
-from ktquest.gguf_loader import GGUFError, dequantize_tensor, read_gguf, unpermute_qk
+from ktquest.formats.gguf import GGUFError, dequantize_tensor
+from ktquest.models.loader import read_gguf, unpermute_qk
 
 Q = gguf.GGMLQuantizationType
 

@@ -11,11 +11,13 @@ import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig, load_config
 from ktquest.generate import decode_one_token, prefill
-from ktquest.gguf_loader import load_model
-from ktquest.kv_cache import DenseKVCache
-from ktquest.long_context import LongContextCache, candidate_copy_bytes, store_bytes
-from ktquest.ops import KVStore
-from ktquest.selection_policy import ada_budgets, ada_budgets_fast
+from ktquest.models.loader import load_model
+from ktquest.native.decode import NativeDecoder
+from ktquest.kv.dense import DenseKVCache
+from ktquest.kv.long_context import LongContextCache
+from ktquest.kv.memory import candidate_copy_bytes, store_bytes
+from ktquest.kv.store import KVStore
+from ktquest.kv.selection import ada_budgets, ada_budgets_fast
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = ["quest", "ktransformers", "snapkv", "ada_snapkv", "ada_quest"]
@@ -130,8 +132,8 @@ def test_reused_selection_is_extended_by_new_context_blocks():
     q, k, v = qkv(N=140)
     cache = LongContextCache(ARGS, sparse_cfg(token_step=100, second_select_num=1), 256)
     run(cache, q, k, v, 16, 100, n_layers=3)  # 40 decode steps: the context grows by 5 blocks
-    sel = cache.sel[0]
-    assert sel.lb == cache.geo.loc0 // 8 and sel.ids.shape[1] == 1 + (sel.lb - 10)
+    sel = cache.selection(0)
+    assert sel.lb == cache.context_blocks()[1] and sel.ids.shape[1] == 1 + (sel.lb - 10)
     assert cache.stats.select_calls[0] == 1
 
 
@@ -140,8 +142,8 @@ def test_dense_layers_see_every_block_and_windows_never_go_through_selection():
     cache = LongContextCache(ARGS, sparse_cfg(dense_layer_num=1, second_select_num=1), 256)
     st = decode_steps(cache, q, k, v, 100)
     assert st.full_calls == [10, 0, 0] and st.select_calls == [0, 10, 10]
-    ids = cache.sel[1].ids
-    lb = cache.geo.loc0 // 8
+    ids = cache.selection(1).ids
+    lb = cache.context_blocks()[1]
     assert ((ids == -1) | ((ids >= 1) & (ids < lb))).all()  # never the init block 0 or the local blocks
 
 
@@ -152,9 +154,9 @@ def test_preselection_restricts_candidates():
     run(cache, q, k, v, 16, 100, n_layers=3)
     assert cache.stats.preselect_calls == 3
     for layer in range(3):
-        allowed = cache.allowed[layer]
-        assert (allowed[:, :3] >= 0).all() and allowed.shape[1] == 3 + cache.allowed_lb[layer] - 10
-        picked = cache.sel[layer].ids
+        allowed = cache.candidates(layer)  # 3 preselected, then the blocks that left the local window since
+        assert (allowed[:, :3] >= 0).all() and allowed.shape[1] == 3 + cache.context_blocks()[1] - 10
+        picked = cache.selection(layer).ids
         for h in range(2):
             assert set(picked[h][picked[h] >= 0].tolist()) <= set(allowed[h].tolist())
 
@@ -178,7 +180,7 @@ def test_ada_decode_budgets_per_head():
     q, k, v = qkv(N=110)
     cache = LongContextCache(ARGS, sparse_cfg(ada_budget=True, second_select_num=2), 256)
     run(cache, q, k, v, 16, 100, n_layers=3)
-    ids = cache.sel[0].ids
+    ids = cache.selection(0).ids
     assert int((ids >= 0).sum()) == 4  # the layer's total, 2 blocks x 2 KV heads
 
 
@@ -322,43 +324,51 @@ def test_prompt_longer_than_max_seq_len_is_refused_before_work(tiny_llama):
 # ---- the native decode step (cpp/lc_decode.h) ----
 
 
+class BlockByBlock:
+    """A cache that makes no decode plans: the native decode step then runs block by block through its
+    ``attend`` (the path of Ada-KV decode budgets), where it would run every block in one native call."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def plan_decode(self, pos):
+        return None
+
+
 @pytest.mark.parametrize("name,kw", [
     ("quest", {}),                                           # fresh selections; 1 dense layer (attend all)
     ("quest", {"token_step": 3, "head_select_mode": "SHARED"}),  # reused selections, extended; one shared set
     ("quest", {"layer_step": 2, "dense_layer_num": 0}),      # layer 1 reads layer 0's picks of the token
     ("snapkv", {"layer_step": 3, "head_select_mode": "SHARED", "dense_layer_num": 0}),
     ("snapkv", {}),                                          # preselection, then select among the kept blocks
-    ("ada_quest", {}),                                       # Ada-KV decode budgets: the per-call fallback
+    ("ada_quest", {}),                                       # Ada-KV decode budgets: block by block either way
 ])
-def test_native_block_step_matches_the_per_call_path(tiny_llama, name, kw):
-    """A block's whole decode step as one native call (DecodeLayer.step_long_context), and a whole token's
-    (LongContextCache.decode_token: every block in one call), give the logits, the selections and the call
-    statistics of the qkv / attend / out path on the same Q8_0 weights."""
-    from ktquest.linear import set_decode_weights
+def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
+    """A whole token in one native call (the cache's plan) gives the logits, the selections and the call
+    statistics of the block-by-block path (qkv stage, cache.attend, out stage) on the same Q8_0 weights."""
+    from ktquest.layers.linear import set_decode_weights
 
     model, _ = load_model(tiny_llama.path)
     assert set_decode_weights(model, "q8_0", threads=2) > 0
+    native = NativeDecoder.build(model, threads=2)
     lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=3, preselect_block_count=6,
               dense_layer_num=1, kv_type="FP16", anchor_num=2)
     lc.update(kw)
     cfg = dataclasses.replace(preset(name, **lc), chunk_size=16, max_seq_len=256)
     prompt = torch.arange(3, 70) * 7 % 250
     runs = []
-    for native in ("calls", "block", "token"):
-        for block in model.layers:
-            assert block.enable_fused_decode(threads=2)
+    for planned in (False, True):
         cache = LongContextCache(model.args, cfg, 256)
-        if native != "token":  # layer by layer
-            cache.decode_token = lambda *a, **k: False
-        if native == "calls":  # the three-call path: qkv, cache.attend, out
-            cache.decode_block = lambda *a, **k: False
         with torch.inference_mode():
             logits = [prefill(model, cache, prompt, 16)]
             for i, tok in enumerate((5, 9, 11, 200, 7, 31, 64, 2, 90, 17, 3, 8, 40, 41)):
-                logits.append(decode_one_token(model, cache, tok))
-                if i == 6:  # the selections read half-way (decode_token keeps them in its buffers until read)
-                    mid = [None if s is None else s.ids.clone() for s in cache.sel]
-        sel = [None if s is None else s.ids.clone() for s in cache.sel]
+                logits.append(native.decode(tok, cache if planned else BlockByBlock(cache)))
+                if i == 6:  # the selections read half-way (a planned token keeps them in its buffers until read)
+                    mid = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
+        sel = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
         runs.append((torch.cat(logits), mid + sel, dataclasses.asdict(cache.stats)))
     (l0, s0, st0) = runs[0]
     assert sum(st0["select_calls"]) > 0
@@ -394,21 +404,19 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
     import numpy as np
 
     from ktquest import _C
-    from ktquest.linear import set_decode_weights
+    from ktquest.layers.linear import set_decode_weights
 
     model, _ = load_model(tiny_llama.path)
     set_decode_weights(model, "q8_0", threads=1)
-    for block in model.layers:
-        assert block.enable_fused_decode(threads=1)
+    layers = NativeDecoder.build(model, threads=1).blocks
     a, L = model.args, model.args.n_layers
     cache = LongContextCache(a, preset("quest", block_size=4, init_windows_len=4, local_windows_len=8), 64)
     st = cache.store
-    layers = [b.fused for b in model.layers]
+    plan = cache.plan_decode(0)  # the first token: the window alone, no context block
     x, cs = np.zeros(a.dim, np.float32), np.zeros(a.head_dim, np.float32)
-    none = st.step_args(0, None, None)
-    wins = cache._win_np
+    none, wins = plan.steps[0], plan.windows
 
-    def call(layers=layers, x=x, windows=wins, steps=[none] * L, store=st._st):
+    def call(layers=layers, x=x, windows=wins, steps=[none] * L, store=plan.store):
         _C.decode_token_long_context(layers, x, cs, cs, store, windows, 0, 1, 0, 0, 0.125, 1, steps)
 
     with pytest.raises(ValueError, match=f"one per store layer \\({L}\\), got {L - 1}"):
@@ -426,7 +434,7 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
         call(x=np.zeros(a.dim + 1, np.float32))
     other = KVStore(L, a.n_kv_heads + 1, a.head_dim, max_seq_len=64, block_size=4)
     with pytest.raises(ValueError, match="KV heads"):
-        call(store=other._st)
+        call(store=other.native)
     assert all(st.length(i) == 0 for i in range(L))  # nothing ran
     call()  # the same call with good arguments: one token in every layer's store
     assert all(st.length(i) == 1 for i in range(L))

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ktquest.generate import decode_one_token, prefill
-from ktquest.gguf_loader import load_model
-from ktquest.kv_cache import DenseKVCache
+from ktquest.models.loader import load_model
+from ktquest.native.decode import NativeDecoder
+from ktquest.kv.dense import DenseKVCache
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4
@@ -185,81 +186,82 @@ def test_bundled_model_greedy_next_token(bundled_gguf):
     assert picks[0] == picks[1]
 
 
-# ---- fused decode stages (cpp/decode_layer.*) ----
+# ---- the native decode step (ktquest/native/decode.py, cpp/decode/) ----
 
 
-def test_fused_decode_matches_the_torch_block(tiny_model):
-    """The two native decode stages give the logits of the torch ops on the same Q8_0 weights (every tiny
-    model: biases, tied embeddings, each RoPE scaling), over decode steps after a chunked prefill."""
-    from ktquest.linear import set_decode_weights
+def test_native_decode_matches_the_torch_block(tiny_model):
+    """The native decode step (the blocks' native stages around the cache's attention, native RMSNorm and LM
+    head GEMV) gives the logits of the torch ops on the same Q8_0 weights (every tiny model: biases, tied
+    embeddings, each RoPE scaling), over decode steps after a chunked prefill."""
+    from ktquest.layers.linear import set_decode_weights
 
     path, _ = tiny_model
     model, _ = load_model(path)
     assert set_decode_weights(model, "q8_0", threads=2) > 0
     tokens = prompt_ids(40, model.args.vocab_size)
     runs = []
-    for fused in ("torch", "stages", "native"):  # torch ops; forward() on the native stages; decode_native()
-        for block in model.layers:
-            assert block.enable_fused_decode(threads=2) if fused != "torch" else block.fused is None
+    for native in (None, NativeDecoder.build(model, threads=2)):
+        model.native = native
         cache = make_cache(model, 64)
         with torch.inference_mode():
             prefill(model, cache, tokens[:30], chunk_size=16)
-            if fused == "native":  # embedding row, stages, native RMSNorm and LM head GEMV: no torch op
-                assert model.decode_native(int(tokens[30]), 30, cache) is not None
-                runs.append(torch.stack([decode_one_token(model, cache, int(tokens[i])) for i in range(31, 40)]))
-            else:
-                runs.append(torch.cat([model(tokens[i:i + 1], i, cache) for i in range(30, 40)]))
-        for block in model.layers:
-            block.fused = None
+            runs.append(torch.stack([decode_one_token(model, cache, int(tokens[i])) for i in range(30, 40)]))
+    model.native = None
     # fp32 throughout; the native RMSNorm sums in double and the RoPE/SwiGLU loops round in another order.
     torch.testing.assert_close(runs[1], runs[0], atol=FP32_ATOL, rtol=FP32_RTOL)
-    torch.testing.assert_close(runs[2], runs[1][1:], atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
-def test_decode_native_refuses_bad_tokens_and_positions(tiny_llama):
-    from ktquest.linear import set_decode_weights
+def test_native_decode_refuses_bad_tokens_and_positions(tiny_llama):
+    from ktquest.layers.linear import set_decode_weights
 
-    model, _ = load_model(tiny_llama.path)
-    assert model.decode_native(1, 0, make_cache(model, 8)) is None  # no Q8_0 head: the caller takes forward()
+    model, _ = load_model(tiny_llama.path, max_seq_len=4)
+    assert NativeDecoder.build(model, threads=1) is None  # no Q8_0 copies: decode_one_token takes forward()
     set_decode_weights(model, "q8_0", threads=1)
-    for block in model.layers:
-        assert block.enable_fused_decode(threads=1)
+    nat = NativeDecoder.build(model, threads=1)
     cache = make_cache(model, 8)
     V = model.args.vocab_size
     with pytest.raises(IndexError, match=f"token id {V} is outside the vocabulary"):
-        model.decode_native(V, 0, cache)
+        nat.decode(V, cache)
     with pytest.raises(IndexError, match="token id -1"):
-        model.decode_native(-1, 0, cache)
-    with pytest.raises(ValueError, match="rope tables"):
-        model.decode_native(1, model.max_seq_len, cache)
+        nat.decode(-1, cache)
     assert cache.pos == 0
-    assert model.decode_native(1, 0, cache).shape == (V,) and cache.pos == 1
+    assert nat.decode(1, cache).shape == (V,) and cache.pos == 1
+    for t in range(3):
+        nat.decode(t, cache)
+    with pytest.raises(ValueError, match="rope tables"):  # position 4 of a model built for 4
+        nat.decode(1, cache)
+    assert cache.pos == 4
 
 
-def test_fused_decode_needs_every_q8_weight(tiny_llama):
-    model, _ = load_model(tiny_llama.path)
-    assert not model.layers[0].enable_fused_decode(threads=1) and model.layers[0].fused is None  # no Q8_0 copy
-
-
-def test_fused_decode_layer_checks_its_arguments(tiny_llama):
-    import numpy as np
-
-    from ktquest import _C
-    from ktquest.linear import set_decode_weights
+def test_native_decode_needs_every_q8_weight(tiny_llama):
+    from ktquest.layers.linear import set_decode_weights
 
     model, _ = load_model(tiny_llama.path)
     set_decode_weights(model, "q8_0", threads=1)
+    assert NativeDecoder.build(model, threads=1) is not None
+    model.layers[1].ffn.w_down.disable_q8()
+    assert NativeDecoder.build(model, threads=1) is None
+
+
+def test_native_decode_layer_checks_its_arguments(tiny_llama):
+    import numpy as np
+
+    from ktquest import _C
+    from ktquest.layers.linear import set_decode_weights
+
+    model, _ = load_model(tiny_llama.path)
+    set_decode_weights(model, "q8_0", threads=1)
+    layer = NativeDecoder.build(model, threads=1).blocks[0]
     block = model.layers[0]
-    assert block.enable_fused_decode(threads=1)
     a = block.attn
     dim = model.args.dim
     with pytest.raises(ValueError, match=r"x: expected shape \[" + str(dim)):
-        block.fused.qkv(np.zeros(dim + 1, np.float32), np.zeros(a.head_dim, np.float32),
-                        np.zeros(a.head_dim, np.float32), np.zeros((a.n_heads + 2 * a.n_kv_heads) * a.head_dim,
-                                                                   np.float32), 1)
+        layer.qkv(np.zeros(dim + 1, np.float32), np.zeros(a.head_dim, np.float32),
+                  np.zeros(a.head_dim, np.float32), np.zeros((a.n_heads + 2 * a.n_kv_heads) * a.head_dim,
+                                                             np.float32), 1)
     with pytest.raises(ValueError, match="n_threads"):
-        block.fused.out(np.zeros(a.n_heads * a.head_dim, np.float32), np.zeros(dim, np.float32), 0)
-    packs = [m._q8 for m in (a.wqkv, a.wo, block.ffn.w_gate_up, block.ffn.w_down)]
+        layer.out(np.zeros(a.n_heads * a.head_dim, np.float32), np.zeros(dim, np.float32), 0)
+    packs = [m.q8 for m in (a.wqkv, a.wo, block.ffn.w_gate_up, block.ffn.w_down)]
     norm = block.attn_norm.weight.numpy()
     with pytest.raises(ValueError, match="wo.q: expected shape"):  # wqkv where wo belongs
         _C.DecodeLayer(norm, norm, 1e-5, packs[0], packs[0], packs[2], packs[3], a.n_heads, a.n_kv_heads, a.head_dim)

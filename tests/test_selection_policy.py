@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ktquest.config import LongContextConfig
-from ktquest.selection_policy import (
+from ktquest.kv.selection import (
     ada_budgets,
     block_scores_from_tokens,
     merge_group_scores,

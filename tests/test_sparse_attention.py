@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from test_kv_store import ANCHOR_CASES, ref_anchor_lists
 
 from ktquest import _C
-from ktquest.ops import KVStore, merge_attention
+from ktquest.kv.attention import merge_attention
+from ktquest.kv.store import KVStore
 
 # ---- torch references ----
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Long-context retrieval accuracy (passkey, needle, kv-retrieval) per config x length x depth.
 
-Each trial is one prompt from ``ktquest.evaltasks`` (the answer hidden at a depth of a document of
+Each trial is one prompt from ``ktquest.eval.tasks`` (the answer hidden at a depth of a document of
 ``length`` tokens, asked about in a chat turn), answered greedily as the first turn of a conversation on
 one Engine per config, and scored by exact match. Between trials the cache is rewound to the prefix the
 next prompt shares with the last one (``--fresh``: reset). Prints a markdown table (accuracy
@@ -29,7 +29,7 @@ from common import write_json
 
 import ktquest
 from ktquest.config import ConfigError, load_config
-from ktquest.evaltasks import MAX_NEW_TOKENS, TASKS, answer_complete, make_sample, score
+from ktquest.eval.tasks import MAX_NEW_TOKENS, TASKS, answer_complete, make_sample, score
 
 BUILTIN = ("dense", "default")
 

@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.budget < 1:
         ap.error(f"--budget={a.budget} must be >= 1")
 
-    from ktquest.bundled import bundled_model_path
-    from ktquest.gguf_loader import read_gguf
-    from ktquest.tokenizer import Tokenizer
+    from ktquest.formats.bundled import bundled_model_path
+    from ktquest.models.loader import read_gguf
+    from ktquest.formats.tokenizer import Tokenizer
 
     model_path = str(a.model or bundled_model_path())
     torch.set_num_threads(a.threads)

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Where a long_context decode token goes: the native block calls per layer group, and the store's own
-stage timings (score / top-k / attend) summed over the sparse layers, per token.
+"""Where a long_context decode token goes: each layer's attention (windows + store) per layer group, and the
+store's own stage timings (score / top-k / attend) summed over the sparse layers, per token.
 
     python tools/profile_decode.py --config configs/quest.yaml --context 8192 --tokens 64 --threads 2
 
 The sparse layers are those at or above the preset's dense_layer_num; their store stages come from
-``KVStore.last_timing()`` read after every layer's call. A profile, not a benchmark: the wrappers cost a few
-microseconds a layer, and the layers run one call each instead of the whole token in one native call
-(compare tok/s with tools/bench_decode.py).
+``KVStore.last_timing()`` read after every layer's attention. A profile, not a benchmark: the token runs
+block by block (``NativeDecoder.decode_blocks``: qkv stage, the cache's attention, out stage) so that each
+attention can be timed, instead of every block in one native call (compare tok/s with tools/bench_decode.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from common import context_tokens  # noqa: E402
 
 import ktquest  # noqa: E402
 from ktquest.config import load_config  # noqa: E402
-from ktquest.generate import decode_one_token, prefill  # noqa: E402
+from ktquest.generate import prefill  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,38 +49,44 @@ def main(argv: list[str] | None = None) -> int:
     n_dense = eng.config.long_context.dense_layer_num
     tok = int(prefill(eng.model, cache, context_tokens(eng.tokenizer, a.context), eng.config.chunk_size).argmax())
 
-    native_s: dict[str, float] = collections.defaultdict(float)
+    attn_s: dict[str, float] = collections.defaultdict(float)
     stage_ms: dict[str, float] = collections.defaultdict(float)
-    native = store.decode_block
 
-    def timed(fused, layer, *args, **kw):
-        t0 = time.perf_counter()
-        out = native(fused, layer, *args, **kw)
-        native_s["dense layers" if layer < n_dense else "sparse layers"] += time.perf_counter() - t0
-        if layer >= n_dense:
-            for k, v in store.last_timing().items():
-                stage_ms[k] += v
-        return out
+    class TimedCache:
+        """The cache, with no decode plan (block by block) and each layer's attention timed."""
 
-    store.decode_block = timed
-    # Layer by layer, so that each layer's call can be timed: a decode token normally runs every layer in one
-    # native call (LongContextCache.decode_token), a little faster than these per-layer calls.
-    cache.decode_token = lambda *args, **kw: False
+        def __getattr__(self, name):
+            return getattr(cache, name)
+
+        def plan_decode(self, pos):
+            return None
+
+        def attend(self, layer, q, k, v, start_pos):
+            t0 = time.perf_counter()
+            out = cache.attend(layer, q, k, v, start_pos)
+            attn_s["dense layers" if layer < n_dense else "sparse layers"] += time.perf_counter() - t0
+            if layer >= n_dense:
+                for key, ms in store.last_timing().items():
+                    stage_ms[key] += ms
+            return out
+
+    timed = TimedCache()
+    if eng.model.native is None:
+        ap.error("the native decode step is off (decode_weights: fp32, or not on the CPU): nothing to profile")
     for _ in range(3):  # warm-up
-        tok = int(decode_one_token(eng.model, cache, tok).argmax())
-    native_s.clear()
+        tok = int(eng.model.native.decode(tok, timed).argmax())
+    attn_s.clear()
     stage_ms.clear()
     t0 = time.perf_counter()
     for _ in range(a.tokens):
-        tok = int(decode_one_token(eng.model, cache, tok).argmax())
+        tok = int(eng.model.native.decode(tok, timed).argmax())
     total = time.perf_counter() - t0
     n = a.tokens
     print(f"{a.config}, context {a.context}, {a.threads} threads: {n / total:.1f} tok/s, {total / n * 1e3:.2f} ms/token")
-    if not native_s:
-        print("  (no native block calls: this preset takes the per-call decode path)")
-    for k, v in native_s.items():
-        print(f"  native block calls, {k}: {v / n * 1e3:.3f} ms/token")
-    print(f"  rest of the step (embedding, lm_head, Python): {(total - sum(native_s.values())) / n * 1e3:.3f} ms/token")
+    for k, v in attn_s.items():
+        print(f"  attention, {k}: {v / n * 1e3:.3f} ms/token")
+    print(f"  rest of the step (block stages, embedding, lm_head, Python): "
+          f"{(total - sum(attn_s.values())) / n * 1e3:.3f} ms/token")
     for k, v in stage_ms.items():
         print(f"  store {k[:-3]} in the sparse layers: {v / n:.3f} ms/token")
     return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ktquest.ops import dense_decode_attention
+from ktquest.kv.attention import dense_decode_attention
 
 
 class DenseKVCache:
@@ -88,6 +88,15 @@ class DenseKVCache:
                              f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
         raise ValueError(f"KV cache: cannot write positions {start_pos}..{end - 1}: the cache holds "
                          f"{self.pos} tokens, so a chunk must start at 0..{self.pos}")
+
+    def plan_decode(self, pos: int) -> None:
+        """The decode step goes block by block through ``attend`` (``KVCache.plan_decode``)."""
+        return None
+
+    def commit_decode(self, plan) -> None:  # never planned
+        raise AssertionError("DenseKVCache makes no decode plans")
+
+    abort_decode = commit_decode
 
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""

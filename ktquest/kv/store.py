@@ -7,7 +7,7 @@ block anchors kept up to date as tokens arrive. A decode step of one layer is on
 
 which scores the candidate blocks from their anchors, keeps the top ``k`` (per KV head, or shared), and
 attends to them: ``out [H, D]`` and ``lse [H]`` in fp32, to be merged with attention computed elsewhere
-(the initial and local windows) by :func:`merge_attention`.
+(the initial and local windows) by ``ktquest.kv.attention.merge_attention``.
 
 Every argument is checked here (torch dtype, shape, contiguity, device) and again in the binding; errors
 are ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument, never a crash.
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ktquest import _C
+from ktquest.native.args import _int, _name, _np, _padded_ids, _tensor
 
 KV_TYPES = ("FP32", "FP16", "BF16", "Q8_0", "Q4_0")
 ANCHOR_TYPES = ("QUEST", "BLOCK_MAX", "BLOCK_MEAN", "FIXED", "DYNAMIC")
@@ -28,68 +29,6 @@ HEAD_MODES = ("SHARED", "SEPARATE")
 
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
-
-
-def _name(value: str, what: str, allowed: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value.upper() not in allowed:
-        raise ValueError(f"{what}={value!r} is not allowed: one of {', '.join(allowed)}")
-    return value.upper()
-
-
-def _int(value, what: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{what}={value!r} is not allowed: an integer >= {lo}")
-    return int(value)
-
-
-def _tensor(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"{what}: dtype {x.dtype} is not supported: one of {', '.join(map(str, dtypes))}")
-    if x.device.type != "cpu":
-        raise ValueError(f"{what}: must be on the CPU, got {x.device}")
-    if x.dim() != ndim:
-        raise ValueError(f"{what}: expected {ndim} dimensions, got shape {list(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{what}: must be contiguous (call .contiguous())")
-    return x.detach()
-
-
-def _np(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> np.ndarray:
-    """A numpy view of a CPU tensor. Fast path for the decode loop: the binding checks shape and contiguity
-    again, so only the conversion is tried here; anything odd goes through _tensor() for a clear error."""
-    if type(x) is torch.Tensor and x.dtype in dtypes:
-        try:
-            return x.numpy()
-        except RuntimeError:  # requires grad, or not on the CPU
-            pass
-    return _tensor(x, what, dtypes, ndim).numpy()
-
-
-def _padded_ids(rows, what: str, n_rows: int) -> np.ndarray:
-    """Block ids per set -> int32 [n_rows, N], -1 padded. rows: a [n_rows, N] int tensor or lists."""
-    if isinstance(rows, torch.Tensor):
-        if rows.dtype not in (torch.int32, torch.int64) or rows.device.type != "cpu":
-            raise TypeError(f"{what}: expected a CPU int32/int64 tensor, got {rows.dtype} on {rows.device}")
-        t = rows.reshape(1, -1) if rows.dim() == 1 and n_rows == 1 else rows
-        if t.dim() != 2 or t.shape[0] != n_rows:
-            raise ValueError(f"{what}: expected {n_rows} row(s) of block ids, got shape {list(rows.shape)}")
-        return t.to(torch.int32).contiguous().numpy()
-    if not isinstance(rows, Sequence):
-        raise TypeError(f"{what}: expected a tensor or a list of block-id lists, got {type(rows).__name__}")
-    if n_rows == 1 and (len(rows) == 0 or not isinstance(rows[0], (Sequence, torch.Tensor, np.ndarray))):
-        rows = [rows]
-    if len(rows) != n_rows:
-        raise ValueError(f"{what}: expected {n_rows} list(s) of block ids (one per set), got {len(rows)}")
-    width = max((len(r) for r in rows), default=0)
-    out = np.full((n_rows, width), -1, np.int32)
-    for i, r in enumerate(rows):
-        ids = np.asarray(r, dtype=np.int64).reshape(-1)
-        if np.any(ids < 0) or np.any(ids > np.iinfo(np.int32).max):
-            raise IndexError(f"{what}: block ids must be >= 0, got {ids[ids < 0][:3].tolist()} in row {i}")
-        out[i, : len(ids)] = ids
-    return out
 
 
 class KVStore:
@@ -141,6 +80,11 @@ class KVStore:
             self.int8_candidates,
         )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
+
+    @property
+    def native(self):
+        """The ``_C.KVStore`` behind this facade (what native decode plans hand to C++)."""
+        return self._st
 
     # ---- contents ----
 
@@ -408,32 +352,3 @@ class KVStore:
         else:
             lse_np = _np(lse, "lse", (torch.float32,), 1)
         return out, lse, out_np, lse_np
-
-
-def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
-                           threads: int = 1, out: torch.Tensor | None = None,
-                           skip: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode token's attention over the first ``n`` rows of a dense fp32 cache but rows [skip), in C++.
-
-    q: [H, D], k/v: [KVH, S, D] (S >= n) -> out [H, D], lse [H] (fp32; GQA: head i reads KV head i // (H/KVH)).
-    """
-    qn = _np(q, "q", (torch.float32,), 2)
-    kn, vn = _np(k, "k", (torch.float32,), 3), _np(v, "v", (torch.float32,), 3)
-    if out is None:
-        out = torch.empty(qn.shape[0], qn.shape[1])
-    lse = torch.empty(qn.shape[0])
-    _C.dense_decode_attention(qn, kn, vn, _int(n, "n", 1), float(scale), _np(out, "out", (torch.float32,), 2),
-                              lse.numpy(), _int(threads, "threads", 1), skip[0], skip[1])
-    return out, lse
-
-
-def merge_attention(
-    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact softmax merge of attention over two disjoint key sets. out*: [..., H, D], lse*: [..., H]
-    (natural log; -inf = empty part). Returns (out, lse) of the union."""
-    lse = torch.logaddexp(lse1, lse2)
-    live = torch.isfinite(lse)  # both parts empty: lse = -inf, out = 0
-    w1 = torch.where(live, torch.exp(lse1 - lse), torch.zeros_like(lse))
-    w2 = torch.where(live, torch.exp(lse2 - lse), torch.zeros_like(lse))
-    return out1 * w1.unsqueeze(-1) + out2 * w2.unsqueeze(-1), lse

@@ -103,7 +103,7 @@ class Sample:
 def make_sample(tokenizer, task: str, length: int, depth: float, seed: int = 0, trial: int = 0) -> Sample:
     """One prompt of ``task`` with ``length`` tokens (see the module docstring) and its answer.
 
-    tokenizer: a ``ktquest.tokenizer.Tokenizer`` (encode, apply_chat_template, encode_chat).
+    tokenizer: a ``ktquest.formats.tokenizer.Tokenizer`` (encode, apply_chat_template, encode_chat).
     """
     if task not in TASKS:
         raise ValueError(f"task={task!r} is not allowed: one of {', '.join(TASKS)}")

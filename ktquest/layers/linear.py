@@ -23,8 +23,9 @@ class Linear(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self._q8: tuple | None = None  # (qw int8 [out, in], dw fp32 [out, in/32], bias np or None)
-        self._threads = 1
+        # The Q8_0 copy for CPU decode: (qw int8 [out, in], dw fp32 [out, in/32], bias numpy or None)
+        self.q8: tuple | None = None
+        self.threads = 1
 
     @property
     def in_features(self) -> int:
@@ -43,20 +44,20 @@ class Linear(torch.nn.Module):
 
         qw, dw = _C.quantize_q8_0(w.detach().contiguous().numpy())
         b = None if self.bias is None else self.bias.detach().contiguous().numpy()
-        self._q8 = (qw, dw, b)
-        self._threads = max(1, threads)
+        self.q8 = (qw, dw, b)
+        self.threads = max(1, threads)
         return True
 
     def disable_q8(self) -> None:
-        self._q8 = None
+        self.q8 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        if self._q8 is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == torch.float32:
+        if self.q8 is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == torch.float32:
             from ktquest import _C
 
-            qw, dw, b = self._q8
+            qw, dw, b = self.q8
             y = torch.empty(x.shape[0], qw.shape[0], dtype=torch.float32)
-            _C.gemv_q8_0(x.contiguous().numpy(), qw, dw, b, y.numpy(), self._threads)
+            _C.gemv_q8_0(x.contiguous().numpy(), qw, dw, b, y.numpy(), self.threads)
             return y
         return F.linear(x, self.weight, self.bias)
 

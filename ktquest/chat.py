@@ -1,0 +1,133 @@
+"""Multi-turn chat: a ``ChatSession`` keeps its conversation in the engine's KV cache across turns.
+
+Each turn renders the whole conversation with the model's chat template, tokenizes it, and feeds only what
+the cache does not already hold (the longest common token prefix is kept), so the cache always holds
+exactly the tokens a fresh engine would prefill for the same conversation, and earlier turns are never
+prefilled again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into the engine it was given
+    from ktquest.engine import Engine
+
+TextCallback = Callable[[str], None]
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(slots=True)
+class TurnStats:
+    prompt_tokens: int  # tokens prefilled this turn (new to the cache)
+    new_tokens: int  # tokens generated, the stop token included
+    context_tokens: int  # tokens in the KV cache after the turn
+    max_seq_len: int
+    prefill_s: float
+    decode_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    stopped_by: str  # "eos", "max_new_tokens", "max_seq_len" or "interrupted"
+
+
+@dataclass(slots=True)
+class Reply:
+    text: str
+    stats: TurnStats
+
+
+@dataclass(slots=True)
+class SessionStats:
+    turns: int
+    context_tokens: int
+    max_seq_len: int
+    kv_cache_bytes: int
+    prompt_tokens: int  # prefilled over all turns
+    new_tokens: int  # generated over all turns
+    prefill_s: float
+    decode_s: float
+    last: TurnStats | None
+
+
+class ChatSession:
+    """A conversation whose tokens stay in the engine's KV cache between turns."""
+
+    def __init__(self, engine: Engine, system: str | None = None, document: str | None = None):
+        self.engine = engine
+        self.system = system
+        self.document = document
+        self.messages: list[dict[str, str]] = self._opening()  # as rendered, the system message included
+        self._fed: list[int] = []  # token ids at cache positions 0.. (valid up to cache.pos)
+        self._turns: list[TurnStats] = []
+
+    def send(self, user_text: str, on_text: TextCallback | None = None,
+             on_progress: ProgressCallback | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Reply:
+        """One turn: the user's message in, the assistant's reply out (streamed to ``on_text``).
+
+        Raises ``PromptTooLongError`` before any work if the conversation no longer fits (nothing changes).
+        Ctrl-C or ``should_stop()`` ends the reply early: the partial reply is kept as the assistant's turn
+        (stats.stopped_by == "interrupted"); if that happens before the reply starts, the turn is dropped.
+        """
+        eng, tok = self.engine, self.engine.tokenizer
+        first = not any(m["role"] == "user" for m in self.messages)
+        content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
+        messages = self.messages + [{"role": "user", "content": content}]
+        tokens = tok.encode_chat(tok.apply_chat_template(messages, add_generation_prompt=True))
+        eng._check_fits(len(tokens))
+
+        cache = eng.cache
+        if eng._cache_owner is not self:  # another session or a raw completion used the cache
+            cache.reset()
+            eng._cache_owner = self
+        # Keep the longest prefix the cache already holds; at least one token must be fed for logits.
+        keep = min(_common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
+        cache.truncate(keep)
+        self._fed = list(tokens)  # from here on, cache position i holds self._fed[i] for i < cache.pos
+        text, stats = eng._run(tokens, eng.config.generation, on_text, on_progress, should_stop,
+                               on_token=self._fed.append)
+        if stats.prompt_tokens == 0 and stats.stopped_by == "interrupted":
+            del self._fed[cache.pos:]
+            return Reply(text="", stats=stats)  # interrupted while reading the prompt: turn dropped
+        self.messages = messages + [{"role": "assistant", "content": text}]
+        self._turns.append(stats)
+        return Reply(text=text, stats=stats)
+
+    def reset(self, keep_cache: bool = False) -> None:
+        """Forget the conversation (the system prompt and document stay for the next first turn).
+
+        ``keep_cache``: the forgotten tokens stay in the KV cache, so the next turn reads again only what
+        differs from them (another question about the same document costs the question alone).
+        """
+        self.messages = self._opening()
+        self._turns = []
+        if keep_cache:
+            return
+        self._fed = []
+        if self.engine._cache_owner is self:
+            self.engine.cache.reset()
+
+    def stats(self) -> SessionStats:
+        eng = self.engine
+        held = eng.cache.pos if eng._cache_owner is self else 0
+        return SessionStats(turns=len(self._turns), context_tokens=held, max_seq_len=eng.max_seq_len,
+                            kv_cache_bytes=eng.cache.nbytes(),
+                            prompt_tokens=sum(t.prompt_tokens for t in self._turns),
+                            new_tokens=sum(t.new_tokens for t in self._turns),
+                            prefill_s=sum(t.prefill_s for t in self._turns),
+                            decode_s=sum(t.decode_s for t in self._turns),
+                            last=self._turns[-1] if self._turns else None)
+
+    def _opening(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,362 @@
+"""The long-context KV cache: heterogeneous attention over a DRAM block store and device-side windows.
+
+Every layer's K/V go to a ``KVStore`` (CPU memory, ``kv_type``, block anchors). The initial window
+(sink tokens) and the local window (the most recent tokens) are also kept on the device and attended
+there densely; the context blocks between them are attended by the store's C++ operator, all of them
+during prefill, a selected few per decode step. The two parts are merged exactly by their LSE.
+
+The windows are block aligned, so the partition of the keys is exact (no token in both parts):
+
+    blocks [0, ib)      init window    ib = ceil(init_windows_len / block_size)
+    blocks [ib, lb)     context        the store's operator; decode selects among these (minus preselection)
+    blocks [lb, ...)    local window   lb = floor((n - local_windows_len) / block_size), n = tokens after the pass
+
+Device window buffer, per layer: ``win_k/win_v [L, KVH, init_end + cap, D]``: index p < init_end holds
+position p; index init_end + j holds position buf0 + j (buf0 block aligned, <= the local start). It is
+compacted (the local window moved to the front) only when a pass would not fit, so decode appends in
+place; capacity = local_windows_len + block_size + chunk_size, independent of the prompt length.
+
+Prefill (T > 1) stays exact: the chunk's queries attend to the context blocks through ``store.attend``
+with the queries regrouped as [KVH, T * G] "heads" (every query of a KV head's group, every context
+block), so past K/V are read in place from DRAM in their stored type: nothing is copied back to the
+device and nothing is dequantised into a buffer. It reads each past token once per chunk, i.e.
+O(N^2 / chunk_size) token reads for an N-token prompt, the same O(N^2) work as dense attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ktquest.config import Config, ConfigError
+from ktquest.kv.attention import dense_decode_attention, merge_attention
+from ktquest.kv.memory import check_store_fits
+from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
+from ktquest.kv.store import KVStore
+from ktquest.native.decode import TokenPlan
+
+# torch's CPU flash attention with the log-sum-exp output (a private op: the explicit path is the fallback)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+# ---- per-step state ----
+
+
+@dataclass(slots=True)
+class _Geometry:
+    """Where the windows stand for the current pass (the same for every layer)."""
+
+    start: int = 0  # first position of the pass
+    T: int = 0
+    loc0: int = 0  # local window start (block aligned): context blocks are [ib, loc0 // bs)
+    mask: torch.Tensor | None = None  # [T, W] additive, device: 0 = attend, -inf = not this part
+    mask_rows: torch.Tensor | None = None  # [T*G, W]: the mask per query row (t, g)
+    width: int = 0  # W: window buffer indexes 0..W-1 in use
+    skip: tuple[int, int] = (0, 0)  # decode: window indexes [a, b) that left the window (the mask's -inf)
+
+
+class LongContextCache:
+    """The cache interface of ``DenseKVCache`` (attend, pos, max_seq_len, reset, truncate, nbytes)."""
+
+    def __init__(self, args, cfg: Config, max_seq_len: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        lc = cfg.long_context
+        self.lc, self.cfg = lc, cfg
+        self.n_layers, self.max_seq_len = args.n_layers, max_seq_len
+        self.H, self.KVH, self.D = args.n_heads, args.n_kv_heads, args.head_dim
+        self.G = self.H // self.KVH
+        if lc.kv_type in ("Q8_0", "Q4_0") and self.D % 32:
+            raise ConfigError(f"long_context.kv_type={lc.kv_type!r} is not allowed for this model: it quantises "
+                              f"groups of 32 along head_dim, and head_dim is {self.D}; use FP16, BF16 or FP32")
+        if lc.init_windows_len + lc.local_windows_len > max_seq_len:
+            raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
+                              f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
+        check_store_fits(lc, args, max_seq_len)
+        self.device, self.dtype = torch.device(device), dtype
+        self.bs = lc.block_size
+        self.ib = -(-lc.init_windows_len // self.bs)  # init window blocks
+        self.init_end = self.ib * self.bs
+        self.chunk_size = cfg.chunk_size
+        self.cap = lc.local_windows_len + self.bs + cfg.chunk_size  # local buffer capacity, tokens
+        threads = lc.threads_num or cfg.resolved_threads()
+        self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
+                             lc.anchor_num, threads, lc.int8_candidates)
+        shape = (self.n_layers, self.KVH, self.init_end + self.cap, self.D)
+        self.win_k = torch.zeros(shape, device=self.device, dtype=dtype)  # [L, KVH, init_end + cap, D]
+        self.win_v = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.scale = 1.0 / math.sqrt(self.D)
+        self.threads = threads
+        # Decode's window attention in C++ (ops.dense_decode_attention) on CPU fp32; DYNAMIC anchors need
+        # the attention probabilities, which only the explicit torch path returns.
+        self._native_decode = self.device.type == "cpu" and dtype == torch.float32 and lc.anchor_type != "DYNAMIC"
+        # numpy views of each layer's window buffers for the native decode calls (the buffers are never replaced)
+        self._win_np = [(self.win_k[i].numpy(), self.win_v[i].numpy()) for i in range(self.n_layers)] \
+            if self._native_decode else None
+        self._all_blocks = torch.arange(-(-max_seq_len // self.bs), dtype=torch.int32)  # [max_blocks]
+        self._out = torch.empty(self.H, self.D)  # decode: the store part, fp32 [H, D]
+        self._lse = torch.empty(self.H)  # [H]
+        self.planner = DecodePlanner(lc, self.store, self.n_layers, self.H, self.D, self.ib, self._all_blocks,
+                                     self.device, dtype, max_seq_len)
+        self.reset()
+
+    # ---- bookkeeping ----
+
+    def reset(self) -> None:
+        """Forget every token (the memory is kept)."""
+        self.store.truncate(-1, 0)
+        self.pos = 0
+        self.buf0 = self.init_end  # position of window index init_end
+        self.geo = _Geometry()
+        self.planner.reset()
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens (0 <= n <= pos); the device windows are refilled from the store."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
+        self.store.truncate(-1, n)  # also drops what an interrupted pass appended to the first layers
+        if n == self.pos:
+            return
+        self.pos = n
+        if n < self.buf0:  # the local window now starts before the buffer: reload it from the store
+            loc0 = self._local_start(n)  # >= init_end: with n <= init_end the init window holds them all
+            for layer in range(self.n_layers if loc0 < n else 0):
+                k, v = self.store.read_range(layer, loc0, n)  # [n - loc0, KVH, D] fp32
+                self.win_k[layer, :, self.init_end: self.init_end + n - loc0] = k.transpose(0, 1).to(self.win_k)
+                self.win_v[layer, :, self.init_end: self.init_end + n - loc0] = v.transpose(0, 1).to(self.win_v)
+            self.buf0 = max(loc0, self.init_end)
+        self.planner.truncated()
+
+    def nbytes(self) -> int:
+        """KV bytes held: the DRAM store's blocks in use, its copy of the candidates, the device windows."""
+        return self.store.nbytes() + self.store.cand_nbytes() + self.device_kv_bytes()
+
+    def device_kv_bytes(self) -> int:
+        """Bytes of K/V held on the device (the windows; fixed at construction)."""
+        return self.win_k.nbytes + self.win_v.nbytes + self.planner.q_win.nbytes
+
+    def _local_start(self, n: int) -> int:
+        """First position of the local window when n tokens are held (block aligned, >= init_end)."""
+        return max(self.init_end, (n - self.lc.local_windows_len) // self.bs * self.bs)
+
+    # ---- the pass ----
+
+    def _begin_pass(self, start: int, T: int) -> None:
+        """Geometry for positions [start, start + T), set up once (at layer 0) for every layer."""
+        if start != self.pos:
+            if start > self.pos or start < 0:
+                raise ValueError(f"KV cache: cannot write positions {start}..{start + T - 1}: the cache holds "
+                                 f"{self.pos} tokens, so a chunk must start at {self.pos}")
+            self.truncate(start)  # rewrite from an earlier position: forget the rest
+        elif self.store.length(0) != start:  # a pass interrupted half-way: drop its first layers' tokens
+            self.store.truncate(-1, start)
+        if start + T > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: positions {start}..{start + T - 1} do not fit in "
+                             f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
+        if T > self.chunk_size:
+            raise ValueError(f"long-context cache: {T} tokens in one pass exceed chunk_size={self.chunk_size}")
+        # The local window of this pass: strictly the last local_windows_len tokens of start + T, but never
+        # past the store's full blocks (a context block must be in the store before the chunk).
+        loc0 = max(self.init_end, min(self._local_start(start + T), start // self.bs * self.bs))
+        # Compact (move [loc0, start) to the front of the local part) when the pass would not fit, or in
+        # decode once a quarter of the window is dead weight that every step would read and mask.
+        if start + T - self.buf0 > self.cap or (T == 1 and loc0 - self.buf0 > max(self.bs, self.cap // 4)):
+            m, off = start - loc0, self.init_end + loc0 - self.buf0
+            for buf in (self.win_k, self.win_v):
+                buf[:, :, self.init_end: self.init_end + m] = buf[:, :, off: off + m].clone()
+            self.buf0 = loc0
+        width = self.init_end + start + T - self.buf0 if start + T > self.init_end else start + T
+        # Additive mask [T, W]: query start+i sees window index j iff its position p(j) <= start+i and
+        # p(j) is in the init window or in [loc0, ...). Decode sees every index but the dropped ones.
+        drop = loc0 - self.buf0 if start >= self.init_end else 0  # positions [buf0, loc0) left the window
+        skip = (0, 0)
+        if T == 1:
+            mask = None
+            if drop > 0:
+                skip = (self.init_end, self.init_end + drop)
+            if drop > 0 and not self._native_decode:  # the native kernel skips the stretch itself
+                mask = torch.zeros(1, width, device=self.device)
+                mask[:, skip[0]: skip[1]] = float("-inf")
+        else:
+            j = torch.arange(width, device=self.device)
+            p = torch.where(j < self.init_end, j, self.buf0 + j - self.init_end)  # [W] positions
+            qpos = torch.arange(start, start + T, device=self.device)[:, None]  # [T, 1]
+            ok = (p[None, :] <= qpos) & ((p < self.init_end) | (p >= loc0))[None, :]
+            mask = torch.zeros(T, width, device=self.device).masked_fill_(~ok, float("-inf"))
+        rows = None if mask is None else mask.repeat_interleave(self.G, 0)  # [T*G, W]
+        self.geo = _Geometry(start, T, loc0, mask, rows, width, skip)
+        if T > 1:
+            self.planner.begin_prefill()
+        else:
+            self.planner.begin_decode()
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> torch.Tensor:
+        """Store k/v at start_pos.. and return causal attention over everything held.
+
+        q: [T, H, D], k/v: [T, KVH, D] (device) -> out [T, H, D]. T <= chunk_size. (A CPU decode step runs
+        torch on one thread: ``generate.decode_one_token`` sets it for the whole step.)
+        """
+        T = q.shape[0]
+        if layer_idx == 0:
+            self._begin_pass(start_pos, T)
+        g = self.geo
+        if T == 1 and self._native_decode:
+            return self._decode_native(layer_idx, q, k, v, start_pos)
+        # ---- device part: init + local windows + this chunk, dense ----
+        w0 = self._window_row(start_pos)
+        self.win_k[layer_idx, :, w0: w0 + T] = k.transpose(0, 1)
+        self.win_v[layer_idx, :, w0: w0 + T] = v.transpose(0, 1)
+        out_w, lse_w, probs = self._window_attention(layer_idx, q, g)  # [T, H, D], [T, H] fp32
+        imp = None
+        if self.lc.anchor_type == "DYNAMIC":  # a token's importance: the attention the chunk's queries give it
+            imp = probs.view(self.KVH, T, self.G, -1)[..., w0: w0 + T].sum((1, 2)).t().float().cpu().contiguous()
+        # ---- store part: the context blocks [ib, lb) ----
+        lb = g.loc0 // self.bs
+        if lb > self.ib:
+            if T == 1:
+                out_s, lse_s = self._decode_context(layer_idx, q, lb)
+                out_s, lse_s = out_s.to(self.device)[None], lse_s.to(self.device)[None]
+            else:
+                out_s, lse_s = self._prefill_context(layer_idx, q, lb)
+            out_w, _ = merge_attention(out_w, lse_w, out_s, lse_s)
+        # ---- the chunk goes to the store (after attention: the store part never sees it) ----
+        kc, vc = k.contiguous(), v.contiguous()
+        if kc.device.type != "cpu":
+            kc, vc = kc.cpu(), vc.cpu()
+        self.store.append(layer_idx, kc, vc, imp)
+        if T > 1:
+            self.planner.record_queries(layer_idx, q, start_pos)
+        if layer_idx == self.n_layers - 1:
+            self.pos = start_pos + T
+            if T > 1:
+                self.planner.queries_recorded(start_pos, T)
+        return out_w.to(q.dtype)
+
+    def _window_attention(self, layer: int, q: torch.Tensor, g: _Geometry):
+        """Dense attention over the device windows: (out [T, H, D], lse [T, H], probs [KVH, T*G, W]).
+
+        Rows are ordered (t, g) per KV head, so the [T, W] mask broadcasts over G without a copy, and for
+        T = 1 every reshape is a view: a decode step is one baddbmm, a softmax, a logsumexp and one bmm.
+        """
+        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
+        if T == 1 and self._native_decode:  # the C++ split-K kernel, the dropped stretch skipped
+            out, lse = dense_decode_attention(q[0], self.win_k[layer], self.win_v[layer], g.width, self.scale,
+                                              self.threads, skip=g.skip)
+            return out[None], lse[None], None
+        keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
+        vals = self.win_v[layer, :, : g.width]
+        qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]
+        if _FLASH_CPU is not None and self.device.type == "cpu" and self.lc.anchor_type != "DYNAMIC" \
+                and keys.dtype == torch.float32:
+            # torch's fused CPU flash attention returns the LSE too: 2-3x faster than the explicit ops below.
+            mask = None if g.mask is None else g.mask_rows  # [T*G, W]
+            out, lse = _FLASH_CPU(qh[None], keys[None], vals[None], 0.0, False, attn_mask=mask, scale=self.scale)
+            out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
+            return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), None
+        if keys.dtype != torch.float32:
+            qh, keys, vals = qh.float(), keys.float(), vals.float()
+        if g.mask is None:  # decode, nothing to hide
+            s = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)  # [KVH, G, W]
+        elif T == 1:
+            s = torch.baddbmm(g.mask, qh, keys.transpose(1, 2), alpha=self.scale)  # mask [1, W] broadcasts
+        else:
+            s = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)  # [KVH, T*G, W]
+            s.view(KVH, T, G, g.width).add_(g.mask[:, None, :])
+        # softmax and its log-sum-exp in one exp pass, in place (torch.logsumexp would run its own exp over a
+        # temporary of the scores' size): [KVH, T*G, W]
+        m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(s.dtype).min)  # a row of -inf keeps m finite
+        probs = s.sub_(m).exp_()
+        total = probs.sum(-1, keepdim=True)  # >= 1 in every row that has an unmasked key
+        probs.div_(total)
+        lse = (m + total.log()).squeeze(-1)  # [KVH, T*G]
+        out = torch.bmm(probs, vals)  # [KVH, T*G, D]
+        out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
+        return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), probs
+
+    def _prefill_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact attention of every chunk query to the context blocks [ib, lb), read in place from DRAM."""
+        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
+        # Query "head" (kvh, t, g) reads KV head kvh: the store's grouping h // (H' / KVH) with H' = KVH*T*G.
+        qs = q.float().reshape(T, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * T * G, D).cpu().contiguous()
+        out, lse = self.store.attend(layer, qs, self._all_blocks[self.ib: lb])
+        out = out.view(KVH, T, G, D).permute(1, 0, 2, 3).reshape(T, self.H, D)
+        lse = lse.view(KVH, T, G).permute(1, 0, 2).reshape(T, self.H)
+        return out.to(self.device), lse.to(self.device)
+
+    # ---- decode: which context blocks ----
+
+    def _window_row(self, pos: int) -> int:
+        """Row of position ``pos`` in the window buffers: positions below init_end map to themselves, later
+        ones to init_end + pos - buf0 (buf0 = init_end then)."""
+        return self.init_end + pos - self.buf0 if pos >= self.init_end else pos
+
+    def plan_decode(self, pos: int) -> TokenPlan | None:
+        """The native plan of a decode token at ``pos`` (``KVCache.plan_decode``): every layer's window
+        geometry and store part (``DecodePlanner.token_steps``). None where the native path does not apply
+        (a GPU, DYNAMIC anchors) or the selection needs the query first (Ada-KV budgets in SEPARATE mode)."""
+        if not self._native_decode or self.planner.needs_query:
+            return None
+        self._begin_pass(pos, 1)
+        g = self.geo
+        steps = self.planner.token_steps(g.loc0 // self.bs)
+        return TokenPlan(pos, self.store.native, self._win_np, self._window_row(pos), g.width, g.skip, self.scale,
+                         steps.steps, state=steps)
+
+    def commit_decode(self, plan: TokenPlan) -> None:
+        """The token of ``plan`` is in every layer."""
+        self.planner.token_done(plan.state)
+        self.pos = plan.pos + 1
+
+    def abort_decode(self, plan: TokenPlan) -> None:
+        """The token of ``plan`` raised part-way: some layers may hold it (the next pass drops them)."""
+        self.planner.token_failed()
+
+    # ---- what the planner did (documented for tests and tools) ----
+
+    @property
+    def stats(self) -> SelectionStats:
+        return self.planner.stats
+
+    def selection(self, layer: int) -> Selection | None:
+        """``layer``'s last block selection (ids [n_sets, k] -1 padded, the context end ``lb`` it covers)."""
+        return self.planner.selection(layer)
+
+    def candidates(self, layer: int) -> torch.Tensor | None:
+        """``layer``'s SnapKV candidates [n_sets, N] (-1 padded), or None: every context block."""
+        return self.planner.candidates(layer)
+
+    def context_blocks(self) -> tuple[int, int]:
+        """The context blocks [ib, lb) of the last pass: between the init window and the local window."""
+        return self.ib, self.geo.loc0 // self.bs
+
+    def _decode_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       start_pos: int) -> torch.Tensor:
+        """attend() for one token on the CPU in one native call (cpp/lc_decode.h): window write, dense window
+        attention, the store part as _plan() says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
+        qc = q[0].contiguous()  # [H, D]
+        lb = self.geo.loc0 // self.bs
+        blocks, select = self.planner.plan(layer, qc, lb) if lb > self.ib else (None, None)
+        g = self.geo
+        out = torch.empty(1, self.H, self.D)
+        ids = self.store.decode_step(layer, qc, k[0].contiguous(), v[0].contiguous(), self.win_k[layer],
+                                     self.win_v[layer], self._window_row(start_pos), g.width, g.skip, self.scale, self.threads, out[0],
+                                     blocks, select)
+        if ids is not None:
+            self.planner.record(layer, ids, lb)
+        if layer == self.n_layers - 1:
+            self.pos = start_pos + 1
+        return out
+
+    def _decode_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [1, H, D] -> (out [H, D], lse [H]) fp32 on the CPU over the selected context blocks."""
+        qc = q[0].float()
+        qc = (qc.cpu() if qc.device.type != "cpu" else qc).contiguous()  # [H, D]
+        blocks, select = self.planner.plan(layer, qc, lb)
+        if select is None:
+            return self.store.attend(layer, qc, blocks, self._out, self._lse)
+        out, lse, ids = self.store.select_attend(layer, qc, *select, self._out, self._lse)
+        self.planner.record(layer, ids, lb)
+        return out, lse

@@ -1,0 +1,300 @@
+"""Which context blocks each layer of a long_context decode step attends to: the per-step policy.
+
+A layer attends every context block (the first ``dense_layer_num`` layers), reuses a selection (its
+``layer_step`` leader's of this token, or its own until ``token_step`` tokens have passed, extended by the
+blocks that left the local window since), or selects afresh: the store scores the candidates' anchors
+against the query and keeps the top ``second_select_num`` (per KV head in SEPARATE mode; Ada-KV budgets
+split a layer's total over its heads). The candidates are every context block, or after a prefill with
+``preselect_block`` the blocks SnapKV kept (``kv/selection.py``), scored by the last prompt queries.
+
+The planner holds this state (selections, candidates, the SnapKV observation window) and the call
+statistics; the cache (``kv/long_context.py``) owns the windows and the store and asks it for plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ktquest.config import LongContextConfig
+from ktquest.kv.selection import ada_budgets_fast, block_scores_from_tokens, preselect_blocks, snapkv_token_scores
+from ktquest.kv.store import KVStore
+
+
+@dataclass(slots=True)
+class SelectionStats:
+    """What each layer did on its decode steps (documented statistics: the tests and tools read them)."""
+
+    select_calls: list[int]  # anchor scoring + top-k (select_attend) per layer
+    reuse_calls: list[int]  # decode steps that reused a cached selection per layer
+    full_calls: list[int]  # decode steps that attended every context block per layer
+    preselect_calls: int = 0
+
+
+@dataclass(slots=True)
+class Selection:
+    """A layer's last block selection: ids [n_sets, k] (-1 padded, ascending), taken when the context
+    blocks were [ib, lb), at decode step ``step``."""
+
+    ids: torch.Tensor
+    lb: int
+    step: int
+
+
+@dataclass(slots=True)
+class _TokenSteps:
+    """Every layer's store part for decode tokens whose context ends at block ``lb`` (KVStore.step_args;
+    the out_ids buffers are reused from token to token), with the layers that select (``fresh``: layer ->
+    its step args) and those that attend every block or reuse a selection (the statistics to count)."""
+
+    lb: int
+    steps: list
+    fresh: dict
+    full: list
+    reuse: list
+
+
+class DecodePlanner:
+    """The selection policy of a ``LongContextCache``: ``plan`` (one layer), ``token_steps`` (a whole token).
+
+    ib: the init window's blocks (never selected); all_blocks: int32 [max_blocks] = arange, shared."""
+
+    def __init__(self, lc: LongContextConfig, store: KVStore, n_layers: int, n_heads: int, head_dim: int,
+                 ib: int, all_blocks: torch.Tensor, device: torch.device, dtype: torch.dtype, max_seq_len: int):
+        self.lc, self.store, self.n_layers, self.ib = lc, store, n_layers, ib
+        self.KVH = store.n_kv_heads
+        self._all_blocks, self._all_blocks_np = all_blocks, all_blocks.numpy()
+        W = min(lc.preselect_window, max_seq_len)
+        self.q_win = torch.zeros(n_layers, W, n_heads, head_dim, device=device, dtype=dtype)  # [L, W, H, D]
+        self._excl: tuple[int, np.ndarray | None] = (-1, None)  # (lb, exclude ranges) of the last selection
+        self._sel: list[Selection | None] = []
+        self._sel_live: tuple | None = None  # (steps, lb, step): selections still in token_steps' buffers
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every selection, candidate list and recorded query; zero the statistics."""
+        self.q_win_span = (0, 0)  # positions [a, b) whose queries q_win holds (last b - a slots)
+        self.forget()
+        self.stats = SelectionStats([0] * self.n_layers, [0] * self.n_layers, [0] * self.n_layers)
+
+    def forget(self) -> None:
+        """Forget the selections and candidates (the cache was truncated: they may name dropped blocks)."""
+        self.sel = [None] * self.n_layers
+        self._token_steps: _TokenSteps | None = None  # valid while nothing changes
+        # per layer: [n_sets, N] int32 preselected blocks (-1 padded), and the context end it covers
+        self.allowed: list[torch.Tensor | None] = [None] * self.n_layers
+        self.allowed_np: list[np.ndarray | None] = [None] * self.n_layers  # numpy views (decode calls)
+        self.allowed_lb = [0] * self.n_layers
+        self.presel_pending = [False] * self.n_layers
+        self.decode_step = 0
+
+    def truncated(self) -> None:
+        """The cache dropped tokens: the recorded queries and every selection may name them."""
+        self.q_win_span = (0, 0)
+        self.forget()
+
+    def begin_prefill(self) -> None:
+        """A prefill pass starts: selections are stale, and SnapKV preselects again at the next decode step."""
+        self.presel_pending = [self.lc.preselect_block] * self.n_layers
+        self.sel = [None] * self.n_layers
+        self._token_steps = None
+
+    def begin_decode(self) -> None:
+        """A decode step starts (token_step counts these)."""
+        self.decode_step += 1
+
+    # ---- selections ----
+
+    def selection(self, layer: int) -> Selection | None:
+        """``layer``'s last selection (None: none yet)."""
+        return self.sel[layer]
+
+    def candidates(self, layer: int) -> torch.Tensor | None:
+        """``layer``'s candidate blocks after SnapKV preselection, [n_sets, N] int32 -1 padded (None: every
+        context block), extended by the blocks that entered the context since."""
+        return self.allowed[layer]
+
+    @property
+    def sel(self) -> list[Selection | None]:
+        if self._sel_live is not None:
+            self._flush_sel()
+        return self._sel
+
+    @sel.setter
+    def sel(self, value: list[Selection | None]) -> None:
+        self._sel_live = None
+        self._sel = value
+
+    def _flush_sel(self) -> None:
+        """Copy token_steps' picks of its last token out of its buffers into ``sel``."""
+        live, self._sel_live = self._sel_live, None
+        if live is not None:
+            steps, lb, step = live
+            for layer, args in steps.fresh.items():  # [n_sets, cols], a fresh tensor per selection
+                self._sel[layer] = Selection(torch.from_numpy(args[6].copy()), lb, step)
+
+    def record(self, layer: int, ids: torch.Tensor, lb: int) -> None:
+        """A selection ``layer`` just made (ids: a fresh tensor per call)."""
+        mode = self.lc.head_select_mode
+        if ids.dim() != 2 or mode != "SEPARATE":
+            ids = ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1])
+        self.sel[layer] = Selection(ids, lb, self.decode_step)
+
+    # ---- plans ----
+
+    def token_steps(self, lb: int) -> list:
+        """Every layer's store part of a decode token whose context blocks are [ib, lb): KVStore.step_args
+        tuples, the statistics counted. Kept for the next tokens when they would plan the same: every
+        selection due at every token (token_step 1), nothing pending, the same context end."""
+        plan = self._token_steps
+        if plan is not None and plan.lb == lb:  # the same plan as the last token: only the counters move
+            st = self.stats
+            for layer in plan.full:
+                st.full_calls[layer] += 1
+            for layer in plan.reuse:
+                st.reuse_calls[layer] += 1
+            for layer in plan.fresh:
+                st.select_calls[layer] += 1
+        else:  # (the same plan's next token replaces all of its picks: only a new plan needs the old ones)
+            self._flush_sel()
+            plan = self._make_token_steps(lb)
+        return plan
+
+    def token_done(self, plan: _TokenSteps) -> None:
+        """The token of ``plan`` ran: its selections are in the plan's buffers (copied out when read: a copy
+        per layer per token would cost ~6 us a layer on the decode path, and the next token replaces them)."""
+        self._sel_live = (plan, plan.lb, self.decode_step)
+
+    def token_failed(self) -> None:
+        """The token of the last plan raised: its ids buffers may hold part of its picks."""
+        self.sel = [None] * self.n_layers
+
+    def _make_token_steps(self, lb: int) -> _TokenSteps:
+        steps, fresh = [], {}  # fresh: layer -> its step args, for the layers that select in this token
+        full, reuse = [], []  # the layers plan() counted as attending every block / reusing a selection
+        for layer in range(self.n_layers):
+            blocks, select = self.plan(layer, None, lb, fresh) if lb > self.ib else (None, None)
+            args = self.store.step_args(layer, blocks, select)
+            if select is not None:
+                fresh[layer] = args
+            elif blocks is not None:
+                (full if layer < self.lc.dense_layer_num else reuse).append(layer)
+            steps.append(args)
+        plan = _TokenSteps(lb, steps, fresh, full, reuse)
+        self._token_steps = plan if self.lc.token_step == 1 and lb > self.ib else None
+        return plan
+
+    def plan(self, layer: int, qc: torch.Tensor | None, lb: int,
+             fresh: dict | None = None) -> tuple[torch.Tensor | None, tuple | None]:
+        """Which context blocks a decode step of ``layer`` attends to: (blocks, None) for a fixed list (dense
+        layers, a reused selection), or (None, (k, mode, exclude_ranges, allowed)) for a fresh selection.
+        qc: [H, D] fp32 CPU (only read for Ada-KV budgets in SEPARATE mode; may be None otherwise). Keeps the
+        call statistics and runs a pending preselection. fresh (token_steps): the step args of the layers
+        that select in this token but have not run yet; a follower of one of them reuses its out_ids."""
+        lc, st = self.lc, self.stats
+        if layer < lc.dense_layer_num:
+            st.full_calls[layer] += 1
+            return self._all_blocks[self.ib: lb], None
+        if self.presel_pending[layer]:
+            self._preselect(layer, lb)
+        leader = layer - (layer - lc.dense_layer_num) % lc.layer_step  # layer_step groups reuse its selection
+        if fresh is not None and leader != layer and leader in fresh:
+            st.reuse_calls[layer] += 1
+            return torch.from_numpy(fresh[leader][6]), None  # [n_sets, cols], filled by the leader's step
+        sel = self.sel[leader]
+        due = sel is None or (layer == leader and self.decode_step - sel.step >= lc.token_step)
+        if not due:
+            st.reuse_calls[layer] += 1
+            return self._extend(sel, lb), None
+        st.select_calls[layer] += 1
+        mode, allowed = lc.head_select_mode, self._allowed(layer, lb)
+        if self._excl[0] != lb:  # [2, 2] int64 block ranges: the init window, and the local window onwards
+            self._excl = (lb, np.array([[0, self.ib], [lb, self._all_blocks.shape[0]]], np.int64))
+        excl = self._excl[1]
+        ks = lc.second_select_num
+        if self.needs_query:
+            scores = self.store.block_scores(layer, qc, "SEPARATE")  # [KVH, nb]
+            scores[:, : self.ib] = float("-inf")
+            scores[:, lb:] = float("-inf")
+            if allowed is not None:
+                nb = scores.shape[1]
+                idx = allowed.long().masked_fill(allowed < 0, nb)  # padding -> a spare last column
+                keep = torch.zeros(scores.shape[0], nb + 1, dtype=torch.bool).scatter_(1, idx, True)
+                scores.masked_fill_(~keep[:, :nb], float("-inf"))
+            ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
+        return None, (ks, mode, excl, None if allowed is None else self.allowed_np[layer])
+
+    @property
+    def needs_query(self) -> bool:
+        """Ada-KV decode budgets (SEPARATE mode) split a layer's total by the query's block scores, so a
+        fresh selection can only be planned once the layer's query is known."""
+        return self.lc.ada_budget and self.lc.head_select_mode == "SEPARATE"
+
+    def _extend(self, sel: Selection, lb: int) -> torch.Tensor:
+        """A cached selection plus the context blocks that left the local window since it was taken."""
+        if lb == sel.lb:
+            return sel.ids
+        new = self._all_blocks[sel.lb: lb].expand(sel.ids.shape[0], lb - sel.lb)
+        ids = torch.cat([sel.ids, new], 1)
+        big = torch.iinfo(torch.int32).max  # -1 padding sorts last, then turns back into -1
+        ids = torch.sort(ids.masked_fill(ids < 0, big), 1).values
+        sel.ids, sel.lb = ids.masked_fill_(ids == big, -1), lb
+        return sel.ids
+
+    def _allowed(self, layer: int, lb: int) -> torch.Tensor | None:
+        """Preselected candidates plus the blocks that entered the context after preselection."""
+        allowed, a_lb = self.allowed[layer], self.allowed_lb[layer]
+        if allowed is None or lb <= a_lb:
+            return allowed
+        a = self.allowed_np[layer]  # numpy: torch.cat and friends cost several times more on the decode path
+        ext = np.empty((a.shape[0], a.shape[1] + lb - a_lb), np.int32)
+        ext[:, : a.shape[1]] = a
+        ext[:, a.shape[1]:] = self._all_blocks_np[a_lb: lb]
+        self._set_allowed(layer, torch.from_numpy(ext), lb)
+        return self.allowed[layer]
+
+    def _set_allowed(self, layer: int, allowed: torch.Tensor, lb: int) -> None:
+        """allowed: [n_sets, N] int32 contiguous, covering the context blocks [ib, lb)."""
+        self.allowed[layer], self.allowed_np[layer], self.allowed_lb[layer] = allowed, allowed.numpy(), lb
+
+    # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
+
+    def record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
+        """Keep the last W prefill queries of the layer (q_win_span, updated by ``queries_recorded`` after
+        the last layer, says which positions they are). q: [T, H, D]."""
+        W = self.q_win.shape[1]
+        keep = q[-W:]
+        n = keep.shape[0]
+        if self.q_win_span[1] == start and n < W:  # continues the window: shift the older queries left
+            self.q_win[layer, : W - n] = self.q_win[layer, n:].clone()
+        self.q_win[layer, W - n:] = keep
+
+    def queries_recorded(self, start: int, T: int) -> None:
+        """Every layer recorded the queries of positions [start, start + T)."""
+        a, b = self.q_win_span
+        end = start + T
+        self.q_win_span = (max(a if b == start else start, end - self.q_win.shape[1]), end)
+
+    def _preselect(self, layer: int, lb: int) -> None:
+        """SnapKV: the top ``preselect_block_count`` context blocks per KV head (SHARED: one set) of this
+        layer, scored by the last prefill queries (Ada-SnapKV budgets with ``ada_budget``)."""
+        self.presel_pending[layer] = False
+        a, b = self.q_win_span
+        if b <= a or lb <= self.ib:
+            return
+        self.stats.preselect_calls += 1
+        lc = self.lc
+        k, _ = self.store.read_range(layer, 0, b)  # [b, KVH, D] fp32: one layer's keys, once per prefill
+        qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu()  # [W, H, D]
+        tok = snapkv_token_scores(qw, k, a, lc.preselect_pool_kernel, lc.ada_gqa_merge)  # [KVH, b]
+        scores = block_scores_from_tokens(tok, lc.block_size, lb)  # [KVH, lb]
+        if lc.head_select_mode == "SHARED":
+            scores = scores.sum(0, keepdim=True)
+        sets = preselect_blocks(scores, lc.preselect_block_count, lc.ada_budget, lc.ada_alpha,
+                                exclude=[(0, self.ib)])
+        allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
+        for i, s in enumerate(sets):  # a few KV heads, once per prefill
+            allowed[i, : len(s)] = s.to(torch.int32)
+        self._set_allowed(layer, allowed, lb)

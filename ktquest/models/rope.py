@@ -1,0 +1,57 @@
+"""Rotary position embeddings: the frequencies after a GGUF's RoPE scaling, cos/sin tables, rotate-half."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ktquest.models.args import ModelArgs
+
+
+def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] (float64) after rope scaling, and the cos/sin multiplier (yarn's mscale)."""
+    d, base, s = args.head_dim, args.rope_theta, args.rope_scaling
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [D/2]
+    if s is None:
+        return inv_freq, 1.0
+    if s.freq_factors is not None:  # llama3 (llama.cpp's rope_freqs.weight): theta_i / factor_i
+        inv_freq = inv_freq / torch.tensor(s.freq_factors, dtype=torch.float64)
+    if s.type == "linear":
+        return inv_freq / s.factor, 1.0
+    if s.type == "yarn":
+        # YaRN: extrapolate (keep) the fast-rotating dims, interpolate (divide by factor) the slow ones,
+        # with a linear ramp between the dims turning beta_fast and beta_slow times over the trained context.
+        orig = s.original_context_length or args.context_length
+
+        def correction_dim(n_rot: float) -> float:
+            return d * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(s.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(s.beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv_freq = inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
+        mscale = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
+        return inv_freq, mscale * s.attn_factor
+    return inv_freq, 1.0  # llama3: the freq factors above are all of it
+
+
+def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,
+                device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, D], angles computed in float64 (fp32 angles drift by ~1e-3 rad at 8K positions).
+
+    sin carries rotate-half's sign: ``rotate_half(x) * sin_full == roll(x, D/2) * sin``.
+    """
+    inv_freq, mscale = rope_frequencies(args)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # [S, D/2]
+    cos, sin = angles.cos() * mscale, angles.sin() * mscale
+    cos = torch.cat([cos, cos], dim=-1)  # [S, D]
+    sin = torch.cat([-sin, sin], dim=-1)  # [S, D]
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, n, D], cos/sin: [T, 1, D] -> [T, n, D] (rotate-half)."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)
+
+

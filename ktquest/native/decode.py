@@ -1,0 +1,121 @@
+"""The CPU decode step of one token with Q8_0 weights, in native code: llama2.c's ``transformer(token, pos)``.
+
+    x = embedding[token]
+    for each block:      qkv stage (RMSNorm, Wqkv, RoPE) -> attention (the cache's) -> out stage
+                         (Wo + residual, RMSNorm, SwiGLU FFN + residual)      cpp/decode/
+    logits = head(rmsnorm(x))
+
+The same math as ``ktquest.models.llama`` on the layers' Q8_0 copies (``layers/linear.py``), with no
+torch op on the way: between tokens the caches are cold (the weights streamed through them) and a torch
+op then costs 100-200 us. Where the cache can plan the token ahead (``KVCache.plan_decode``: dense
+windows, fixed block lists, fresh selections), every block runs in one native call; where the attention
+needs the token's query before it can be planned (Ada-KV decode budgets, DYNAMIC anchors), the blocks run
+one by one around ``cache.attend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ktquest import _C
+from ktquest.kv.base import KVCache
+
+
+@dataclass(slots=True)
+class TokenPlan:
+    """One decode token's attention in every layer, planned by the cache (``KVCache.plan_decode``) and run
+    by ``NativeDecoder.decode`` in one native call, then handed back to ``cache.commit_decode`` (or
+    ``cache.abort_decode`` when it raised).
+
+    Every layer writes its new k/v at row ``w0`` of its window buffers ``windows[i]`` = (win_k, win_v)
+    [KVH, rows, D], attends rows [0, width) but ``skip`` densely (softmax scale ``scale``), attends the
+    store's context blocks as ``steps[i]`` says (``KVStore.step_args``: none, a fixed list, or a fresh
+    selection), merges the two parts by their LSE and appends k/v to ``store``."""
+
+    pos: int
+    store: object  # the _C.KVStore
+    windows: list  # [n_layers] (win_k, win_v) numpy views
+    w0: int
+    width: int
+    skip: tuple[int, int]
+    scale: float
+    steps: list  # [n_layers] KVStore.step_args tuples
+    state: object = None  # the cache's own bookkeeping for commit_decode
+
+
+class NativeDecoder:
+    """The decode step of ``model`` (a ``Transformer`` whose Linear layers hold Q8_0 copies) in native code.
+
+    Build with ``NativeDecoder.build(model, threads)`` (None where the model is not fp32 on the CPU with
+    Q8_0 weights everywhere); ``decode(token, cache)`` -> logits [V]."""
+
+    def __init__(self, model, threads: int):
+        self.threads = max(1, threads)
+        self.blocks = [_decode_layer(b) for b in model.layers]  # [n_layers] _C.DecodeLayer
+        a = model.args
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.emb = model.tok_embeddings.detach().numpy()  # [V, dim]
+        self.cos, self.sin = model.rope_cos.numpy(), model.rope_sin.numpy()  # [S, D]
+        self.norm_w, self.eps = model.norm.weight.detach().numpy(), model.norm.eps  # [dim]
+        self.head = model.output.q8  # (qw [V, dim] int8, dw [V, dim/32], bias or None)
+        self.head_threads = model.output.threads
+        self.max_seq_len = model.max_seq_len
+        self._qkv = np.empty((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, np.float32)
+
+    @classmethod
+    def build(cls, model, threads: int) -> NativeDecoder | None:
+        emb = model.tok_embeddings
+        linears = [model.output] + [m for b in model.layers for m in
+                                    (b.attn.wqkv, b.attn.wo, b.ffn.w_gate_up, b.ffn.w_down)]
+        if emb.device.type != "cpu" or emb.dtype != torch.float32 or any(m.q8 is None for m in linears):
+            return None
+        return cls(model, threads)
+
+    def decode(self, token: int, cache: KVCache) -> torch.Tensor:
+        """Feed ``token`` at cache.pos through every block; returns its logits [V]."""
+        pos = cache.pos
+        if not 0 <= pos < self.max_seq_len:
+            raise ValueError(f"positions {pos}..{pos} exceed the model's rope tables (max_seq_len {self.max_seq_len})")
+        if not 0 <= token < self.emb.shape[0]:
+            raise IndexError(f"token id {token} is outside the vocabulary (0..{self.emb.shape[0] - 1})")
+        x = self.emb[token].copy()  # [dim]
+        cos, sin = self.cos[pos], self.sin[pos]  # [D]: the token's RoPE rows
+        plan = cache.plan_decode(pos)
+        if plan is not None:  # every block in one native call
+            try:
+                _C.decode_token_long_context(self.blocks, x, cos, sin, plan.store, plan.windows, plan.w0,
+                                             plan.width, plan.skip[0], plan.skip[1], plan.scale, self.threads,
+                                             plan.steps)
+            except BaseException:
+                cache.abort_decode(plan)
+                raise
+            cache.commit_decode(plan)
+        else:  # block by block around the cache's attention
+            self.decode_blocks(x, cos, sin, pos, cache)
+        xn = np.empty_like(x)
+        _C.rms_norm(x, self.norm_w, self.eps, xn)
+        qw, dw, b = self.head
+        logits = np.empty((1, qw.shape[0]), np.float32)
+        _C.gemv_q8_0(xn[None], qw, dw, b, logits, self.head_threads)
+        return torch.from_numpy(logits[0])  # [V]
+
+    def decode_blocks(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, cache: KVCache) -> None:
+        """Every block of one token, each as qkv stage -> ``cache.attend`` -> out stage; x [dim] in place."""
+        h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = torch.from_numpy(self._qkv).view(1, h + 2 * kvh, d)  # [1, H + 2*KVH, D], q and k rotated
+        q, k, v = qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]  # [1, H, D], [1, KVH, D], [1, KVH, D]
+        for i, block in enumerate(self.blocks):
+            block.qkv(x, cos, sin, self._qkv, self.threads)
+            out = cache.attend(i, q, k, v, pos)  # [1, H, D]
+            block.out(out.reshape(-1).contiguous().numpy(), x, self.threads)
+
+
+def _decode_layer(block) -> object:
+    """A block's native decode stages (cpp/decode/): its norms and its Linear layers' Q8_0 packs."""
+    a, f = block.attn, block.ffn
+    return _C.DecodeLayer(block.attn_norm.weight.detach().numpy(), block.ffn_norm.weight.detach().numpy(),
+                          block.attn_norm.eps, a.wqkv.q8, a.wo.q8, f.w_gate_up.q8, f.w_down.q8,
+                          a.n_heads, a.n_kv_heads, a.head_dim)
