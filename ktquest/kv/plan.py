@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ktquest.config import LongContextConfig
-from ktquest.kv.selection import ada_budgets_fast, block_scores_from_tokens, preselect_blocks, snapkv_token_scores
+from ktquest.kv.selection import ada_budgets_fast, snapkv_preselect
 from ktquest.kv.store import KVStore
 
 
@@ -285,15 +285,9 @@ class DecodePlanner:
         if b <= a or lb <= self.ib:
             return
         self.stats.preselect_calls += 1
-        lc = self.lc
         k, _ = self.store.read_range(layer, 0, b)  # [b, KVH, D] fp32: one layer's keys, once per prefill
         qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu()  # [W, H, D]
-        tok = snapkv_token_scores(qw, k, a, lc.preselect_pool_kernel, lc.ada_gqa_merge)  # [KVH, b]
-        scores = block_scores_from_tokens(tok, lc.block_size, lb)  # [KVH, lb]
-        if lc.head_select_mode == "SHARED":
-            scores = scores.sum(0, keepdim=True)
-        sets = preselect_blocks(scores, lc.preselect_block_count, lc.ada_budget, lc.ada_alpha,
-                                exclude=[(0, self.ib)])
+        sets = snapkv_preselect(qw, k, a, self.lc, exclude=[(0, self.ib)], n_blocks=lb)
         allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
         for i, s in enumerate(sets):  # a few KV heads, once per prefill
             allowed[i, : len(s)] = s.to(torch.int32)

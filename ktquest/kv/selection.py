@@ -243,10 +243,14 @@ def snapkv_preselect(
     exclude: Sequence[tuple[int, int]] = (),
     n_blocks: int | None = None,
 ) -> list[torch.Tensor]:
-    """SnapKV (or Ada-SnapKV with ``lc.ada_budget``) candidates per KV head, the knobs read from ``lc``.
+    """SnapKV (or Ada-SnapKV with ``lc.ada_budget``) candidates, the knobs read from ``lc``: one sorted
+    LongTensor of block ids per KV head, or one for all of them when ``lc.head_select_mode`` is SHARED (the
+    heads' block scores summed).
 
-    q_win: [W, H, D], k: [N, KVH, D] as in ``snapkv_token_scores``; returns KVH sorted LongTensors.
+    q_win: [W, H, D], k: [N, KVH, D] as in ``snapkv_token_scores``.
     """
     tokens = snapkv_token_scores(q_win, k, window_start_pos, lc.preselect_pool_kernel, lc.ada_gqa_merge)
-    blocks = block_scores_from_tokens(tokens, lc.block_size, n_blocks)
+    blocks = block_scores_from_tokens(tokens, lc.block_size, n_blocks)  # [KVH, NB]
+    if lc.head_select_mode == "SHARED":
+        blocks = blocks.sum(0, keepdim=True)  # [1, NB]
     return preselect_blocks(blocks, lc.preselect_block_count, lc.ada_budget, lc.ada_alpha, exclude)
