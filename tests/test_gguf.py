@@ -93,10 +93,9 @@ def test_quantize_roundtrip_is_close():
 @pytest.mark.slow
 def test_bundled_q8_0_and_q4_1_blocks_match_reference(bundled_gguf):
     c = read_gguf(bundled_gguf)
-    reader_tensors = c.tensors._by_name
     for name, qtype, ref in [("token_embd.weight", Q.Q8_0, ref_dequant_q8_0),
                              ("blk.0.attn_q.weight", Q.Q4_1, ref_dequant_q4_1)]:
-        t = reader_tensors[name]
+        t = c.tensors.raw(name)
         assert t.tensor_type == qtype
         raw = np.asarray(t.data[:8])  # the first 8 rows' blocks
         np.testing.assert_array_equal(dequantize_tensor(raw, qtype, name), ref(raw))

@@ -137,14 +137,14 @@ PRE_SPLITS = {
 @pytest.mark.parametrize("pre", sorted(PRE_SPLITS))
 def test_pre_tokenizer_splits(pre):
     tok = Tokenizer.from_gguf_metadata(_byte_level_md(pre))
-    pieces = [p for p, _ in tok._backend.tk.pre_tokenizer.pre_tokenize_str(PRE_TEXT)]
+    pieces = tok.pre_tokenize(PRE_TEXT)
     assert pieces == PRE_SPLITS[pre]
     assert tok.decode(tok.encode(PRE_TEXT)) == PRE_TEXT
 
 
 def test_default_pre_tokenizer_splits_punctuation_runs():
     tok = Tokenizer.from_gguf_metadata(_byte_level_md(None))  # no key = llama.cpp's "default"
-    pieces = [p for p, _ in tok._backend.tk.pre_tokenizer.pre_tokenize_str("a...b 12345")]
+    pieces = tok.pre_tokenize("a...b 12345")
     assert pieces == ["a", "...", "b", "Ġ", "123", "45"]
 
 

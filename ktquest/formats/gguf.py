@@ -66,6 +66,10 @@ class GGUFTensors(Mapping):
     def __len__(self) -> int:
         return len(self._by_name)
 
+    def raw(self, name: str) -> gguf.ReaderTensor:
+        """The tensor as the file stores it: ``.data`` (its blocks, memory-mapped), ``.tensor_type``."""
+        return self._by_name[name]
+
     def shape(self, name: str) -> tuple[int, ...]:
         """[rows, cols] (numpy / torch order: GGUF's dims reversed)."""
         return tuple(int(d) for d in reversed(self._by_name[name].shape.tolist()))

@@ -99,6 +99,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.tokens)
 
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The pieces the pre-tokenizer splits ``text`` into before BPE (byte-level: bytes shown as GPT-2's
+        characters, e.g. "Ġ" for a space); SentencePiece has no pre-tokenizer: [text]."""
+        return self._backend.pre_tokenize(text)
+
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """text -> ids.  ``add_bos`` None = the GGUF default; ``parse_special`` matches control tokens."""
         ids = self._backend.encode(text, parse_special)
@@ -167,6 +172,9 @@ class _Backend:
     def encode(self, text: str, parse_special: bool) -> list[int]:
         raise NotImplementedError
 
+    def pre_tokenize(self, text: str) -> list[str]:
+        return [text]
+
     def decode(self, ids: list[int], skip_special: bool) -> str:
         raise NotImplementedError
 
@@ -185,6 +193,9 @@ class _ByteLevelBPE(_Backend):
         self.tk.decoder = decoders.ByteLevel()
         self.tk.add_tokens([AddedToken(t, special=(ty == CONTROL), normalized=False)
                             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+
+    def pre_tokenize(self, text: str) -> list[str]:
+        return [p for p, _ in self.tk.pre_tokenizer.pre_tokenize_str(text)]
 
     def encode(self, text: str, parse_special: bool) -> list[int]:
         self.tk.encode_special_tokens = not parse_special
