@@ -92,7 +92,7 @@ def decode_one_token(model, cache, token: int) -> torch.Tensor:
         return model(x, cache.pos, cache)[0]
     # On the CPU a decode step is a few hundred tiny torch ops around the native GEMV and attention
     # (which use their own thread pool): each op would pay a fork/join of torch's threads for
-    # microseconds of work, so torch runs them on one thread (53 -> 67 tok/s measured at 1K context).
+    # microseconds of work, so torch runs them on one thread.
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -104,7 +104,7 @@ def decode_one_token(model, cache, token: int) -> torch.Tensor:
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
            generator: torch.Generator | None = None) -> int:
     """logits [V] -> a token id. temperature 0 = greedy argmax; top_k 0 / top_p 1 = off."""
-    if temperature == 0:  # numpy's argmax on the CPU: torch's costs ~100 us more between decode steps
+    if temperature == 0:  # numpy's argmax on the CPU: torch's dispatch costs more than the argmax
         cpu32 = logits.device.type == "cpu" and logits.dtype == torch.float32
         return int(logits.numpy().argmax() if cpu32 else torch.argmax(logits))
     logits = logits.float() / temperature

@@ -32,8 +32,8 @@ class DenseKVCache:
         self._k = [self.k[i, None] for i in range(n_layers)]
         self._v = [self.v[i, None] for i in range(n_layers)]
         self.pos = 0
-        # CPU fp32 decode goes to the C++ split-K kernel (ops.dense_decode_attention): SDPA read a decode
-        # step's K/V at 5-12 GB/s on this kind of machine, the kernel at ~13 (100 vs 190 us a layer at 1K).
+        # CPU fp32 decode goes to the C++ split-K kernel (kv/attention.dense_decode_attention): SDPA read a decode
+        # step's K/V at a fraction of the DRAM bandwidth the kernel streams them at.
         self._native_decode = self.k.device.type == "cpu" and dtype == torch.float32
         self.threads = max(1, threads)
         self.scale = head_dim ** -0.5
