@@ -89,7 +89,7 @@ class LongContextCache:
         self.win_v = torch.zeros(shape, device=self.device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(self.D)
         self.threads = threads
-        # Decode's window attention in C++ (ops.dense_decode_attention) on CPU fp32; DYNAMIC anchors need
+        # Decode's window attention in C++ (kv/attention.dense_decode_attention) on CPU fp32; DYNAMIC anchors need
         # the attention probabilities, which only the explicit torch path returns.
         self._native_decode = self.device.type == "cpu" and dtype == torch.float32 and lc.anchor_type != "DYNAMIC"
         # numpy views of each layer's window buffers for the native decode calls (the buffers are never replaced)
