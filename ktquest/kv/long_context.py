@@ -21,6 +21,9 @@ with the queries regrouped as [KVH, T * G] "heads" (every query of a KV head's g
 block), so past K/V are read in place from DRAM in their stored type: nothing is copied back to the
 device and nothing is dequantised into a buffer. It reads each past token once per chunk, i.e.
 O(N^2 / chunk_size) token reads for an N-token prompt, the same O(N^2) work as dense attention.
+
+Which context blocks a decode step attends to is the planner's (``kv/plan.py``); on the CPU a whole decode
+token is planned here (``plan_decode``) and run by ``ktquest.native.decode`` in one native call.
 """
 
 from __future__ import annotations
