@@ -287,35 +287,6 @@ class KVStore:
                              mode, ks, excl, allow, ids, _np(out, "out", f32, 2))
         return self._step_ids(ids, mode)
 
-    def decode_block(self, fused, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     win_k: torch.Tensor, win_v: torch.Tensor, w0: int, width: int, skip: tuple[int, int],
-                     scale: float, threads: int, blocks=None, select: tuple | None = None) -> torch.Tensor | None:
-        """A whole block's long_context decode step in one native call: ``fused`` (a ``_C.DecodeLayer``)
-        makes q/k/v from x [dim] (RoPE row cos/sin [D]), decode_step() attends (same window and store-part
-        arguments; x, cos, sin, win_k and win_v may also be numpy views), and the block's output replaces x in
-        place. Returns the selected ids or None."""
-        f32 = (torch.float32,)
-        part, b, mode, ks, excl, allow, ids = self.step_args(layer, blocks, select)
-        # numpy views go straight to the binding, which checks them as it checks every array
-        x = x if type(x) is np.ndarray else _np(x, "x", f32, 1)
-        cos = cos if type(cos) is np.ndarray else _np(cos, "cos", f32, 1)
-        sin = sin if type(sin) is np.ndarray else _np(sin, "sin", f32, 1)
-        win_k = win_k if type(win_k) is np.ndarray else _np(win_k, "win_k", f32, 3)
-        win_v = win_v if type(win_v) is np.ndarray else _np(win_v, "win_v", f32, 3)
-        fused.step_long_context(x, cos, sin, self._st, layer, win_k, win_v, w0, width, skip[0], skip[1], float(scale),
-                                threads, part, b, mode, ks, excl, allow, ids)
-        return self._step_ids(ids, mode)
-
-    def decode_token(self, layers: list, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, windows: list,
-                     w0: int, width: int, skip: tuple[int, int], scale: float, threads: int, steps: list) -> None:
-        """A whole token's long_context decode through every layer in one native call: decode_block() for
-        layer i = 0..n_layers-1 with ``layers[i]`` (a ``_C.DecodeLayer``), ``windows[i]`` = (win_k, win_v)
-        numpy views and ``steps[i]`` = step_args(i, blocks, select). x, cos, sin: numpy [dim], [D], [D]; x is
-        replaced by the last block's output. A step's blocks may be an earlier step's out_ids (a tensor view
-        of them): they are read after that layer wrote them. The selected ids land in the steps' out_ids."""
-        _C.decode_token_long_context(layers, x, cos, sin, self._st, windows, w0, width, skip[0], skip[1],
-                                     float(scale), threads, steps)
-
     def step_args(self, layer: int, blocks, select) -> tuple:
         """decode_step's store part: (part, blocks, mode, k, exclude, allowed, out_ids) for the binding."""
         if select is not None:
