@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "kv_store.h"
+#include "kvstore/kv_store.h"
 
 namespace ktq {
 

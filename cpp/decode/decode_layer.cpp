@@ -1,8 +1,8 @@
-#include "decode_layer.h"
+#include "decode/decode_layer.h"
 
 #include <cmath>
 
-#include "gemv.h"
+#include "gemm/gemv.h"
 
 namespace ktq {
 

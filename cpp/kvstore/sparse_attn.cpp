@@ -17,11 +17,11 @@
 #include <string>
 #include <thread>
 
-#include "attn_kernels.h"
-#include "cpu_features.h"
-#include "dense_attn.h"
-#include "kv_store.h"
-#include "thread_pool.h"
+#include "attn/attn_kernels.h"
+#include "common/cpu_features.h"
+#include "attn/dense_attn.h"
+#include "kvstore/kv_store.h"
+#include "common/thread_pool.h"
 
 namespace ktq {
 

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <limits>
 
-#include "kv_codec.h"
+#include "quant/kv_codec.h"
 
 namespace ktq {
 

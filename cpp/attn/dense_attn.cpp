@@ -1,13 +1,13 @@
-#include "dense_attn.h"
+#include "attn/dense_attn.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-#include "attn_kernels.h"
-#include "cpu_features.h"
-#include "thread_pool.h"
+#include "attn/attn_kernels.h"
+#include "common/cpu_features.h"
+#include "common/thread_pool.h"
 
 namespace ktq {
 

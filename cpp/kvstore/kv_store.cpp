@@ -1,5 +1,5 @@
 // KV store memory, append (encode + incremental anchors) and read-back. Layout: kv_store.h.
-#include "kv_store.h"
+#include "kvstore/kv_store.h"
 
 #include <sys/mman.h>
 
@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "thread_pool.h"
+#include "common/thread_pool.h"
 
 namespace ktq {
 

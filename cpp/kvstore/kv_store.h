@@ -40,7 +40,7 @@
 #include <utility>
 #include <vector>
 
-#include "kv_codec.h"
+#include "quant/kv_codec.h"
 
 namespace ktq {
 

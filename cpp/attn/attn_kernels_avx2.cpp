@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "attn_kernels.h"
+#include "attn/attn_kernels.h"
 
 namespace ktq::avx2 {
 

@@ -1,11 +1,11 @@
 // long_context decode step of one layer (contract in lc_decode.h).
-#include "lc_decode.h"
+#include "decode/layer_step.h"
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "dense_attn.h"
+#include "attn/dense_attn.h"
 
 namespace ktq {
 

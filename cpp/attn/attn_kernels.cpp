@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "attn_kernels.h"
+#include "attn/attn_kernels.h"
 
 namespace ktq::scalar {
 

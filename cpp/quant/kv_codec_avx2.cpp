@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "kv_codec.h"
+#include "quant/kv_codec.h"
 
 namespace ktq::avx2 {
 

@@ -1,10 +1,10 @@
-#include "gemv.h"
+#include "gemm/gemv.h"
 
 #include <algorithm>
 #include <cmath>
 
-#include "cpu_features.h"
-#include "thread_pool.h"
+#include "common/cpu_features.h"
+#include "common/thread_pool.h"
 
 namespace ktq {
 

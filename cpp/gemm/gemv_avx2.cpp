@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "gemv.h"
+#include "gemm/gemv.h"
 
 namespace ktq {
 

@@ -9,12 +9,12 @@
 #include <memory>
 #include <vector>
 
-#include "cpu_features.h"
-#include "decode_layer.h"
-#include "dense_attn.h"
-#include "gemv.h"
-#include "kv_store.h"
-#include "lc_decode.h"
+#include "common/cpu_features.h"
+#include "decode/decode_layer.h"
+#include "attn/dense_attn.h"
+#include "gemm/gemv.h"
+#include "kvstore/kv_store.h"
+#include "decode/layer_step.h"
 
 namespace py = pybind11;
 

@@ -1,11 +1,11 @@
 // Scalar row codecs (the twins of kv_codec_avx2.cpp) and the run-time dispatch.
-#include "kv_codec.h"
+#include "quant/kv_codec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "cpu_features.h"
+#include "common/cpu_features.h"
 
 namespace ktq {
 
