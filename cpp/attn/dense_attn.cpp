@@ -1,3 +1,4 @@
+// Dense decode attention over fp32 rows (dense_attn.h).
 #include "attn/dense_attn.h"
 
 #include <algorithm>
@@ -6,6 +7,7 @@
 #include <vector>
 
 #include "attn/attn_kernels.h"
+#include "attn/merge.h"
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
 
@@ -21,32 +23,6 @@ constexpr int64_t kMaxTasksPerHead = 16;  // ... and at most this many tasks per
 constexpr int64_t kParallelBytes = 512 << 10;
 
 }  // namespace
-
-void merge_partials(const float* part, const int64_t* tstart, int KVH, int G, int D, float* out, float* lse) {
-  const size_t pstride = size_t(G) * (D + 2);
-  for (int h = 0; h < KVH; ++h)
-    for (int g = 0; g < G; ++g) {
-      float* o = out + (size_t(h) * G + g) * D;
-      std::fill(o, o + D, 0.f);
-      float M = kNegInf;
-      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) M = std::max(M, part[t * pstride + g]);
-      if (M == kNegInf) {  // nothing attended for this head
-        lse[h * G + g] = kNegInf;
-        continue;
-      }
-      // out = sum_i w_i acc_i / sum_i w_i l_i with w_i = e^(m_i - M) <= 1: no overflow.
-      float sum = 0.f;
-      for (int64_t t = tstart[h]; t < tstart[h + 1]; ++t) {
-        const float* P = part + t * pstride;
-        const float w = std::exp(P[g] - M);
-        sum += w * P[G + g];
-        const float* a = P + 2 * G + size_t(g) * D;
-        for (int d = 0; d < D; ++d) o[d] += w * a[d];
-      }
-      for (int d = 0; d < D; ++d) o[d] /= sum;
-      lse[h * G + g] = M + std::log(sum);
-    }
-}
 
 void dense_decode_attention(const float* q, int H, int KVH, int D, const float* k, const float* v,
                             int64_t head_stride, int64_t n, float scale, float* out, float* lse, int n_threads,

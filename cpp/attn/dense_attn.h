@@ -1,8 +1,8 @@
 // Decode attention over a dense fp32 KV cache (mode: dense on the CPU): every query head of one token
 // against the first n rows of its KV head. Same kernels and split-K as the store's sparse attention
 // (attn_kernels.h): the rows are cut into tiles of kDenseTile, each task folds a fixed run of tiles
-// into a partial (m, l, acc), and partials are merged in task order, so 1 or N threads give the same
-// bits. torch's SDPA reads a decode step's K/V at 5-12 GB/s here; this streams them at DRAM speed.
+// into a partial (m, l, acc), and partials are merged in task order (merge.h), so 1 or N threads give the
+// same bits. It streams K/V at DRAM speed where torch's SDPA reads a decode step's K/V several times slower.
 #pragma once
 
 #include <cstdint>
@@ -16,10 +16,5 @@ namespace ktq {
 void dense_decode_attention(const float* q, int H, int KVH, int D, const float* k, const float* v,
                             int64_t head_stride, int64_t n, float scale, float* out, float* lse, int n_threads,
                             int64_t skip0 = 0, int64_t skip1 = 0);
-
-// Merge split-K partials: tasks [tstart[h], tstart[h + 1]) of KV head h, each partial at
-// part + task * G * (D + 2) laid out m [G], l [G], acc [G, D]; in task order.
-// out: [KVH * G, D], lse: [KVH * G] (-inf and zeros for a head without a task or a row).
-void merge_partials(const float* part, const int64_t* tstart, int KVH, int G, int D, float* out, float* lse);
 
 }  // namespace ktq

@@ -1,7 +1,7 @@
+// Q8_0 GEMV: the scalar twin and the threaded dispatch (AVX2 twin: gemv_avx2.cpp).
 #include "gemm/gemv.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
@@ -10,28 +10,15 @@ namespace ktq {
 
 // ---- scalar twins ----
 
-void quantize_q8_0_scalar(const float* src, int64_t n, int8_t* q, float* d) {
-  for (int64_t g = 0; g < n / kQ8Group; ++g) {
-    const float* s = src + g * kQ8Group;
-    float amax = 0.f;
-    for (int i = 0; i < kQ8Group; ++i) amax = std::max(amax, std::fabs(s[i]));
-    const float dg = amax / 127.f;
-    const float inv = dg != 0.f ? 1.f / dg : 0.f;
-    d[g] = dg;
-    // nearbyint rounds half to even in the default FP environment, like _mm256_cvtps_epi32.
-    for (int i = 0; i < kQ8Group; ++i) q[g * kQ8Group + i] = static_cast<int8_t>(std::nearbyint(s[i] * inv));
-  }
-}
-
 void gemv_q8_0_rows_scalar(const float* x, int64_t in, const int8_t* qw, const float* dw, const float* bias,
                            float* y, int64_t o0, int64_t o1) {
-  const int64_t ng = in / kQ8Group;
+  const int64_t ng = in / kQGroup;
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* w = qw + o * in;
     float acc = 0.f;
     for (int64_t g = 0; g < ng; ++g) {
       float s = 0.f;
-      for (int i = 0; i < kQ8Group; ++i) s += float(w[g * kQ8Group + i]) * x[g * kQ8Group + i];
+      for (int i = 0; i < kQGroup; ++i) s += float(w[g * kQGroup + i]) * x[g * kQGroup + i];
       acc += s * dw[o * ng + g];
     }
     y[o] = acc + (bias ? bias[o] : 0.f);
@@ -40,18 +27,13 @@ void gemv_q8_0_rows_scalar(const float* x, int64_t in, const int8_t* qw, const f
 
 // ---- dispatch ----
 
-void quantize_q8_0(const float* src, int64_t n, int8_t* q, float* d) {
-  if (use_avx2()) quantize_q8_0_avx2(src, n, q, d);
-  else quantize_q8_0_scalar(src, n, q, d);
-}
-
 void gemv_q8_0(const float* x, int64_t T, int64_t in, const int8_t* qw, const float* dw, int64_t out,
                const float* bias, float* y, int n_threads) {
   const bool avx2 = use_avx2();
   // Two contiguous row ranges per thread: each thread then reads long forward streams that the
-  // prefetchers follow. (Small chunks claimed in turn made each thread's reads jump every few KiB, and
-  // two threads read the bundled model's lm_head slower than one: 12 vs 18 GB/s.) The ranges depend on
-  // n_threads, the result does not: output o is row o's dot products summed in a fixed order.
+  // prefetchers follow (small chunks claimed in turn made each thread's reads jump every few KiB, and two
+  // threads then read the bundled model's lm_head slower than one). The ranges depend on n_threads, the
+  // result does not: output o is row o's dot products summed in a fixed order.
   const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(int64_t(n_threads) * 2, out / 64));
   const int64_t rows_per_task = (out + n_tasks - 1) / n_tasks;
   auto task = [&](int64_t c) {

@@ -1,7 +1,8 @@
 // Weight-only int8 GEMV for CPU decode: y[T, out] = x[T, in] @ W[out, in]^T (+ bias).
 //
-// W is stored Q8_0-style: int8 values in groups of 32 along `in`, one fp32 scale per group:
-//   qs:     [out, in]        int8, q = round_half_even(w / d) with d = absmax(group) / 127
+// W is stored Q8_0 (rounding in quant/q8_0.h): int8 values in groups of kQGroup = 32 along `in`, one fp32 scale
+// per group:
+//   qs:     [out, in]        int8, q = round_half_even(w * (1 / d)) with d = absmax(group) / 127
 //   scales: [out, in / 32]   fp32 d
 // x stays fp32 (weight-only quantization): each int8 weight is widened to fp32 in registers and
 // multiplied by x with FMA; a group's sum is scaled by d once. Decode reads a quarter of fp32's bytes,
@@ -12,12 +13,9 @@
 
 #include <cstdint>
 
+#include "quant/q8_0.h"
+
 namespace ktq {
-
-constexpr int kQ8Group = 32;
-
-// Quantize n values (n % 32 == 0) to int8 + one scale per group.  src: [n] -> q: [n], d: [n / 32]
-void quantize_q8_0(const float* src, int64_t n, int8_t* q, float* d);
 
 // y[t, o] = sum_g d_w[o, g] * dot(qw[o, g, :], x[t, g, :]) (+ bias[o])
 // x: [T, in] fp32, qw: [out, in], dw: [out, in/32], bias: [out] or nullptr, y: [T, out].
@@ -31,7 +29,5 @@ void gemv_q8_0_rows_scalar(const float* x, int64_t in, const int8_t* qw, const f
                            float* y, int64_t o0, int64_t o1);
 void gemv_q8_0_rows_avx2(const float* x, int64_t in, const int8_t* qw, const float* dw, const float* bias,
                          float* y, int64_t o0, int64_t o1);
-void quantize_q8_0_scalar(const float* src, int64_t n, int8_t* q, float* d);
-void quantize_q8_0_avx2(const float* src, int64_t n, int8_t* q, float* d);
 
 }  // namespace ktq

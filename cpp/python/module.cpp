@@ -55,10 +55,10 @@ void bind_gemv(py::module_& m) {
   m.def("quantize_q8_0", [](const py::handle& w_obj) {
     auto w = gemv_arg<float>(w_obj, "w", 2);
     const int64_t out = w.shape(0), in = w.shape(1);
-    if (in % ktq::kQ8Group != 0)
+    if (in % ktq::kQGroup != 0)
       throw py::value_error("w: the input dimension (" + std::to_string(in) + ") must be a multiple of 32");
     py::array_t<int8_t> q({out, in});
-    py::array_t<float> d({out, in / ktq::kQ8Group});
+    py::array_t<float> d({out, in / ktq::kQGroup});
     const float* src = w.data();
     int8_t* qp = q.mutable_data();
     float* dp = d.mutable_data();
@@ -79,10 +79,10 @@ void bind_gemv(py::module_& m) {
     if (qw.shape(1) != in)
       throw py::value_error("qw: expected [out, " + std::to_string(in) + "] to match x [T, in], got [" +
                             std::to_string(out) + ", " + std::to_string(qw.shape(1)) + "]");
-    if (in % ktq::kQ8Group != 0)
+    if (in % ktq::kQGroup != 0)
       throw py::value_error("x: the input dimension (" + std::to_string(in) + ") must be a multiple of 32");
-    if (dw.shape(0) != out || dw.shape(1) != in / ktq::kQ8Group)
-      throw py::value_error("dw: expected [" + std::to_string(out) + ", " + std::to_string(in / ktq::kQ8Group) +
+    if (dw.shape(0) != out || dw.shape(1) != in / ktq::kQGroup)
+      throw py::value_error("dw: expected [" + std::to_string(out) + ", " + std::to_string(in / ktq::kQGroup) +
                             "], got [" + std::to_string(dw.shape(0)) + ", " + std::to_string(dw.shape(1)) + "]");
     if (y.shape(0) != T || y.shape(1) != out)
       throw py::value_error("y: expected [" + std::to_string(T) + ", " + std::to_string(out) + "], got [" +
@@ -481,7 +481,7 @@ ktq::Q8Matrix q8_matrix(PyDecodeLayer& L, const py::handle& q_obj, const py::han
                         const char* name, int64_t out, int64_t in) {
   const std::string n(name);
   auto q = kv_arg<int8_t>(q_obj, (n + ".q").c_str(), {out, in});
-  auto d = kv_arg<float>(d_obj, (n + ".d").c_str(), {out, in / ktq::kQ8Group});
+  auto d = kv_arg<float>(d_obj, (n + ".d").c_str(), {out, in / ktq::kQGroup});
   ktq::Q8Matrix m;
   m.q = q.data();
   m.d = d.data();
@@ -542,7 +542,7 @@ void bind_decode_layer(py::module_& m) {
              auto an = kv_arg<float>(attn_norm, "attn_norm", {-1});
              const int64_t dim = an.shape(0);
              auto fn = kv_arg<float>(ffn_norm, "ffn_norm", {dim});
-             if (dim % ktq::kQ8Group != 0 || (int64_t(n_heads) * head_dim) % ktq::kQ8Group != 0)
+             if (dim % ktq::kQGroup != 0 || (int64_t(n_heads) * head_dim) % ktq::kQGroup != 0)
                throw py::value_error("dim and n_heads * head_dim must be multiples of 32 (Q8_0 groups)");
              const py::handle gu_q = w_gate_up[0];
              if (!py::isinstance<py::array>(gu_q) || py::array(py::reinterpret_borrow<py::object>(gu_q)).ndim() != 2)

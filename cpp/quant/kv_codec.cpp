@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/cpu_features.h"
+#include "common/enum_names.h"
 
 namespace ktq {
 
@@ -26,16 +27,7 @@ inline float float_of(uint32_t u) {
 
 // ---- formats ----
 
-const char* kv_type_name(KVType t) {
-  switch (t) {
-    case KVType::FP32: return "FP32";
-    case KVType::FP16: return "FP16";
-    case KVType::BF16: return "BF16";
-    case KVType::Q8_0: return "Q8_0";
-    case KVType::Q4_0: return "Q4_0";
-  }
-  return "?";
-}
+const char* kv_type_name(KVType t) { return enum_name(kKVTypeNames, t); }
 
 bool kv_type_quantized(KVType t) { return t == KVType::Q8_0 || t == KVType::Q4_0; }
 

@@ -4,7 +4,7 @@
 //   FP32  D floats
 //   FP16  D IEEE halves, round-to-nearest-even (F16C in the AVX2 path, a bit-identical scalar twin)
 //   BF16  D bfloat16, round-to-nearest-even of the fp32 bits
-//   Q8_0  D int8 in groups of 32 along D, one fp32 scale per group:
+//   Q8_0  D int8 in groups of kQGroup = 32 along D (quant/qgroup.h), one fp32 scale per group:
 //           d = absmax(group) / 127, q = round_half_even(x / d) (q = 0 when d = 0), x' = d * q
 //   Q4_0  D 4-bit values in groups of 32, one fp32 scale per group (ggml's scheme):
 //           max = the group's value of largest magnitude (first one on ties), d = max / -8,
@@ -17,14 +17,17 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
+
+#include "quant/qgroup.h"
 
 namespace ktq {
 
 enum class KVType : int { FP32 = 0, FP16 = 1, BF16 = 2, Q8_0 = 3, Q4_0 = 4 };
+inline constexpr const char* kKVTypeNames[] = {"FP32", "FP16", "BF16", "Q8_0", "Q4_0"};  // in enum order
+static_assert(std::size(kKVTypeNames) == size_t(KVType::Q4_0) + 1);
 // dtype of tensors handed to append(): fp32, fp16 or bf16 (bf16 arrives as raw uint16 bits).
 enum class InType : int { F32 = 0, F16 = 1, BF16 = 2 };
-
-constexpr int kQGroup = 32;  // quantisation group along head_dim (Q8_0, Q4_0)
 
 const char* kv_type_name(KVType t);
 bool kv_type_quantized(KVType t);
