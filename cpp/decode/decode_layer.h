@@ -1,6 +1,6 @@
 // One transformer block's decode step (one token) around its attention, for the CPU fp32 path with
-// Q8_0 weights: the per-op cost of ~25 small torch ops a layer (~200 us, more than the layer's GEMVs
-// on the bundled model) becomes two native calls.
+// Q8_0 weights: ~25 small torch ops a layer, whose per-op cost outweighed the layer's GEMVs on the bundled
+// model, become two native calls.
 //
 //   qkv stage:  xn = rmsnorm(x) * attn_norm;  qkv = Wqkv xn (+ b);  RoPE on the q and k heads
 //   (attention: the cache's, between the stages: dense or long-context)
@@ -15,7 +15,7 @@
 
 namespace ktq {
 
-struct Q8Matrix {  // Q8_0 weight [out, in] (gemv.h) and an optional bias [out]
+struct Q8Matrix {  // Q8_0 weight [out, in] (gemm/gemv.h) and an optional bias [out]
   const int8_t* q = nullptr;
   const float* d = nullptr;
   const float* bias = nullptr;
@@ -41,6 +41,9 @@ class DecodeLayer {
   // attn: [H * D] (attention output), x: [dim] updated in place to the block's output.
   void out(const float* attn, float* x, int n_threads);
   const DecodeLayerWeights& weights() const { return w_; }
+  int64_t dim() const { return w_.wo.out; }        // the residual stream
+  int64_t qkv_size() const { return w_.wqkv.out; }  // (H + 2 KVH) * D
+  int64_t attn_size() const { return w_.wo.in; }    // H * D
 
  private:
   DecodeLayerWeights w_;

@@ -22,6 +22,11 @@ CandLayout::CandLayout(const StoreLayout& lay, HeadMode mode)
       scaled(lay.cfg.int8_candidates),
       tiles(2 * lay.tile_bytes) {}
 
+size_t candidate_copy_bytes(const StoreConfig& c, HeadMode mode, int64_t room) {
+  const StoreLayout lay(c);
+  return linear_anchors(c.anchor_type) ? CandLayout(lay, mode).bytes(room) * c.n_layers : 0;
+}
+
 CandCaches::CandCaches(const StoreLayout& lay) : lay_(lay), cand_(size_t(lay.cfg.n_layers)) {}
 
 size_t CandCaches::nbytes() const {

@@ -32,6 +32,10 @@ struct CandLayout {
   }
 };
 
+// Bytes of every layer's candidate copies with room for `room` candidates per set (checks c as the store
+// does): what _C.candidate_copy_bytes tells Python. 0 where c's anchors are not linear (never cached).
+size_t candidate_copy_bytes(const StoreConfig& c, HeadMode mode, int64_t room);
+
 // One layer's candidate list and its copies.
 struct CandCache {
   bool valid = false;  // answers `key` (a hit)

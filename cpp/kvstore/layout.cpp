@@ -55,4 +55,6 @@ StoreRegions StoreLayout::regions(size_t hb) const {
   return r;
 }
 
+size_t store_bytes(const StoreConfig& c) { return StoreLayout(c).bytes(); }
+
 }  // namespace ktq

@@ -124,4 +124,7 @@ struct StoreLayout {
   }
 };
 
+// Bytes a full store of config c reserves (checks c as the store does): what _C.store_bytes tells Python.
+size_t store_bytes(const StoreConfig& c);
+
 }  // namespace ktq
