@@ -98,7 +98,8 @@ void KVStore::update_anchors(StoreLayer& L, int h, int64_t pos, const float* key
   if (lay_.a16) {
     work.resize(size_t(lay_.A) * D);
     a = work.data();
-    if (r > 0) decode_row(KVType::FP16, reinterpret_cast<const uint8_t*>(lay_.anchor16_at(L, h, b)), nullptr, lay_.A * D, a);
+    if (r > 0)
+      decode_row(KVType::FP16, reinterpret_cast<const uint8_t*>(lay_.anchor16_at(L, h, b)), nullptr, lay_.A * D, a);
   } else {
     a = lay_.anchor_at(L, h, b);
   }
@@ -213,7 +214,6 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
   const int64_t b0 = p0 / bs, b1 = (p1 - 1) / bs + 1;
   const int64_t blocks_per_task = std::max<int64_t>(1, 1024 / bs);
   const int64_t tasks_per_head = (b1 - b0 + blocks_per_task - 1) / blocks_per_task;
-  const int ns = kv_row_scales(lay_.cfg.kv_type, D);
   ThreadPool::global().parallel_for(H * tasks_per_head, threads, [&](int64_t task) {
     const int h = static_cast<int>(task / tasks_per_head);
     const int64_t tb0 = b0 + (task % tasks_per_head) * blocks_per_task;
@@ -225,8 +225,8 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
         const uint8_t* src = static_cast<const uint8_t*>(which ? v : k) + (t * H + h) * row_in;
         uint8_t* tile = which ? lay_.v_tile(L, h, b) : lay_.k_tile(L, h, b);
         input_to_f32(in, src, D, x.data());
-        uint8_t* row = tile + r * lay_.row_bytes;
-        float* sc = reinterpret_cast<float*>(tile + lay_.scale_off) + r * ns;
+        uint8_t* row = lay_.row_of(tile, r);
+        float* sc = lay_.scales_of(tile, r);
         encode_row(lay_.cfg.kv_type, x.data(), D, row, sc);
         if (which == 0) {
           decode_row(lay_.cfg.kv_type, row, sc, D, y.data());
@@ -249,16 +249,15 @@ void KVStore::read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) 
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
   if (t0 < 0 || t0 > t1 || t1 > L.len)
-    throw std::out_of_range("read_range: [" + std::to_string(t0) + ", " + std::to_string(t1) +
-                            ") is not inside the " + std::to_string(L.len) + " tokens of layer " + std::to_string(layer));
+    throw std::out_of_range("read_range: [" + std::to_string(t0) + ", " + std::to_string(t1) + ") is not inside the " +
+                            std::to_string(L.len) + " tokens of layer " + std::to_string(layer));
   const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim, bs = lay_.cfg.block_size;
-  const int ns = kv_row_scales(lay_.cfg.kv_type, D);
   for (int64_t p = t0; p < t1; ++p)
     for (int h = 0; h < H; ++h) {
       const int64_t b = p / bs, r = p % bs;
       for (int which = 0; which < 2; ++which) {
         const uint8_t* tile = which ? lay_.v_tile(L, h, b) : lay_.k_tile(L, h, b);
-        decode_row(lay_.cfg.kv_type, tile + r * lay_.row_bytes, reinterpret_cast<const float*>(tile + lay_.scale_off) + r * ns, D,
+        decode_row(lay_.cfg.kv_type, lay_.row_of(tile, r), lay_.scales_of(tile, r), D,
                    (which ? v : k) + ((p - t0) * H + h) * D);
       }
     }
@@ -276,7 +275,6 @@ void KVStore::truncate(int layer, int64_t n) {
       throw std::out_of_range("truncate(" + std::to_string(n) + "): layer " + std::to_string(l) + " holds " +
                               std::to_string(layer_at(l).len) + " tokens");
   const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim, bs = lay_.cfg.block_size;
-  const int ns = kv_row_scales(lay_.cfg.kv_type, D);
   const int64_t b = n / bs, r_end = n % bs;  // block b keeps rows [0, r_end)
   const float none = -std::numeric_limits<float>::infinity();
   for (int l = l0; l < l1; ++l) {
@@ -303,8 +301,7 @@ void KVStore::truncate(int layer, int64_t n) {
         }
         const uint8_t* tile = lay_.k_tile(L, h, b);
         for (int64_t r = 0; r < r_end; ++r) {  // replay the block's keys: row 0 resets the anchors
-          decode_row(lay_.cfg.kv_type, tile + r * lay_.row_bytes, reinterpret_cast<const float*>(tile + lay_.scale_off) + r * ns,
-                     D, y.data());
+          decode_row(lay_.cfg.kv_type, lay_.row_of(tile, r), lay_.scales_of(tile, r), D, y.data());
           update_anchors(L, h, b * bs + r, y.data(), none);
         }
       }

@@ -39,8 +39,9 @@ StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
   a16 = c.kv_type == KVType::FP16 && linear_anchors(c.anchor_type);
   max_blocks = (c.max_seq_len + c.block_size - 1) / c.block_size;
   row_bytes = kv_row_bytes(c.kv_type, c.head_dim);
+  row_scales = kv_row_scales(c.kv_type, c.head_dim);
   scale_off = size_t(c.block_size) * row_bytes;
-  tile_bytes = scale_off + size_t(c.block_size) * kv_row_scales(c.kv_type, c.head_dim) * 4;
+  tile_bytes = scale_off + size_t(c.block_size) * row_scales * 4;
   tile_bytes = (tile_bytes + 63) & ~size_t(63);  // every tile starts on a cache line
 }
 

@@ -100,6 +100,7 @@ struct StoreLayout {
   bool a16 = false;       // anchors stored as fp16 (linear anchors over FP16 keys)
   int64_t max_blocks = 0;
   size_t row_bytes = 0;   // one stored row
+  int row_scales = 0;     // its fp32 scales (Q8_0/Q4_0)
   size_t scale_off = 0;   // offset of the scales inside a tile
   size_t tile_bytes = 0;  // one (head, block) tile of K or V
 
@@ -121,6 +122,13 @@ struct StoreLayout {
   const uint8_t* anchor_bytes(const StoreLayer& L, int h, int64_t b) const {  // either layout: A*D elements
     if (a16) return reinterpret_cast<const uint8_t*>(anchor16_at(L, h, b));
     return reinterpret_cast<const uint8_t*>(anchor_at(L, h, b));
+  }
+  // Row r of a tile: its row_bytes of data and its row_scales scales.
+  uint8_t* row_of(uint8_t* tile, int64_t r) const { return tile + r * row_bytes; }
+  const uint8_t* row_of(const uint8_t* tile, int64_t r) const { return tile + r * row_bytes; }
+  float* scales_of(uint8_t* tile, int64_t r) const { return reinterpret_cast<float*>(tile + scale_off) + r * row_scales; }
+  const float* scales_of(const uint8_t* tile, int64_t r) const {
+    return reinterpret_cast<const float*>(tile + scale_off) + r * row_scales;
   }
 };
 

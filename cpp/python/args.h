@@ -42,15 +42,17 @@ py::array_t<T> array_arg(const py::handle& obj, const char* name, std::initializ
 template <class T>
 py::array_t<T> ndim_arg(const py::handle& obj, const char* name, int ndim) {
   if (!py::isinstance<py::array_t<T>>(obj) || !py::isinstance<py::array>(obj))
-    throw py::type_error(std::string(name) + ": expected a numpy array of dtype " + py::str(py::dtype::of<T>()).cast<std::string>() +
-                         ", got " + py::str(py::type::of(obj)).cast<std::string>() +
-                         (py::isinstance<py::array>(obj) ? " of dtype " + py::str(obj.attr("dtype")).cast<std::string>() : ""));
+    throw py::type_error(std::string(name) + ": expected a numpy array of dtype " +
+                         py::str(py::dtype::of<T>()).cast<std::string>() + ", got " +
+                         py::str(py::type::of(obj)).cast<std::string>() +
+                         (py::isinstance<py::array>(obj)
+                              ? " of dtype " + py::str(obj.attr("dtype")).cast<std::string>()
+                              : ""));
   auto a = py::reinterpret_borrow<py::array_t<T>>(obj);
   if (a.ndim() != ndim)
     throw py::value_error(std::string(name) + ": expected " + std::to_string(ndim) + " dimensions, got " +
                           std::to_string(a.ndim()));
-  if (!(a.flags() & py::array::c_style))
-    throw py::value_error(std::string(name) + ": must be C-contiguous");
+  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + ": must be C-contiguous");
   return a;
 }
 

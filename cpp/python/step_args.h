@@ -20,8 +20,9 @@ HeadMode head_mode(const std::string& s);  // "SHARED" / "SEPARATE", else ValueE
 // Checks q [H, D] and returns H.
 int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q);
 
-// The arrays of a selection request; they stay alive (and borrowed by `req`) for the call.
-struct SelectArgs {
+// The arrays of a selection request; they stay alive (and borrowed by `req`) for the call. (Hidden visibility
+// like their pybind11 fields': these structs never leave the module.)
+struct [[gnu::visibility("hidden")]] SelectArgs {
   py::array_t<int32_t> k;
   py::array_t<int64_t> exclude;
   py::array_t<int32_t> allowed;
@@ -34,7 +35,7 @@ void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, cons
 
 // The window and store-part arguments of a long_context decode step (KVStore.decode_step,
 // DecodeLayer.step_long_context, each layer of decode_token_long_context), checked, as a LayerStep.
-struct StepArgs {
+struct [[gnu::visibility("hidden")]] StepArgs {
   py::array_t<float> wk, wv;
   py::array_t<int32_t> blocks;
   SelectArgs sel;

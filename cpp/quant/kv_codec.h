@@ -10,7 +10,7 @@
 //           max = the group's value of largest magnitude (first one on ties), d = max / -8,
 //           q = clamp(round_half_even(x / d) + 8, 0, 15) (q = 8 when d = 0), x' = d * (q - 8);
 //           byte i of a group holds element i (low nibble) and element i + 16 (high nibble).
-// Scales live apart from the row data (see kv_store.h) so int8/nibble rows stay 32-byte aligned.
+// Scales live apart from the row data (see kvstore/layout.h) so int8/nibble rows stay 32-byte aligned.
 // Every codec is bit-identical between the scalar and the AVX2 path: division (not a reciprocal),
 // round-half-even in both, and dequantisation as one fp32 multiply.
 #pragma once
