@@ -225,6 +225,16 @@ void CandCaches::select(const CandCache& C, const SelectRequest& req, const Bloc
   t.score_s = total - t.topk_s;
 }
 
+const int64_t* CandCaches::head_counts(const CandCache& C, const SelectRequest& req) {
+  const int KVH = lay_.cfg.n_kv_heads;
+  head_counts_.resize(KVH);
+  for (int h = 0; h < KVH; ++h) {
+    const int s = req.mode == HeadMode::SHARED ? 0 : h;
+    head_counts_[h] = std::min<int64_t>(req.k_per_set[s], C.count[s]);
+  }
+  return head_counts_.data();
+}
+
 // ---- the K/V copies ----
 
 void CandCaches::copy_tiles(const StoreLayer& L, CandCache& C) {

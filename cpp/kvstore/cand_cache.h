@@ -78,6 +78,8 @@ class CandCaches {
   // Set s's scores over its cached candidates and its top k into out_ids row s (thread-safe across sets).
   void select_set(const CandCache& C, const SelectRequest& req, const BlockSelector& sel, int s, int32_t* out_ids,
                   int out_cols);
+  // [KVH]: the blocks each KV head attends once every set of C has its top k (a Prologue's counts).
+  const int64_t* head_counts(const CandCache& C, const SelectRequest& req);
   // Copies the tiles of the candidates that joined C since the last call into C.kv.
   void copy_tiles(const StoreLayer& L, CandCache& C);
   // Set s's candidate at `slot`, head j of the set: its K tile (the V tile follows).
@@ -102,6 +104,7 @@ class CandCaches {
   std::vector<float> cscores_;        // [n_sets, stride] scores of cached candidates
   std::vector<int32_t> topkeys_;      // [n_sets, stride] top_k's scratch keys
   std::vector<int32_t> slots_;        // [n_sets, out_cols] the kept cached candidates' positions
+  std::vector<int64_t> head_counts_;  // [KVH] head_counts()
   std::vector<double> topk_task_s_;   // each set's top-k time (StageTiming split)
   std::vector<double> score_task_s_;  // ... and its scoring time
 };

@@ -98,7 +98,6 @@ class KVStore {
   BlockSelector sel_;
   CandCaches cand_;
   SparseAttention attn_;
-  std::vector<int64_t> count_pre_;  // [KVH] blocks per head a Prologue's selection will give
   StageTiming timing_;
 };
 

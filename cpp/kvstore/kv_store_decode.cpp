@@ -1,11 +1,12 @@
 // The KV store's decode operations (kv_store.h): block scores, select, attend and select_attend, each under
 // the store's lock, handing the work to the selector, the candidate caches and the attention.
+#include "kvstore/kv_store.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "common/finite.h"
-#include "kvstore/kv_store.h"
 
 namespace ktq {
 
@@ -76,7 +77,7 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   sel_.set_query(q, H);
   attn_.set_query(q, H);
   const auto t0 = Clock::now();
-  const int KVH = lay_.cfg.n_kv_heads, n_sets = req.mode == HeadMode::SHARED ? 1 : KVH;
+  const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
   const BlockSets bsets{out_ids, n_sets, out_cols};
   CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/true);
   if (C) cand_.copy_tiles(L, *C);  // the attention reads the candidates' tiles from the cache's copy
@@ -88,11 +89,6 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   }
   if (!C || !pre.threads) return attn_.run(L, H, bsets, false, out, lse, timing_, nullptr, &cand_, C);
   // Cached candidates (SnapKV): each set's selection runs in the attention's dispatch (Prologue).
-  count_pre_.resize(KVH);
-  for (int h = 0; h < KVH; ++h) {
-    const int s = n_sets == 1 ? 0 : h;
-    count_pre_[h] = std::min<int64_t>(req.k_per_set[s], C->count[s]);
-  }
   struct Ctx {
     CandCaches* caches;
     const BlockSelector* sel;
@@ -102,7 +98,7 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
     int cols;
   } ctx{&cand_, &sel_, C, &req, out_ids, out_cols};
   pre.n = n_sets;
-  pre.count = count_pre_.data();
+  pre.count = cand_.head_counts(*C, req);
   pre.ctx = &ctx;
   pre.run = [](void* p, int s) {
     auto* c = static_cast<Ctx*>(p);

@@ -46,7 +46,7 @@ void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bo
                           StageTiming& t, const Prologue* pre, const CandCaches* caches, const CandCache* kvc) {
   const auto t0 = Clock::now();
   const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, G = H / KVH, bs = lay_.cfg.block_size;
-  const int64_t nb = (L.len + bs - 1) / bs;
+  const int64_t nb = lay_.n_blocks(L);
   auto row_of = [&](int h) { return bsets.ids + int64_t(bsets.n_sets == 1 ? 0 : h) * bsets.cols; };
   // Valid ids of a row: strictly ascending in [0, nb), then -1 padding only.
   std::vector<int64_t>& count = count_;  // count[h]: valid ids of head h
