@@ -1,0 +1,56 @@
+// One transformer block's decode step (one token) around its attention, for the CPU fp32 path with
+// Q8_0 weights: ~25 small torch ops a layer, whose per-op cost outweighed the layer's GEMVs on the bundled
+// model, become two native calls.
+//
+//   qkv stage:  xn = rmsnorm(x) * attn_norm;  qkv = Wqkv xn (+ b);  RoPE on the q and k heads
+//   (attention: the cache's, between the stages: dense or long-context)
+//   out stage:  x += Wo attn;  xn = rmsnorm(x) * ffn_norm;  [g | u] = Wgu xn;  x += Wdown (silu(g) * u)
+//
+// The same math as ktquest/models/llama.py (pre-norm residual block, SwiGLU, rotate-half RoPE whose sin
+// table carries the rotate-half sign), in fp32; the GEMVs are gemv_q8_0's (deterministic, threaded).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace ktq {
+
+struct Q8Matrix {  // Q8_0 weight [out, in] (gemm/gemv.h) and an optional bias [out]
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const float* bias = nullptr;
+  int64_t out = 0, in = 0;
+};
+
+struct DecodeLayerWeights {
+  const float* attn_norm = nullptr;  // [dim]
+  const float* ffn_norm = nullptr;   // [dim]
+  float eps = 1e-5f;
+  Q8Matrix wqkv;     // [(H + 2 KVH) * D, dim]: rows q | k | v
+  Q8Matrix wo;       // [dim, H * D]
+  Q8Matrix w_gate_up;  // [2 * ffn, dim]: rows gate | up
+  Q8Matrix w_down;   // [dim, ffn]
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+};
+
+class DecodeLayer {
+ public:
+  explicit DecodeLayer(const DecodeLayerWeights& w);
+  // x: [dim], cos/sin: [D] (the token's RoPE row) -> qkv: [(H + 2 KVH) * D], q and k rotated.
+  void qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads);
+  // attn: [H * D] (attention output), x: [dim] updated in place to the block's output.
+  void out(const float* attn, float* x, int n_threads);
+  const DecodeLayerWeights& weights() const { return w_; }
+  int64_t dim() const { return w_.wo.out; }        // the residual stream
+  int64_t qkv_size() const { return w_.wqkv.out; }  // (H + 2 KVH) * D
+  int64_t attn_size() const { return w_.wo.in; }    // H * D
+
+ private:
+  DecodeLayerWeights w_;
+  std::vector<float> xn_, h_;  // normed input [dim]; FFN hidden [2 * ffn]
+};
+
+// y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], n values (mean accumulated in double).
+void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y);
+
+}  // namespace ktq

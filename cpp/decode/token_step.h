@@ -1,0 +1,24 @@
+// A token's long_context decode on the CPU, top to bottom, as plain C++: for each layer, the block's qkv
+// stage (decode_layer.h), the layer's long-context step (layer_step.h) on its q/k/v, and the block's out
+// stage; x is carried from layer to layer. The binding only checks the arguments, builds the LayerSteps and
+// calls these without the GIL.
+#pragma once
+
+#include "decode/decode_layer.h"
+#include "decode/layer_step.h"
+#include "kvstore/kv_store.h"
+
+namespace ktq {
+
+// One block of layer `layer` of the store: qkv of x (cos/sin: [D] the token's RoPE row), q checked finite
+// (std::invalid_argument before anything is written, as the store would), layer_step, out; x [dim] is
+// updated in place to the block's output. The layer's heads must match the store's.
+void block_step(DecodeLayer& block, KVStore& st, int layer, const LayerStep& step, float* x, const float* cos,
+                const float* sin, float scale, int n_threads);
+
+// The whole token: block_step(*blocks[i], st, i, steps[i], ...) for i = 0 .. n_layers - 1 of the store.
+// A step's blocks may be an earlier step's out_ids: they are read after that step wrote them.
+void decode_token(DecodeLayer* const* blocks, const LayerStep* steps, KVStore& st, float* x, const float* cos,
+                  const float* sin, float scale, int n_threads);
+
+}  // namespace ktq

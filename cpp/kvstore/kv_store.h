@@ -1,0 +1,104 @@
+// The KV store: per layer and per KV head, keys and values in blocks of `block_size` tokens, plus one
+// set of block anchors per KV head that the decode step scores to pick the blocks worth attending.
+// The byte layout and why: layout.h. The parts of a decode step, each owning its workspaces:
+//   selection   select/selector.h     candidates, anchor scores, top k
+//   candidates  kvstore/cand_cache.h  a preselected candidate list's compact copies
+//   attention   kvstore/sparse_attn.h split-K attention over the selected blocks
+// The store owns the memory and the lock; its methods are grouped by concept: storage (kv_store.cpp:
+// append, read-back, truncate, incremental anchors) and the decode operations (kv_store_decode.cpp: scores,
+// select, attend, select_attend).
+//
+// Threads: every operation runs on the shared ThreadPool with up to threads_num threads (thread_pool.h).
+//
+// Memory: capacity (max_seq_len) is reserved as address space per layer at construction (mmap,
+// MAP_NORESERVE); the OS commits pages only as blocks are written, so nbytes() — the bytes of the
+// blocks in use — is what the store really holds. Appending past max_seq_len throws before writing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "common/mapped_buffer.h"
+#include "kvstore/cand_cache.h"
+#include "kvstore/layout.h"
+#include "kvstore/sparse_attn.h"
+#include "quant/kv_codec.h"
+#include "select/request.h"
+#include "select/selector.h"
+
+namespace ktq {
+
+class KVStore {
+ public:
+  explicit KVStore(const StoreConfig& cfg);
+  ~KVStore();
+  KVStore(const KVStore&) = delete;
+  KVStore& operator=(const KVStore&) = delete;
+
+  const StoreConfig& config() const { return lay_.cfg; }
+  const StoreLayout& layout() const { return lay_; }
+  int anchor_slots() const { return lay_.A; }  // A in the layout
+  int anchor_elem_bytes() const { return lay_.anchor_elem_bytes(); }  // 2 = fp16 anchors (see the layout)
+  int64_t max_blocks() const { return lay_.max_blocks; }
+  int64_t length(int layer) const;
+  int64_t n_blocks(int layer) const;
+  size_t nbytes() const;          // bytes of the blocks in use (K, V, scales, anchors, bookkeeping)
+  size_t reserved_bytes() const;  // address space reserved for max_seq_len
+  size_t cand_nbytes() const;     // the candidate caches' copies (anchors, scales, ids, K/V tiles), all layers
+
+  // ---- storage (kv_store.cpp) ----
+  // k, v: [T, KVH, D] in `in`; importance: [T, KVH] fp32 or null (DYNAMIC: a token without importance
+  // only fills a free anchor slot). Throws (nothing written) past max_seq_len or on non-finite input.
+  void append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance);
+  // Dequantised copy of what is stored. k, v: [length, KVH, D] fp32.
+  void read(int layer, float* k, float* v) const;
+  // Dequantised copy of tokens [t0, t1) (0 <= t0 <= t1 <= length). k, v: [t1 - t0, KVH, D] fp32.
+  void read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) const;
+  // Keep the first n tokens of `layer` (-1 = every layer; 0 <= n <= length). The anchors of a now-partial
+  // last block are recomputed from its stored keys (DYNAMIC keeps the surviving anchors: token
+  // importances are not stored). Stale rows past n are overwritten by the next append.
+  void truncate(int layer, int64_t n);
+  // anchors: [KVH, n_blocks, A, D], counts: [KVH, n_blocks] (valid anchors per block).
+  void read_anchors(int layer, float* anchors, int32_t* counts) const;
+
+  // ---- the decode operations (kv_store_decode.cpp) ----
+  // q: [H, D] fp32 (H a multiple of KVH). Unscaled block scores, summed over the query heads of each
+  // KV head (SEPARATE: out [KVH, n_blocks]) or over all heads (SHARED: out [n_blocks]).
+  void block_scores(int layer, const float* q, int H, HeadMode mode, float* out);
+  // Top-k blocks per set: out_ids [n_sets, out_cols], ascending, -1 padded. Ties -> lower block id.
+  void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  // softmax(q K^T / sqrt(D)) V over the given blocks. out: [H, D], lse: [H] (natural log, -inf and a
+  // zero row for a head with no block).
+  void attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse);
+  // select + attend in one call (the decode hot path).
+  void select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
+                     float* out, float* lse);
+  StageTiming last_timing() const;
+
+ private:
+  const StoreLayer& layer_at(int layer) const;
+  // Throws std::invalid_argument unless q [H, D] has a positive multiple of KVH heads, all finite.
+  void check_q(const float* q, int H) const;
+  void update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance);
+  // The selection of select() and select_attend(), with mu_ held and the selector's query set. defer: where
+  // the cached candidates' per-set pass is due (scores, then top k), leave it to the caller and return the
+  // cache (select_attend runs the pass inside the attention's dispatch); null otherwise, with out_ids written.
+  CandCache* select_locked(const StoreLayer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
+                           int out_cols, bool defer = false);
+
+  StoreLayout lay_;
+  std::vector<StoreLayer> layers_;
+  std::vector<MappedBuffer> maps_;  // the reserved regions
+
+  mutable std::mutex mu_;  // one operation at a time per store (the GIL is released during calls)
+  // The decode operations' parts, each with its workspaces (grown on demand and reused: no allocation on the
+  // decode path once warm).
+  BlockSelector sel_;
+  CandCaches cand_;
+  SparseAttention attn_;
+  StageTiming timing_;
+};
+
+}  // namespace ktq

@@ -1,0 +1,121 @@
+// The KV store's decode operations (kv_store.h): block scores, select, attend and select_attend, each under
+// the store's lock, handing the work to the selector, the candidate caches and the attention.
+#include "kvstore/kv_store.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/finite.h"
+
+namespace ktq {
+
+void KVStore::check_q(const float* q, int H) const {
+  const int KVH = lay_.cfg.n_kv_heads;
+  if (H < 1 || H % KVH != 0)
+    throw std::invalid_argument("q has " + std::to_string(H) + " heads: must be a positive multiple of n_kv_heads=" +
+                                std::to_string(KVH) + " (GQA)");
+  check_finite_q(q, H, lay_.cfg.head_dim);
+}
+
+// ---- selection ----
+
+void KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, float* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  check_q(q, H);
+  sel_.set_query(q, H);
+  sel_.build_runs(lay_.n_blocks(L), mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads, nullptr);
+  sel_.score_runs(L, H, mode, out);
+}
+
+void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  check_q(q, H);
+  sel_.set_query(q, H);
+  select_locked(L, layer, H, req, out_ids, out_cols);
+}
+
+CandCache* KVStore::select_locked(const StoreLayer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
+                                  int out_cols, bool defer) {
+  const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
+  if (req.allowed && linear_anchors(lay_.cfg.anchor_type)) {
+    // A candidate list: the layer's cached copy, unless a candidate is a partial block (then the selector
+    // goes on with the runs lookup() built).
+    if (CandCache* C = cand_.lookup(L, layer, lay_.n_blocks(L), n_sets, req, sel_)) {
+      if (defer) return C;
+      cand_.select(*C, req, sel_, out_ids, out_cols, timing_);
+      return nullptr;
+    }
+  } else {
+    sel_.build_runs(lay_.n_blocks(L), n_sets, &req);
+  }
+  sel_.select_runs(L, H, req, out_ids, out_cols, timing_);
+  return nullptr;
+}
+
+// ---- attention ----
+
+void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  if (blocks.n_sets != 1 && blocks.n_sets != lay_.cfg.n_kv_heads)
+    throw std::invalid_argument("blocks: expected 1 (shared) or n_kv_heads=" + std::to_string(lay_.cfg.n_kv_heads) +
+                                " rows, got " + std::to_string(blocks.n_sets));
+  check_q(q, H);
+  attn_.set_query(q, H);
+  timing_ = StageTiming{};
+  attn_.run(L, H, blocks, true, out, lse, timing_);
+}
+
+void KVStore::select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids,
+                            int out_cols, float* out, float* lse) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  check_q(q, H);
+  sel_.set_query(q, H);
+  attn_.set_query(q, H);
+  const auto t0 = Clock::now();
+  const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
+  const BlockSets bsets{out_ids, n_sets, out_cols};
+  CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/true);
+  if (C) cand_.copy_tiles(L, *C);  // the attention reads the candidates' tiles from the cache's copy
+  SparseAttention::Prologue pre;
+  pre.threads = 0;  // set by prepare when the sets need their pass
+  if (C && !cand_.prepare(*C, req, out_ids, out_cols, &pre.threads)) {  // every set keeps all its candidates
+    timing_.score_s = 0;
+    timing_.topk_s = seconds_since(t0);
+  }
+  if (!C || !pre.threads) return attn_.run(L, H, bsets, false, out, lse, timing_, nullptr, &cand_, C);
+  // Cached candidates (SnapKV): each set's selection runs in the attention's dispatch (Prologue).
+  struct Ctx {
+    CandCaches* caches;
+    const BlockSelector* sel;
+    const CandCache* C;
+    const SelectRequest* req;
+    int32_t* ids;
+    int cols;
+  } ctx{&cand_, &sel_, C, &req, out_ids, out_cols};
+  pre.n = n_sets;
+  pre.count = cand_.head_counts(*C, req);
+  pre.ctx = &ctx;
+  pre.run = [](void* p, int s) {
+    auto* c = static_cast<Ctx*>(p);
+    c->caches->select_set(*c->C, *c->req, *c->sel, s, c->ids, c->cols);
+  };
+  attn_.run(L, H, bsets, false, out, lse, timing_, &pre, &cand_, C);
+  // The stages overlap in one pass: score and top-k are their tasks' time over the threads, attend the rest.
+  const int spread = std::max(1, std::min(pre.threads, n_sets));
+  double score = 0, topk = 0;
+  for (int s = 0; s < n_sets; ++s) {
+    score += cand_.score_task_s()[s];
+    topk += cand_.topk_task_s()[s];
+  }
+  const double total = seconds_since(t0);
+  timing_.score_s = std::min(total, score / spread);
+  timing_.topk_s = std::min(total - timing_.score_s, topk / spread);
+  timing_.attend_s = total - timing_.score_s - timing_.topk_s;
+}
+
+}  // namespace ktq

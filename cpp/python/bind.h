@@ -1,0 +1,15 @@
+// The bindings of each area, called once from module.cpp's PYBIND11_MODULE (in this order: a binding's
+// argument types are registered before it is used).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace ktq::python {
+
+void bind_cpu(pybind11::module_& m);         // bind_cpu.cpp: CPU features, forced scalar kernels
+void bind_gemv(pybind11::module_& m);        // bind_gemv.cpp: Q8_0 weights and their GEMV
+void bind_kv_store(pybind11::module_& m);    // bind_kv_store.cpp: the store, its layout, its decode step
+void bind_dense_attn(pybind11::module_& m);  // bind_dense_attn.cpp: dense decode attention
+void bind_decode(pybind11::module_& m);      // bind_decode.cpp: a block's stages, a layer's and a token's step
+
+}  // namespace ktq::python

@@ -1,0 +1,23 @@
+// ---- CPU features and the forced scalar kernels (common/cpu_features.h) ----
+#include "common/cpu_features.h"
+#include "python/bind.h"
+
+namespace ktq::python {
+
+namespace py = pybind11;
+
+void bind_cpu(py::module_& m) {
+  m.def("cpu_features", [] {
+    const CpuFeatures& f = cpu_features();
+    py::dict d;
+    d["avx2"] = f.avx2;
+    d["fma"] = f.fma;
+    d["f16c"] = f.f16c;
+    return d;
+  }, "CPU features detected at run time: {'avx2', 'fma', 'f16c'} -> bool.");
+  m.def("use_avx2", &use_avx2, "True when the AVX2/FMA/F16C kernels are in use (not forced scalar).");
+  m.def("set_force_scalar", &set_force_scalar, py::arg("force"),
+        "Force the scalar kernels (process-wide); the env var KTQUEST_FORCE_SCALAR=1 does the same at start.");
+}
+
+}  // namespace ktq::python

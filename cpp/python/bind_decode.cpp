@@ -1,0 +1,214 @@
+// ---- a block's decode stages, a layer's and a whole token's long_context step (cpp/decode/) ----
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "decode/decode_layer.h"
+#include "decode/token_step.h"
+#include "kvstore/kv_store.h"
+#include "python/args.h"
+#include "python/bind.h"
+#include "python/step_args.h"
+#include "quant/qgroup.h"
+
+namespace ktq::python {
+
+namespace {
+
+// The Python object keeps the weight arrays alive; shapes are checked once here, at construction.
+struct PyDecodeLayer {
+  std::vector<py::object> keep;
+  std::unique_ptr<DecodeLayer> layer;
+};
+
+Q8Matrix q8_matrix(PyDecodeLayer& L, const py::handle& q_obj, const py::handle& d_obj, const py::handle& b_obj,
+                   const char* name, int64_t out, int64_t in) {
+  const std::string n(name);
+  auto q = array_arg<int8_t>(q_obj, (n + ".q").c_str(), {out, in});
+  auto d = array_arg<float>(d_obj, (n + ".d").c_str(), {out, in / kQGroup});
+  Q8Matrix m;
+  m.q = q.data();
+  m.d = d.data();
+  m.out = out;
+  m.in = in;
+  L.keep.push_back(q);
+  L.keep.push_back(d);
+  if (!b_obj.is_none()) {
+    auto b = array_arg<float>(b_obj, (n + ".bias").c_str(), {out});
+    m.bias = b.data();
+    L.keep.push_back(b);
+  }
+  return m;
+}
+
+// The layer's heads match the store's. index: the layer's place in a whole-token call, or -1.
+void layer_check(const PyDecodeLayer& L, const KVStore& st, int index) {
+  const DecodeLayerWeights& w = L.layer->weights();
+  if (st.config().n_kv_heads != w.n_kv_heads || st.config().head_dim != w.head_dim)
+    throw py::value_error("store: " + std::to_string(st.config().n_kv_heads) + " KV heads of dim " +
+                          std::to_string(st.config().head_dim) + ", " +
+                          (index < 0 ? std::string("the layer") : "layer " + std::to_string(index)) + " has " +
+                          std::to_string(w.n_kv_heads) + " of dim " + std::to_string(w.head_dim));
+}
+
+}  // namespace
+
+void bind_decode(py::module_& m) {
+  py::class_<PyDecodeLayer>(m, "DecodeLayer",
+                            "One block's decode step around attention, with Q8_0 weights (cpp/decode/decode_layer.h).")
+      .def(py::init([](const py::handle& attn_norm, const py::handle& ffn_norm, float eps, py::tuple wqkv,
+                       py::tuple wo, py::tuple w_gate_up, py::tuple w_down, int n_heads, int n_kv_heads,
+                       int head_dim) {
+             if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0)
+               throw py::value_error("n_heads=" + std::to_string(n_heads) + " must be a positive multiple of n_kv_heads=" +
+                                     std::to_string(n_kv_heads));
+             if (head_dim < 2 || head_dim % 2 != 0 || head_dim > 1024)
+               throw py::value_error("head_dim=" + std::to_string(head_dim) + " must be even and in [2, 1024]");
+             for (auto* t : {&wqkv, &wo, &w_gate_up, &w_down})
+               if (py::len(*t) != 3) throw py::value_error("each weight is a tuple (q, d, bias or None)");
+             auto L = std::make_unique<PyDecodeLayer>();
+             auto an = array_arg<float>(attn_norm, "attn_norm", {-1});
+             const int64_t dim = an.shape(0);
+             auto fn = array_arg<float>(ffn_norm, "ffn_norm", {dim});
+             if (dim % kQGroup != 0 || (int64_t(n_heads) * head_dim) % kQGroup != 0)
+               throw py::value_error("dim and n_heads * head_dim must be multiples of 32 (Q8_0 groups)");
+             const py::handle gu_q = w_gate_up[0];
+             if (!py::isinstance<py::array>(gu_q) || py::array(py::reinterpret_borrow<py::object>(gu_q)).ndim() != 2)
+               throw py::value_error("w_gate_up.q: expected a 2-D int8 array [2 * ffn, dim]");
+             const int64_t two_ffn = py::array(py::reinterpret_borrow<py::object>(gu_q)).shape(0);
+             if (two_ffn % 64 != 0) throw py::value_error("w_gate_up.q: 2 * ffn rows must be a multiple of 64");
+             const int64_t n_qkv = int64_t(n_heads + 2 * n_kv_heads) * head_dim, n_attn = int64_t(n_heads) * head_dim;
+             DecodeLayerWeights w;
+             w.attn_norm = an.data();
+             w.ffn_norm = fn.data();
+             L->keep.push_back(an);
+             L->keep.push_back(fn);
+             w.eps = eps;
+             w.wqkv = q8_matrix(*L, wqkv[0], wqkv[1], wqkv[2], "wqkv", n_qkv, dim);
+             w.wo = q8_matrix(*L, wo[0], wo[1], wo[2], "wo", dim, n_attn);
+             w.w_gate_up = q8_matrix(*L, w_gate_up[0], w_gate_up[1], w_gate_up[2], "w_gate_up", two_ffn, dim);
+             w.w_down = q8_matrix(*L, w_down[0], w_down[1], w_down[2], "w_down", dim, two_ffn / 2);
+             w.n_heads = n_heads;
+             w.n_kv_heads = n_kv_heads;
+             w.head_dim = head_dim;
+             L->layer = std::make_unique<DecodeLayer>(w);
+             return L;
+           }),
+           py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("wo"),
+           py::arg("w_gate_up"), py::arg("w_down"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"))
+      .def("qkv", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj, const py::handle& sin_obj,
+                     const py::handle& out_obj, int n_threads) {
+             const int64_t D = L.layer->weights().head_dim;
+             auto x = array_arg<float>(x_obj, "x", {L.layer->dim()});
+             auto c = array_arg<float>(cos_obj, "cos", {D});
+             auto s = array_arg<float>(sin_obj, "sin", {D});
+             auto o = array_arg<float>(out_obj, "out", {L.layer->qkv_size()});
+             check_threads(n_threads);
+             const float *xp = x.data(), *cp = c.data(), *sp = s.data();
+             float* op = o.mutable_data();
+             py::gil_scoped_release nogil;
+             L.layer->qkv(xp, cp, sp, op, n_threads);
+           }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out"), py::arg("n_threads"),
+           "x [dim] -> out [(H + 2 KVH) * D]: RMSNorm, the qkv projection, RoPE on q and k.")
+      .def("out", [](PyDecodeLayer& L, const py::handle& attn_obj, const py::handle& x_obj, int n_threads) {
+             auto a = array_arg<float>(attn_obj, "attn", {L.layer->attn_size()});
+             auto x = array_arg<float>(x_obj, "x", {L.layer->dim()});
+             check_threads(n_threads);
+             const float* ap = a.data();
+             float* xp = x.mutable_data();
+             py::gil_scoped_release nogil;
+             L.layer->out(ap, xp, n_threads);
+           }, py::arg("attn"), py::arg("x"), py::arg("n_threads"),
+           "x [dim] += Wo attn [H * D], then x += the SwiGLU FFN of RMSNorm(x), in place.")
+      .def("step_long_context", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj,
+                                   const py::handle& sin_obj, KVStore& st, int layer, const py::handle& wk_obj,
+                                   const py::handle& wv_obj, int64_t w0, int64_t width, int64_t skip0, int64_t skip1,
+                                   float scale, int n_threads, int part, const py::handle& blocks_obj,
+                                   const std::string& mode, const py::handle& k_sel, const py::handle& exclude,
+                                   const py::handle& allowed, const py::handle& out_ids) {
+             layer_check(L, st, -1);
+             auto x = array_arg<float>(x_obj, "x", {L.layer->dim()});
+             const int D = L.layer->weights().head_dim;
+             auto c = array_arg<float>(cos_obj, "cos", {D});
+             auto s = array_arg<float>(sin_obj, "sin", {D});
+             if (!x.writeable()) throw py::value_error("x: must be writeable");
+             StepArgs a;
+             step_args(st, a, L.layer->weights().n_heads, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part,
+                          blocks_obj, mode, k_sel, exclude, allowed, out_ids);
+             float* xp = x.mutable_data();
+             const float *cp = c.data(), *sp = s.data();
+             py::gil_scoped_release nogil;
+             block_step(*L.layer, st, layer, a.step, xp, cp, sp, scale, n_threads);
+           }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("layer"), py::arg("win_k"),
+           py::arg("win_v"), py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"),
+           py::arg("n_threads"), py::arg("part"), py::arg("blocks"), py::arg("mode"), py::arg("k_sel"),
+           py::arg("exclude"), py::arg("allowed"), py::arg("out_ids"),
+           "The whole decode step of the block in long_context mode: qkv(), KVStore.decode_step() on its q/k/v "
+           "(same window and store-part arguments), out(); x [dim] updated in place.");
+
+  m.def("rms_norm", [](const py::handle& x_obj, const py::handle& w_obj, float eps, const py::handle& out_obj) {
+          auto x = array_arg<float>(x_obj, "x", {-1});
+          auto w = array_arg<float>(w_obj, "w", {x.shape(0)});
+          auto o = array_arg<float>(out_obj, "out", {x.shape(0)});
+          if (!o.writeable()) throw py::value_error("out: must be writeable");
+          if (!(eps >= 0.f)) throw py::value_error("eps must be >= 0, got " + std::to_string(eps));
+          const float *xp = x.data(), *wp = w.data();
+          float* op = o.mutable_data();
+          py::gil_scoped_release nogil;
+          rms_norm(xp, wp, x.shape(0), eps, op);
+        }, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("out"),
+        "out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] for x, w, out [n] fp32 (the decode stages' RMSNorm).");
+
+  m.def("decode_token_long_context", [](const py::list& layers, const py::handle& x_obj, const py::handle& cos_obj,
+                                        const py::handle& sin_obj, KVStore& st, const py::list& windows,
+                                        int64_t w0, int64_t width, int64_t skip0, int64_t skip1, float scale,
+                                        int n_threads, const py::list& steps) {
+          const int n = st.config().n_layers;
+          if (int(py::len(layers)) != n || int(py::len(windows)) != n || int(py::len(steps)) != n)
+            throw py::value_error("layers, windows and steps: expected one per store layer (" + std::to_string(n) +
+                                  "), got " + std::to_string(py::len(layers)) + ", " +
+                                  std::to_string(py::len(windows)) + " and " + std::to_string(py::len(steps)));
+          // Every argument of every layer is checked before the first layer runs.
+          std::vector<PyDecodeLayer*> ls(n);
+          std::vector<StepArgs> args(n);
+          for (int i = 0; i < n; ++i) {
+            if (!py::isinstance<PyDecodeLayer>(layers[i]))
+              throw py::type_error("layers[" + std::to_string(i) + "]: expected a DecodeLayer, got " +
+                                   py::str(py::type::of(layers[i])).cast<std::string>());
+            ls[i] = &layers[i].cast<PyDecodeLayer&>();
+            layer_check(*ls[i], st, i);
+            if (ls[i]->layer->dim() != ls[0]->layer->dim())
+              throw py::value_error("layer " + std::to_string(i) + ": dim " + std::to_string(ls[i]->layer->dim()) +
+                                    ", layer 0 has " + std::to_string(ls[0]->layer->dim()));
+            const py::handle w = windows[i], s = steps[i];
+            if (!py::isinstance<py::tuple>(w) || py::len(w) != 2)
+              throw py::value_error("windows[" + std::to_string(i) + "]: expected a tuple (win_k, win_v)");
+            if (!py::isinstance<py::tuple>(s) || py::len(s) != 7)
+              throw py::value_error("steps[" + std::to_string(i) +
+                                    "]: expected a tuple (part, blocks, mode, k, exclude, allowed, out_ids)");
+            const py::tuple wt = py::reinterpret_borrow<py::tuple>(w), t = py::reinterpret_borrow<py::tuple>(s);
+            step_args(st, args[i], ls[i]->layer->weights().n_heads, wt[0], wt[1], w0, width, skip0, skip1,
+                         n_threads, t[0].cast<int>(), t[1], t[2].cast<std::string>(), t[3], t[4], t[5], t[6]);
+          }
+          const int D = ls[0]->layer->weights().head_dim;
+          auto x = array_arg<float>(x_obj, "x", {ls[0]->layer->dim()});
+          auto c = array_arg<float>(cos_obj, "cos", {D});
+          auto s = array_arg<float>(sin_obj, "sin", {D});
+          if (!x.writeable()) throw py::value_error("x: must be writeable");
+          std::vector<DecodeLayer*> blocks(n);
+          std::vector<LayerStep> layer_steps(n);
+          for (int i = 0; i < n; ++i) blocks[i] = ls[i]->layer.get(), layer_steps[i] = args[i].step;
+          float* xp = x.mutable_data();
+          const float *cp = c.data(), *sp = s.data();
+          py::gil_scoped_release nogil;
+          decode_token(blocks.data(), layer_steps.data(), st, xp, cp, sp, scale, n_threads);
+        }, py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("windows"),
+        py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"), py::arg("n_threads"),
+        py::arg("steps"),
+        "A whole token's long_context decode through every block in one call: DecodeLayer.step_long_context for "
+        "layer i = 0..n_layers-1 of the store with layers[i], windows[i] = (win_k, win_v) and steps[i] = (part, "
+        "blocks, mode, k, exclude, allowed, out_ids); all arguments are checked first. A step's blocks may be "
+        "an earlier step's out_ids (read after that step wrote them).");
+}
+
+}  // namespace ktq::python

@@ -1,0 +1,246 @@
+// ---- the KV store: storage, selection, attention, a layer's decode step, and its byte layout
+// (cpp/kvstore/, cpp/select/, cpp/decode/layer_step.h) ----
+#include <algorithm>
+#include <string>
+
+#include "common/finite.h"
+#include "decode/layer_step.h"
+#include "kvstore/cand_cache.h"
+#include "kvstore/kv_store.h"
+#include "kvstore/layout.h"
+#include "python/args.h"
+#include "python/bind.h"
+#include "python/step_args.h"
+
+namespace ktq::python {
+
+namespace {
+
+// A store's config from the constructor's arguments (the names checked against the enums' tables).
+StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
+                         const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
+                         bool int8_candidates) {
+  StoreConfig c;
+  c.n_layers = n_layers;
+  c.n_kv_heads = n_kv_heads;
+  c.head_dim = head_dim;
+  c.max_seq_len = max_seq_len;
+  c.block_size = block_size;
+  c.kv_type = parse_enum<KVType>(kv_type, "kv_type", kKVTypeNames);
+  c.anchor_type = parse_enum<AnchorType>(anchor_type, "anchor_type", kAnchorTypeNames);
+  c.anchor_num = anchor_num;
+  c.threads_num = threads_num;
+  c.int8_candidates = int8_candidates;
+  return c;
+}
+
+}  // namespace
+
+void bind_kv_store(py::module_& m) {
+  py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest.ops).")
+      .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
+                       const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
+                       bool int8_candidates) {
+             return new KVStore(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type,
+                                             anchor_type, anchor_num, threads_num, int8_candidates));
+           }),
+           py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
+           py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
+           py::arg("threads_num"), py::arg("int8_candidates") = false)
+      .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
+      .def_property_readonly("anchor_elem_bytes", &KVStore::anchor_elem_bytes, "2 = fp16 anchors, 4 = fp32")
+      .def("length", &KVStore::length, py::arg("layer"))
+      .def("n_blocks", &KVStore::n_blocks, py::arg("layer"))
+      .def("nbytes", &KVStore::nbytes)
+      .def("reserved_bytes", &KVStore::reserved_bytes)
+      .def("cand_nbytes", &KVStore::cand_nbytes)
+      .def("append", [](KVStore& st, int layer, const py::handle& k_obj, const py::handle& v_obj,
+                        const std::string& dtype, const py::handle& imp_obj) {
+        const int H = st.config().n_kv_heads, D = st.config().head_dim;
+        InType in;
+        py::array k, v;
+        auto same = [&](auto tag) {
+          using T = decltype(tag);
+          auto ka = array_arg<T>(k_obj, "k", {-1, H, D});
+          auto va = array_arg<T>(v_obj, "v", {ka.shape(0), H, D});
+          k = ka, v = va;
+        };
+        if (dtype == "float32") in = InType::F32, same(float{});
+        else if (dtype == "float16") in = InType::F16, same(int16_t{});  // raw fp16 bits
+        else if (dtype == "bfloat16") in = InType::BF16, same(int16_t{});  // raw bf16 bits
+        else throw py::value_error("k/v dtype '" + dtype + "' is not one of float32, float16, bfloat16");
+        const int64_t T = k.shape(0);
+        const float* imp = nullptr;
+        py::array_t<float> ia;
+        if (!imp_obj.is_none()) {
+          ia = array_arg<float>(imp_obj, "importance", {T, H});
+          imp = ia.data();
+        }
+        const void* kp = k.data();
+        const void* vp = v.data();
+        py::gil_scoped_release nogil;
+        st.append(layer, kp, vp, in, T, imp);
+      }, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("dtype"), py::arg("importance"),
+         "k, v: [T, KVH, D] (float32, or float16/bfloat16 as int16 bits named by dtype); importance [T, KVH] or None.")
+      .def("read", [](const KVStore& st, int layer) {
+        const int64_t T = st.length(layer);
+        const int H = st.config().n_kv_heads, D = st.config().head_dim;
+        py::array_t<float> k({T, int64_t(H), int64_t(D)}), v({T, int64_t(H), int64_t(D)});
+        float *kp = k.mutable_data(), *vp = v.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.read(layer, kp, vp);
+        }
+        return py::make_tuple(k, v);
+      }, py::arg("layer"), "Dequantised (k, v), each [length, KVH, D] fp32.")
+      .def("read_range", [](const KVStore& st, int layer, int64_t t0, int64_t t1) {
+        const int H = st.config().n_kv_heads, D = st.config().head_dim;
+        const int64_t T = std::max<int64_t>(0, t1 - t0);
+        py::array_t<float> k({T, int64_t(H), int64_t(D)}), v({T, int64_t(H), int64_t(D)});
+        float *kp = k.mutable_data(), *vp = v.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.read_range(layer, t0, t1, kp, vp);
+        }
+        return py::make_tuple(k, v);
+      }, py::arg("layer"), py::arg("t0"), py::arg("t1"), "Dequantised (k, v) of tokens [t0, t1), [t1 - t0, KVH, D].")
+      .def("truncate", [](KVStore& st, int layer, int64_t n) {
+        py::gil_scoped_release nogil;
+        st.truncate(layer, n);
+      }, py::arg("layer"), py::arg("n"), "Keep the first n tokens of a layer (-1 = all); partial-block anchors recomputed.")
+      .def("read_anchors", [](const KVStore& st, int layer) {
+        const int64_t nb = st.n_blocks(layer);
+        const int64_t H = st.config().n_kv_heads, D = st.config().head_dim, A = st.anchor_slots();
+        py::array_t<float> a({H, nb, A, D});
+        py::array_t<int32_t> c({H, nb});
+        float* ap = a.mutable_data();
+        int32_t* cp = c.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.read_anchors(layer, ap, cp);
+        }
+        return py::make_tuple(a, c);
+      }, py::arg("layer"), "(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32).")
+      .def("block_scores", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
+        py::array_t<float> q;
+        const int H = query_arg(st, q_obj, q);
+        const HeadMode hm = head_mode(mode);
+        const int64_t nb = st.n_blocks(layer);
+        py::array_t<float> out({int64_t(hm == HeadMode::SHARED ? 1 : st.config().n_kv_heads), nb});
+        const float* qp = q.data();
+        float* op = out.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.block_scores(layer, qp, H, hm, op);
+        }
+        return out;
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), "Unscaled block scores [n_sets, n_blocks].")
+      .def("select", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode, const py::handle& k,
+                        const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+        py::array_t<float> q;
+        const int H = query_arg(st, q_obj, q);
+        SelectArgs a;
+        select_args(st, a, mode, k, exclude, allowed, out_ids);
+        const float* qp = q.data();
+        int32_t* ip = a.out_ids.mutable_data();
+        const int cols = int(a.out_ids.shape(1));
+        py::gil_scoped_release nogil;
+        st.select(layer, qp, H, a.req, ip, cols);
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
+         py::arg("out_ids"))
+      .def("attend", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& blocks_obj,
+                        const py::handle& out_obj, const py::handle& lse_obj) {
+        py::array_t<float> q;
+        const int H = query_arg(st, q_obj, q);
+        auto blocks = array_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
+        auto out = array_arg<float>(out_obj, "out", {H, st.config().head_dim});
+        auto lse = array_arg<float>(lse_obj, "lse", {H});
+        if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
+        const BlockSets b{blocks.data(), int(blocks.shape(0)), int(blocks.shape(1))};
+        const float* qp = q.data();
+        float* op = out.mutable_data();
+        float* lp = lse.mutable_data();
+        py::gil_scoped_release nogil;
+        st.attend(layer, qp, H, b, op, lp);
+      }, py::arg("layer"), py::arg("q"), py::arg("blocks"), py::arg("out"), py::arg("lse"))
+      .def("select_attend", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
+                               const py::handle& k, const py::handle& exclude, const py::handle& allowed,
+                               const py::handle& out_ids, const py::handle& out_obj, const py::handle& lse_obj) {
+        py::array_t<float> q;
+        const int H = query_arg(st, q_obj, q);
+        SelectArgs a;
+        select_args(st, a, mode, k, exclude, allowed, out_ids);
+        auto out = array_arg<float>(out_obj, "out", {H, st.config().head_dim});
+        auto lse = array_arg<float>(lse_obj, "lse", {H});
+        if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
+        const float* qp = q.data();
+        int32_t* ip = a.out_ids.mutable_data();
+        const int cols = int(a.out_ids.shape(1));
+        float* op = out.mutable_data();
+        float* lp = lse.mutable_data();
+        py::gil_scoped_release nogil;
+        st.select_attend(layer, qp, H, a.req, ip, cols, op, lp);
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
+         py::arg("out_ids"), py::arg("out"), py::arg("lse"))
+      .def("decode_step", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& k_obj,
+                             const py::handle& v_obj, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
+                             int64_t width, int64_t skip0, int64_t skip1, float scale, int n_threads, int part,
+                             const py::handle& blocks_obj, const std::string& mode, const py::handle& k_sel,
+                             const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
+                             const py::handle& out_obj) {
+        const int KVH = st.config().n_kv_heads, D = st.config().head_dim;
+        py::array_t<float> q;
+        const int H = query_arg(st, q_obj, q);
+        auto k = array_arg<float>(k_obj, "k", {KVH, D});
+        auto v = array_arg<float>(v_obj, "v", {KVH, D});
+        auto out = array_arg<float>(out_obj, "out", {H, D});
+        if (!out.writeable()) throw py::value_error("out: must be writeable");
+        check_finite_q(q.data(), H, D);
+        StepArgs a;
+        step_args(st, a, H, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part, blocks_obj, mode, k_sel, exclude,
+                  allowed, out_ids);
+        const float *qp = q.data(), *kp = k.data(), *vp = v.data();
+        float* op = out.mutable_data();
+        py::gil_scoped_release nogil;
+        layer_step(st, layer, qp, H, kp, vp, a.step, scale, n_threads, op);
+      }, py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("win_k"), py::arg("win_v"),
+         py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"), py::arg("n_threads"),
+         py::arg("part"), py::arg("blocks"), py::arg("mode"), py::arg("k_sel"), py::arg("exclude"), py::arg("allowed"),
+         py::arg("out_ids"), py::arg("out"),
+         "One long_context decode step of a layer (cpp/decode/layer_step.h): k/v [KVH, D] written to row w0 of the "
+         "window win_k/win_v [KVH, rows, D], window rows [0, width) but [skip0, skip1) attended densely, the store part "
+         "(part 0: none, 1: blocks, 2: select with mode/k_sel/exclude/allowed into out_ids) attended sparsely, "
+         "merged by LSE into out [H, D]; then k/v appended to the store.")
+      .def("last_timing", [](const KVStore& st) {
+        const StageTiming t = st.last_timing();
+        return py::make_tuple(t.score_s, t.topk_s, t.attend_s);
+      }, "(score_s, topk_s, attend_s) of the last select/attend call.");
+
+  // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
+  m.attr("KV_TYPES") = names_tuple(kKVTypeNames);
+  m.attr("ANCHOR_TYPES") = names_tuple(kAnchorTypeNames);
+  m.attr("HEAD_MODES") = names_tuple(kHeadModeNames);
+  m.def("store_bytes", [](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
+                          const std::string& kv_type, const std::string& anchor_type, int anchor_num) {
+    return store_bytes(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type, anchor_type,
+                                    anchor_num, 1, false));
+  }, py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"), py::arg("block_size"),
+     py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
+     "Bytes a full KVStore of this config reserves (K, V, scales, anchors, anchor counts, BLOCK_MEAN sums, DYNAMIC "
+     "importances and positions): the layout the store reserves its regions from (cpp/kvstore/layout.h).");
+  m.def("candidate_copy_bytes", [](int n_layers, int n_kv_heads, int head_dim, int block_size,
+                                   const std::string& kv_type, const std::string& anchor_type, bool int8_candidates,
+                                   int64_t n_candidates, const std::string& head_mode_name) {
+    if (n_candidates < 0) throw py::value_error("n_candidates must be >= 0, got " + std::to_string(n_candidates));
+    // The anchor count and the capacity do not change a candidate's bytes: any valid value will do.
+    const StoreConfig c = store_config(n_layers, n_kv_heads, head_dim, 1, block_size, kv_type, anchor_type, 1, 1,
+                                       int8_candidates);
+    return candidate_copy_bytes(c, head_mode(head_mode_name), n_candidates);
+  }, py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("kv_type"),
+     py::arg("anchor_type"), py::arg("int8_candidates"), py::arg("n_candidates"), py::arg("head_mode") = "SEPARATE",
+     "Bytes of the store's candidate copies (cpp/kvstore/cand_cache.h) with room for n_candidates blocks per set in "
+     "every layer: anchor rows, their int8 scales, ids and K/V tiles, as a CandCache lays them out (0 for FIXED / "
+     "DYNAMIC anchors, which are never cached). head_mode SHARED keeps one id list for all KV heads.");
+}
+
+}  // namespace ktq::python

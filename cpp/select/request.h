@@ -1,0 +1,47 @@
+// What a selection is asked for and what it gives: the request (k per set, exclusions, candidate lists), the
+// selected block sets an attention reads, and the stage timings of the call.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <iterator>
+
+namespace ktq {
+
+// SHARED: one block set for every KV head (scores summed over the heads); SEPARATE: one set per KV head.
+enum class HeadMode : int { SHARED = 0, SEPARATE = 1 };
+inline constexpr const char* kHeadModeNames[] = {"SHARED", "SEPARATE"};  // in enum order
+static_assert(std::size(kHeadModeNames) == size_t(HeadMode::SEPARATE) + 1);
+
+// Which blocks to keep (all pointers borrowed for the call). n_sets = 1 (SHARED) or KVH (SEPARATE).
+struct SelectRequest {
+  HeadMode mode = HeadMode::SEPARATE;
+  const int32_t* k_per_set = nullptr;  // [n_sets] blocks to keep per set
+  const int64_t* exclude = nullptr;    // [n_exclude, 2] half-open block ranges [b0, b1), never selected
+  int n_exclude = 0;
+  const int32_t* allowed = nullptr;  // [n_sets, allowed_cols] candidate block ids, -1 = padding; null = all
+  int allowed_cols = 0;
+};
+
+// Selected blocks: [n_sets, cols], ascending ids then -1 padding; n_sets = 1 means "every KV head".
+struct BlockSets {
+  const int32_t* ids = nullptr;
+  int n_sets = 1;
+  int cols = 0;
+};
+
+// Wall time of the stages of the last select/attend call, seconds.
+// With cached candidates (SnapKV's preselection) a set is scored and cut in one task: topk_s is then the
+// top-k part of those tasks spread over the threads, score_s the rest of the pass. In select_attend those
+// tasks share the attention's dispatch: score_s and topk_s are their task times over the threads, attend_s
+// the rest of the call.
+struct StageTiming {
+  double score_s = 0, topk_s = 0, attend_s = 0;
+};
+
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace ktq
