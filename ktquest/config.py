@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
+from ktquest import _C
+
 
 class ConfigError(ValueError):
     """A YAML file or override does not fit the schema."""
@@ -41,10 +43,11 @@ class GenerationConfig:
         _check(self.seed >= 0, "generation.seed", self.seed, "an integer >= 0")
 
 
-AnchorType = Literal["QUEST", "BLOCK_MAX", "BLOCK_MEAN", "FIXED", "DYNAMIC"]
-LINEAR_ANCHORS = ("QUEST", "BLOCK_MAX", "BLOCK_MEAN")  # a block's score is one dot product with its anchor row
-KVType = Literal["FP32", "FP16", "BF16", "Q8_0", "Q4_0"]
-HeadSelectMode = Literal["SHARED", "SEPARATE"]
+# The store's enums are named by the C++ store (one table each in cpp/); the schema takes their names.
+AnchorType = Literal[_C.ANCHOR_TYPES]
+LINEAR_ANCHORS: tuple[str, ...] = _C.LINEAR_ANCHORS  # a block's score is one dot product with its anchor row
+KVType = Literal[_C.KV_TYPES]
+HeadSelectMode = Literal[_C.HEAD_MODES]
 
 
 @dataclass(slots=True)

@@ -423,11 +423,13 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
         call(layers=layers[:-1])
     with pytest.raises(TypeError, match=r"layers\[1\]: expected a DecodeLayer"):
         call(layers=[layers[0], "not a layer"])
-    with pytest.raises(ValueError, match=r"steps\[1\]: expected a tuple \(part, blocks"):
-        call(steps=[none, none[:3]])
-    bad = (1, np.zeros((a.n_kv_heads + 1, 2), np.int32)) + none[2:]  # 1 or n_kv_heads rows
-    with pytest.raises(ValueError, match="blocks: expected 1 \\(shared\\) or n_kv_heads"):
-        call(steps=[none, bad])
+    with pytest.raises(TypeError, match=r"steps\[1\]: expected a StorePlan"):
+        call(steps=[none, (0, None)])
+    with pytest.raises(ValueError, match="blocks: expected 1 \\(shared\\) or n_kv_heads"):  # checked when planned
+        _C.StorePlan.attend(plan.store, np.zeros((a.n_kv_heads + 1, 2), np.int32))
+    elsewhere = KVStore(L, a.n_kv_heads, a.head_dim, max_seq_len=64, block_size=4)
+    with pytest.raises(ValueError, match="a StorePlan made for another store"):
+        call(steps=[none, _C.StorePlan.attend(elsewhere.native, np.zeros((1, 1), np.int32))])
     with pytest.raises(ValueError, match=r"windows\[0\]: expected a tuple"):
         call(windows=[wins[0][0]] + wins[1:])
     with pytest.raises(ValueError, match=r"x: expected shape"):

@@ -114,7 +114,7 @@ CandCache* CandCaches::lookup(const StoreLayer& L, int layer, int64_t nb, int n_
   if (!extend) {
     C.built = false;
     C.mode = req.mode;
-    C.stride = need + std::max<int64_t>(64, need / 4);  // room for the blocks that join later
+    C.stride = candidate_room(need);
     C.ids.assign(size_t(n_sets) * C.stride, -1);
     C.count.assign(n_sets, 0);
     C.anchors.resize(size_t(n_sets) * heads * C.stride * row);

@@ -36,6 +36,10 @@ struct CandLayout {
 // does): what _C.candidate_copy_bytes tells Python. 0 where c's anchors are not linear (never cached).
 size_t candidate_copy_bytes(const StoreConfig& c, HeadMode mode, int64_t room);
 
+// The candidates a layer's copy has room for when it is built for `need` of them: a quarter more (at least 64)
+// for the blocks that join the candidates as decoding goes on (the copy is rebuilt bigger past that).
+inline int64_t candidate_room(int64_t need) { return need + (need / 4 > 64 ? need / 4 : 64); }
+
 // One layer's candidate list and its copies.
 struct CandCache {
   bool valid = false;  // answers `key` (a hit)

@@ -119,32 +119,7 @@ void bind_decode(py::module_& m) {
              py::gil_scoped_release nogil;
              L.layer->out(ap, xp, n_threads);
            }, py::arg("attn"), py::arg("x"), py::arg("n_threads"),
-           "x [dim] += Wo attn [H * D], then x += the SwiGLU FFN of RMSNorm(x), in place.")
-      .def("step_long_context", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj,
-                                   const py::handle& sin_obj, KVStore& st, int layer, const py::handle& wk_obj,
-                                   const py::handle& wv_obj, int64_t w0, int64_t width, int64_t skip0, int64_t skip1,
-                                   float scale, int n_threads, int part, const py::handle& blocks_obj,
-                                   const std::string& mode, const py::handle& k_sel, const py::handle& exclude,
-                                   const py::handle& allowed, const py::handle& out_ids) {
-             layer_check(L, st, -1);
-             auto x = array_arg<float>(x_obj, "x", {L.layer->dim()});
-             const int D = L.layer->weights().head_dim;
-             auto c = array_arg<float>(cos_obj, "cos", {D});
-             auto s = array_arg<float>(sin_obj, "sin", {D});
-             if (!x.writeable()) throw py::value_error("x: must be writeable");
-             StepArgs a;
-             step_args(st, a, L.layer->weights().n_heads, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part,
-                          blocks_obj, mode, k_sel, exclude, allowed, out_ids);
-             float* xp = x.mutable_data();
-             const float *cp = c.data(), *sp = s.data();
-             py::gil_scoped_release nogil;
-             block_step(*L.layer, st, layer, a.step, xp, cp, sp, scale, n_threads);
-           }, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("layer"), py::arg("win_k"),
-           py::arg("win_v"), py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"),
-           py::arg("n_threads"), py::arg("part"), py::arg("blocks"), py::arg("mode"), py::arg("k_sel"),
-           py::arg("exclude"), py::arg("allowed"), py::arg("out_ids"),
-           "The whole decode step of the block in long_context mode: qkv(), KVStore.decode_step() on its q/k/v "
-           "(same window and store-part arguments), out(); x [dim] updated in place.");
+           "x [dim] += Wo attn [H * D], then x += the SwiGLU FFN of RMSNorm(x), in place.");
 
   m.def("rms_norm", [](const py::handle& x_obj, const py::handle& w_obj, float eps, const py::handle& out_obj) {
           auto x = array_arg<float>(x_obj, "x", {-1});
@@ -183,12 +158,12 @@ void bind_decode(py::module_& m) {
             const py::handle w = windows[i], s = steps[i];
             if (!py::isinstance<py::tuple>(w) || py::len(w) != 2)
               throw py::value_error("windows[" + std::to_string(i) + "]: expected a tuple (win_k, win_v)");
-            if (!py::isinstance<py::tuple>(s) || py::len(s) != 7)
-              throw py::value_error("steps[" + std::to_string(i) +
-                                    "]: expected a tuple (part, blocks, mode, k, exclude, allowed, out_ids)");
-            const py::tuple wt = py::reinterpret_borrow<py::tuple>(w), t = py::reinterpret_borrow<py::tuple>(s);
+            if (!py::isinstance<StorePlan>(s))
+              throw py::type_error("steps[" + std::to_string(i) + "]: expected a StorePlan, got " +
+                                   py::str(py::type::of(s)).cast<std::string>());
+            const py::tuple wt = py::reinterpret_borrow<py::tuple>(w);
             step_args(st, args[i], ls[i]->layer->weights().n_heads, wt[0], wt[1], w0, width, skip0, skip1,
-                         n_threads, t[0].cast<int>(), t[1], t[2].cast<std::string>(), t[3], t[4], t[5], t[6]);
+                         n_threads, s.cast<const StorePlan&>());
           }
           const int D = ls[0]->layer->weights().head_dim;
           auto x = array_arg<float>(x_obj, "x", {ls[0]->layer->dim()});
@@ -205,10 +180,11 @@ void bind_decode(py::module_& m) {
         }, py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("windows"),
         py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"), py::arg("n_threads"),
         py::arg("steps"),
-        "A whole token's long_context decode through every block in one call: DecodeLayer.step_long_context for "
-        "layer i = 0..n_layers-1 of the store with layers[i], windows[i] = (win_k, win_v) and steps[i] = (part, "
-        "blocks, mode, k, exclude, allowed, out_ids); all arguments are checked first. A step's blocks may be "
-        "an earlier step's out_ids (read after that step wrote them).");
+        "A whole token's long_context decode through every block in one call (cpp/decode/token_step.h): for "
+        "layer i = 0..n_layers-1 of the store, layers[i] (a DecodeLayer) makes q/k/v from x, the layer's step "
+        "attends its window windows[i] = (win_k, win_v) and the store part steps[i] (a StorePlan), and the "
+        "block's out stage updates x in place; all arguments are checked first. A step's blocks may be an "
+        "earlier step's out_ids (read after that step wrote them).");
 }
 
 }  // namespace ktq::python

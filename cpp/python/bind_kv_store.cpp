@@ -184,10 +184,8 @@ void bind_kv_store(py::module_& m) {
          py::arg("out_ids"), py::arg("out"), py::arg("lse"))
       .def("decode_step", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& k_obj,
                              const py::handle& v_obj, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
-                             int64_t width, int64_t skip0, int64_t skip1, float scale, int n_threads, int part,
-                             const py::handle& blocks_obj, const std::string& mode, const py::handle& k_sel,
-                             const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
-                             const py::handle& out_obj) {
+                             int64_t width, int64_t skip0, int64_t skip1, float scale, int n_threads,
+                             const StorePlan& plan, const py::handle& out_obj) {
         const int KVH = st.config().n_kv_heads, D = st.config().head_dim;
         py::array_t<float> q;
         const int H = query_arg(st, q_obj, q);
@@ -197,20 +195,19 @@ void bind_kv_store(py::module_& m) {
         if (!out.writeable()) throw py::value_error("out: must be writeable");
         check_finite_q(q.data(), H, D);
         StepArgs a;
-        step_args(st, a, H, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, part, blocks_obj, mode, k_sel, exclude,
-                  allowed, out_ids);
+        step_args(st, a, H, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, plan);
         const float *qp = q.data(), *kp = k.data(), *vp = v.data();
         float* op = out.mutable_data();
         py::gil_scoped_release nogil;
         layer_step(st, layer, qp, H, kp, vp, a.step, scale, n_threads, op);
       }, py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("win_k"), py::arg("win_v"),
          py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"), py::arg("n_threads"),
-         py::arg("part"), py::arg("blocks"), py::arg("mode"), py::arg("k_sel"), py::arg("exclude"), py::arg("allowed"),
-         py::arg("out_ids"), py::arg("out"),
+         py::arg("plan"), py::arg("out"),
          "One long_context decode step of a layer (cpp/decode/layer_step.h): k/v [KVH, D] written to row w0 of the "
          "window win_k/win_v [KVH, rows, D], window rows [0, width) but [skip0, skip1) attended densely, the store part "
-         "(part 0: none, 1: blocks, 2: select with mode/k_sel/exclude/allowed into out_ids) attended sparsely, "
-         "merged by LSE into out [H, D]; then k/v appended to the store.")
+         "attended sparsely, "
+         "merged by LSE into out [H, D]; then k/v appended to the store. The store part is `plan` (a StorePlan: none, "
+         "a fixed block list, or a selection into its out_ids).")
       .def("last_timing", [](const KVStore& st) {
         const StageTiming t = st.last_timing();
         return py::make_tuple(t.score_s, t.topk_s, t.attend_s);
@@ -220,6 +217,10 @@ void bind_kv_store(py::module_& m) {
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);
   m.attr("ANCHOR_TYPES") = names_tuple(kAnchorTypeNames);
   m.attr("HEAD_MODES") = names_tuple(kHeadModeNames);
+  py::list linear;  // the anchor types whose block score is one dot product with an anchor row
+  for (size_t i = 0; i < std::size(kAnchorTypeNames); ++i)
+    if (linear_anchors(AnchorType(i))) linear.append(py::str(kAnchorTypeNames[i]));
+  m.attr("LINEAR_ANCHORS") = py::tuple(linear);
   m.def("store_bytes", [](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                           const std::string& kv_type, const std::string& anchor_type, int anchor_num) {
     return store_bytes(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type, anchor_type,
@@ -232,15 +233,17 @@ void bind_kv_store(py::module_& m) {
                                    const std::string& kv_type, const std::string& anchor_type, bool int8_candidates,
                                    int64_t n_candidates, const std::string& head_mode_name) {
     if (n_candidates < 0) throw py::value_error("n_candidates must be >= 0, got " + std::to_string(n_candidates));
+    const int64_t room = candidate_room(n_candidates);
     // The anchor count and the capacity do not change a candidate's bytes: any valid value will do.
     const StoreConfig c = store_config(n_layers, n_kv_heads, head_dim, 1, block_size, kv_type, anchor_type, 1, 1,
                                        int8_candidates);
-    return candidate_copy_bytes(c, head_mode(head_mode_name), n_candidates);
+    return candidate_copy_bytes(c, head_mode(head_mode_name), room);
   }, py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("kv_type"),
      py::arg("anchor_type"), py::arg("int8_candidates"), py::arg("n_candidates"), py::arg("head_mode") = "SEPARATE",
-     "Bytes of the store's candidate copies (cpp/kvstore/cand_cache.h) with room for n_candidates blocks per set in "
-     "every layer: anchor rows, their int8 scales, ids and K/V tiles, as a CandCache lays them out (0 for FIXED / "
-     "DYNAMIC anchors, which are never cached). head_mode SHARED keeps one id list for all KV heads.");
+     "Bytes of the store's candidate copies (cpp/kvstore/cand_cache.h) as built for n_candidates preselected blocks "
+     "per set in every layer, with the room they keep for later blocks: anchor rows, their int8 scales, ids and K/V "
+     "tiles, as a CandCache lays them out (0 for FIXED / DYNAMIC anchors, which are never cached). head_mode "
+     "SHARED keeps one id list for all KV heads.");
 }
 
 }  // namespace ktq::python

@@ -11,6 +11,7 @@ PYBIND11_MODULE(_C, m) {
   ktq::python::bind_cpu(m);
   ktq::python::bind_gemv(m);
   ktq::python::bind_kv_store(m);
+  ktq::python::bind_store_plan(m);
   ktq::python::bind_dense_attn(m);
   ktq::python::bind_decode(m);
 }

@@ -2,6 +2,7 @@
 #include "python/step_args.h"
 
 #include "python/args.h"
+#include "python/bind.h"
 
 namespace ktq::python {
 
@@ -30,16 +31,35 @@ void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, cons
   if (!a.out_ids.writeable()) throw py::value_error("out_ids: must be writeable");
 }
 
+StorePlan StorePlan::attend(const KVStore& st, const py::handle& blocks_obj) {
+  StorePlan p;
+  p.store = &st;
+  p.part = StorePart::ATTEND;
+  const int KVH = st.config().n_kv_heads;
+  p.blocks = array_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
+  if (p.blocks.shape(0) != 1 && p.blocks.shape(0) != KVH)
+    throw py::value_error("blocks: expected 1 (shared) or n_kv_heads=" + std::to_string(KVH) + " rows, got " +
+                          std::to_string(p.blocks.shape(0)));
+  return p;
+}
+
+StorePlan StorePlan::select(const KVStore& st, const std::string& mode, const py::handle& k, const py::handle& exclude,
+                            const py::handle& allowed, const py::handle& out_ids) {
+  StorePlan p;
+  p.store = &st;
+  p.part = StorePart::SELECT;
+  select_args(st, p.sel, mode, k, exclude, allowed, out_ids);
+  return p;
+}
+
 void step_args(const KVStore& st, StepArgs& a, int H, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
-               int64_t width, int64_t skip0, int64_t skip1, int n_threads, int part, const py::handle& blocks_obj,
-               const std::string& mode, const py::handle& k_sel, const py::handle& exclude, const py::handle& allowed,
-               const py::handle& out_ids) {
+               int64_t width, int64_t skip0, int64_t skip1, int n_threads, const StorePlan& plan) {
   const int KVH = st.config().n_kv_heads, D = st.config().head_dim;
   a.wk = array_arg<float>(wk_obj, "win_k", {KVH, -1, D});
   a.wv = array_arg<float>(wv_obj, "win_v", {KVH, a.wk.shape(1), D});
   if (!a.wk.writeable() || !a.wv.writeable()) throw py::value_error("win_k/win_v: must be writeable");
-  if (H % KVH != 0)
-    throw py::value_error("q has " + std::to_string(H) + " heads: must be a multiple of n_kv_heads=" +
+  if (H < 1 || H % KVH != 0)
+    throw py::value_error("q has " + std::to_string(H) + " heads: must be a positive multiple of n_kv_heads=" +
                           std::to_string(KVH) + " (GQA)");
   const int64_t rows = a.wk.shape(1);
   if (width < 1 || width > rows || w0 < 0 || w0 >= width)
@@ -49,23 +69,39 @@ void step_args(const KVStore& st, StepArgs& a, int H, const py::handle& wk_obj, 
     throw py::value_error("skip [" + std::to_string(skip0) + ", " + std::to_string(skip1) +
                           ") must be a range within [0, width) that leaves the new row " + std::to_string(w0));
   check_threads(n_threads);
-  if (part < 0 || part > 2)
-    throw py::value_error("part must be 0 (none), 1 (attend) or 2 (select), got " + std::to_string(part));
+  if (plan.store != nullptr && plan.store != &st)
+    throw py::value_error("plan: a StorePlan made for another store");
   LayerStep& s = a.step;
-  s.part = StorePart(part);
+  s.part = plan.part;
   if (s.part == StorePart::ATTEND) {
-    a.blocks = array_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
-    if (a.blocks.shape(0) != 1 && a.blocks.shape(0) != KVH)
-      throw py::value_error("blocks: expected 1 (shared) or n_kv_heads=" + std::to_string(KVH) + " rows, got " +
-                            std::to_string(a.blocks.shape(0)));
-    s.blocks = BlockSets{a.blocks.data(), int(a.blocks.shape(0)), int(a.blocks.shape(1))};
+    s.blocks = BlockSets{plan.blocks.data(), int(plan.blocks.shape(0)), int(plan.blocks.shape(1))};
   } else if (s.part == StorePart::SELECT) {
-    select_args(st, a.sel, mode, k_sel, exclude, allowed, out_ids);
-    s.req = a.sel.req;
-    s.out_ids = a.sel.out_ids.mutable_data();
-    s.out_cols = int(a.sel.out_ids.shape(1));
+    s.req = plan.sel.req;
+    s.out_ids = const_cast<int32_t*>(plan.sel.out_ids.data());  // checked writeable by select_args
+    s.out_cols = int(plan.sel.out_ids.shape(1));
   }
   s.win = WindowView{a.wk.mutable_data(), a.wv.mutable_data(), rows, w0, width, skip0, skip1};
+}
+
+void bind_store_plan(py::module_& m) {
+  py::class_<StorePlan>(m, "StorePlan",
+                        "What one layer's long_context decode step attends in the store, checked once against the "
+                        "store and run by many steps (see ktquest/kv/plan.py).")
+      .def_static("none", &StorePlan::none, "No context block yet: the step attends its window alone.")
+      .def_static("attend", &StorePlan::attend, py::arg("store"), py::arg("blocks"),
+                  "A fixed list: blocks int32 [1 (every KV head) or n_kv_heads, cols], ascending, -1 padded.")
+      .def_static("select", &StorePlan::select, py::arg("store"), py::arg("mode"), py::arg("k"), py::arg("exclude"),
+                  py::arg("allowed"), py::arg("out_ids"),
+                  "A fresh selection as KVStore.select_attend makes it (mode SHARED/SEPARATE, k int32 [n_sets], "
+                  "exclude int64 [n, 2] block ranges, allowed int32 [n_sets, N] or None); the picks land in "
+                  "out_ids int32 [n_sets, cols].")
+      .def_property_readonly("part", [](const StorePlan& p) {
+        return std::string(p.part == StorePart::NONE ? "NONE" : p.part == StorePart::ATTEND ? "ATTEND" : "SELECT");
+      })
+      .def_property_readonly("out_ids", [](const StorePlan& p) -> py::object {
+        if (p.part != StorePart::SELECT) return py::none();
+        return p.sel.out_ids;
+      }, "The selection's ids buffer (SELECT), where every step run with this plan writes its picks; else None.");
 }
 
 }  // namespace ktq::python

@@ -1,6 +1,6 @@
 // The checked arguments of a selection request and of a long_context decode step, shared by the store's
-// bindings (select, select_attend, decode_step) and the decode bindings (step_long_context, a whole token).
-// The arrays stay alive in these structs for the call; the C++ structs borrow their data.
+// bindings (select, select_attend, decode_step) and the decode binding (a whole token), and the StorePlan that
+// names a layer's store part. The arrays stay alive in these structs; the C++ structs borrow their data.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -33,19 +33,30 @@ struct [[gnu::visibility("hidden")]] SelectArgs {
 void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, const py::handle& k,
                  const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids);
 
-// The window and store-part arguments of a long_context decode step (KVStore.decode_step,
-// DecodeLayer.step_long_context, each layer of decode_token_long_context), checked, as a LayerStep.
+// _C.StorePlan: what one layer's decode step attends in the store (nothing, a fixed block list, or a fresh
+// selection into out_ids), checked once against the store it was made for and then run by many steps
+// (ktquest/kv/plan.py keeps a token's plans while the context end stays). It keeps the arrays it borrows.
+struct [[gnu::visibility("hidden")]] StorePlan {
+  const KVStore* store = nullptr;  // null: NONE, which fits any store
+  StorePart part = StorePart::NONE;
+  py::array_t<int32_t> blocks;  // ATTEND: [1 or KVH, cols], -1 padded
+  SelectArgs sel;               // SELECT
+
+  static StorePlan none() { return StorePlan{}; }
+  static StorePlan attend(const KVStore& st, const py::handle& blocks);
+  static StorePlan select(const KVStore& st, const std::string& mode, const py::handle& k, const py::handle& exclude,
+                          const py::handle& allowed, const py::handle& out_ids);
+};
+
+// The window arguments of a long_context decode step (KVStore.decode_step, each layer of decode_token) checked,
+// with `plan`'s store part, as a LayerStep. H: the query heads of the step (a multiple of the store's KV heads).
+// The window arrays stay alive in `wk`/`wv` for the call.
 struct [[gnu::visibility("hidden")]] StepArgs {
   py::array_t<float> wk, wv;
-  py::array_t<int32_t> blocks;
-  SelectArgs sel;
   LayerStep step;
 };
 
-// H: the query heads of the step (a multiple of the store's KV heads).
 void step_args(const KVStore& st, StepArgs& a, int H, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
-               int64_t width, int64_t skip0, int64_t skip1, int n_threads, int part, const py::handle& blocks_obj,
-               const std::string& mode, const py::handle& k_sel, const py::handle& exclude, const py::handle& allowed,
-               const py::handle& out_ids);
+               int64_t width, int64_t skip0, int64_t skip1, int n_threads, const StorePlan& plan);
 
 }  // namespace ktq::python

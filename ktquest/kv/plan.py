@@ -45,9 +45,10 @@ class Selection:
 
 @dataclass(slots=True)
 class _TokenSteps:
-    """Every layer's store part for decode tokens whose context ends at block ``lb`` (KVStore.step_args;
-    the out_ids buffers are reused from token to token), with the layers that select (``fresh``: layer ->
-    its step args) and those that attend every block or reuse a selection (the statistics to count)."""
+    """Every layer's store part for decode tokens whose context ends at block ``lb`` (``_C.StorePlan``s from
+    KVStore.step_plan; their out_ids buffers are reused from token to token), with the layers that select
+    (``fresh``: layer -> its plan) and those that attend every block or reuse a selection (the statistics to
+    count)."""
 
     lb: int
     steps: list
@@ -132,8 +133,8 @@ class DecodePlanner:
         live, self._sel_live = self._sel_live, None
         if live is not None:
             steps, lb, step = live
-            for layer, args in steps.fresh.items():  # [n_sets, cols], a fresh tensor per selection
-                self._sel[layer] = Selection(torch.from_numpy(args[6].copy()), lb, step)
+            for layer, plan in steps.fresh.items():  # out_ids [n_sets, cols]: a fresh tensor per selection
+                self._sel[layer] = Selection(torch.from_numpy(plan.out_ids.copy()), lb, step)
 
     def record(self, layer: int, ids: torch.Tensor, lb: int) -> None:
         """A selection ``layer`` just made (ids: a fresh tensor per call)."""
@@ -145,8 +146,8 @@ class DecodePlanner:
     # ---- plans ----
 
     def token_steps(self, lb: int) -> list:
-        """Every layer's store part of a decode token whose context blocks are [ib, lb): KVStore.step_args
-        tuples, the statistics counted. Kept for the next tokens when they would plan the same: every
+        """Every layer's store part of a decode token whose context blocks are [ib, lb) (``StorePlan``s), the
+        statistics counted. Kept for the next tokens when they would plan the same: every
         selection due at every token (token_step 1), nothing pending, the same context end."""
         plan = self._token_steps
         if plan is not None and plan.lb == lb:  # the same plan as the last token: only the counters move
@@ -172,16 +173,16 @@ class DecodePlanner:
         self.sel = [None] * self.n_layers
 
     def _make_token_steps(self, lb: int) -> _TokenSteps:
-        steps, fresh = [], {}  # fresh: layer -> its step args, for the layers that select in this token
+        steps, fresh = [], {}  # fresh: layer -> its store plan, for the layers that select in this token
         full, reuse = [], []  # the layers plan() counted as attending every block / reusing a selection
         for layer in range(self.n_layers):
             blocks, select = self.plan(layer, None, lb, fresh) if lb > self.ib else (None, None)
-            args = self.store.step_args(layer, blocks, select)
+            plan = self.store.step_plan(layer, blocks, select)
             if select is not None:
-                fresh[layer] = args
+                fresh[layer] = plan
             elif blocks is not None:
                 (full if layer < self.lc.dense_layer_num else reuse).append(layer)
-            steps.append(args)
+            steps.append(plan)
         plan = _TokenSteps(lb, steps, fresh, full, reuse)
         self._token_steps = plan if self.lc.token_step == 1 and lb > self.ib else None
         return plan
@@ -191,7 +192,7 @@ class DecodePlanner:
         """Which context blocks a decode step of ``layer`` attends to: (blocks, None) for a fixed list (dense
         layers, a reused selection), or (None, (k, mode, exclude_ranges, allowed)) for a fresh selection.
         qc: [H, D] fp32 CPU (only read for Ada-KV budgets in SEPARATE mode; may be None otherwise). Keeps the
-        call statistics and runs a pending preselection. fresh (token_steps): the step args of the layers
+        call statistics and runs a pending preselection. fresh (token_steps): the store plans of the layers
         that select in this token but have not run yet; a follower of one of them reuses its out_ids."""
         lc, st = self.lc, self.stats
         if layer < lc.dense_layer_num:
@@ -202,7 +203,7 @@ class DecodePlanner:
         leader = layer - (layer - lc.dense_layer_num) % lc.layer_step  # layer_step groups reuse its selection
         if fresh is not None and leader != layer and leader in fresh:
             st.reuse_calls[layer] += 1
-            return torch.from_numpy(fresh[leader][6]), None  # [n_sets, cols], filled by the leader's step
+            return torch.from_numpy(fresh[leader].out_ids), None  # [n_sets, cols], filled by the leader's step
         sel = self.sel[leader]
         due = sel is None or (layer == leader and self.decode_step - sel.step >= lc.token_step)
         if not due:

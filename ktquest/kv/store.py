@@ -23,9 +23,9 @@ import torch
 from ktquest import _C
 from ktquest.native.args import _int, _name, _np, _padded_ids, _tensor
 
-KV_TYPES = ("FP32", "FP16", "BF16", "Q8_0", "Q4_0")
-ANCHOR_TYPES = ("QUEST", "BLOCK_MAX", "BLOCK_MEAN", "FIXED", "DYNAMIC")
-HEAD_MODES = ("SHARED", "SEPARATE")
+KV_TYPES: tuple[str, ...] = _C.KV_TYPES  # the store's enums, named by C++
+ANCHOR_TYPES: tuple[str, ...] = _C.ANCHOR_TYPES
+HEAD_MODES: tuple[str, ...] = _C.HEAD_MODES
 
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
@@ -281,21 +281,23 @@ class KVStore:
         """
         f32 = (torch.float32,)
         qn = self._q(q)
-        part, b, mode, ks, excl, allow, ids = self.step_args(layer, blocks, select)
+        plan = self.step_plan(layer, blocks, select)
         self._st.decode_step(layer, qn, _np(k, "k", f32, 2), _np(v, "v", f32, 2), _np(win_k, "win_k", f32, 3),
-                             _np(win_v, "win_v", f32, 3), w0, width, skip[0], skip[1], float(scale), threads, part, b,
-                             mode, ks, excl, allow, ids, _np(out, "out", f32, 2))
-        return self._step_ids(ids, mode)
+                             _np(win_v, "win_v", f32, 3), w0, width, skip[0], skip[1], float(scale), threads, plan,
+                             _np(out, "out", f32, 2))
+        return self._step_ids(plan.out_ids, "SEPARATE" if select is None else select[1])
 
-    def step_args(self, layer: int, blocks, select) -> tuple:
-        """decode_step's store part: (part, blocks, mode, k, exclude, allowed, out_ids) for the binding."""
+    def step_plan(self, layer: int, blocks, select) -> _C.StorePlan:
+        """A decode step's store part, checked once (``_C.StorePlan``, run by decode_step and the whole-token
+        call): ``select`` = (k, mode, exclude_ranges, allowed) as select_attend() takes them, the picks landing
+        in the plan's ``out_ids``; else ``blocks`` as attend() takes them; else nothing (no context block)."""
         if select is not None:
             mode, ks, excl, allow, ids = self._request(layer, select[0], select[1], select[2], select[3])
-            return 2, None, mode, ks, excl, allow, ids
+            return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids)
         if blocks is not None:
             n = blocks.shape[0] if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 else 1
-            return 1, _padded_ids(blocks, "blocks", n), "SEPARATE", None, None, None, None
-        return 0, None, "SEPARATE", None, None, None, None
+            return _C.StorePlan.attend(self._st, _padded_ids(blocks, "blocks", n))
+        return _C.StorePlan.none()
 
     @staticmethod
     def _step_ids(ids, mode: str) -> torch.Tensor | None:

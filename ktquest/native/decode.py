@@ -32,8 +32,8 @@ class TokenPlan:
 
     Every layer writes its new k/v at row ``w0`` of its window buffers ``windows[i]`` = (win_k, win_v)
     [KVH, rows, D], attends rows [0, width) but ``skip`` densely (softmax scale ``scale``), attends the
-    store's context blocks as ``steps[i]`` says (``KVStore.step_args``: none, a fixed list, or a fresh
-    selection), merges the two parts by their LSE and appends k/v to ``store``."""
+    store's context blocks as ``steps[i]`` says (a ``_C.StorePlan``: none, a fixed list, or a fresh selection
+    into its ids buffer), merges the two parts by their LSE and appends k/v to ``store``."""
 
     pos: int
     store: object  # the _C.KVStore
@@ -42,7 +42,7 @@ class TokenPlan:
     width: int
     skip: tuple[int, int]
     scale: float
-    steps: list  # [n_layers] KVStore.step_args tuples
+    steps: list  # [n_layers] _C.StorePlan
     state: object = None  # the cache's own bookkeeping for commit_decode
 
 
