@@ -1,4 +1,4 @@
-"""Dense decode attention (cpp/dense_attn.cpp, the dense cache's CPU decode path) against torch."""
+"""Dense decode attention (cpp/attn/dense_attn.cpp, the dense cache's CPU decode path) against torch."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Q8_0 weight-only GEMV (cpp/gemv*.cpp) against a torch reference of the same quantization."""
+"""Q8_0 weight-only GEMV (cpp/gemm/gemv*.cpp) against a torch reference of the same quantization."""
 
 import numpy as np
 import pytest

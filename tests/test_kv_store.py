@@ -1,4 +1,4 @@
-"""KV store (cpp/kv_store.*, cpp/kv_codec*): storage formats, incremental anchors, capacity, checked boundary.
+"""KV store (cpp/kvstore/, cpp/quant/kv_codec*): storage formats, incremental anchors, capacity, checked boundary.
 
 The torch references below say what the store must hold: every stored row is the reference codec of the
 appended row, and every block's anchors are computed from the stored (rounded) keys.

@@ -321,7 +321,7 @@ def test_prompt_longer_than_max_seq_len_is_refused_before_work(tiny_llama):
     assert eng.cache.pos == 0 and eng.cache.store.length(0) == 0
 
 
-# ---- the native decode step (cpp/lc_decode.h) ----
+# ---- the native decode step (cpp/decode/layer_step.h) ----
 
 
 class BlockByBlock:

@@ -1,4 +1,4 @@
-"""Block scoring, top-k selection and sparse attention (cpp/sparse_attn.cpp, cpp/attn_kernels*) against torch.
+"""Block scoring, top-k and sparse attention (cpp/select/, cpp/kvstore/, cpp/attn/) against torch.
 
 Contracts: a budget covering every block equals torch dense SDPA; the LSE merge of two disjoint parts
 equals attention over their union; selection equals a torch top-k (ties -> lower block id) of the torch

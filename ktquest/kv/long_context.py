@@ -337,7 +337,7 @@ class LongContextCache:
 
     def _decode_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        start_pos: int) -> torch.Tensor:
-        """attend() for one token on the CPU in one native call (cpp/lc_decode.h): window write, dense window
+        """attend() for one token on the CPU in one native call (cpp/decode/layer_step.h): window write, dense window
         attention, the store part as _plan() says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
         qc = q[0].contiguous()  # [H, D]
         lb = self.geo.loc0 // self.bs

@@ -34,7 +34,7 @@ _NO_RANGES = np.zeros((0, 2), np.int64)
 class KVStore:
     """KV cache of ``n_layers`` layers, ``n_kv_heads`` heads of ``head_dim``, up to ``max_seq_len`` tokens.
 
-    kv_type: FP32, FP16, BF16, Q8_0 or Q4_0 (Q types need head_dim % 32 == 0; rounding in cpp/kv_codec.h).
+    kv_type: FP32, FP16, BF16, Q8_0 or Q4_0 (Q types need head_dim % 32 == 0; rounding in cpp/quant/kv_codec.h).
     anchor_type: QUEST (element-wise min/max keys, scores are upper bounds of q.k), BLOCK_MAX (element-wise
     max key), BLOCK_MEAN (mean key), FIXED (``anchor_num`` tokens at a fixed stride, the first at 0), DYNAMIC
     (the ``anchor_num`` tokens of highest caller-given importance). threads_num: operator threads.
@@ -271,7 +271,7 @@ class KVStore:
     def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
                     win_v: torch.Tensor, w0: int, width: int, skip: tuple[int, int], scale: float, threads: int,
                     out: torch.Tensor, blocks=None, select: tuple | None = None) -> torch.Tensor | None:
-        """One long_context decode step of a layer in one native call (cpp/lc_decode.h).
+        """One long_context decode step of a layer in one native call (cpp/decode/layer_step.h).
 
         k, v: [KVH, D] the new token, written to row ``w0`` of the window buffers win_k/win_v [KVH, rows, D];
         window rows [0, width) but ``skip`` are attended densely (softmax scale ``scale``); the store part is
