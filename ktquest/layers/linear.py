@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ktquest import _C
+
 # Rows up to this many tokens take the GEMV path; longer chunks are compute-bound and go to torch.
 GEMV_MAX_TOKENS = 4
 
@@ -38,10 +40,8 @@ class Linear(torch.nn.Module):
     def enable_q8(self, threads: int) -> bool:
         """Quantize a Q8_0 copy of the weight for CPU decode; False when this layer can't use it."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % 32 != 0:
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % _C.Q8_GROUP != 0:
             return False
-        from ktquest import _C
-
         qw, dw = _C.quantize_q8_0(w.detach().contiguous().numpy())
         b = None if self.bias is None else self.bias.detach().contiguous().numpy()
         self.q8 = (qw, dw, b)
@@ -53,8 +53,6 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.q8 is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == torch.float32:
-            from ktquest import _C
-
             qw, dw, b = self.q8
             y = torch.empty(x.shape[0], qw.shape[0], dtype=torch.float32)
             _C.gemv_q8_0(x.contiguous().numpy(), qw, dw, b, y.numpy(), self.threads)
