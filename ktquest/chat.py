@@ -76,17 +76,17 @@ class ChatSession:
         content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
         messages = self.messages + [{"role": "user", "content": content}]
         tokens = tok.encode_chat(tok.apply_chat_template(messages, add_generation_prompt=True))
-        eng._check_fits(len(tokens))
+        eng.check_fits(len(tokens))
 
         cache = eng.cache
-        if eng._cache_owner is not self:  # another session or a raw completion used the cache
+        if eng.cache_owner is not self:  # another session or a raw completion used the cache
             cache.reset()
-            eng._cache_owner = self
+            eng.cache_owner = self
         # Keep the longest prefix the cache already holds; at least one token must be fed for logits.
         keep = min(_common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
         cache.truncate(keep)
         self._fed = list(tokens)  # from here on, cache position i holds self._fed[i] for i < cache.pos
-        text, stats = eng._run(tokens, eng.config.generation, on_text, on_progress, should_stop,
+        text, stats = eng.run(tokens, eng.config.generation, on_text, on_progress, should_stop,
                                on_token=self._fed.append)
         if stats.prompt_tokens == 0 and stats.stopped_by == "interrupted":
             del self._fed[cache.pos:]
@@ -106,12 +106,12 @@ class ChatSession:
         if keep_cache:
             return
         self._fed = []
-        if self.engine._cache_owner is self:
+        if self.engine.cache_owner is self:
             self.engine.cache.reset()
 
     def stats(self) -> SessionStats:
         eng = self.engine
-        held = eng.cache.pos if eng._cache_owner is self else 0
+        held = eng.cache.pos if eng.cache_owner is self else 0
         return SessionStats(turns=len(self._turns), context_tokens=held, max_seq_len=eng.max_seq_len,
                             kv_cache_bytes=eng.cache.nbytes(),
                             prompt_tokens=sum(t.prompt_tokens for t in self._turns),

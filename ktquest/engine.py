@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,14 @@ import torch
 from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats
 from ktquest.config import Config, ConfigError, GenerationConfig, load_config, to_dict
 from ktquest.formats.bundled import bundled_model_path
-from ktquest.formats.gguf import open_gguf
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import check_store_fits
-from ktquest.layers.linear import set_decode_weights
-from ktquest.models.args import model_args
-from ktquest.models.loader import load_model
-from ktquest.native.decode import NativeDecoder
+from ktquest.models.loader import build_model, read_gguf
+from ktquest.native.decode import use_decode_weights
+
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit in the KV cache (``max_seq_len``); nothing was computed or changed."""
@@ -40,22 +37,20 @@ class Engine:
         torch.set_num_threads(config.resolved_threads())
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
-        self.args = model_args(open_gguf(model_path))  # the header alone: nothing is read before the checks
+        contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
+        self.args = contents.args
         self.max_seq_len = config.max_seq_len or self.args.context_length
         if config.mode == "long_context":  # refuse before any allocation, with the figure
             check_store_fits(config.long_context, self.args, self.max_seq_len)
-        self.model, contents = load_model(model_path, self.device, self.dtype, self.max_seq_len)
+        self.model = build_model(contents, self.device, self.dtype, self.max_seq_len)
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
-        threads = config.resolved_threads()
         decode = config.decode_weights
         if decode == "auto":
             decode = "q8_0" if self.device.type == "cpu" and self.dtype == torch.float32 else "fp32"
-        set_decode_weights(self.model, decode, threads)
-        if decode == "q8_0":  # the decode step in native code (ktquest.native.decode)
-            self.model.native = NativeDecoder.build(self.model, threads)
+        use_decode_weights(self.model, decode, config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
-        self._cache_owner: ChatSession | None = None  # whose tokens the cache holds
+        self.cache_owner: ChatSession | None = None  # the conversation whose tokens the cache holds
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
                  on_progress: ProgressCallback | None = None, should_stop: Callable[[], bool] | None = None,
@@ -65,10 +60,10 @@ class Engine:
         ``on_text(piece)`` streams the text as it is generated; ``gen_overrides``: GenerationConfig fields.
         """
         tokens = self.tokenizer.encode(prompt)
-        self._check_fits(len(tokens))
-        self._cache_owner = None
+        self.check_fits(len(tokens))
+        self.cache_owner = None
         self.cache.reset()
-        text, _ = self._run(tokens, self._gen(gen_overrides), on_text, on_progress, should_stop)
+        text, _ = self.run(tokens, self._gen(gen_overrides), on_text, on_progress, should_stop)
         return text
 
     def chat_session(self, system: str | None = None, document: str | None = None) -> ChatSession:
@@ -84,13 +79,14 @@ class Engine:
                 raise ConfigError(f"unknown generation option {key!r}; allowed: {', '.join(sorted(allowed))}")
         return dataclasses.replace(self.config.generation, **overrides)
 
-    def _check_fits(self, n_tokens: int) -> None:
+    def check_fits(self, n_tokens: int) -> None:
+        """PromptTooLongError unless a prompt of ``n_tokens`` leaves room in the cache for a reply."""
         if n_tokens >= self.max_seq_len:
             raise PromptTooLongError(
                 f"prompt too long: {n_tokens} tokens, but the context holds {self.max_seq_len} "
                 f"(max_seq_len) and the reply needs room too; shorten the prompt or raise max_seq_len")
 
-    def _run(self, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
+    def run(self, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
              on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,
              on_token: Callable[[int], None] | None = None) -> tuple[str, TurnStats]:
         """Feed ``tokens[cache.pos:]`` and generate after them; returns the reply text and its stats."""

@@ -76,7 +76,7 @@ def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
 
 def prefill_chunk(model, cache, chunk: torch.Tensor) -> torch.Tensor:
     """Feed one chunk [C] at cache.pos; returns its last token's logits [V]. A chunk of one token is a
-    decode step (the same native path, so a reply does not depend on where a chunk boundary fell)."""
+    decode step (``decode_one_token``: on the CPU with Q8_0 weights, the native path)."""
     if chunk.shape[0] == 1:
         return decode_one_token(model, cache, int(chunk[0]))
     return model(chunk, cache.pos, cache, last_only=True)[0]  # [V]

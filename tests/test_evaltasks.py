@@ -30,8 +30,8 @@ from ktquest.eval.tasks import (
 
 @pytest.fixture(scope="module")
 def tok(bundled_gguf):
-    from ktquest.models.loader import read_gguf
     from ktquest.formats.tokenizer import Tokenizer
+    from ktquest.models.loader import read_gguf
 
     return Tokenizer.from_gguf_metadata(read_gguf(bundled_gguf).metadata)
 

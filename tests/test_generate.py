@@ -7,8 +7,8 @@ import torch
 
 from ktquest.config import GenerationConfig
 from ktquest.generate import decode_one_token, generate, prefill, sample
-from ktquest.models.loader import load_model
 from ktquest.kv.dense import DenseKVCache
+from ktquest.models.loader import load_model
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4

@@ -11,13 +11,12 @@ import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig, load_config
 from ktquest.generate import decode_one_token, prefill
-from ktquest.models.loader import load_model
-from ktquest.native.decode import NativeDecoder
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import candidate_copy_bytes, store_bytes
-from ktquest.kv.store import KVStore
 from ktquest.kv.selection import ada_budgets, ada_budgets_fast
+from ktquest.kv.store import KVStore
+from ktquest.models.loader import load_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = ["quest", "ktransformers", "snapkv", "ada_snapkv", "ada_quest"]
@@ -319,124 +318,3 @@ def test_prompt_longer_than_max_seq_len_is_refused_before_work(tiny_llama):
     with pytest.raises(PromptTooLongError, match="prompt too long"):
         eng.generate("the cat sat on the mat " * 20)
     assert eng.cache.pos == 0 and eng.cache.store.length(0) == 0
-
-
-# ---- the native decode step (cpp/decode/layer_step.h) ----
-
-
-class BlockByBlock:
-    """A cache that makes no decode plans: the native decode step then runs block by block through its
-    ``attend`` (the path of Ada-KV decode budgets), where it would run every block in one native call."""
-
-    def __init__(self, cache):
-        self.cache = cache
-
-    def __getattr__(self, name):
-        return getattr(self.cache, name)
-
-    def plan_decode(self, pos):
-        return None
-
-
-@pytest.mark.parametrize("name,kw", [
-    ("quest", {}),                                           # fresh selections; 1 dense layer (attend all)
-    ("quest", {"token_step": 3, "head_select_mode": "SHARED"}),  # reused selections, extended; one shared set
-    ("quest", {"layer_step": 2, "dense_layer_num": 0}),      # layer 1 reads layer 0's picks of the token
-    ("snapkv", {"layer_step": 3, "head_select_mode": "SHARED", "dense_layer_num": 0}),
-    ("snapkv", {}),                                          # preselection, then select among the kept blocks
-    ("ada_quest", {}),                                       # Ada-KV decode budgets: block by block either way
-])
-def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
-    """A whole token in one native call (the cache's plan) gives the logits, the selections and the call
-    statistics of the block-by-block path (qkv stage, cache.attend, out stage) on the same Q8_0 weights."""
-    from ktquest.layers.linear import set_decode_weights
-
-    model, _ = load_model(tiny_llama.path)
-    assert set_decode_weights(model, "q8_0", threads=2) > 0
-    native = NativeDecoder.build(model, threads=2)
-    lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=3, preselect_block_count=6,
-              dense_layer_num=1, kv_type="FP16", anchor_num=2)
-    lc.update(kw)
-    cfg = dataclasses.replace(preset(name, **lc), chunk_size=16, max_seq_len=256)
-    prompt = torch.arange(3, 70) * 7 % 250
-    runs = []
-    for planned in (False, True):
-        cache = LongContextCache(model.args, cfg, 256)
-        with torch.inference_mode():
-            logits = [prefill(model, cache, prompt, 16)]
-            for i, tok in enumerate((5, 9, 11, 200, 7, 31, 64, 2, 90, 17, 3, 8, 40, 41)):
-                logits.append(native.decode(tok, cache if planned else BlockByBlock(cache)))
-                if i == 6:  # the selections read half-way (a planned token keeps them in its buffers until read)
-                    mid = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
-        sel = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
-        runs.append((torch.cat(logits), mid + sel, dataclasses.asdict(cache.stats)))
-    (l0, s0, st0) = runs[0]
-    assert sum(st0["select_calls"]) > 0
-    assert (sum(st0["reuse_calls"]) > 0) == (cfg.long_context.token_step > 1 or cfg.long_context.layer_step > 1)
-    for l1, s1, st1 in runs[1:]:
-        torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
-        assert st1 == st0
-        for a, b in zip(s0, s1):
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
-
-
-def test_native_decode_step_checks_its_arguments():
-    H, KVH, D = 4, 2, 16
-    st = KVStore(1, KVH, D, max_seq_len=64, block_size=8, kv_type="FP32", threads_num=1)
-    q, k, v = torch.randn(H, D), torch.randn(KVH, D), torch.randn(KVH, D)
-    wk, wv, out = torch.zeros(KVH, 16, D), torch.zeros(KVH, 16, D), torch.empty(H, D)
-    st.decode_step(0, q, k, v, wk, wv, 0, 1, (0, 0), D ** -0.5, 1, out)  # no context block: the window alone
-    torch.testing.assert_close(out, v.repeat_interleave(H // KVH, 0))  # one row: softmax weight 1
-    assert st.length(0) == 1 and torch.equal(wk[:, 0], k)
-    with pytest.raises(ValueError, match="w0=5 and width=3"):
-        st.decode_step(0, q, k, v, wk, wv, 5, 3, (0, 0), D ** -0.5, 1, out)
-    with pytest.raises(ValueError, match="skip"):
-        st.decode_step(0, q, k, v, wk, wv, 1, 2, (1, 2), D ** -0.5, 1, out)
-    with pytest.raises(ValueError, match=r"win_v: expected shape \[2, 16, 16\]"):
-        st.decode_step(0, q, k, v, wk, torch.zeros(KVH, 8, D), 1, 2, (0, 0), D ** -0.5, 1, out)
-    with pytest.raises(ValueError, match="non-finite"):
-        st.decode_step(0, torch.full((H, D), float("nan")), k, v, wk, wv, 1, 2, (0, 0), D ** -0.5, 1, out)
-    assert st.length(0) == 1  # refused calls append nothing
-
-
-def test_native_token_step_checks_every_layer_first(tiny_llama):
-    """decode_token_long_context checks every layer's arguments before the first layer runs."""
-    import numpy as np
-
-    from ktquest import _C
-    from ktquest.layers.linear import set_decode_weights
-
-    model, _ = load_model(tiny_llama.path)
-    set_decode_weights(model, "q8_0", threads=1)
-    layers = NativeDecoder.build(model, threads=1).blocks
-    a, L = model.args, model.args.n_layers
-    cache = LongContextCache(a, preset("quest", block_size=4, init_windows_len=4, local_windows_len=8), 64)
-    st = cache.store
-    plan = cache.plan_decode(0)  # the first token: the window alone, no context block
-    x, cs = np.zeros(a.dim, np.float32), np.zeros(a.head_dim, np.float32)
-    none, wins = plan.steps[0], plan.windows
-
-    def call(layers=layers, x=x, windows=wins, steps=[none] * L, store=plan.store):
-        _C.decode_token_long_context(layers, x, cs, cs, store, windows, 0, 1, 0, 0, 0.125, 1, steps)
-
-    with pytest.raises(ValueError, match=f"one per store layer \\({L}\\), got {L - 1}"):
-        call(layers=layers[:-1])
-    with pytest.raises(TypeError, match=r"layers\[1\]: expected a DecodeLayer"):
-        call(layers=[layers[0], "not a layer"])
-    with pytest.raises(TypeError, match=r"steps\[1\]: expected a StorePlan"):
-        call(steps=[none, (0, None)])
-    with pytest.raises(ValueError, match="blocks: expected 1 \\(shared\\) or n_kv_heads"):  # checked when planned
-        _C.StorePlan.attend(plan.store, np.zeros((a.n_kv_heads + 1, 2), np.int32))
-    elsewhere = KVStore(L, a.n_kv_heads, a.head_dim, max_seq_len=64, block_size=4)
-    with pytest.raises(ValueError, match="a StorePlan made for another store"):
-        call(steps=[none, _C.StorePlan.attend(elsewhere.native, np.zeros((1, 1), np.int32))])
-    with pytest.raises(ValueError, match=r"windows\[0\]: expected a tuple"):
-        call(windows=[wins[0][0]] + wins[1:])
-    with pytest.raises(ValueError, match=r"x: expected shape"):
-        call(x=np.zeros(a.dim + 1, np.float32))
-    other = KVStore(L, a.n_kv_heads + 1, a.head_dim, max_seq_len=64, block_size=4)
-    with pytest.raises(ValueError, match="KV heads"):
-        call(store=other.native)
-    assert all(st.length(i) == 0 for i in range(L))  # nothing ran
-    call()  # the same call with good arguments: one token in every layer's store
-    assert all(st.length(i) == 1 for i in range(L))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ktquest.generate import decode_one_token, prefill
+from ktquest.kv.dense import DenseKVCache
 from ktquest.models.loader import load_model
 from ktquest.native.decode import NativeDecoder
-from ktquest.kv.dense import DenseKVCache
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4

@@ -1,4 +1,4 @@
-"""SnapKV preselection and Ada-KV budgets (ktquest/selection_policy.py) against naive torch references."""
+"""SnapKV preselection and Ada-KV budgets (ktquest/kv/selection.py) against naive torch references."""
 
 import math
 from fractions import Fraction

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import pre_tokenizers
 
-from ktquest.models.loader import read_gguf
 from ktquest.formats.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer, TokenizerError
+from ktquest.models.loader import read_gguf
 
 TEXTS = [
     "Hello world",

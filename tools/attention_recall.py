@@ -44,8 +44,8 @@ import ktquest
 from ktquest.config import load_config
 from ktquest.generate import prefill
 from ktquest.kv.dense import DenseKVCache
-from ktquest.kv.store import ANCHOR_TYPES, KVStore
 from ktquest.kv.selection import snapkv_token_scores
+from ktquest.kv.store import ANCHOR_TYPES, KVStore
 
 
 class RecordingCache:

@@ -225,7 +225,7 @@ def bench_one(shape: str, T: int, args, flush: Flusher, bandwidth: ReadBandwidth
         return ((int((rows >= 0).sum()) - n_last) * bs + n_last * last) * (KVH // rows.shape[0])
 
     sel_tokens = [tokens(b) for b in selected]
-    anchor_bytes = nb * KVH * store._st.anchor_slots * D * store.anchor_elem_bytes
+    anchor_bytes = nb * KVH * store.native.anchor_slots * D * store.anchor_elem_bytes
     attend_bytes = statistics.median(sel_tokens) * 2 * D * BYTES_PER_VALUE[args.kv_type]
 
     def gbps(nbytes: float, ms: float) -> float:

@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
 
 import ktquest  # noqa: E402
-from ktquest.formats.bundled import bundled_model_path  # noqa: E402
 from ktquest.config import load_config  # noqa: E402
 from ktquest.engine import make_cache  # noqa: E402
+from ktquest.formats.bundled import bundled_model_path  # noqa: E402
 from ktquest.generate import decode_one_token, prefill, sample  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         if lc is None:
             print("llama-cpp-python is not installed: no peer rows", file=sys.stderr)
         else:
-            from ktquest.models.loader import read_gguf
             from ktquest.formats.tokenizer import Tokenizer
+            from ktquest.models.loader import read_gguf
 
             tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata)
             runners.append(LlamaCppRunner(lc, model_path, max_len, a.threads, tokenizer))

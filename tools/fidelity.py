@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--budget={a.budget} must be >= 1")
 
     from ktquest.formats.bundled import bundled_model_path
-    from ktquest.models.loader import read_gguf
     from ktquest.formats.tokenizer import Tokenizer
+    from ktquest.models.loader import read_gguf
 
     model_path = str(a.model or bundled_model_path())
     torch.set_num_threads(a.threads)

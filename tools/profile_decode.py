@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     eng = ktquest.load(config=load_config(a.config, sets))
     if eng.config.mode != "long_context":
         ap.error(f"--config {a.config}: mode is {eng.config.mode!r}, not long_context")
+    if eng.model.native is None:
+        ap.error("the native decode step is off (decode_weights: fp32, or not on the CPU): nothing to profile")
     torch.set_num_threads(a.threads)
     cache, store = eng.cache, eng.cache.store
     n_dense = eng.config.long_context.dense_layer_num
@@ -53,13 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     stage_ms: dict[str, float] = collections.defaultdict(float)
 
     class TimedCache:
-        """The cache, with no decode plan (block by block) and each layer's attention timed."""
+        """The cache as the block-by-block decode step sees it (its position and attention), each layer's
+        attention timed."""
 
-        def __getattr__(self, name):
-            return getattr(cache, name)
-
-        def plan_decode(self, pos):
-            return None
+        @property
+        def pos(self):
+            return cache.pos
 
         def attend(self, layer, q, k, v, start_pos):
             t0 = time.perf_counter()
@@ -71,15 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
     timed = TimedCache()
-    if eng.model.native is None:
-        ap.error("the native decode step is off (decode_weights: fp32, or not on the CPU): nothing to profile")
     for _ in range(3):  # warm-up
-        tok = int(eng.model.native.decode(tok, timed).argmax())
+        tok = int(eng.model.native.decode(tok, timed, planned=False).argmax())
     attn_s.clear()
     stage_ms.clear()
     t0 = time.perf_counter()
     for _ in range(a.tokens):
-        tok = int(eng.model.native.decode(tok, timed).argmax())
+        tok = int(eng.model.native.decode(tok, timed, planned=False).argmax())
     total = time.perf_counter() - t0
     n = a.tokens
     print(f"{a.config}, context {a.context}, {a.threads} threads: {n / total:.1f} tok/s, {total / n * 1e3:.2f} ms/token")

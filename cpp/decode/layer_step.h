@@ -1,4 +1,4 @@
-// One long_context decode step of one layer on the CPU, in one call (ktquest/long_context.py): the new
+// One long_context decode step of one layer on the CPU, in one call (ktquest/kv/long_context.py): the new
 // token's K/V go into the device window buffer, the window is attended densely (attn/dense_attn.h), the
 // context blocks in the store through the sparse operator (a fixed block list or a fresh selection), the two
 // parts are merged exactly by their LSE (attn/merge.h), and the token is appended to the store. One native

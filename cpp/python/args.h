@@ -1,4 +1,4 @@
-// The bindings' shared argument checks. Arrays arrive as numpy views of torch tensors (ktquest/ops.py makes
+// The bindings' shared argument checks. Arrays arrive as numpy views of torch tensors (ktquest/kv/store.py makes
 // them); every one is checked for dtype, shape and C-contiguity before the GIL is released, with a message
 // naming the argument, what was expected and what came. Semantic errors (capacity, ids, non-finite values)
 // are thrown by the C++ code itself before it writes anything.

@@ -29,11 +29,13 @@ void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, cons
     a.req.allowed_cols = int(a.allowed.shape(1));
   }
   if (!a.out_ids.writeable()) throw py::value_error("out_ids: must be writeable");
+  a.out = a.out_ids.mutable_data();
 }
 
-StorePlan StorePlan::attend(const KVStore& st, const py::handle& blocks_obj) {
+StorePlan StorePlan::attend(const py::object& store, const py::handle& blocks_obj) {
+  const KVStore& st = store.cast<const KVStore&>();
   StorePlan p;
-  p.store = &st;
+  p.store = store, p.st = &st;
   p.part = StorePart::ATTEND;
   const int KVH = st.config().n_kv_heads;
   p.blocks = array_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
@@ -43,10 +45,11 @@ StorePlan StorePlan::attend(const KVStore& st, const py::handle& blocks_obj) {
   return p;
 }
 
-StorePlan StorePlan::select(const KVStore& st, const std::string& mode, const py::handle& k, const py::handle& exclude,
-                            const py::handle& allowed, const py::handle& out_ids) {
+StorePlan StorePlan::select(const py::object& store, const std::string& mode, const py::handle& k,
+                            const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+  const KVStore& st = store.cast<const KVStore&>();
   StorePlan p;
-  p.store = &st;
+  p.store = store, p.st = &st;
   p.part = StorePart::SELECT;
   select_args(st, p.sel, mode, k, exclude, allowed, out_ids);
   return p;
@@ -69,7 +72,7 @@ void step_args(const KVStore& st, StepArgs& a, int H, const py::handle& wk_obj, 
     throw py::value_error("skip [" + std::to_string(skip0) + ", " + std::to_string(skip1) +
                           ") must be a range within [0, width) that leaves the new row " + std::to_string(w0));
   check_threads(n_threads);
-  if (plan.store != nullptr && plan.store != &st)
+  if (plan.st != nullptr && plan.st != &st)
     throw py::value_error("plan: a StorePlan made for another store");
   LayerStep& s = a.step;
   s.part = plan.part;
@@ -77,7 +80,7 @@ void step_args(const KVStore& st, StepArgs& a, int H, const py::handle& wk_obj, 
     s.blocks = BlockSets{plan.blocks.data(), int(plan.blocks.shape(0)), int(plan.blocks.shape(1))};
   } else if (s.part == StorePart::SELECT) {
     s.req = plan.sel.req;
-    s.out_ids = const_cast<int32_t*>(plan.sel.out_ids.data());  // checked writeable by select_args
+    s.out_ids = plan.sel.out;
     s.out_cols = int(plan.sel.out_ids.shape(1));
   }
   s.win = WindowView{a.wk.mutable_data(), a.wv.mutable_data(), rows, w0, width, skip0, skip1};
@@ -95,9 +98,6 @@ void bind_store_plan(py::module_& m) {
                   "A fresh selection as KVStore.select_attend makes it (mode SHARED/SEPARATE, k int32 [n_sets], "
                   "exclude int64 [n, 2] block ranges, allowed int32 [n_sets, N] or None); the picks land in "
                   "out_ids int32 [n_sets, cols].")
-      .def_property_readonly("part", [](const StorePlan& p) {
-        return std::string(p.part == StorePart::NONE ? "NONE" : p.part == StorePart::ATTEND ? "ATTEND" : "SELECT");
-      })
       .def_property_readonly("out_ids", [](const StorePlan& p) -> py::object {
         if (p.part != StorePart::SELECT) return py::none();
         return p.sel.out_ids;

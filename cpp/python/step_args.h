@@ -27,6 +27,7 @@ struct [[gnu::visibility("hidden")]] SelectArgs {
   py::array_t<int64_t> exclude;
   py::array_t<int32_t> allowed;
   py::array_t<int32_t> out_ids;
+  int32_t* out = nullptr;  // out_ids' data (checked writeable)
   SelectRequest req;
 };
 
@@ -37,15 +38,16 @@ void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, cons
 // selection into out_ids), checked once against the store it was made for and then run by many steps
 // (ktquest/kv/plan.py keeps a token's plans while the context end stays). It keeps the arrays it borrows.
 struct [[gnu::visibility("hidden")]] StorePlan {
-  const KVStore* store = nullptr;  // null: NONE, which fits any store
+  py::object store;                // the _C.KVStore it was checked against, kept alive by the plan ...
+  const KVStore* st = nullptr;     // ... and its address; null: NONE, which fits any store
   StorePart part = StorePart::NONE;
   py::array_t<int32_t> blocks;  // ATTEND: [1 or KVH, cols], -1 padded
   SelectArgs sel;               // SELECT
 
   static StorePlan none() { return StorePlan{}; }
-  static StorePlan attend(const KVStore& st, const py::handle& blocks);
-  static StorePlan select(const KVStore& st, const std::string& mode, const py::handle& k, const py::handle& exclude,
-                          const py::handle& allowed, const py::handle& out_ids);
+  static StorePlan attend(const py::object& store, const py::handle& blocks);
+  static StorePlan select(const py::object& store, const std::string& mode, const py::handle& k,
+                          const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids);
 };
 
 // The window arguments of a long_context decode step (KVStore.decode_step, each layer of decode_token) checked,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ktquest import _C
-from ktquest.native.args import _int, _np
+from ktquest.native.args import as_numpy, check_int
 
 
 def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
@@ -16,13 +16,13 @@ def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n:
 
     q: [H, D], k/v: [KVH, S, D] (S >= n) -> out [H, D], lse [H] (fp32; GQA: head i reads KV head i // (H/KVH)).
     """
-    qn = _np(q, "q", (torch.float32,), 2)
-    kn, vn = _np(k, "k", (torch.float32,), 3), _np(v, "v", (torch.float32,), 3)
+    qn = as_numpy(q, "q", (torch.float32,), 2)
+    kn, vn = as_numpy(k, "k", (torch.float32,), 3), as_numpy(v, "v", (torch.float32,), 3)
     if out is None:
         out = torch.empty(qn.shape[0], qn.shape[1])
     lse = torch.empty(qn.shape[0])
-    _C.dense_decode_attention(qn, kn, vn, _int(n, "n", 1), float(scale), _np(out, "out", (torch.float32,), 2),
-                              lse.numpy(), _int(threads, "threads", 1), skip[0], skip[1])
+    _C.dense_decode_attention(qn, kn, vn, check_int(n, "n", 1), float(scale), as_numpy(out, "out", (torch.float32,), 2),
+                              lse.numpy(), check_int(threads, "threads", 1), skip[0], skip[1])
     return out, lse
 
 

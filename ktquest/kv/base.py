@@ -8,9 +8,32 @@ call then runs for every block of the model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(slots=True)
+class TokenPlan:
+    """One decode token's attention in every layer, planned by the cache (``KVCache.plan_decode``), run in
+    one native call (``ktquest.native.decode``), then handed back to ``cache.commit_decode`` (or
+    ``cache.abort_decode`` when it raised).
+
+    Every layer writes its new k/v at row ``w0`` of its window buffers ``windows[i]`` = (win_k, win_v)
+    [KVH, rows, D], attends rows [0, width) but ``skip`` densely (softmax scale ``scale``), attends the
+    store's context blocks as ``steps[i]`` says (a ``_C.StorePlan``: none, a fixed list, or a fresh selection
+    into its ids buffer), merges the two parts by their LSE and appends k/v to ``store``."""
+
+    pos: int
+    store: object  # the _C.KVStore
+    windows: list  # [n_layers] (win_k, win_v) numpy views
+    w0: int
+    width: int
+    skip: tuple[int, int]
+    scale: float
+    steps: list  # [n_layers] _C.StorePlan
+    state: object = None  # the cache's own bookkeeping for commit_decode
 
 
 class KVCache(Protocol):
@@ -19,24 +42,27 @@ class KVCache(Protocol):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] (views, maybe non-contiguous) for positions start_pos..+T-1.
+        """q: [T, H, D], k/v: [T, KVH, D] for positions start_pos..+T-1: views, maybe non-contiguous, valid
+        only during the call (the caller reuses their memory: copy what is kept).
 
-        Stores k/v and returns causal attention over positions 0..start_pos+T-1: out [T, H, D].
+        Stores k/v and returns causal attention over positions 0..start_pos+T-1: out [T, H, D], read by the
+        caller before its next call.
         """
         ...
 
-    def plan_decode(self, pos: int):
-        """The native plan of one decode token at ``pos`` (a ``ktquest.native.decode.TokenPlan``), or None
-        when this cache cannot plan it ahead (its attention needs the token's query first: the decode step
-        then goes block by block through ``attend``)."""
+    def plan_decode(self, pos: int) -> TokenPlan | None:
+        """The native plan of one decode token at ``pos``, or None when this cache cannot plan it ahead (its
+        attention needs the token's query first: the decode step then goes block by block through
+        ``attend``). A plan begins the token's pass in the cache (window geometry, the planner's counters),
+        so each plan is followed by exactly one ``commit_decode`` or ``abort_decode``."""
         ...
 
-    def commit_decode(self, plan) -> None:
-        """The planned token ran in every layer (only called for a plan this cache made)."""
+    def commit_decode(self, plan: TokenPlan) -> None:
+        """The planned token ran in every layer."""
         ...
 
-    def abort_decode(self, plan) -> None:
-        """The planned token raised part-way (only called for a plan this cache made)."""
+    def abort_decode(self, plan: TokenPlan) -> None:
+        """The planned token raised part-way (some layers may hold it)."""
         ...
 
     def reset(self) -> None: ...

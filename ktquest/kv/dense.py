@@ -91,7 +91,6 @@ class DenseKVCache:
 
     def plan_decode(self, pos: int) -> None:
         """The decode step goes block by block through ``attend`` (``KVCache.plan_decode``)."""
-        return None
 
     def commit_decode(self, plan) -> None:  # never planned
         raise AssertionError("DenseKVCache makes no decode plans")

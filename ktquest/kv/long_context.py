@@ -31,16 +31,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ktquest import _C
 from ktquest.config import Config, ConfigError
-from ktquest.kv.attention import dense_decode_attention, merge_attention
+from ktquest.kv.attention import merge_attention
+from ktquest.kv.base import TokenPlan
 from ktquest.kv.memory import check_store_fits
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
 from ktquest.kv.store import KVStore
-from ktquest.native.decode import TokenPlan
 
 # torch's CPU flash attention with the log-sum-exp output (a private op: the explicit path is the fallback)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -63,7 +62,7 @@ class _Geometry:
 
 
 class LongContextCache:
-    """The cache interface of ``DenseKVCache`` (attend, pos, max_seq_len, reset, truncate, nbytes)."""
+    """A ``KVCache`` (kv/base.py) over a DRAM block store and device windows: see the module docstring."""
 
     def __init__(self, args, cfg: Config, max_seq_len: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
@@ -94,8 +93,8 @@ class LongContextCache:
         self.win_v = torch.zeros(shape, device=self.device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(self.D)
         self.threads = threads
-        # Decode's window attention in C++ (kv/attention.dense_decode_attention) on CPU fp32; DYNAMIC anchors need
-        # the attention probabilities, which only the explicit torch path returns.
+        # A CPU fp32 decode step is native (cpp/decode/layer_step: window, store part and LSE merge in one call);
+        # DYNAMIC anchors need the attention probabilities, which only the explicit torch path returns.
         self._native_decode = self.device.type == "cpu" and dtype == torch.float32 and lc.anchor_type != "DYNAMIC"
         # numpy views of each layer's window buffers for the native decode calls (the buffers are never replaced)
         self._win_np = [(self.win_k[i].numpy(), self.win_v[i].numpy()) for i in range(self.n_layers)] \
@@ -246,11 +245,7 @@ class LongContextCache:
         Rows are ordered (t, g) per KV head, so the [T, W] mask broadcasts over G without a copy, and for
         T = 1 every reshape is a view: a decode step is one baddbmm, a softmax, a logsumexp and one bmm.
         """
-        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
-        if T == 1 and self._native_decode:  # the C++ split-K kernel, the dropped stretch skipped
-            out, lse = dense_decode_attention(q[0], self.win_k[layer], self.win_v[layer], g.width, self.scale,
-                                              self.threads, skip=g.skip)
-            return out[None], lse[None], None
+        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D  # (a CPU fp32 decode step takes _decode_native)
         keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
         vals = self.win_v[layer, :, : g.width]
         qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]
@@ -308,7 +303,7 @@ class LongContextCache:
         g = self.geo
         steps = self.planner.token_steps(g.loc0 // self.bs)
         return TokenPlan(pos, self.store.native, self._win_np, self._window_row(pos), g.width, g.skip, self.scale,
-                         steps.steps, state=steps)
+                         steps.plans, state=steps)
 
     def commit_decode(self, plan: TokenPlan) -> None:
         """The token of ``plan`` is in every layer."""
@@ -340,7 +335,7 @@ class LongContextCache:
     def _decode_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        start_pos: int) -> torch.Tensor:
         """attend() for one token on the CPU in one native call (cpp/decode/layer_step.h): window write, dense window
-        attention, the store part as _plan() says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
+        attention, the store part as the planner says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
         qc = q[0].contiguous()  # [H, D]
         lb = self.geo.loc0 // self.bs
         blocks, select = self.planner.plan(layer, qc, lb) if lb > self.ib else (None, None)
@@ -362,6 +357,7 @@ class LongContextCache:
         blocks, select = self.planner.plan(layer, qc, lb)
         if select is None:
             return self.store.attend(layer, qc, blocks, self._out, self._lse)
-        out, lse, ids = self.store.select_attend(layer, qc, *select, self._out, self._lse)
+        out, lse, ids = self.store.select_attend(layer, qc, select.k, select.mode, select.exclude_ranges,
+                                                 select.allowed, self._out, self._lse)
         self.planner.record(layer, ids, lb)
         return out, lse

@@ -20,7 +20,7 @@ import torch
 
 from ktquest.config import LongContextConfig
 from ktquest.kv.selection import ada_budgets_fast, snapkv_preselect
-from ktquest.kv.store import KVStore
+from ktquest.kv.store import KVStore, Select
 
 
 @dataclass(slots=True)
@@ -44,17 +44,17 @@ class Selection:
 
 
 @dataclass(slots=True)
-class _TokenSteps:
+class TokenSteps:
     """Every layer's store part for decode tokens whose context ends at block ``lb`` (``_C.StorePlan``s from
     KVStore.step_plan; their out_ids buffers are reused from token to token), with the layers that select
     (``fresh``: layer -> its plan) and those that attend every block or reuse a selection (the statistics to
     count)."""
 
     lb: int
-    steps: list
-    fresh: dict
-    full: list
-    reuse: list
+    plans: list  # [n_layers] _C.StorePlan
+    fresh: dict  # layer -> its plan, for the layers that select
+    full: list  # the layers that attend every context block
+    reuse: list  # the layers that reuse a selection
 
 
 class DecodePlanner:
@@ -83,7 +83,7 @@ class DecodePlanner:
     def forget(self) -> None:
         """Forget the selections and candidates (the cache was truncated: they may name dropped blocks)."""
         self.sel = [None] * self.n_layers
-        self._token_steps: _TokenSteps | None = None  # valid while nothing changes
+        self._token_steps: TokenSteps | None = None  # valid while nothing changes
         # per layer: [n_sets, N] int32 preselected blocks (-1 padded), and the context end it covers
         self.allowed: list[torch.Tensor | None] = [None] * self.n_layers
         self.allowed_np: list[np.ndarray | None] = [None] * self.n_layers  # numpy views (decode calls)
@@ -145,7 +145,7 @@ class DecodePlanner:
 
     # ---- plans ----
 
-    def token_steps(self, lb: int) -> list:
+    def token_steps(self, lb: int) -> TokenSteps:
         """Every layer's store part of a decode token whose context blocks are [ib, lb) (``StorePlan``s), the
         statistics counted. Kept for the next tokens when they would plan the same: every
         selection due at every token (token_step 1), nothing pending, the same context end."""
@@ -163,7 +163,7 @@ class DecodePlanner:
             plan = self._make_token_steps(lb)
         return plan
 
-    def token_done(self, plan: _TokenSteps) -> None:
+    def token_done(self, plan: TokenSteps) -> None:
         """The token of ``plan`` ran: its selections are in the plan's buffers (copied out when read: a copy
         per layer per token would cost ~6 us a layer on the decode path, and the next token replaces them)."""
         self._sel_live = (plan, plan.lb, self.decode_step)
@@ -172,25 +172,25 @@ class DecodePlanner:
         """The token of the last plan raised: its ids buffers may hold part of its picks."""
         self.sel = [None] * self.n_layers
 
-    def _make_token_steps(self, lb: int) -> _TokenSteps:
-        steps, fresh = [], {}  # fresh: layer -> its store plan, for the layers that select in this token
+    def _make_token_steps(self, lb: int) -> TokenSteps:
+        plans, fresh = [], {}  # fresh: layer -> its store plan, for the layers that select in this token
         full, reuse = [], []  # the layers plan() counted as attending every block / reusing a selection
         for layer in range(self.n_layers):
             blocks, select = self.plan(layer, None, lb, fresh) if lb > self.ib else (None, None)
-            plan = self.store.step_plan(layer, blocks, select)
+            store_plan = self.store.step_plan(layer, blocks, select)
             if select is not None:
-                fresh[layer] = plan
+                fresh[layer] = store_plan
             elif blocks is not None:
                 (full if layer < self.lc.dense_layer_num else reuse).append(layer)
-            steps.append(plan)
-        plan = _TokenSteps(lb, steps, fresh, full, reuse)
-        self._token_steps = plan if self.lc.token_step == 1 and lb > self.ib else None
-        return plan
+            plans.append(store_plan)
+        steps = TokenSteps(lb, plans, fresh, full, reuse)
+        self._token_steps = steps if self.lc.token_step == 1 and lb > self.ib else None
+        return steps
 
     def plan(self, layer: int, qc: torch.Tensor | None, lb: int,
-             fresh: dict | None = None) -> tuple[torch.Tensor | None, tuple | None]:
+             fresh: dict | None = None) -> tuple[torch.Tensor | None, Select | None]:
         """Which context blocks a decode step of ``layer`` attends to: (blocks, None) for a fixed list (dense
-        layers, a reused selection), or (None, (k, mode, exclude_ranges, allowed)) for a fresh selection.
+        layers, a reused selection), or (None, a ``Select``) for a fresh selection.
         qc: [H, D] fp32 CPU (only read for Ada-KV budgets in SEPARATE mode; may be None otherwise). Keeps the
         call statistics and runs a pending preselection. fresh (token_steps): the store plans of the layers
         that select in this token but have not run yet; a follower of one of them reuses its out_ids."""
@@ -225,7 +225,7 @@ class DecodePlanner:
                 keep = torch.zeros(scores.shape[0], nb + 1, dtype=torch.bool).scatter_(1, idx, True)
                 scores.masked_fill_(~keep[:, :nb], float("-inf"))
             ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
-        return None, (ks, mode, excl, None if allowed is None else self.allowed_np[layer])
+        return None, Select(ks, mode, excl, None if allowed is None else self.allowed_np[layer])
 
     @property
     def needs_query(self) -> bool:

@@ -16,12 +16,13 @@ are ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument, never a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ktquest import _C
-from ktquest.native.args import _int, _name, _np, _padded_ids, _tensor
+from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, padded_ids
 
 KV_TYPES: tuple[str, ...] = _C.KV_TYPES  # the store's enums, named by C++
 ANCHOR_TYPES: tuple[str, ...] = _C.ANCHOR_TYPES
@@ -29,6 +30,18 @@ HEAD_MODES: tuple[str, ...] = _C.HEAD_MODES
 
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
+
+
+@dataclass(slots=True, frozen=True)
+class Select:
+    """A fresh selection's request, as select() and select_attend() take it: the top ``k`` blocks (an int, or
+    one per KV head in SEPARATE mode) per set of ``mode``, never in the half-open block ``exclude_ranges``,
+    among ``allowed`` (one id list per set; None: every block)."""
+
+    k: int | Sequence[int]
+    mode: str = "SEPARATE"
+    exclude_ranges: Sequence[tuple[int, int]] | np.ndarray = ()
+    allowed: object = None
 
 
 class KVStore:
@@ -55,15 +68,15 @@ class KVStore:
         threads_num: int = 1,
         int8_candidates: bool = False,
     ):
-        self.n_layers = _int(n_layers, "n_layers", 1)
-        self.n_kv_heads = _int(n_kv_heads, "n_kv_heads", 1)
-        self.head_dim = _int(head_dim, "head_dim", 1)
-        self.max_seq_len = _int(max_seq_len, "max_seq_len", 1)
-        self.block_size = _int(block_size, "block_size", 1)
-        self.kv_type = _name(kv_type, "kv_type", KV_TYPES)
-        self.anchor_type = _name(anchor_type, "anchor_type", ANCHOR_TYPES)
-        self.anchor_num = _int(anchor_num, "anchor_num", 1)
-        self.threads_num = _int(threads_num, "threads_num", 1)
+        self.n_layers = check_int(n_layers, "n_layers", 1)
+        self.n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
+        self.max_seq_len = check_int(max_seq_len, "max_seq_len", 1)
+        self.block_size = check_int(block_size, "block_size", 1)
+        self.kv_type = check_name(kv_type, "kv_type", KV_TYPES)
+        self.anchor_type = check_name(anchor_type, "anchor_type", ANCHOR_TYPES)
+        self.anchor_num = check_int(anchor_num, "anchor_num", 1)
+        self.threads_num = check_int(threads_num, "threads_num", 1)
         if not isinstance(int8_candidates, bool):
             raise TypeError(f"int8_candidates must be a bool, got {type(int8_candidates).__name__}")
         self.int8_candidates = int8_candidates
@@ -92,8 +105,8 @@ class KVStore:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, importance: torch.Tensor | None = None
     ) -> None:
         """Append T tokens. k, v: [T, KVH, D] fp32/fp16/bf16 (same dtype); importance: [T, KVH] fp32 or None."""
-        k = _tensor(k, "k", tuple(_IN_DTYPES), 3)
-        v = _tensor(v, "v", (k.dtype,), 3)
+        k = check_tensor(k, "k", tuple(_IN_DTYPES), 3)
+        v = check_tensor(v, "v", (k.dtype,), 3)
         shape = [k.shape[0], self.n_kv_heads, self.head_dim]
         for name, x in (("k", k), ("v", v)):
             if list(x.shape) != shape:
@@ -102,7 +115,7 @@ class KVStore:
                 )
         imp = None
         if importance is not None:
-            imp = _tensor(importance, "importance", (torch.float32,), 2).numpy()
+            imp = check_tensor(importance, "importance", (torch.float32,), 2).numpy()
         dtype = _IN_DTYPES[k.dtype]
         if k.dtype != torch.float32:  # numpy has no bfloat16: hand over the raw 16-bit patterns
             k, v = k.view(torch.int16), v.view(torch.int16)
@@ -133,7 +146,7 @@ class KVStore:
 
     def read_range(self, layer: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [t0, t1) dequantised: (k, v), each [t1 - t0, KVH, D] fp32."""
-        k, v = self._st.read_range(layer, _int(t0, "t0"), _int(t1, "t1"))
+        k, v = self._st.read_range(layer, check_int(t0, "t0"), check_int(t1, "t1"))
         return torch.from_numpy(k), torch.from_numpy(v)
 
     def truncate(self, layer: int, n: int) -> None:
@@ -142,7 +155,7 @@ class KVStore:
         anchors of the surviving tokens: importances are not stored)."""
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < -1:
             raise ValueError(f"layer={layer!r} is not allowed: a layer index, or -1 for every layer")
-        self._st.truncate(int(layer), _int(n, "n"))
+        self._st.truncate(int(layer), check_int(n, "n"))
 
     @property
     def anchor_elem_bytes(self) -> int:
@@ -158,7 +171,7 @@ class KVStore:
     # ---- decode ----
 
     def _q(self, q) -> np.ndarray:
-        return _np(q, "q", (torch.float32,), 2)  # [H, D]: H and D are checked by the binding and the store
+        return as_numpy(q, "q", (torch.float32,), 2)  # [H, D]: H and D are checked by the binding and the store
 
     def _k(self, k, mode: str) -> tuple[np.ndarray, int]:
         """k per set as int32 [n_sets] and its maximum (cached: the decode loop passes the same k)."""
@@ -168,9 +181,9 @@ class KVStore:
             return hit
         n_sets = 1 if mode == "SHARED" else self.n_kv_heads
         if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
-            ks = [_int(k, "k")] * n_sets
+            ks = [check_int(k, "k")] * n_sets
         elif mode == "SEPARATE" and isinstance(k, (Sequence, torch.Tensor)) and len(k) == n_sets:
-            ks = [_int(int(x), f"k[{i}]") for i, x in enumerate(k)]
+            ks = [check_int(int(x), f"k[{i}]") for i, x in enumerate(k)]
         else:
             raise ValueError(
                 f"k={k!r} is not allowed: an integer >= 0, or (SEPARATE) one per KV head ({self.n_kv_heads})"
@@ -181,7 +194,7 @@ class KVStore:
         return hit
 
     def _request(self, layer, k, mode, exclude_ranges, allowed):
-        mode = mode if mode in HEAD_MODES else _name(mode, "mode", HEAD_MODES)
+        mode = mode if mode in HEAD_MODES else check_name(mode, "mode", HEAD_MODES)
         n_sets = 1 if mode == "SHARED" else self.n_kv_heads
         ks, k_max = self._k(k, mode)
         if exclude_ranges is None or len(exclude_ranges) == 0:
@@ -197,7 +210,7 @@ class KVStore:
         elif type(allowed) is np.ndarray and allowed.dtype == np.int32 and allowed.ndim == 2:
             allow = allowed  # the decode loop's cached ids: shape and contents are checked by the binding
         else:
-            allow = _padded_ids(allowed, "allowed", n_sets)
+            allow = padded_ids(allowed, "allowed", n_sets)
         cols = min(k_max, self._st.n_blocks(layer) if allow is None else allow.shape[1])
         ids = np.empty((n_sets, cols), np.int32)
         return mode, ks, excl, allow, ids
@@ -205,7 +218,7 @@ class KVStore:
     def block_scores(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
         """Unscaled anchor scores of every block, summed over each KV head's query group (SEPARATE:
         [KVH, n_blocks]) or over all heads (SHARED: [n_blocks]). q: [H, D] fp32."""
-        mode = _name(mode, "mode", HEAD_MODES)
+        mode = check_name(mode, "mode", HEAD_MODES)
         s = torch.from_numpy(self._st.block_scores(layer, self._q(q), mode))
         return s[0] if mode == "SHARED" else s
 
@@ -240,12 +253,12 @@ class KVStore:
         qn = self._q(q)
         H = qn.shape[0]
         if isinstance(blocks, torch.Tensor) and blocks.dim() == 1:
-            b = _padded_ids(blocks, "blocks", 1)
+            b = padded_ids(blocks, "blocks", 1)
         elif isinstance(blocks, torch.Tensor):
-            b = _padded_ids(blocks, "blocks", blocks.shape[0] if blocks.dim() == 2 else -1)
+            b = padded_ids(blocks, "blocks", blocks.shape[0] if blocks.dim() == 2 else -1)
         else:
             shared = len(blocks) == 0 or not isinstance(blocks[0], (Sequence, torch.Tensor, np.ndarray))
-            b = _padded_ids(blocks, "blocks", 1 if shared else self.n_kv_heads)
+            b = padded_ids(blocks, "blocks", 1 if shared else self.n_kv_heads)
         out, lse, out_np, lse_np = self._outputs(H, out, lse)
         self._st.attend(layer, qn, b, out_np, lse_np)
         return out, lse
@@ -270,33 +283,33 @@ class KVStore:
 
     def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
                     win_v: torch.Tensor, w0: int, width: int, skip: tuple[int, int], scale: float, threads: int,
-                    out: torch.Tensor, blocks=None, select: tuple | None = None) -> torch.Tensor | None:
+                    out: torch.Tensor, blocks=None, select: Select | None = None) -> torch.Tensor | None:
         """One long_context decode step of a layer in one native call (cpp/decode/layer_step.h).
 
         k, v: [KVH, D] the new token, written to row ``w0`` of the window buffers win_k/win_v [KVH, rows, D];
         window rows [0, width) but ``skip`` are attended densely (softmax scale ``scale``); the store part is
-        ``blocks`` (as attend()), or ``select`` = (k, mode, exclude_ranges, allowed) (as select_attend()), or
-        nothing when both are None; the parts are merged by LSE into out [H, D]; then k/v are appended to the
+        ``blocks`` (as attend()), or a fresh selection ``select``, or nothing when both are None; the parts are merged by LSE into out [H, D]; then k/v are appended to the
         store. All fp32 on the CPU. Returns the selected ids (as select_attend()) or None.
         """
         f32 = (torch.float32,)
         qn = self._q(q)
         plan = self.step_plan(layer, blocks, select)
-        self._st.decode_step(layer, qn, _np(k, "k", f32, 2), _np(v, "v", f32, 2), _np(win_k, "win_k", f32, 3),
-                             _np(win_v, "win_v", f32, 3), w0, width, skip[0], skip[1], float(scale), threads, plan,
-                             _np(out, "out", f32, 2))
-        return self._step_ids(plan.out_ids, "SEPARATE" if select is None else select[1])
+        self._st.decode_step(layer, qn, as_numpy(k, "k", f32, 2), as_numpy(v, "v", f32, 2), as_numpy(win_k, "win_k", f32, 3),
+                             as_numpy(win_v, "win_v", f32, 3), w0, width, skip[0], skip[1], float(scale), threads, plan,
+                             as_numpy(out, "out", f32, 2))
+        return self._step_ids(plan.out_ids, "SEPARATE" if select is None else select.mode)
 
-    def step_plan(self, layer: int, blocks, select) -> _C.StorePlan:
+    def step_plan(self, layer: int, blocks, select: Select | None) -> _C.StorePlan:
         """A decode step's store part, checked once (``_C.StorePlan``, run by decode_step and the whole-token
-        call): ``select`` = (k, mode, exclude_ranges, allowed) as select_attend() takes them, the picks landing
-        in the plan's ``out_ids``; else ``blocks`` as attend() takes them; else nothing (no context block)."""
+        call): a fresh selection ``select``, the picks landing in the plan's ``out_ids``; else ``blocks`` as
+        attend() takes them; else nothing (no context block)."""
         if select is not None:
-            mode, ks, excl, allow, ids = self._request(layer, select[0], select[1], select[2], select[3])
+            mode, ks, excl, allow, ids = self._request(layer, select.k, select.mode, select.exclude_ranges,
+                                                       select.allowed)
             return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids)
         if blocks is not None:
             n = blocks.shape[0] if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 else 1
-            return _C.StorePlan.attend(self._st, _padded_ids(blocks, "blocks", n))
+            return _C.StorePlan.attend(self._st, padded_ids(blocks, "blocks", n))
         return _C.StorePlan.none()
 
     @staticmethod
@@ -318,10 +331,10 @@ class KVStore:
             out_np = np.empty((H, self.head_dim), np.float32)
             out = torch.from_numpy(out_np)
         else:
-            out_np = _np(out, "out", (torch.float32,), 2)
+            out_np = as_numpy(out, "out", (torch.float32,), 2)
         if lse is None:
             lse_np = np.empty(H, np.float32)
             lse = torch.from_numpy(lse_np)
         else:
-            lse_np = _np(lse, "lse", (torch.float32,), 1)
+            lse_np = as_numpy(lse, "lse", (torch.float32,), 1)
         return out, lse, out_np, lse_np

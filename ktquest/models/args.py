@@ -12,6 +12,13 @@ from ktquest.formats.gguf import GGUFError, GGUFFile, GGUFTensors
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
+# llama.cpp's tensor names, shared by llama and qwen2: model field -> GGUF name (blocks under "blk.{i}.").
+MODEL_TENSORS = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
+BLOCK_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
+                 "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
+                 "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
+BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+
 
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
@@ -30,24 +37,6 @@ class RopeScaling:
     beta_slow: float = 1.0  # yarn
     attn_factor: float = 1.0  # yarn: extra cos/sin multiplier on top of 0.1 * ln(factor) + 1
     freq_factors: tuple[float, ...] | None = None  # llama3 (or any file with rope_freqs.weight)
-
-
-@dataclass(slots=True, frozen=True)
-class ModelArgs:
-    arch: str
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab_size: int
-    norm_eps: float
-    rope_theta: float
-    context_length: int
-    rope_scaling: RopeScaling | None
-    qkv_bias: bool
-    tie_embeddings: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,9 +115,10 @@ def model_args(f: GGUFFile) -> ModelArgs:
     if rope_dim != head_dim:
         raise GGUFError(f"{path}: {arch}.rope.dimension_count={rope_dim} differs from head_dim {head_dim} "
                         f"(partial rotary embeddings are not supported)")
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{path}: missing tensor 'token_embd.weight'")
-    vocab_size = int(md.get(f"{arch}.vocab_size", tensors.shape("token_embd.weight")[0]))
+    embd = MODEL_TENSORS["tok_embeddings"]
+    if embd not in tensors:
+        raise GGUFError(f"{path}: missing tensor {embd!r}")
+    vocab_size = int(md.get(f"{arch}.vocab_size", tensors.shape(embd)[0]))
     return ModelArgs(
         arch=arch,
         n_layers=int(need(f"{arch}.block_count")),
@@ -143,6 +133,6 @@ def model_args(f: GGUFFile) -> ModelArgs:
         context_length=int(need(f"{arch}.context_length")),
         rope_scaling=_rope_scaling(path, md, arch, tensors, head_dim),
         # qwen2 always has Q/K/V biases; a llama file may carry them too.
-        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        tie_embeddings="output.weight" not in tensors,
+        qkv_bias=arch == "qwen2" or f"blk.0.{BIAS_TENSORS['bq']}" in tensors,
+        tie_embeddings=MODEL_TENSORS["output"] not in tensors,
     )

@@ -135,6 +135,7 @@ class Transformer(nn.Module):
         self.native = None
 
     def check_positions(self, start_pos: int, t: int) -> None:
+        """ValueError unless positions start_pos..start_pos+t-1 are within the RoPE tables."""
         if start_pos < 0 or start_pos + t > self.max_seq_len:
             raise ValueError(f"positions {start_pos}..{start_pos + t - 1} exceed the model's rope tables "
                              f"(max_seq_len {self.max_seq_len})")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
-from ktquest.models.args import ModelArgs, model_args
+from ktquest.models.args import BIAS_TENSORS, BLOCK_TENSORS, MODEL_TENSORS, ModelArgs, model_args
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
 
 
@@ -36,6 +36,11 @@ class GGUFContents:
     metadata: dict[str, Any]
 
 
+def _block_tensors(a: ModelArgs) -> dict[str, str]:
+    """A block's tensors: model field -> GGUF name under "blk.{i}." (the biases only when the file has them)."""
+    return BLOCK_TENSORS | (BIAS_TENSORS if a.qkv_bias else {})
+
+
 def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs under its GGUF name, [rows, cols] (biases only when ``a.qkv_bias``)."""
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -44,9 +49,8 @@ def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
              "ffn_norm": (a.dim,), "w_gate": (a.ffn_dim, a.dim), "w_up": (a.ffn_dim, a.dim),
              "w_down": (a.dim, a.ffn_dim), "bq": (q,), "bk": (kv,), "bv": (kv,)}
     shapes = {n: model[f] for f, n in MODEL_TENSORS.items() if f != "output" or not a.tie_embeddings}
-    names = BLOCK_TENSORS | (BIAS_TENSORS if a.qkv_bias else {})
     for i in range(a.n_layers):
-        shapes |= {f"blk.{i}.{n}": block[f] for f, n in names.items()}
+        shapes |= {f"blk.{i}.{n}": block[f] for f, n in _block_tensors(a).items()}
     return shapes
 
 
@@ -83,14 +87,6 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).copy()
 
 
-# llama.cpp's tensor names, shared by llama and qwen2: model field -> GGUF name (blocks under "blk.{i}.").
-MODEL_TENSORS = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
-BLOCK_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
-                 "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
-                 "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
-BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
-
-
 def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu") -> TransformerWeights:
     """The model's tensors from the file, dequantized to ``dtype`` on ``device``, in the Hugging Face layout
@@ -104,10 +100,8 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
         return torch.from_numpy(w).to(device=device, dtype=dtype)
 
     heads = {"wq": a.n_heads, "wk": a.n_kv_heads, "bq": a.n_heads, "bk": a.n_kv_heads}
-    layers = []
-    for i in range(a.n_layers):
-        names = BLOCK_TENSORS | (BIAS_TENSORS if a.qkv_bias else {})
-        layers.append(BlockWeights(**{f: tensor(f"blk.{i}.{n}", heads.get(f, 0)) for f, n in names.items()}))
+    layers = [BlockWeights(**{f: tensor(f"blk.{i}.{n}", heads.get(f, 0)) for f, n in _block_tensors(a).items()})
+              for i in range(a.n_layers)]
     return TransformerWeights(
         tok_embeddings=tensor(MODEL_TENSORS["tok_embeddings"]),
         norm=tensor(MODEL_TENSORS["norm"]),
@@ -122,5 +116,11 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     max_seq_len: positions the RoPE tables cover; 0 = the trained context length.
     """
     contents = read_gguf(path)
-    model = Transformer(contents.args, model_weights(contents, dtype, device), max_seq_len=max_seq_len)
-    return model.eval(), contents
+    return build_model(contents, device, dtype, max_seq_len), contents
+
+
+def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                max_seq_len: int = 0) -> Transformer:
+    """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
+    ``max_seq_len`` positions; 0 = the trained context length)."""
+    return Transformer(contents.args, model_weights(contents, dtype, device), max_seq_len=max_seq_len).eval()

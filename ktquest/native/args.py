@@ -9,19 +9,19 @@ import numpy as np
 import torch
 
 
-def _name(value: str, what: str, allowed: tuple[str, ...]) -> str:
+def check_name(value: str, what: str, allowed: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value.upper() not in allowed:
         raise ValueError(f"{what}={value!r} is not allowed: one of {', '.join(allowed)}")
     return value.upper()
 
 
-def _int(value, what: str, lo: int = 0) -> int:
+def check_int(value, what: str, lo: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise ValueError(f"{what}={value!r} is not allowed: an integer >= {lo}")
     return int(value)
 
 
-def _tensor(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
+def check_tensor(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
@@ -35,18 +35,18 @@ def _tensor(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.T
     return x.detach()
 
 
-def _np(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> np.ndarray:
+def as_numpy(x, what: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> np.ndarray:
     """A numpy view of a CPU tensor. Fast path for the decode loop: the binding checks shape and contiguity
-    again, so only the conversion is tried here; anything odd goes through _tensor() for a clear error."""
+    again, so only the conversion is tried here; anything odd goes through check_tensor() for a clear error."""
     if type(x) is torch.Tensor and x.dtype in dtypes:
         try:
             return x.numpy()
         except RuntimeError:  # requires grad, or not on the CPU
             pass
-    return _tensor(x, what, dtypes, ndim).numpy()
+    return check_tensor(x, what, dtypes, ndim).numpy()
 
 
-def _padded_ids(rows, what: str, n_rows: int) -> np.ndarray:
+def padded_ids(rows, what: str, n_rows: int) -> np.ndarray:
     """Block ids per set -> int32 [n_rows, N], -1 padded. rows: a [n_rows, N] int tensor or lists."""
     if isinstance(rows, torch.Tensor):
         if rows.dtype not in (torch.int32, torch.int64) or rows.device.type != "cpu":

@@ -15,35 +15,12 @@ one by one around ``cache.attend``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ktquest import _C
 from ktquest.kv.base import KVCache
-
-
-@dataclass(slots=True)
-class TokenPlan:
-    """One decode token's attention in every layer, planned by the cache (``KVCache.plan_decode``) and run
-    by ``NativeDecoder.decode`` in one native call, then handed back to ``cache.commit_decode`` (or
-    ``cache.abort_decode`` when it raised).
-
-    Every layer writes its new k/v at row ``w0`` of its window buffers ``windows[i]`` = (win_k, win_v)
-    [KVH, rows, D], attends rows [0, width) but ``skip`` densely (softmax scale ``scale``), attends the
-    store's context blocks as ``steps[i]`` says (a ``_C.StorePlan``: none, a fixed list, or a fresh selection
-    into its ids buffer), merges the two parts by their LSE and appends k/v to ``store``."""
-
-    pos: int
-    store: object  # the _C.KVStore
-    windows: list  # [n_layers] (win_k, win_v) numpy views
-    w0: int
-    width: int
-    skip: tuple[int, int]
-    scale: float
-    steps: list  # [n_layers] _C.StorePlan
-    state: object = None  # the cache's own bookkeeping for commit_decode
+from ktquest.layers.linear import set_decode_weights
 
 
 class NativeDecoder:
@@ -62,28 +39,28 @@ class NativeDecoder:
         self.norm_w, self.eps = model.norm.weight.detach().numpy(), model.norm.eps  # [dim]
         self.head = model.output.q8  # (qw [V, dim] int8, dw [V, dim/32], bias or None)
         self.head_threads = model.output.threads
-        self.max_seq_len = model.max_seq_len
+        self.check_positions = model.check_positions
         self._qkv = np.empty((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, np.float32)
 
     @classmethod
     def build(cls, model, threads: int) -> NativeDecoder | None:
         emb = model.tok_embeddings
-        linears = [model.output] + [m for b in model.layers for m in
-                                    (b.attn.wqkv, b.attn.wo, b.ffn.w_gate_up, b.ffn.w_down)]
+        linears = [model.output] + [m for b in model.layers for m in _linears(b)]
         if emb.device.type != "cpu" or emb.dtype != torch.float32 or any(m.q8 is None for m in linears):
             return None
         return cls(model, threads)
 
-    def decode(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Feed ``token`` at cache.pos through every block; returns its logits [V]."""
+    def decode(self, token: int, cache: KVCache, planned: bool = True) -> torch.Tensor:
+        """Feed ``token`` at cache.pos through every block; returns its logits [V]. ``planned=False`` runs
+        the blocks one by one around ``cache.attend`` even where the cache could plan the token (the
+        reference the planned path is tested against; a profile of each layer's attention)."""
         pos = cache.pos
-        if not 0 <= pos < self.max_seq_len:
-            raise ValueError(f"positions {pos}..{pos} exceed the model's rope tables (max_seq_len {self.max_seq_len})")
+        self.check_positions(pos, 1)
         if not 0 <= token < self.emb.shape[0]:
             raise IndexError(f"token id {token} is outside the vocabulary (0..{self.emb.shape[0] - 1})")
         x = self.emb[token].copy()  # [dim]
         cos, sin = self.cos[pos], self.sin[pos]  # [D]: the token's RoPE rows
-        plan = cache.plan_decode(pos)
+        plan = cache.plan_decode(pos) if planned else None
         if plan is not None:  # every block in one native call
             try:
                 _C.decode_token_long_context(self.blocks, x, cos, sin, plan.store, plan.windows, plan.w0,
@@ -113,9 +90,20 @@ class NativeDecoder:
             block.out(out.reshape(-1).contiguous().numpy(), x, self.threads)
 
 
+def use_decode_weights(model, mode: str, threads: int) -> None:
+    """Give ``model`` the CPU decode path ``mode``: "q8_0" (each Linear keeps a Q8_0 copy, and the decode
+    step runs natively: ``model.native``) or "fp32" (torch ops on the fp32 weights)."""
+    set_decode_weights(model, mode, threads)
+    model.native = NativeDecoder.build(model, threads) if mode == "q8_0" else None
+
+
+def _linears(block) -> list:
+    """A block's Linear layers in the order DecodeLayer takes them: wqkv, wo, w_gate_up, w_down."""
+    return [block.attn.wqkv, block.attn.wo, block.ffn.w_gate_up, block.ffn.w_down]
+
+
 def _decode_layer(block) -> object:
     """A block's native decode stages (cpp/decode/): its norms and its Linear layers' Q8_0 packs."""
-    a, f = block.attn, block.ffn
+    a = block.attn
     return _C.DecodeLayer(block.attn_norm.weight.detach().numpy(), block.ffn_norm.weight.detach().numpy(),
-                          block.attn_norm.eps, a.wqkv.q8, a.wo.q8, f.w_gate_up.q8, f.w_down.q8,
-                          a.n_heads, a.n_kv_heads, a.head_dim)
+                          block.attn_norm.eps, *(m.q8 for m in _linears(block)), a.n_heads, a.n_kv_heads, a.head_dim)
