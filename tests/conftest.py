@@ -66,6 +66,16 @@ def _train_bpe() -> TinyBPE:
     return TinyBPE(tokens=tokens, merges=merges, token_types=types, hf=tok)
 
 
+@pytest.fixture(params=[False, True], ids=["avx2", "scalar"])
+def force_scalar(request):
+    """Each kernel test runs on both paths: the AVX2 kernels and their scalar twins."""
+    from ktquest import _C
+
+    _C.set_force_scalar(request.param)
+    yield request.param
+    _C.set_force_scalar(False)
+
+
 @pytest.fixture(scope="session")
 def tiny_bpe() -> TinyBPE:
     return _train_bpe()

@@ -26,13 +26,6 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: 
 RTOL, ATOL = 1e-5, 1e-5
 
 
-@pytest.fixture(params=[False, True], ids=["avx2", "scalar"])
-def force_scalar(request):
-    _C.set_force_scalar(request.param)
-    yield request.param
-    _C.set_force_scalar(False)
-
-
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (32, 8, 128), (3, 1, 16)])
 @pytest.mark.parametrize("n", [1, 7, 64, 129, 1000])
 def test_matches_reference(force_scalar, H, KVH, D, n):

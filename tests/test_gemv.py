@@ -29,13 +29,6 @@ FP32_SUM_RTOL = 1e-5
 FP32_SUM_ATOL = 1e-4
 
 
-@pytest.fixture(params=[False, True], ids=["avx2", "scalar"])
-def force_scalar(request):
-    _C.set_force_scalar(request.param)
-    yield request.param
-    _C.set_force_scalar(False)
-
-
 def test_quantize_matches_reference(force_scalar):
     torch.manual_seed(0)
     w = torch.randn(37, 96) * torch.logspace(-3, 2, 96)

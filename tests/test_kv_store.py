@@ -82,13 +82,6 @@ def ref_anchor_lists(
 # ---- helpers ----
 
 
-@pytest.fixture(params=[False, True], ids=["avx2", "scalar"])
-def force_scalar(request):
-    _C.set_force_scalar(request.param)
-    yield request.param
-    _C.set_force_scalar(False)
-
-
 def randn(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
