@@ -20,11 +20,24 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ktquest.config import ConfigError, load_config
+from ktquest.config import CHAT_GENERATION, ConfigError, load_config
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 HELP = "/reset forgets the conversation, /stats shows usage, /exit quits; Ctrl-C stops a reply"
+
+
+# --flag, its generation key, its type, what it does; defaults: CHAT_GENERATION, then the schema's
+_SAMPLING_FLAGS = [
+    ("--temperature", "temperature", float, "0 = greedy; the chat's default is 0.3"),
+    ("--top-k", "top_k", int, "sample among the k most likely tokens (0 = off)"),
+    ("--top-p", "top_p", float, "nucleus: the most likely tokens holding this mass (1 = off)"),
+    ("--min-p", "min_p", float, "drop tokens less likely than this times the best (0 = off)"),
+    ("--repeat-penalty", "repeat_penalty", float, "penalize the recent tokens (1 = off)"),
+    ("--repeat-last-n", "repeat_last_n", int, "how many recent tokens the penalties see"),
+    ("--presence-penalty", "presence_penalty", float, "subtract from a recent token's logit (0 = off)"),
+    ("--frequency-penalty", "frequency_penalty", float, "subtract per occurrence in the recent tokens (0 = off)"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--message", metavar="TEXT", help="answer TEXT once and exit (reply on stdout, stats on stderr)")
     chat.add_argument("--system", metavar="TEXT", help="system prompt")
     chat.add_argument("--max-new-tokens", type=int, metavar="N", help="reply length limit (generation.max_new_tokens)")
-    chat.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (generation.temperature)")
+    for flag, key, kind, what in _SAMPLING_FLAGS:
+        chat.add_argument(flag, type=kind, metavar="X", dest=key, help=f"{what} (generation.{key})")
     chat.add_argument("--seed", type=int, metavar="N", help="sampling seed (generation.seed)")
     return parser
 
@@ -72,9 +86,11 @@ def _is_user_error(e: Exception) -> bool:
 
 
 def _chat(args: argparse.Namespace, err: Console) -> int:
-    flags = [("generation.max_new_tokens", args.max_new_tokens), ("generation.temperature", args.temperature),
-             ("generation.seed", args.seed)]
-    cfg = load_config(args.config, args.sets + [f"{k}={v}" for k, v in flags if v is not None])
+    flags = [("max_new_tokens", args.max_new_tokens), ("seed", args.seed)] + \
+        [(key, getattr(args, key)) for _, key, _, _ in _SAMPLING_FLAGS]
+    sets = [(f"generation.{k}", v) for k, v in flags if v is not None]  # typed: no YAML round trip
+    # the chat samples (CHAT_GENERATION) unless the config or these flags say otherwise
+    cfg = load_config(args.config, args.sets + sets, base={"generation": CHAT_GENERATION})
     document = _read_document(args.prompt_file) if args.prompt_file else None
 
     from ktquest.engine import load  # torch loads here, after the arguments are known to be good

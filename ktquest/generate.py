@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from ktquest.config import GenerationConfig
+from ktquest.sampling import Sampler
 
 StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
 
@@ -101,26 +102,6 @@ def decode_one_token(model, cache, token: int) -> torch.Tensor:
         torch.set_num_threads(n)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None = None) -> int:
-    """logits [V] -> a token id. temperature 0 = greedy argmax; top_k 0 / top_p 1 = off."""
-    if temperature == 0:  # numpy's argmax on the CPU: torch's dispatch costs more than the argmax
-        cpu32 = logits.device.type == "cpu" and logits.dtype == torch.float32
-        return int(logits.numpy().argmax() if cpu32 else torch.argmax(logits))
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
-        values, ids = torch.topk(logits, top_k)  # sorted, descending
-    else:
-        values, ids = torch.sort(logits, descending=True)
-    probs = torch.softmax(values, dim=-1)
-    if top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (always at least the most likely token).
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
-        probs = probs.masked_fill(before >= top_p, 0.0)
-    choice = torch.multinomial(probs, 1, generator=generator)
-    return int(ids[choice])
-
-
 def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: GenerationConfig,
              stop_ids: set[int], chunk_size: int,
              on_token: Callable[[int], None] | None = None,
@@ -132,10 +113,14 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
     (KeyboardInterrupt) end generation with stopped_by="interrupted" and the cache invariant of the module
     docstring intact. The prompt must fit in the cache (ValueError otherwise, nothing changed).
     """
-    generator = torch.Generator(device="cpu").manual_seed(gen.seed)
+    sampler = Sampler(gen)
     pos0 = cache.pos
     n_prompt = len(prompt_tokens)
     tokens: list[int] = []
+    # What the penalties look back on: the reply's own tokens. (Penalizing the prompt's too, as llama.cpp
+    # does, steers the bundled model away from the words of the question: "What is the capital of France?"
+    # got an answer in French.)
+    history: list[int] = []
     prefill_s = decode_s = 0.0
     stopped_by: StopReason = "max_new_tokens"
     t0 = time.perf_counter()
@@ -150,9 +135,10 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
             if cache.pos >= cache.max_seq_len:
                 stopped_by = "max_seq_len"
                 break
-            token = sample(logits, gen.temperature, gen.top_k, gen.top_p, generator)
+            token = sampler(logits, history)
             logits = decode_one_token(model, cache, token)  # token is now in the cache
             tokens.append(token)
+            history.append(token)
             if on_token is not None:
                 on_token(token)
             if token in stop_ids:

@@ -1,4 +1,4 @@
-"""Sampling, the generation loop (stops, seeds, multi-turn, interrupts) and the dense cache's bookkeeping."""
+"""The generation loop (stops, seeds, multi-turn, interrupts) and the dense cache's bookkeeping."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ktquest.config import GenerationConfig
-from ktquest.generate import decode_one_token, generate, prefill, sample
+from ktquest.generate import decode_one_token, generate, prefill
 from ktquest.kv.dense import DenseKVCache
 from ktquest.models.loader import load_model
 
@@ -26,47 +26,6 @@ def make_cache(model, max_seq_len: int = 64) -> DenseKVCache:
 
 
 PROMPT = [5, 17, 42, 9, 100, 3, 250, 77, 8]
-
-
-# ---- sampling ----
-
-
-def random_logits(seed: int = 0, n: int = 300) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
-
-
-def test_greedy_is_argmax():
-    for seed in range(5):
-        logits = random_logits(seed)
-        assert sample(logits, 0.0, 0, 1.0) == int(logits.argmax())
-
-
-@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (0, 1e-6), (5, 1e-6)])
-def test_top_k_one_and_tiny_top_p_are_greedy(top_k, top_p):
-    g = torch.Generator().manual_seed(0)
-    for seed in range(5):
-        logits = random_logits(seed)
-        assert sample(logits, 1.5, top_k, top_p, g) == int(logits.argmax())
-
-
-def test_seeded_sampling_is_reproducible():
-    logits = random_logits()
-    assert sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(7)) == \
-        sample(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(7))
-    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    seq1 = [sample(logits, 1.0, 40, 0.9, g1) for _ in range(50)]
-    seq2 = [sample(logits, 1.0, 40, 0.9, g2) for _ in range(50)]
-    assert seq1 == seq2 and len(set(seq1)) > 1
-
-
-def test_top_k_and_top_p_restrict_the_support():
-    logits = random_logits()
-    order = torch.argsort(logits, descending=True).tolist()
-    g = torch.Generator().manual_seed(0)
-    assert {sample(logits, 1.0, 3, 1.0, g) for _ in range(200)} <= set(order[:3])
-    probs = torch.softmax(logits, -1)[order]
-    n_nucleus = int((torch.cumsum(probs, 0) < 0.5).sum()) + 1  # smallest prefix with mass >= 0.5
-    assert {sample(logits, 1.0, 0, 0.5, g) for _ in range(300)} <= set(order[:n_nucleus])
 
 
 # ---- generation ----

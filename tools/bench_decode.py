@@ -31,10 +31,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
 
 import ktquest  # noqa: E402
-from ktquest.config import load_config  # noqa: E402
+from ktquest.config import (  # noqa: E402
+    CHAT_GENERATION,
+    GenerationConfig,
+    load_config,  # noqa: E402
+)
 from ktquest.engine import make_cache  # noqa: E402
 from ktquest.formats.bundled import bundled_model_path  # noqa: E402
-from ktquest.generate import decode_one_token, prefill, sample  # noqa: E402
+from ktquest.generate import decode_one_token, prefill  # noqa: E402
+from ktquest.sampling import Sampler  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}
 
@@ -45,7 +50,7 @@ class KtquestRunner:
     engine = "ktquest"
 
     def __init__(self, model_path, label: str, mode: str, config: str | None, max_len: int, threads: int,
-                 chunk_size: int, sets: list[str]):
+                 chunk_size: int, sets: list[str], sampling: str = "greedy"):
         overrides = [f"threads={threads}", f"max_seq_len={max_len}", *sets]
         if chunk_size:
             overrides.append(f"chunk_size={chunk_size}")
@@ -54,7 +59,10 @@ class KtquestRunner:
         self.label, self.config_path, self.threads = label, config, threads
         self.eng = ktquest.load(model=str(model_path), config=load_config(config, overrides))
         self.tokenizer = self.eng.tokenizer
-        self.state: dict[int, list] = {}  # context -> [cache, next token]
+        self.state: dict[int, list] = {}  # context -> [cache, next token, its sampler, the tokens so far]
+        # greedy (the tools' and tests' default) or the chat's sampling (CHAT_GENERATION: penalties, min-p...)
+        self.gen = GenerationConfig(**CHAT_GENERATION) if sampling == "chat" else GenerationConfig()
+        self.sampling = sampling
 
     def prefill(self, ctx: int) -> float:
         eng = self.eng
@@ -66,22 +74,23 @@ class KtquestRunner:
         logits = prefill(eng.model, cache, tokens, eng.config.chunk_size)
         t = time.perf_counter() - t0
         tok = int(decode_one_token(eng.model, cache, int(logits.argmax())).argmax())  # warm-up step, not timed
-        self.state[ctx] = [cache, tok]
+        self.state[ctx] = [cache, tok, Sampler(self.gen), [int(t) for t in tokens[-64:]] + [tok]]
         return t
 
     def decode(self, ctx: int, n: int) -> float:
         st = self.state[ctx]
-        cache, tok = st
+        cache, tok, sampler, recent = st
         t0 = time.perf_counter()
         for _ in range(n):
-            tok = sample(decode_one_token(self.eng.model, cache, tok), 0.0, 0, 1.0)  # greedy, as chat's
+            tok = sampler(decode_one_token(self.eng.model, cache, tok), recent)
+            recent.append(tok)
         st[1] = tok
         return time.perf_counter() - t0
 
     def row(self) -> dict:
         c = self.eng.config
         return dict(engine="ktquest", label=self.label, mode=c.mode, config=self.config_path or "default",
-                    chunk_size=c.chunk_size, decode_weights=c.decode_weights)
+                    chunk_size=c.chunk_size, decode_weights=c.decode_weights, sampling=self.sampling)
 
 
 class LlamaCppRunner:
@@ -173,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="decode rounds; each decodes in every (engine, context) in turn, medians reported")
     ap.add_argument("--chunk-size", type=int, default=0, help="prefill chunk (default: the config's)")
+    ap.add_argument("--sampling", default="greedy",
+                    help="comma-separated: greedy, chat (the chat's default sampling, ktquest.config.CHAT_GENERATION);"
+                         " each mode runs once per sampling")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
 
@@ -185,14 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         configs[mode] = path
     torch.set_num_threads(a.threads)
     max_len = max(contexts) + a.decode_tokens * (a.rounds + 1) + 16
+    samplings = [s for s in a.sampling.split(",") if s]
+    if not samplings or any(s not in ("greedy", "chat") for s in samplings):
+        ap.error(f"--sampling {a.sampling}: a comma-separated list of greedy, chat")
     runners: list = []
     for mode in modes:
         try:
             configs[mode] = mode_config(mode, configs)
         except ValueError as e:
             ap.error(str(e))
-        runners.append(KtquestRunner(model_path, mode, "long_context" if mode not in MODE_CONFIGS else mode,
-                                     configs[mode], max_len, a.threads, a.chunk_size, a.set))
+        for sampling in samplings:
+            label = mode if len(samplings) == 1 else f"{mode}/{sampling}"
+            runners.append(KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
+                                         configs[mode], max_len, a.threads, a.chunk_size, a.set, sampling))
     if a.peer == "llama.cpp":
         lc = llama_cpp()
         if lc is None:
@@ -229,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                 if ctx != lo:
                     print(f"{lab}: decode at {ctx} is {paired_ratio(cell, (lab, ctx), (lab, lo)):.0%} of its speed "
                           f"at {lo} (median of per-round ratios)")
+    if len(samplings) > 1:  # the sampler's cost: the chat's sampling against greedy, round by round
+        for mode in modes:
+            for ctx in contexts:
+                r = paired_ratio(cell, (f"{mode}/chat", ctx), (f"{mode}/greedy", ctx))
+                print(f"{mode}: decode with the chat's sampling at {ctx} is {r:.1%} of greedy's speed "
+                      f"(median of per-round ratios)")
     if a.json:
         write_json(a.json, rows)
     return 0

@@ -1,0 +1,179 @@
+"""The sampler (ktquest/sampling.py) against numpy references: each penalty, top-k / top-p / min-p and their
+edges, the draw's distribution, seeds; and the chat's default sampling on the bundled model."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+import ktquest
+from ktquest.config import CHAT_GENERATION, ConfigError, GenerationConfig
+from ktquest.sampling import Sampler, apply_penalties, truncate
+
+# ---- numpy references (written from the definitions, one token at a time) ----
+
+
+def ref_penalties(logits, recent, repeat, frequency, presence):
+    out = np.array(logits, dtype=np.float64)
+    counts = collections.Counter(int(t) for t in recent)
+    for tok, c in counts.items():
+        x = out[tok]
+        x = x / repeat if x > 0 else x * repeat
+        out[tok] = x - c * frequency - presence
+    return out
+
+
+def ref_kept(logits, top_k, top_p, min_p):
+    """Sorted candidates (ids) after top-k, then top-p, then min-p (llama.cpp's order), the best first."""
+    order = sorted(range(len(logits)), key=lambda i: (-logits[i], i))
+    if 0 < top_k < len(order):
+        order = order[:top_k]
+    x = np.array([logits[i] for i in order], dtype=np.float64)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    n = len(order)
+    if top_p < 1.0:  # the smallest prefix whose mass reaches top_p
+        mass, n = 0.0, 0
+        while n < len(order) and mass < top_p:
+            mass += p[n]
+            n += 1
+    if min_p > 0.0:
+        n = min(n, max(1, sum(1 for q in p[:n] if q >= min_p * p[0])))
+    return order[:n]
+
+
+def logits_of(seed: int, n: int = 300, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+# ---- penalties ----
+
+
+@pytest.mark.parametrize("repeat, frequency, presence", [(1.3, 0.0, 0.0), (1.0, 0.4, 0.0), (1.0, 0.0, 0.7),
+                                                         (1.1, 0.2, 0.3), (0.8, -0.5, -1.0)])
+def test_penalties_match_reference(repeat, frequency, presence):
+    logits = logits_of(1)
+    recent = [3, 3, 7, 299, 7, 7, 12, 0, 3, 150]
+    got = apply_penalties(logits.copy(), recent, repeat, frequency, presence)
+    np.testing.assert_allclose(got, ref_penalties(logits, recent, repeat, frequency, presence), rtol=1e-6, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(300), recent)
+    assert np.array_equal(got[untouched], logits[untouched])
+
+
+def test_repeat_penalty_only_sees_the_last_n_tokens():
+    logits = np.zeros(10, np.float32)
+    logits[4] = 5.0  # the best, seen long ago
+    logits[6] = 4.9
+    gen = GenerationConfig(repeat_penalty=2.0, repeat_last_n=3)
+    history = [4, 1, 1, 1]  # 4 is outside the last 3
+    assert Sampler(gen)(torch.from_numpy(logits), history) == 4
+    assert Sampler(gen)(torch.from_numpy(logits), [1, 4, 1]) == 6  # 5.0 / 2 < 4.9
+
+
+# ---- truncation ----
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 1.0, 0.0), (40, 1.0, 0.0), (1, 1.0, 0.0), (0, 0.5, 0.0),
+                                                 (0, 0.9, 0.0), (0, 1.0, 0.05), (40, 0.95, 0.05), (7, 0.3, 0.2),
+                                                 (500, 1.0, 0.0), (300, 0.99, 0.0)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_truncation_matches_reference(top_k, top_p, min_p, seed):
+    logits = logits_of(seed)
+    ids, kept = truncate(logits, top_k, top_p, min_p)
+    assert ids.tolist() == ref_kept(logits, top_k, top_p, min_p)
+    np.testing.assert_array_equal(kept, logits[ids])
+
+
+def test_truncation_edges():
+    one_hot = np.full(50, -1e9, np.float32)
+    one_hot[17] = 0.0  # all the mass on one token
+    assert truncate(one_hot, 0, 1.0, 0.0)[0][0] == 17  # nothing truncated: the rest follow, at p = 0
+    for args in ((10, 0.5, 0.5), (0, 0.999, 0.0), (0, 1.0, 1e-6), (1, 1.0, 0.0)):
+        assert truncate(one_hot, *args)[0].tolist() == [17]
+    ties = np.zeros(20, np.float32)  # ties: the lower ids first
+    assert truncate(ties, 5, 1.0, 0.0)[0].tolist() == [0, 1, 2, 3, 4]
+    assert truncate(ties, 0, 0.5, 0.0)[0].tolist() == list(range(10))  # 10 x 1/20 reach the mass 0.5
+    assert truncate(ties, 0, 1.0, 0.9)[0].tolist() == list(range(20))  # each as likely as the best
+    assert truncate(ties, 100, 1.0, 0.0)[0].tolist() == list(range(20))  # k above the vocabulary: all
+
+
+# ---- the draw ----
+
+
+def test_greedy_is_argmax_after_the_penalties():
+    for seed in range(5):
+        logits = torch.from_numpy(logits_of(seed))
+        assert Sampler(GenerationConfig())(logits) == int(logits.argmax())
+        best = int(logits.argmax())
+        gen = GenerationConfig(repeat_penalty=1e3)
+        assert Sampler(gen)(logits, [best]) == int(np.argmax(ref_penalties(logits.numpy(), [best], 1e3, 0, 0)))
+
+
+def test_the_draw_follows_the_tempered_distribution():
+    logits = np.array([2.0, 1.0, 0.5, -1.0, -3.0], np.float32)
+    gen = GenerationConfig(temperature=0.7, seed=5)
+    s = Sampler(gen)
+    n = 20000
+    counts = np.bincount([s(torch.from_numpy(logits)) for _ in range(n)], minlength=5)
+    p = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
+    assert np.all(np.abs(counts / n - p) < 4 * np.sqrt(p * (1 - p) / n) + 1e-3)
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = torch.from_numpy(logits_of(0))
+    for top_k, top_p, min_p in ((3, 1.0, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.1)):
+        s = Sampler(GenerationConfig(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, seed=1))
+        drawn = {s(logits) for _ in range(300)}
+        assert drawn <= set(ref_kept(logits.numpy(), top_k, top_p, min_p)) and len(drawn) > 1
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = torch.from_numpy(logits_of(0))
+    gen = GenerationConfig(**CHAT_GENERATION, seed=3)
+    a, b = Sampler(gen), Sampler(gen)
+    history: list[int] = []
+    seq = []
+    for _ in range(50):
+        t = a(logits, history)
+        history.append(t)
+        seq.append(t)
+    history2: list[int] = []
+    for t in seq:
+        assert b(logits, history2) == t
+        history2.append(t)
+    assert len(set(seq)) > 1
+
+
+def test_bad_sampling_values_are_config_errors():
+    for key, value in (("min_p", 1.0), ("min_p", -0.1), ("repeat_penalty", 0.0), ("repeat_last_n", -1),
+                       ("presence_penalty", 2.5), ("frequency_penalty", -3.0)):
+        with pytest.raises(ConfigError, match=f"generation.{key}="):
+            GenerationConfig(**{key: value})
+
+
+# ---- the chat's defaults on the bundled model ----
+
+
+@pytest.mark.slow
+def test_same_seed_same_tokens_at_1_and_2_threads(bundled_gguf):
+    texts = []
+    for threads in (1, 2):
+        eng = ktquest.load(bundled_gguf, threads=threads, max_seq_len=512, max_new_tokens=24, seed=11,
+                           **CHAT_GENERATION)
+        texts.append(eng.generate("The history of the printing press"))
+    assert texts[0] == texts[1] and len(texts[0]) > 20
+
+
+@pytest.mark.slow
+def test_chat_defaults_do_not_loop_on_a_long_poem(bundled_gguf):
+    """The prompt that looped greedily (one line repeated until stopped): with the chat's defaults no line
+    repeats more than twice in 200 tokens."""
+    eng = ktquest.load(bundled_gguf, config="configs/quest.yaml", max_seq_len=2048, max_new_tokens=200,
+                       **CHAT_GENERATION)
+    reply = eng.chat_session().send("Write a long poem about the json decoder.").text
+    lines = [ln.strip() for ln in reply.splitlines() if ln.strip()]
+    assert len(lines) >= 5, reply
+    assert max(collections.Counter(lines).values()) <= 2, reply
