@@ -85,8 +85,7 @@ class Sampler:
     def __init__(self, gen: GenerationConfig):
         self.gen = gen
         self.rng = np.random.default_rng(gen.seed)
-        g = gen
-        self.penalized = g.repeat_penalty != 1.0 or g.frequency_penalty != 0.0 or g.presence_penalty != 0.0
+        self.penalized = gen.repeat_penalty != 1.0 or gen.frequency_penalty != 0.0 or gen.presence_penalty != 0.0
 
     def __call__(self, logits: torch.Tensor, recent: Sequence[int] = ()) -> int:
         """logits [V] -> a token id; ``recent``: the tokens so far (the last ``repeat_last_n`` are penalized)."""
