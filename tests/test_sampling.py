@@ -1,5 +1,6 @@
-"""The sampler (ktquest/sampling.py) against numpy references: each penalty, top-k / top-p / min-p and their
-edges, the draw's distribution, seeds; and the chat's default sampling on the bundled model."""
+"""The sampler (ktquest/sampling.py over cpp/sample/sampler.h) against numpy references: each penalty, top-k /
+top-p / min-p and their edges, the draw's distribution, seeds, both kernel paths; and the chat's default
+sampling on the bundled model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 import ktquest
 from ktquest.config import CHAT_GENERATION, ConfigError, GenerationConfig
-from ktquest.sampling import Sampler, apply_penalties, truncate
+from ktquest.sampling import Sampler
 
 # ---- numpy references (written from the definitions, one token at a time) ----
 
@@ -45,8 +46,23 @@ def ref_kept(logits, top_k, top_p, min_p):
     return order[:n]
 
 
+def ref_probs(logits, temperature=1.0):
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
 def logits_of(seed: int, n: int = 300, scale: float = 3.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+def distribution(logits, recent=(), **gen):
+    """The sampler's candidates and probabilities (ids, probs) for numpy logits; checks they come back intact."""
+    x = torch.from_numpy(np.array(logits, dtype=np.float32))
+    before = x.clone()
+    ids, probs = Sampler(GenerationConfig(**gen)).distribution(x, list(recent))
+    assert np.array_equal(x.numpy(), before.numpy(), equal_nan=True)  # penalized in place for the call only
+    return ids, probs
 
 
 # ---- penalties ----
@@ -54,13 +70,15 @@ def logits_of(seed: int, n: int = 300, scale: float = 3.0) -> np.ndarray:
 
 @pytest.mark.parametrize("repeat, frequency, presence", [(1.3, 0.0, 0.0), (1.0, 0.4, 0.0), (1.0, 0.0, 0.7),
                                                          (1.1, 0.2, 0.3), (0.8, -0.5, -1.0)])
-def test_penalties_match_reference(repeat, frequency, presence):
+def test_penalties_match_reference(force_scalar, repeat, frequency, presence):
+    """With nothing truncated at temperature 1 the distribution is the softmax of the penalized logits."""
     logits = logits_of(1)
-    recent = [3, 3, 7, 299, 7, 7, 12, 0, 3, 150]
-    got = apply_penalties(logits.copy(), recent, repeat, frequency, presence)
-    np.testing.assert_allclose(got, ref_penalties(logits, recent, repeat, frequency, presence), rtol=1e-6, atol=1e-6)
-    untouched = np.setdiff1d(np.arange(300), recent)
-    assert np.array_equal(got[untouched], logits[untouched])
+    recent = [3, 3, 7, 299, 7, 7, 12, 0, 3, 150, -1, 300]  # the last two are outside the vocabulary: ignored
+    ids, probs = distribution(logits, recent, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                              repeat_penalty=repeat, frequency_penalty=frequency, presence_penalty=presence)
+    want = ref_probs(ref_penalties(logits, recent[:-2], repeat, frequency, presence))
+    assert sorted(ids.tolist()) == list(range(300))
+    np.testing.assert_allclose(probs, want[ids], rtol=1e-5, atol=1e-12)
 
 
 def test_repeat_penalty_only_sees_the_last_n_tokens():
@@ -80,30 +98,54 @@ def test_repeat_penalty_only_sees_the_last_n_tokens():
                                                  (0, 0.9, 0.0), (0, 1.0, 0.05), (40, 0.95, 0.05), (7, 0.3, 0.2),
                                                  (500, 1.0, 0.0), (300, 0.99, 0.0)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_truncation_matches_reference(top_k, top_p, min_p, seed):
+def test_truncation_matches_reference(force_scalar, top_k, top_p, min_p, seed):
     logits = logits_of(seed)
-    ids, kept = truncate(logits, top_k, top_p, min_p)
+    ids, probs = distribution(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
     assert ids.tolist() == ref_kept(logits, top_k, top_p, min_p)
-    np.testing.assert_array_equal(kept, logits[ids])
+    np.testing.assert_allclose(probs, ref_probs(logits[ids], 0.7), rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 19, 129, 49152])
+@pytest.mark.parametrize("k", [1, 3, 40])
+def test_top_k_over_odd_vocabularies(force_scalar, n, k):
+    """Sizes around the AVX2 width, a real vocabulary, many ties and NaN (ranked as -inf)."""
+    rng = np.random.default_rng(n * 100 + k)
+    logits = np.round(rng.standard_normal(n) * 2).astype(np.float32)  # few distinct values: ties everywhere
+    logits[rng.integers(0, n, size=n // 50)] = np.nan  # (none below 50: one finite logit must remain)
+    ref = np.where(np.isnan(logits), -np.inf, logits)
+    ids, _ = distribution(logits, temperature=1.0, top_k=k, top_p=1.0, min_p=0.0)
+    assert ids.tolist() == sorted(range(n), key=lambda i: (-ref[i], i))[:k]
 
 
 def test_truncation_edges():
     one_hot = np.full(50, -1e9, np.float32)
     one_hot[17] = 0.0  # all the mass on one token
-    assert truncate(one_hot, 0, 1.0, 0.0)[0][0] == 17  # nothing truncated: the rest follow, at p = 0
-    for args in ((10, 0.5, 0.5), (0, 0.999, 0.0), (0, 1.0, 1e-6), (1, 1.0, 0.0)):
-        assert truncate(one_hot, *args)[0].tolist() == [17]
+    ids, probs = distribution(one_hot, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    assert ids[0] == 17 and probs[0] == 1.0 and len(ids) == 50  # nothing truncated: the rest at p = 0
+    for top_k, top_p, min_p in ((10, 0.5, 0.5), (0, 0.999, 0.0), (0, 1.0, 1e-6), (1, 1.0, 0.0)):
+        ids, _ = distribution(one_hot, temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+        assert ids.tolist() == [17]
     ties = np.zeros(20, np.float32)  # ties: the lower ids first
-    assert truncate(ties, 5, 1.0, 0.0)[0].tolist() == [0, 1, 2, 3, 4]
-    assert truncate(ties, 0, 0.5, 0.0)[0].tolist() == list(range(10))  # 10 x 1/20 reach the mass 0.5
-    assert truncate(ties, 0, 1.0, 0.9)[0].tolist() == list(range(20))  # each as likely as the best
-    assert truncate(ties, 100, 1.0, 0.0)[0].tolist() == list(range(20))  # k above the vocabulary: all
+
+    def kept(**kw):
+        return distribution(ties, temperature=1.0, **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, **kw})[0].tolist()
+    assert kept(top_k=5) == [0, 1, 2, 3, 4]
+    assert kept(top_p=0.5) == list(range(10))  # 10 x 1/20 reach the mass 0.5
+    assert kept(min_p=0.9) == list(range(20))  # each as likely as the best
+    assert kept(top_k=100) == list(range(20))  # k above the vocabulary: all
+
+
+def test_non_finite_logits_are_an_error():
+    for bad in (np.nan, np.inf):
+        logits = np.full(10, bad, np.float32)
+        with pytest.raises(ValueError, match="not finite"):
+            Sampler(GenerationConfig(temperature=0.5))(torch.from_numpy(logits))
 
 
 # ---- the draw ----
 
 
-def test_greedy_is_argmax_after_the_penalties():
+def test_greedy_is_argmax_after_the_penalties(force_scalar):
     for seed in range(5):
         logits = torch.from_numpy(logits_of(seed))
         assert Sampler(GenerationConfig())(logits) == int(logits.argmax())
@@ -112,7 +154,7 @@ def test_greedy_is_argmax_after_the_penalties():
         assert Sampler(gen)(logits, [best]) == int(np.argmax(ref_penalties(logits.numpy(), [best], 1e3, 0, 0)))
 
 
-def test_the_draw_follows_the_tempered_distribution():
+def test_the_draw_follows_the_tempered_distribution(force_scalar):
     logits = np.array([2.0, 1.0, 0.5, -1.0, -3.0], np.float32)
     gen = GenerationConfig(temperature=0.7, seed=5)
     s = Sampler(gen)

@@ -14,4 +14,5 @@ PYBIND11_MODULE(_C, m) {
   ktq::python::bind_store_plan(m);
   ktq::python::bind_dense_attn(m);
   ktq::python::bind_decode(m);
+  ktq::python::bind_sample(m);
 }
