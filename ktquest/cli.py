@@ -75,14 +75,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(e: Exception) -> bool:
-    from jinja2 import TemplateError
-
     from ktquest.engine import PromptTooLongError
+    from ktquest.formats.chat_template import ChatTemplateError
     from ktquest.formats.gguf import GGUFError
     from ktquest.formats.tokenizer import TokenizerError
 
     return isinstance(e, (UsageError, ConfigError, GGUFError, TokenizerError, PromptTooLongError,
-                          FileNotFoundError, TemplateError))
+                          FileNotFoundError, ChatTemplateError))
 
 
 def _chat(args: argparse.Namespace, err: Console) -> int:

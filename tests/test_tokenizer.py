@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import pre_tokenizers
 
+from ktquest.formats.chat_template import ChatTemplateError
 from ktquest.formats.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, Tokenizer, TokenizerError
 from ktquest.models.loader import read_gguf
 
@@ -249,9 +250,7 @@ def test_chat_template_helpers():
         "tokenizer.ggml.bos_token_id": _BYTES.index("b")}
     tok = Tokenizer.from_gguf_metadata(md)
     assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == 'b[user]"é"4'
-    import jinja2
-
-    with pytest.raises(jinja2.TemplateError, match="no tools"):
+    with pytest.raises(ChatTemplateError, match=r"^chat template: no tools \(line 1\)$"):
         tok.apply_chat_template([{"role": "tool", "content": ""}])
 
 
@@ -262,8 +261,12 @@ def test_chat_template_fallback_is_chatml():
 
 
 def test_sandboxed_template():
-    import jinja2.exceptions
-
     md = _byte_level_md("gpt-2") | {"tokenizer.chat_template": "{{ messages.__class__.__mro__ }}"}
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ChatTemplateError, match="'__class__' of 'list' object is unsafe"):
         Tokenizer.from_gguf_metadata(md).apply_chat_template([])
+
+
+def test_template_syntax_error_at_load():
+    md = _byte_level_md("gpt-2") | {"tokenizer.chat_template": "{% for m in messages %}\n{{ m }"}
+    with pytest.raises(ChatTemplateError, match="^chat template: syntax error at line 2: "):
+        Tokenizer.from_gguf_metadata(md)

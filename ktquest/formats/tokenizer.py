@@ -11,19 +11,16 @@ Control tokens (GGUF token type 3) are matched in text when ``parse_special`` is
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from ktquest.formats.chat_template import DEFAULT_LIMITS, ChatTemplate, TemplateLimits
 
 # GGUF token types (gguf.TokenType); SentencePiece's piece types use the same numbers.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -88,7 +85,7 @@ class Tokenizer:
             self._backend = _SentencePiece(md, self.tokens, self.token_types)
         else:
             raise TokenizerError(f"tokenizer.ggml.model={self.kind!r} is not supported: expected 'gpt2' or 'llama'")
-        self._template = _jinja_env().from_string(self.chat_template)
+        self._template = ChatTemplate(self.chat_template)  # a ChatTemplateError here if it does not compile
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -120,12 +117,15 @@ class Tokenizer:
 
     # ---- chat ----
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template (ChatML if none)."""
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            limits: TemplateLimits = DEFAULT_LIMITS) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template (ChatML if none).
+
+        Bounded by ``limits``; any failure of the template is a ``ChatTemplateError`` (one line)."""
         bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos)
+        return self._template.render(limits, messages=list(messages), bos_token=bos, eos_token=eos,
+                                     add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat: BOS per the GGUF default unless the template already wrote it."""
@@ -258,23 +258,6 @@ def _find_eot_ids(md: dict[str, Any], tokens: list[str]) -> frozenset[int]:
     index = {t: i for i, t in enumerate(tokens) if t in _EOT_TEXTS}
     ids.update(index.values())
     return frozenset(i for i in ids if 0 <= i < len(tokens))
-
-
-def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    """The environment HF transformers renders chat templates in."""
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
 
 
 def _model_proto(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *,
