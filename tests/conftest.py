@@ -220,7 +220,7 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
 
 
 def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
-               bpe: TinyBPE | None) -> Path:
+               bpe: TinyBPE | None, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32)."""
     w = gguf.GGUFWriter(path, arch)
     w.add_name("ktquest tiny test model")
@@ -246,7 +246,7 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
         w.add_unk_token_id(bpe.unk_id)
         w.add_pad_token_id(bpe.pad_id)
         w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
+        w.add_chat_template(chat_template)
     for name, t in tensors.items():
         w.add_tensor(name, t)
     w.write_header_to_file()
@@ -261,12 +261,12 @@ class TinyModel(NamedTuple):
     hf_model: torch.nn.Module
 
 
-def make_tiny_model(directory: Path, name: str, bpe: TinyBPE) -> TinyModel:
+def make_tiny_model(directory: Path, name: str, bpe: TinyBPE, chat_template: str = CHAT_TEMPLATE) -> TinyModel:
     spec = TINY_SPECS[name]
     vocab = len(bpe.tokens)
     hf = build_hf_model(spec, vocab)
     path = write_gguf(directory / f"{name}.gguf", spec.arch, gguf_metadata(spec, vocab),
-                      hf_to_gguf_tensors(hf, spec), bpe)
+                      hf_to_gguf_tensors(hf, spec), bpe, chat_template)
     return TinyModel(path, hf)
 
 
@@ -294,6 +294,17 @@ def tiny_model(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
 def tiny_llama(tiny_models) -> TinyModel:
     """A tiny llama with untied output.weight (Q/K permuted in the file, as llama.cpp writes it)."""
     return tiny_models("llama")
+
+
+# A chat template that refuses any message containing "boom": a template error on the turn a test chooses.
+BOOM_TEMPLATE = ("{% for message in messages %}{% if 'boom' in message['content'] %}"
+                 "{{ raise_exception('boom refused') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_boom(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE) -> TinyModel:
+    """The tiny llama whose chat template fails on a message that contains "boom"."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_boom"), "llama", tiny_bpe, chat_template=BOOM_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

@@ -30,3 +30,50 @@ def test_special_tokens_typed_by_the_user(tiny_llama, parse_special):
     # the template's own markup: system, user and the generation prompt; typed: 2 starts, 3 ends more
     assert _control_counts(tok, ids) == ((5, 5) if parse_special else (3, 2))
     assert tok.decode(ids) == tok.apply_chat_template(session.messages[:2])
+
+
+# ---- a failed turn changes nothing ----
+
+
+def _state(session) -> tuple:
+    eng = session.engine
+    return [dict(m) for m in session.messages], eng.cache.pos, session.stats().turns
+
+
+def _same_as_fresh(session, text: str) -> None:
+    """The next turn answers as a fresh session given the same conversation: the cache was consistent."""
+    messages = [dict(m) for m in session.messages]
+    reply = session.send(text)
+    fresh = session.engine.chat_session()
+    fresh.messages = messages
+    again = fresh.send(text)
+    assert (again.text, again.stats.context_tokens) == (reply.text, reply.stats.context_tokens)
+
+
+def test_template_error_on_turn_two_keeps_the_conversation(tiny_llama_boom):
+    from ktquest.formats.chat_template import ChatTemplateError
+
+    eng = ktquest.load(tiny_llama_boom.path, max_new_tokens=4, threads=1)
+    session = eng.chat_session()
+    session.send("hello")
+    before = _state(session)
+    with pytest.raises(ChatTemplateError, match=r"^chat template: boom refused \(line 1\)$"):
+        session.send("boom")
+    assert _state(session) == before
+    reply = session.send("the cat")
+    assert reply.stats.prompt_tokens < len(eng.tokenizer.encode_messages(session.messages[:3]))  # cache reused
+    _same_as_fresh(session, "the dog")
+
+
+def test_error_while_replying_keeps_the_cache_consistent(tiny):
+    session = tiny.chat_session()
+    session.send("hello")
+    before = [dict(m) for m in session.messages]
+
+    def broken_pipe(piece: str) -> None:
+        raise BrokenPipeError("stdout closed")
+
+    with pytest.raises(BrokenPipeError):
+        session.send("the cat", on_text=broken_pipe)
+    assert session.messages == before  # the turn was dropped; the cache holds its tokens, which is fine
+    _same_as_fresh(session, "the dog")

@@ -334,3 +334,11 @@ def test_text_mark_in_user_text_cannot_hide_markup(smol):
     """A message that brings the marking character along cannot turn the template's markup into text."""
     ids = smol.encode_messages([{"role": "user", "content": "x\ufdd0"}])
     assert ids.count(smol.tokens.index("<|im_end|>")) == 2
+
+
+def test_invalid_utf8_is_replaced(smol, sp):
+    """Bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape): they encode as U+FFFD."""
+    text = b"caf\xe9 \xff!".decode("utf-8", "surrogateescape")
+    for tok in (smol, sp):
+        assert tok.decode(tok.encode(text, add_bos=False)) == "caf\ufffd \ufffd!"
+        assert "caf\ufffd \ufffd!" in tok.decode(tok.encode_messages([{"role": "user", "content": text}]))

@@ -63,6 +63,7 @@ _CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '
 # token), so that the text no longer matches a control token when the rendered chat is split; taken out
 # before the text is encoded. A Unicode noncharacter ("for internal use"): one a message brings is dropped.
 _TEXT_MARK = "\ufdd0"
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TokenizerError(ValueError):
@@ -117,7 +118,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """text -> ids.  ``add_bos`` None = the GGUF default; ``parse_special`` matches control tokens."""
-        ids = self._backend.encode(text, parse_special)
+        ids = self._backend.encode(valid_text(text), parse_special)
         if self.add_bos if add_bos is None else add_bos:
             ids.insert(0, self.bos_id)
         return ids
@@ -304,6 +305,12 @@ def _find_eot_ids(md: dict[str, Any], tokens: list[str]) -> frozenset[int]:
     index = {t: i for i, t in enumerate(tokens) if t in _EOT_TEXTS}
     ids.update(index.values())
     return frozenset(i for i in ids if 0 <= i < len(tokens))
+
+
+def valid_text(text: str) -> str:
+    """``text`` with its lone surrogates as U+FFFD: bytes that are not UTF-8, as Python's stdin and argv hand
+    them over (surrogateescape), become replacement characters instead of failing to encode."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _model_proto(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *,
