@@ -83,7 +83,8 @@ class ChatSession:
         first = not any(m["role"] == "user" for m in self.messages)
         content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
         messages = self.messages + [{"role": "user", "content": content}]
-        tokens = tok.encode_messages(messages, add_generation_prompt=True, parse_special=eng.config.parse_special,
+        tokens = tok.encode_messages(messages, add_generation_prompt=True,
+                                     parse_special=eng.config.parse_special,
                                      limits=TemplateLimits.for_context(eng.max_seq_len))
         eng.check_fits(len(tokens))
 

@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         chat.add_argument(flag, type=kind, metavar="X", dest=key, help=f"{what} (generation.{key})")
     chat.add_argument("--seed", type=int, metavar="N", help="sampling seed (generation.seed)")
     chat.add_argument("--parse-special", action="store_true", default=None,
-                      help="read special-token text (<|im_end|>) in your messages, --system and --prompt-file "
-                           "as control tokens; by default it is plain text (parse_special)")
+                      help="read special-token text (<|im_end|>) in your messages, --system and "
+                           "--prompt-file as control tokens; by default it is plain text (parse_special)")
     return parser
 
 

@@ -8,7 +8,11 @@ llama, its Q/K row permutation. The tokenizer is a real little byte-level BPE (G
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import resource
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +35,43 @@ CHAT_TEMPLATE = (
     "'<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+# ---- a guard for code that must stay bounded ----
+
+
+class Hung(BaseException):
+    """Raised by ``bounded_process`` when time is up (a BaseException: no ``except Exception`` stops it)."""
+
+
+@contextlib.contextmanager
+def _bounded_process(seconds: float, extra_bytes: int = 1 << 30):
+    """While the block runs (main thread, Linux): the address space capped at its size + ``extra_bytes``,
+    so an unbounded allocation is a MemoryError and the machine is unharmed, and ``Hung`` raised after
+    ``seconds`` of wall time, so an unbounded loop fails instead of hanging the run."""
+    def hung(signum: int, frame: object) -> None:
+        raise Hung(f"still running after {seconds} s")
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    size = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+    cap = size + extra_bytes if hard == resource.RLIM_INFINITY else min(size + extra_bytes, hard)
+    previous = signal.signal(signal.SIGALRM, hung)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.fixture(scope="session")
+def bounded_process():
+    """``with bounded_process(seconds):`` - see ``_bounded_process``."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs Linux's /proc")
+    return _bounded_process
 
 
 # ---- tokenizer ----
@@ -261,7 +302,8 @@ class TinyModel(NamedTuple):
     hf_model: torch.nn.Module
 
 
-def make_tiny_model(directory: Path, name: str, bpe: TinyBPE, chat_template: str = CHAT_TEMPLATE) -> TinyModel:
+def make_tiny_model(directory: Path, name: str, bpe: TinyBPE,
+                    chat_template: str = CHAT_TEMPLATE) -> TinyModel:
     spec = TINY_SPECS[name]
     vocab = len(bpe.tokens)
     hf = build_hf_model(spec, vocab)
@@ -304,7 +346,7 @@ BOOM_TEMPLATE = ("{% for message in messages %}{% if 'boom' in message['content'
 @pytest.fixture(scope="session")
 def tiny_llama_boom(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE) -> TinyModel:
     """The tiny llama whose chat template fails on a message that contains "boom"."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_boom"), "llama", tiny_bpe, chat_template=BOOM_TEMPLATE)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_boom"), "llama", tiny_bpe, BOOM_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

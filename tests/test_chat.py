@@ -1,5 +1,5 @@
-"""Chat sessions on the tiny GGUF: user text is text, and a failed turn leaves the conversation and its cache as
-they were (the next turn answers as a fresh session given the same conversation would)."""
+"""Chat sessions on the tiny GGUF: user text is text, and a failed turn leaves the conversation and its cache
+as they were (the next turn answers as a fresh session given the same conversation would)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def test_template_error_on_turn_two_keeps_the_conversation(tiny_llama_boom):
         session.send("boom")
     assert _state(session) == before
     reply = session.send("the cat")
-    assert reply.stats.prompt_tokens < len(eng.tokenizer.encode_messages(session.messages[:3]))  # cache reused
+    whole = eng.tokenizer.encode_messages(session.messages[:3])
+    assert reply.stats.prompt_tokens < len(whole)  # the cache was reused
     _same_as_fresh(session, "the dog")
 
 
