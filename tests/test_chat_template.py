@@ -66,8 +66,9 @@ HOSTILE = {
     "sum of lists": ("{{ range(100000) | batch(1) | sum(start=[]) }}", "sum of more than 4096 lists"),
     "nested loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
                      "it ran longer than 0.3 s"),
-    "nested loops over a variable": ("{% set r = range(8000) | list %}{% for i in r %}{% for j in r %}"
+    "nested loops over a variable": ("{% set r = 'x' * 60000 %}{% for i in r %}{% for j in r %}"
                                      + "{% endfor %}{% endfor %}x", "it ran longer than 0.3 s"),
+    "many small items": ("{% set s = 'ab ' * 20000 %}{{ s.split() | length }}", "a value of more than"),
     "branching recursion": ("{% macro f(n) %}{% if n < 60 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}"
                             + "{% endmacro %}{{ f(0) }}x", "it ran longer than 0.3 s"),
     "recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion too deep"),
