@@ -74,7 +74,7 @@ class ChatSession:
 
         A failed turn changes nothing: the conversation stays as it was, without this message. Before any
         work: ``ChatTemplateError`` (the template failed on this conversation) or ``PromptTooLongError`` (it
-        no longer fits). An error while the reply is generated leaves the cache consistent (the next turn
+        no longer fits: in tokens, or in characters past what the template may render). An error while the reply is generated leaves the cache consistent (the next turn
         reads again what differs). Ctrl-C or ``should_stop()`` ends the reply early: the partial reply is
         kept as the assistant's turn (stats.stopped_by == "interrupted"); if that happens before the reply
         starts, the turn is dropped.
@@ -83,9 +83,16 @@ class ChatSession:
         first = not any(m["role"] == "user" for m in self.messages)
         content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
         messages = self.messages + [{"role": "user", "content": content}]
+        limits = TemplateLimits.for_context(eng.max_seq_len)
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > limits.max_chars:  # past what the template may render: said as what it is
+            from ktquest.engine import PromptTooLongError  # (ktquest.engine imports this module)
+
+            raise PromptTooLongError(f"prompt too long: {chars:,} characters, more than the context of "
+                                     f"{eng.max_seq_len} tokens (max_seq_len) can hold; shorten the prompt "
+                                     "or raise max_seq_len")
         tokens = tok.encode_messages(messages, add_generation_prompt=True,
-                                     parse_special=eng.config.parse_special,
-                                     limits=TemplateLimits.for_context(eng.max_seq_len))
+                                     parse_special=eng.config.parse_special, limits=limits)
         eng.check_fits(len(tokens))
 
         cache = eng.cache

@@ -78,3 +78,15 @@ def test_error_while_replying_keeps_the_cache_consistent(tiny):
         session.send("the cat", on_text=broken_pipe)
     assert session.messages == before  # the turn was dropped; the cache holds its tokens, which is fine
     _same_as_fresh(session, "the dog")
+
+
+def test_a_document_past_the_template_bound_is_too_long(tiny):
+    from ktquest.engine import PromptTooLongError
+
+    session = tiny.chat_session()
+    session.send("hello")
+    before = _state(session)
+    with pytest.raises(PromptTooLongError, match=r"^prompt too long: 4,400,0\d\d characters, more than the "
+                                                 r"context of 256 tokens \(max_seq_len\) can hold"):
+        session.send("x " * 2_200_000)
+    assert _state(session) == before
