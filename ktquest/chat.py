@@ -74,10 +74,10 @@ class ChatSession:
 
         A failed turn changes nothing: the conversation stays as it was, without this message. Before any
         work: ``ChatTemplateError`` (the template failed on this conversation) or ``PromptTooLongError`` (it
-        no longer fits: in tokens, or in characters past what the template may render). An error while the reply is generated leaves the cache consistent (the next turn
-        reads again what differs). Ctrl-C or ``should_stop()`` ends the reply early: the partial reply is
-        kept as the assistant's turn (stats.stopped_by == "interrupted"); if that happens before the reply
-        starts, the turn is dropped.
+        no longer fits: in tokens, or in characters past what the template may render). An error while the
+        reply is generated leaves the cache consistent (the next turn reads again what differs). Ctrl-C or
+        ``should_stop()`` ends the reply early: the partial reply is kept as the assistant's turn
+        (stats.stopped_by == "interrupted"); if that happens before the reply starts, the turn is dropped.
         """
         eng, tok = self.engine, self.engine.tokenizer
         first = not any(m["role"] == "user" for m in self.messages)

@@ -16,7 +16,7 @@ import io
 import signal
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -128,31 +128,53 @@ def _read_document(path: str) -> str:
         raise UsageError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-# ---- one reply ----
+# ---- Ctrl-C, and one reply ----
 
 
-class _StopOnCtrlC:
-    """During a turn, the first Ctrl-C asks generation to stop at the next token (or, once the reply is
-    done, does nothing); a second one raises KeyboardInterrupt."""
+class _CtrlC:
+    """SIGINT while installed (``with _CtrlC() as ctrl_c:``). Inside ``ctrl_c.prompt()`` it raises
+    KeyboardInterrupt (the input is interrupted); inside ``ctrl_c.turn()`` the first one asks generation to
+    stop at the next token (``requested``) and a second one raises; anywhere else it is ignored. So a
+    KeyboardInterrupt only comes from inside those blocks, where the caller catches it: a Ctrl-C landing
+    between a reply and the next prompt, or during a command, cannot end the session."""
 
     def __init__(self) -> None:
         self.requested = False
         self.midline = False  # the reply is on the screen without its final newline
+        self._raises = self._in_turn = False
 
-    def __enter__(self) -> _StopOnCtrlC:  # noqa: PYI034 - a private helper, never subclassed
+    def __enter__(self) -> _CtrlC:  # noqa: PYI034 - a private helper, never subclassed
         self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGINT, self._previous)
 
+    @contextlib.contextmanager
+    def prompt(self) -> Iterator[None]:
+        self._raises = True
+        try:
+            yield
+        finally:  # (a Ctrl-C before this line raises inside the block still)
+            self._raises = False
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[_CtrlC]:
+        self.requested = self.midline = False
+        self._in_turn = True
+        try:
+            yield self
+        finally:
+            self._in_turn = self._raises = False
+
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
+        if self._raises:
             raise KeyboardInterrupt
-        self.requested = True
+        if self._in_turn:
+            self.requested = self._raises = True  # the next one raises
 
 
-def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _StopOnCtrlC, show_progress: bool):
+def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _CtrlC, show_progress: bool):
     """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
     chunk = session.engine.config.chunk_size
     progress: Progress | None = None
@@ -197,7 +219,7 @@ def _stats_line(s) -> str:
 
 
 def _answer_once(session, message: str, err: Console) -> int:
-    with _StopOnCtrlC() as ctrl_c:
+    with _CtrlC() as ctrl_c, ctrl_c.turn():
         reply = _reply(session, message, sys.stdout, err, ctrl_c, show_progress=err.is_terminal)
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -230,39 +252,42 @@ def _interactive(engine, session, err: Console) -> int:
         "/stats": lambda: console.print(_stats_table(session)),
         "/help": lambda: console.print(f"[dim]{HELP}[/]"),
     }
-    while True:
-        try:
-            line = console.input("[bold green]>>> [/]")
-        except EOFError:
-            console.print()
-            return 0
-        except KeyboardInterrupt:  # at the prompt, or just after a reply: the conversation goes on
-            console.print("\n[dim]/exit or Ctrl-D quits[/]")
-            continue
-        text = valid_text(line).strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text.startswith("/") and " " not in text:
-            if text in commands:
-                commands[text]()
-            else:
-                console.print(f"[red]unknown command {escape(text)}[/]; {HELP}")
-            continue
-        turns, ctrl_c = len(session.messages), _StopOnCtrlC()
-        try:  # one turn: whatever fails, one line, and the conversation goes on (ChatSession keeps it whole)
-            with ctrl_c:
-                _turn(session, text, console, err, ctrl_c)
-        except KeyboardInterrupt:  # a second Ctrl-C
-            dropped = "" if len(session.messages) > turns else "; that message was dropped"
-            console.print(("\n" if ctrl_c.midline else "") + f"[yellow]interrupted{dropped}[/]")
-        except USER_ERRORS as e:
-            console.print(("\n" if ctrl_c.midline else "") + f"[red]{escape(_one_line(e))}[/]; that message "
-                          "was dropped")
+    with _CtrlC() as ctrl_c:
+        while True:
+            try:
+                with ctrl_c.prompt():
+                    line = console.input("[bold green]>>> [/]")
+            except EOFError:
+                console.print()
+                return 0
+            except KeyboardInterrupt:
+                console.print("\n[dim]/exit or Ctrl-D quits[/]")
+                continue
+            text = valid_text(line).strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text.startswith("/") and " " not in text:
+                if text in commands:
+                    commands[text]()
+                else:
+                    console.print(f"[red]unknown command {escape(text)}[/]; {HELP}")
+                continue
+            turns = len(session.messages)
+            # one turn: whatever fails, one line, and the conversation goes on (ChatSession keeps it whole)
+            try:
+                with ctrl_c.turn():
+                    _turn(session, text, console, err, ctrl_c)
+            except KeyboardInterrupt:  # a second Ctrl-C
+                dropped = "" if len(session.messages) > turns else "; that message was dropped"
+                console.print(("\n" if ctrl_c.midline else "") + f"[yellow]interrupted{dropped}[/]")
+            except USER_ERRORS as e:
+                console.print(("\n" if ctrl_c.midline else "") + f"[red]{escape(_one_line(e))}[/]; that "
+                              "message was dropped")
 
 
-def _turn(session, text: str, console: Console, err: Console, ctrl_c: _StopOnCtrlC) -> None:
+def _turn(session, text: str, console: Console, err: Console, ctrl_c: _CtrlC) -> None:
     reply = _reply(session, text, sys.stdout, err, ctrl_c, show_progress=True)
     s = reply.stats
     if s.stopped_by == "interrupted" and s.prompt_tokens == 0:

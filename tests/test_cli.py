@@ -198,6 +198,23 @@ def test_ctrl_c_just_after_a_reply_keeps_the_conversation(tiny_llama, monkeypatc
         assert "interrupted" in out and "dropped" not in out
 
 
+def test_ctrl_c_between_turns_keeps_the_conversation(tiny_llama, monkeypatch, capsys):
+    """A real SIGINT landing outside the prompt and outside a turn (here while /stats prints) is ignored."""
+    import ktquest.cli
+
+    real = ktquest.cli._stats_table
+
+    def stats_table_with_ctrl_c(session):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(session)
+
+    monkeypatch.setattr(ktquest.cli, "_stats_table", stats_table_with_ctrl_c)
+    code, out, _ = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--max-new-tokens", "2"],
+                         "hello\n/stats\nthe cat\n/stats\n/exit\n")
+    assert code == 0
+    assert [t.split()[0] for t in out.split("turns")[1:]] == ["1", "2"]
+
+
 def test_ctrl_c_at_the_prompt_does_not_quit(tiny_llama, monkeypatch, capsys):
     from rich.console import Console
 
