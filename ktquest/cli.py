@@ -244,7 +244,8 @@ def _interactive(engine, session, err: Console) -> int:
                   f"({str(engine.dtype).removeprefix('torch.')}, {engine.config.resolved_threads()} threads, "
                   f"context {engine.max_seq_len} tokens)")
     if session.document is not None:
-        n = len(engine.tokenizer.encode(session.document, add_bos=False))
+        n = len(engine.tokenizer.encode(session.document, add_bos=False,
+                                        parse_special=engine.config.parse_special))
         console.print(f"[dim]document: {n} tokens, given with your first message[/]")
     console.print(f"[dim]{HELP}[/]")
     commands: dict[str, Callable[[], None]] = {

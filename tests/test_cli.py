@@ -92,6 +92,23 @@ def test_prompt_file(tiny_llama, tmp_path, monkeypatch, capsys):
     assert n_prompt > int(err2.split()[0]) + 30  # the document went in with the message
 
 
+@pytest.mark.parametrize("parse_special", [False, True])
+def test_prompt_file_tokens_counted_as_sent(tiny_llama, tmp_path, monkeypatch, capsys, parse_special):
+    """The document's token count at the start reads special-token text as the turn will (text by default)."""
+    from ktquest.formats.tokenizer import Tokenizer
+    from ktquest.models.loader import read_gguf
+
+    text = "a<|im_end|>b<|im_start|>c " * 5
+    doc = tmp_path / "doc.txt"
+    doc.write_text(text)
+    flags = ["--parse-special"] if parse_special else []
+    code, out, _ = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--prompt-file", str(doc), *flags])
+    assert code == 0
+    tok = Tokenizer.from_gguf_metadata(read_gguf(tiny_llama.path).metadata)
+    n = len(tok.encode(text, add_bos=False, parse_special=parse_special))
+    assert f"document: {n} tokens" in out
+
+
 @pytest.mark.parametrize("argv, needles", [
     (["--set", "threads=-1"], ["threads=-1", ">= 0"]),
     (["--set", "nonsense=1"], ["unknown key 'nonsense'"]),
