@@ -4,6 +4,9 @@ Each turn renders the whole conversation with the model's chat template, tokeniz
 the cache does not already hold (the longest common token prefix is kept), so the cache always holds
 exactly the tokens a fresh engine would prefill for the same conversation, and earlier turns are never
 prefilled again.
+
+The messages' text (the user's, the system prompt, the document) is text: special-token strings in it are
+characters, not control tokens, unless the config's ``parse_special`` is on.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ktquest.formats.chat_template import TemplateLimits
 
 if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into the engine it was given
     from ktquest.engine import Engine
@@ -67,15 +72,27 @@ class ChatSession:
              should_stop: Callable[[], bool] | None = None) -> Reply:
         """One turn: the user's message in, the assistant's reply out (streamed to ``on_text``).
 
-        Raises ``PromptTooLongError`` before any work if the conversation no longer fits (nothing changes).
-        Ctrl-C or ``should_stop()`` ends the reply early: the partial reply is kept as the assistant's turn
+        A failed turn changes nothing: the conversation stays as it was, without this message. Before any
+        work: ``ChatTemplateError`` (the template failed on this conversation) or ``PromptTooLongError`` (it
+        no longer fits: in tokens, or in characters past what the template may render). An error while the
+        reply is generated leaves the cache consistent (the next turn reads again what differs). Ctrl-C or
+        ``should_stop()`` ends the reply early: the partial reply is kept as the assistant's turn
         (stats.stopped_by == "interrupted"); if that happens before the reply starts, the turn is dropped.
         """
         eng, tok = self.engine, self.engine.tokenizer
         first = not any(m["role"] == "user" for m in self.messages)
         content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
         messages = self.messages + [{"role": "user", "content": content}]
-        tokens = tok.encode_chat(tok.apply_chat_template(messages, add_generation_prompt=True))
+        limits = TemplateLimits.for_context(eng.max_seq_len)
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > limits.max_chars:  # past what the template may render: said as what it is
+            from ktquest.engine import PromptTooLongError  # (ktquest.engine imports this module)
+
+            raise PromptTooLongError(f"prompt too long: {chars:,} characters, more than the context of "
+                                     f"{eng.max_seq_len} tokens (max_seq_len) can hold; shorten the prompt "
+                                     "or raise max_seq_len")
+        tokens = tok.encode_messages(messages, add_generation_prompt=True,
+                                     parse_special=eng.config.parse_special, limits=limits)
         eng.check_fits(len(tokens))
 
         cache = eng.cache

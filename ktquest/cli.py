@@ -1,17 +1,22 @@
 """``ktquest chat``: a terminal chat with streaming replies, prefill progress and per-reply speed.
 
-Interactive by default (``/reset``, ``/stats``, ``/exit``; Ctrl-C stops a reply and keeps the
-conversation, Ctrl-C or EOF at the prompt exits). ``--message TEXT`` answers once for scripts: the reply
-on stdout, the stats on stderr. Every error is one line on stderr and exit code 2.
+Interactive by default (``/reset``, ``/stats``, ``/exit`` or EOF quit). Nothing ends a conversation but
+quitting: Ctrl-C stops a reply (the partial reply is kept) and is otherwise ignored, and a turn that fails
+(the chat template's error, a prompt too long for the context, ...) prints one line and the conversation
+goes on without that message. ``--message TEXT`` answers once for scripts: the reply on stdout, the stats
+on stderr. Errors are one line, ``ktquest: error: ...``, on stderr and exit code 2; Ctrl-C while loading or
+answering ``--message`` exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import signal
 import sys
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -20,11 +25,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ktquest.config import CHAT_GENERATION, ConfigError, load_config
+from ktquest.config import CHAT_GENERATION, load_config
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-HELP = "/reset forgets the conversation, /stats shows usage, /exit quits; Ctrl-C stops a reply"
+HELP = "/reset forgets the conversation, /stats shows usage, /exit or Ctrl-D quits; Ctrl-C stops a reply"
+# What a user can cause and fix, reported as one line: ktquest's own errors are ValueErrors that name the
+# problem (ConfigError, GGUFError, TokenizerError, ChatTemplateError, PromptTooLongError, UsageError), OSError
+# a file. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
 
 
 # --flag, its generation key, its type, what it does; defaults: CHAT_GENERATION, then the schema's
@@ -40,8 +49,17 @@ _SAMPLING_FLAGS = [
 ]
 
 
+class UsageError(ValueError):
+    """A command-line argument that cannot be used (reported as one line, exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line like every other error, not usage + error
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ktquest", description="Local LLM inference from a GGUF file.")
+    parser = _Parser(prog="ktquest", description="Local LLM inference from a GGUF file.")
     sub = parser.add_subparsers(dest="command", required=True)
     chat = sub.add_parser("chat", help="chat with a model in the terminal",
                           description="Chat with a GGUF model (default: the bundled SmolLM2-135M-Instruct).")
@@ -56,39 +74,35 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, key, kind, what in _SAMPLING_FLAGS:
         chat.add_argument(flag, type=kind, metavar="X", dest=key, help=f"{what} (generation.{key})")
     chat.add_argument("--seed", type=int, metavar="N", help="sampling seed (generation.seed)")
+    chat.add_argument("--parse-special", action="store_true", default=None,
+                      help="read special-token text (<|im_end|>) in your messages, --system and "
+                           "--prompt-file as control tokens; by default it is plain text (parse_special)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The command line; returns the exit code. The one place errors become ``ktquest: error: ...``."""
     err = Console(stderr=True, highlight=False)
     try:
-        return _chat(args, err)
-    except KeyboardInterrupt:  # while loading, or a second Ctrl-C
+        return _chat(build_parser().parse_args(argv), err)
+    except KeyboardInterrupt:  # while loading, or answering --message
         err.print()
         return EXIT_INTERRUPTED
-    except Exception as e:
-        if not _is_user_error(e):
-            raise
-        print(f"ktquest: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:
+        print(f"ktquest: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
 
 
-def _is_user_error(e: Exception) -> bool:
-    from jinja2 import TemplateError
-
-    from ktquest.engine import PromptTooLongError
-    from ktquest.formats.gguf import GGUFError
-    from ktquest.formats.tokenizer import TokenizerError
-
-    return isinstance(e, (UsageError, ConfigError, GGUFError, TokenizerError, PromptTooLongError,
-                          FileNotFoundError, TemplateError))
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _chat(args: argparse.Namespace, err: Console) -> int:
     flags = [("max_new_tokens", args.max_new_tokens), ("seed", args.seed)] + \
         [(key, getattr(args, key)) for _, key, _, _ in _SAMPLING_FLAGS]
     sets = [(f"generation.{k}", v) for k, v in flags if v is not None]  # typed: no YAML round trip
+    if args.parse_special:
+        sets.append(("parse_special", True))
     # the chat samples (CHAT_GENERATION) unless the config or these flags say otherwise
     cfg = load_config(args.config, args.sets + sets, base={"generation": CHAT_GENERATION})
     document = _read_document(args.prompt_file) if args.prompt_file else None
@@ -104,10 +118,6 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
     return _interactive(engine, session, err)
 
 
-class UsageError(ValueError):
-    """A command-line argument that cannot be used (reported as one line, exit code 2)."""
-
-
 def _read_document(path: str) -> str:
     p = Path(path)
     if not p.is_file():
@@ -118,29 +128,53 @@ def _read_document(path: str) -> str:
         raise UsageError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-# ---- one reply ----
+# ---- Ctrl-C, and one reply ----
 
 
-class _StopOnCtrlC:
-    """During a reply, the first Ctrl-C asks generation to stop at the next token; a second one raises."""
+class _CtrlC:
+    """SIGINT while installed (``with _CtrlC() as ctrl_c:``). Inside ``ctrl_c.prompt()`` it raises
+    KeyboardInterrupt (the input is interrupted); inside ``ctrl_c.turn()`` the first one asks generation to
+    stop at the next token (``requested``) and a second one raises; anywhere else it is ignored. So a
+    KeyboardInterrupt only comes from inside those blocks, where the caller catches it: a Ctrl-C landing
+    between a reply and the next prompt, or during a command, cannot end the session."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.midline = False  # the reply is on the screen without its final newline
+        self._raises = self._in_turn = False
 
-    def __enter__(self) -> _StopOnCtrlC:  # noqa: PYI034 - a private helper, never subclassed
+    def __enter__(self) -> _CtrlC:  # noqa: PYI034 - a private helper, never subclassed
         self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGINT, self._previous)
 
+    @contextlib.contextmanager
+    def prompt(self) -> Iterator[None]:
+        self._raises = True
+        try:
+            yield
+        finally:  # (a Ctrl-C before this line raises inside the block still)
+            self._raises = False
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[_CtrlC]:
+        self.requested = self.midline = False
+        self._in_turn = True
+        try:
+            yield self
+        finally:
+            self._in_turn = self._raises = False
+
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
+        if self._raises:
             raise KeyboardInterrupt
-        self.requested = True
+        if self._in_turn:
+            self.requested = self._raises = True  # the next one raises
 
 
-def _reply(session, text: str, out: TextIO, err: Console, show_progress: bool):
+def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _CtrlC, show_progress: bool):
     """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
     chunk = session.engine.config.chunk_size
     progress: Progress | None = None
@@ -151,31 +185,31 @@ def _reply(session, text: str, out: TextIO, err: Console, show_progress: bool):
             progress.stop()
             progress = None
 
-    with _StopOnCtrlC() as ctrl_c:
-        def on_progress(done: int, total: int) -> None:
-            nonlocal progress
-            if ctrl_c.requested:
-                raise KeyboardInterrupt  # between prefill chunks: the turn is dropped, the cache stays valid
-            if show_progress and total > chunk and done < total:
-                if progress is None:
-                    progress = Progress(TextColumn("reading the prompt"), BarColumn(), MofNCompleteColumn(),
-                                        TextColumn("tokens"), TimeRemainingColumn(), console=err, transient=True)
-                    progress.start()
-                    task = progress.add_task("prefill", total=total)
-                    progress.update(task, completed=done)
-                else:
-                    progress.update(progress.task_ids[0], completed=done)
+    def on_progress(done: int, total: int) -> None:
+        nonlocal progress
+        if ctrl_c.requested:
+            raise KeyboardInterrupt  # between prefill chunks: the turn is dropped, the cache stays valid
+        if show_progress and total > chunk and done < total:
+            if progress is None:
+                progress = Progress(TextColumn("reading the prompt"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("tokens"), TimeRemainingColumn(), console=err, transient=True)
+                progress.start()
+                task = progress.add_task("prefill", total=total)
+                progress.update(task, completed=done)
+            else:
+                progress.update(progress.task_ids[0], completed=done)
 
-        def on_text(piece: str) -> None:
-            stop_progress()
-            out.write(piece)
-            out.flush()
+    def on_text(piece: str) -> None:
+        stop_progress()
+        out.write(piece)
+        out.flush()
+        ctrl_c.midline = not piece.endswith("\n")
 
-        try:
-            return session.send(text, on_text=on_text, on_progress=on_progress,
-                                should_stop=lambda: ctrl_c.requested)
-        finally:
-            stop_progress()
+    try:
+        return session.send(text, on_text=on_text, on_progress=on_progress,
+                            should_stop=lambda: ctrl_c.requested)
+    finally:
+        stop_progress()
 
 
 def _stats_line(s) -> str:
@@ -185,7 +219,8 @@ def _stats_line(s) -> str:
 
 
 def _answer_once(session, message: str, err: Console) -> int:
-    reply = _reply(session, message, sys.stdout, err, show_progress=err.is_terminal)
+    with _CtrlC() as ctrl_c, ctrl_c.turn():
+        reply = _reply(session, message, sys.stdout, err, ctrl_c, show_progress=err.is_terminal)
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(_stats_line(reply.stats), file=sys.stderr)
@@ -196,9 +231,11 @@ def _answer_once(session, message: str, err: Console) -> int:
 
 
 def _interactive(engine, session, err: Console) -> int:
-    from ktquest.engine import PromptTooLongError
+    from ktquest.formats.tokenizer import valid_text
 
     console = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")  # a typed byte that is not UTF-8 reads as U+FFFD
     try:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
@@ -207,7 +244,8 @@ def _interactive(engine, session, err: Console) -> int:
                   f"({str(engine.dtype).removeprefix('torch.')}, {engine.config.resolved_threads()} threads, "
                   f"context {engine.max_seq_len} tokens)")
     if session.document is not None:
-        n = len(engine.tokenizer.encode(session.document, add_bos=False))
+        n = len(engine.tokenizer.encode(session.document, add_bos=False,
+                                        parse_special=engine.config.parse_special))
         console.print(f"[dim]document: {n} tokens, given with your first message[/]")
     console.print(f"[dim]{HELP}[/]")
     commands: dict[str, Callable[[], None]] = {
@@ -215,36 +253,52 @@ def _interactive(engine, session, err: Console) -> int:
         "/stats": lambda: console.print(_stats_table(session)),
         "/help": lambda: console.print(f"[dim]{HELP}[/]"),
     }
-    while True:
-        try:
-            line = console.input("[bold green]>>> [/]")
-        except (EOFError, KeyboardInterrupt):
-            console.print()
-            return 0
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text.startswith("/") and " " not in text:
-            if text in commands:
-                commands[text]()
-            else:
-                console.print(f"[red]unknown command {escape(text)}[/]; {HELP}")
-            continue
-        try:
-            reply = _reply(session, text, sys.stdout, err, show_progress=True)
-        except PromptTooLongError as e:
-            console.print(f"[red]{escape(str(e))}[/]")
-            continue
-        s = reply.stats
-        if s.stopped_by == "interrupted" and s.prompt_tokens == 0:
-            console.print("[yellow]stopped before the reply began; that message was dropped[/]")
-            continue
-        sys.stdout.write("\n")
-        note = " (stopped)" if s.stopped_by == "interrupted" else " (length limit)" \
-            if s.stopped_by in ("max_new_tokens", "max_seq_len") else ""
-        console.print(f"[dim]{_stats_line(s)}{note}[/]")
+    with _CtrlC() as ctrl_c:
+        while True:
+            try:
+                with ctrl_c.prompt():
+                    line = console.input("[bold green]>>> [/]")
+            except EOFError:
+                console.print()
+                return 0
+            except KeyboardInterrupt:
+                console.print("\n[dim]/exit or Ctrl-D quits[/]")
+                continue
+            text = valid_text(line).strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text.startswith("/") and " " not in text:
+                if text in commands:
+                    commands[text]()
+                else:
+                    console.print(f"[red]unknown command {escape(text)}[/]; {HELP}")
+                continue
+            turns = len(session.messages)
+            # one turn: whatever fails, one line, and the conversation goes on (ChatSession keeps it whole)
+            try:
+                with ctrl_c.turn():
+                    _turn(session, text, console, err, ctrl_c)
+            except KeyboardInterrupt:  # a second Ctrl-C
+                dropped = "" if len(session.messages) > turns else "; that message was dropped"
+                console.print(("\n" if ctrl_c.midline else "") + f"[yellow]interrupted{dropped}[/]")
+            except USER_ERRORS as e:
+                console.print(("\n" if ctrl_c.midline else "") + f"[red]{escape(_one_line(e))}[/]; that "
+                              "message was dropped")
+
+
+def _turn(session, text: str, console: Console, err: Console, ctrl_c: _CtrlC) -> None:
+    reply = _reply(session, text, sys.stdout, err, ctrl_c, show_progress=True)
+    s = reply.stats
+    if s.stopped_by == "interrupted" and s.prompt_tokens == 0:
+        console.print("[yellow]stopped before the reply began; that message was dropped[/]")
+        return
+    sys.stdout.write("\n")
+    ctrl_c.midline = False
+    note = " (stopped)" if s.stopped_by == "interrupted" else " (length limit)" \
+        if s.stopped_by in ("max_new_tokens", "max_seq_len") else ""
+    console.print(f"[dim]{_stats_line(s)}{note}[/]")
 
 
 def _stats_table(session) -> Table:

@@ -148,6 +148,7 @@ class Config:
     threads: int = 0  # CPU threads for torch and the operators; 0 = all cores
     chunk_size: int = 512  # prefill chunk, tokens
     max_seq_len: int = 0  # KV capacity, tokens; 0 = the model's trained context length
+    parse_special: bool = False  # chat: special-token text in messages and documents as control tokens
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
 

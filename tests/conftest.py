@@ -8,7 +8,11 @@ llama, its Q/K row permutation. The tokenizer is a real little byte-level BPE (G
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import resource
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +35,43 @@ CHAT_TEMPLATE = (
     "'<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+# ---- a guard for code that must stay bounded ----
+
+
+class Hung(BaseException):
+    """Raised by ``bounded_process`` when time is up (a BaseException: no ``except Exception`` stops it)."""
+
+
+@contextlib.contextmanager
+def _bounded_process(seconds: float, extra_bytes: int = 1 << 30):
+    """While the block runs (main thread, Linux): the address space capped at its size + ``extra_bytes``,
+    so an unbounded allocation is a MemoryError and the machine is unharmed, and ``Hung`` raised after
+    ``seconds`` of wall time, so an unbounded loop fails instead of hanging the run."""
+    def hung(signum: int, frame: object) -> None:
+        raise Hung(f"still running after {seconds} s")
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    size = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+    cap = size + extra_bytes if hard == resource.RLIM_INFINITY else min(size + extra_bytes, hard)
+    previous = signal.signal(signal.SIGALRM, hung)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.fixture(scope="session")
+def bounded_process():
+    """``with bounded_process(seconds):`` - see ``_bounded_process``."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs Linux's /proc")
+    return _bounded_process
 
 
 # ---- tokenizer ----
@@ -220,7 +261,7 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
 
 
 def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
-               bpe: TinyBPE | None) -> Path:
+               bpe: TinyBPE | None, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32)."""
     w = gguf.GGUFWriter(path, arch)
     w.add_name("ktquest tiny test model")
@@ -246,7 +287,7 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
         w.add_unk_token_id(bpe.unk_id)
         w.add_pad_token_id(bpe.pad_id)
         w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
+        w.add_chat_template(chat_template)
     for name, t in tensors.items():
         w.add_tensor(name, t)
     w.write_header_to_file()
@@ -261,12 +302,13 @@ class TinyModel(NamedTuple):
     hf_model: torch.nn.Module
 
 
-def make_tiny_model(directory: Path, name: str, bpe: TinyBPE) -> TinyModel:
+def make_tiny_model(directory: Path, name: str, bpe: TinyBPE,
+                    chat_template: str = CHAT_TEMPLATE) -> TinyModel:
     spec = TINY_SPECS[name]
     vocab = len(bpe.tokens)
     hf = build_hf_model(spec, vocab)
     path = write_gguf(directory / f"{name}.gguf", spec.arch, gguf_metadata(spec, vocab),
-                      hf_to_gguf_tensors(hf, spec), bpe)
+                      hf_to_gguf_tensors(hf, spec), bpe, chat_template)
     return TinyModel(path, hf)
 
 
@@ -294,6 +336,17 @@ def tiny_model(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
 def tiny_llama(tiny_models) -> TinyModel:
     """A tiny llama with untied output.weight (Q/K permuted in the file, as llama.cpp writes it)."""
     return tiny_models("llama")
+
+
+# A chat template that refuses any message containing "boom": a template error on the turn a test chooses.
+BOOM_TEMPLATE = ("{% for message in messages %}{% if 'boom' in message['content'] %}"
+                 "{{ raise_exception('boom refused') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_boom(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE) -> TinyModel:
+    """The tiny llama whose chat template fails on a message that contains "boom"."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_boom"), "llama", tiny_bpe, BOOM_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

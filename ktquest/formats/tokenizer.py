@@ -7,23 +7,24 @@
 
 Control tokens (GGUF token type 3) are matched in text when ``parse_special`` is on; user-defined tokens
 (type 4) always are, as in llama.cpp. Both encode as single tokens.
+
+User text is text: ``encode_messages`` turns the chat template's own markup into control tokens and the
+messages' contents into plain text, so ``<|im_end|>`` typed in a message cannot end its turn or fake a role
+(unless the caller opts in with ``parse_special``, as llama.cpp's ``--special``).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from ktquest.formats.chat_template import DEFAULT_LIMITS, ChatTemplate, TemplateLimits
 
 # GGUF token types (gguf.TokenType); SentencePiece's piece types use the same numbers.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -58,6 +59,12 @@ _CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '
            " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
            "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
+# Put between the characters of special-token text inside message contents (before it, for a one-character
+# token), so that the text no longer matches a control token when the rendered chat is split; taken out
+# before the text is encoded. A Unicode noncharacter ("for internal use"): one a message brings is dropped.
+_TEXT_MARK = "\ufdd0"
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 class TokenizerError(ValueError):
     """The GGUF tokenizer metadata is missing a key or names an unsupported tokenizer."""
@@ -88,7 +95,12 @@ class Tokenizer:
             self._backend = _SentencePiece(md, self.tokens, self.token_types)
         else:
             raise TokenizerError(f"tokenizer.ggml.model={self.kind!r} is not supported: expected 'gpt2' or 'llama'")
-        self._template = _jinja_env().from_string(self.chat_template)
+        self._template = ChatTemplate(self.chat_template)  # a ChatTemplateError here if it does not compile
+        specials = sorted(self._backend.special_ids, key=len, reverse=True)  # longest first: it wins
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # special-token text that is whole (one character: no _TEXT_MARK before it) is the template's own
+        markup = [re.escape(t) if len(t) > 1 else f"(?<!{_TEXT_MARK}){re.escape(t)}" for t in specials]
+        self._markup_re = re.compile(f"({'|'.join(markup)})") if specials else None
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -106,7 +118,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """text -> ids.  ``add_bos`` None = the GGUF default; ``parse_special`` matches control tokens."""
-        ids = self._backend.encode(text, parse_special)
+        ids = self._backend.encode(valid_text(text), parse_special)
         if self.add_bos if add_bos is None else add_bos:
             ids.insert(0, self.bos_id)
         return ids
@@ -120,18 +132,50 @@ class Tokenizer:
 
     # ---- chat ----
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template (ChatML if none)."""
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            limits: TemplateLimits = DEFAULT_LIMITS) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template (ChatML if none).
+
+        Bounded by ``limits``; any failure of the template is a ``ChatTemplateError`` (one line)."""
         bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos)
+        return self._template.render(limits, messages=list(messages), bos_token=bos, eos_token=eos,
+                                     add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, text: str) -> list[int]:
-        """Ids of a rendered chat: BOS per the GGUF default unless the template already wrote it."""
+        """Ids of a rendered chat, every special-token text in it a control token (``encode_messages`` keeps
+        the messages' text apart); BOS per the GGUF default unless the template already wrote it."""
         bos = self.tokens[self.bos_id] if self.bos_id is not None else None
         add_bos = self.add_bos and not (bos and text.startswith(bos))
         return self.encode(text, add_bos=add_bos, parse_special=True)
+
+    def encode_messages(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
+                        parse_special: bool = False, limits: TemplateLimits = DEFAULT_LIMITS) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize it: the template's markup (role markers,
+        BOS/EOS) becomes control tokens, the messages' contents are text, special-token strings in them
+        included (``<|im_end|>`` typed by a user is characters), unless ``parse_special``."""
+        if parse_special or self._markup_re is None:
+            return self.encode_chat(self.apply_chat_template(messages, add_generation_prompt, limits))
+        # Each content's special-token texts are broken up by _TEXT_MARKs; the template then renders them
+        # wherever it puts the content (transformed too: trimmed, split, ...), and only the whole
+        # special-token texts of the result, the template's own, are control tokens.
+        marked = [{**m, "content": self._mark(m["content"])} if isinstance(m.get("content"), str) else m
+                  for m in messages]
+        parts = self._markup_re.split(self.apply_chat_template(marked, add_generation_prompt, limits))
+        ids: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2:  # odd parts are the separators: the template's special tokens
+                ids.append(self._backend.special_ids[part])
+            elif part:
+                ids += self.encode(part.replace(_TEXT_MARK, ""), add_bos=False, parse_special=False)
+        if self.add_bos and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def _mark(self, content: str) -> str:
+        content = content.replace(_TEXT_MARK, "")
+        return self._special_re.sub(lambda m: _TEXT_MARK.join(m.group()) if len(m.group()) > 1
+                                    else _TEXT_MARK + m.group(), content)
 
 
 class StreamDecoder:
@@ -169,6 +213,8 @@ class StreamDecoder:
 
 
 class _Backend:
+    special_ids: dict[str, int]  # text -> id of the tokens that are matched in text only with parse_special
+
     def encode(self, text: str, parse_special: bool) -> list[int]:
         raise NotImplementedError
 
@@ -193,6 +239,7 @@ class _ByteLevelBPE(_Backend):
         self.tk.decoder = decoders.ByteLevel()
         self.tk.add_tokens([AddedToken(t, special=(ty == CONTROL), normalized=False)
                             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+        self.special_ids = {t: self.tk.token_to_id(t) for t, ty in zip(tokens, types) if ty == CONTROL and t}
 
     def pre_tokenize(self, text: str) -> list[str]:
         return [p for p, _ in self.tk.pre_tokenizer.pre_tokenize_str(text)]
@@ -222,14 +269,14 @@ class _SentencePiece(_Backend):
         # Longest first so that a token containing another one wins.
         texts = sorted({tokens[i] for i in self.special if tokens[i]}, key=len, reverse=True)
         self.split_re = re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
-        self.special_id = {tokens[i]: i for i in self.special}
+        self.special_ids = {tokens[i]: i for i in self.special if tokens[i]}
 
     def encode(self, text: str, parse_special: bool) -> list[int]:
         parts = self.split_re.split(text) if (parse_special and self.split_re) else [text]
         ids: list[int] = []
         for k, part in enumerate(parts):
             if k % 2:  # odd parts are the separators, i.e. special tokens
-                ids.append(self.special_id[part])
+                ids.append(self.special_ids[part])
             elif part:
                 # Each text run follows the start or a special token: SentencePiece's dummy-prefix
                 # space goes in front of each, as llama.cpp does.
@@ -260,21 +307,10 @@ def _find_eot_ids(md: dict[str, Any], tokens: list[str]) -> frozenset[int]:
     return frozenset(i for i in ids if 0 <= i < len(tokens))
 
 
-def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    """The environment HF transformers renders chat templates in."""
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+def valid_text(text: str) -> str:
+    """``text`` with its lone surrogates as U+FFFD: bytes that are not UTF-8, as Python's stdin and argv hand
+    them over (surrogateescape), become replacement characters instead of failing to encode."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _model_proto(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *,
