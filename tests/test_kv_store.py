@@ -268,6 +268,31 @@ def test_constructor_rejects_bad_configs():
         _C.KVStore(1, 1, 64, 64, 16, "FP16", "quest?", 2, 1)
 
 
+def test_sizes_past_the_layout_are_refused_before_anything_is_reserved():
+    """Every size of the store's layout is checked before it reserves memory (cpp/common/checked.h): a capacity
+    past the int32 block ids, a product that overflows, an allocation that fails; each names the sizes."""
+    with pytest.raises(ValueError, match=r"max_seq_len=4611686018427387904 in blocks of block_size=1 .*int32"):
+        _C.KVStore(1, 1, 64, 1 << 62, 1, "FP16", "QUEST", 2, 1)  # reserved 0 bytes; an append then crashed
+    with pytest.raises(ValueError, match="block ids are int32"):
+        _C.store_bytes(1, 1, 64, 1 << 62, 1, "FP16", "QUEST", 2)
+    with pytest.raises(OverflowError, match="anchors x head_dim"):  # A * D indexes an anchor row with int
+        _C.store_bytes(1, 1, 1 << 20, 1 << 20, 1 << 20, "FP32", "FIXED", 1 << 20)
+    with pytest.raises(OverflowError, match="overflows"):  # heads x blocks x tile bytes past 2**64
+        _C.store_bytes(1, 1 << 30, 1 << 20, (1 << 31) - 1, 1, "FP32", "QUEST", 2)
+    with pytest.raises(OverflowError, match="candidate"):
+        _C.candidate_copy_bytes(1, 1, 64, 1, "FP16", "QUEST", False, 1 << 62)
+    # A layout that fits 64 bits but not the address space: MemoryError naming what was asked, not bad_alloc.
+    need = _C.store_bytes(1, 1, 1 << 16, 1 << 30, 1 << 10, "FP32", "QUEST", 2)
+    assert need > 1 << 48
+    with pytest.raises(MemoryError, match=f"KVStore: reserving {need} bytes .*max_seq_len=1073741824"):
+        _C.KVStore(1, 1, 1 << 16, 1 << 30, 1 << 10, "FP32", "QUEST", 2, 1)
+    # The largest capacity the block ids allow is a store like any other: address space, filled on demand.
+    st = KVStore(1, 1, 32, (1 << 31) - 1, block_size=1, kv_type="FP16")
+    k = randn(3, 1, 32)
+    st.append(0, k, k)
+    torch.testing.assert_close(st.read(0)[0], k.half().float(), rtol=0, atol=0)
+
+
 def test_append_rejects_bad_input():
     KVH, D = 2, 32
     store = KVStore(2, KVH, D, 64, block_size=16, kv_type="FP16")

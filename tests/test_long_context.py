@@ -223,8 +223,11 @@ def test_invalid_knobs_are_clear_errors():
     with pytest.raises(ConfigError, match="head_dim"):  # Q8_0/Q4_0 need head_dim % 32 == 0
         LongContextCache(types.SimpleNamespace(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16),
                          sparse_cfg(kv_type="Q4_0"), 256)
-    huge = 1 << 40
+    huge = 1 << 33  # 2**30 blocks of 8: a layout that exists, far more than the RAM
     with pytest.raises(ConfigError, match=r"max_seq_len.*GiB"):
+        LongContextCache(ARGS, dataclasses.replace(sparse_cfg(), max_seq_len=huge), huge)
+    huge = 1 << 40  # 2**37 blocks: past the store's int32 block ids, refused by its layout
+    with pytest.raises(ConfigError, match=r"max_seq_len=1099511627776 .*block ids are int32"):
         LongContextCache(ARGS, dataclasses.replace(sparse_cfg(), max_seq_len=huge), huge)
     for kv_type, anchor_type, anchor_num in [("FP16", "QUEST", 2), ("FP32", "QUEST", 2), ("Q8_0", "BLOCK_MEAN", 1),
                                              ("FP16", "BLOCK_MAX", 1), ("BF16", "DYNAMIC", 3), ("Q4_0", "FIXED", 2)]:

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/checked.h"
 #include "common/finite.h"
 #include "common/thread_pool.h"
 
@@ -27,16 +28,25 @@ std::string where(int64_t t, int h) { return " at token " + std::to_string(t) + 
 // ---- construction ----
 
 KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_(lay_) {
-  const StoreRegions r = lay_.regions(size_t(c.n_kv_heads) * lay_.max_blocks);  // one layer's regions
+  // lay_ validated c and computed every size (checked): what is reserved here is what store_bytes says.
+  const StoreRegions& r = lay_.layer_regions();
   layers_.resize(c.n_layers);
+  maps_.reserve(size_t(c.n_layers) * 6);
   auto grab = [&](size_t bytes) -> void* { return maps_.emplace_back(bytes).data(); };
-  for (StoreLayer& L : layers_) {  // a throw unmaps what was reserved (maps_ is destroyed)
-    L.kv = static_cast<uint8_t*>(grab(r.kv));
-    L.anchors = grab(r.anchors);
-    L.n_anchor = static_cast<int32_t*>(grab(r.n_anchor));
-    if (r.sums) L.sums = static_cast<double*>(grab(r.sums));
-    if (r.imp) L.imp = static_cast<float*>(grab(r.imp));
-    if (r.pos) L.pos = static_cast<int32_t*>(grab(r.pos));
+  try {
+    for (StoreLayer& L : layers_) {  // a throw unmaps what was reserved (maps_ is destroyed)
+      L.kv = static_cast<uint8_t*>(grab(r.kv));
+      L.anchors = grab(r.anchors);
+      L.n_anchor = static_cast<int32_t*>(grab(r.n_anchor));
+      if (r.sums) L.sums = static_cast<double*>(grab(r.sums));
+      if (r.imp) L.imp = static_cast<float*>(grab(r.imp));
+      if (r.pos) L.pos = static_cast<int32_t*>(grab(r.pos));
+    }
+  } catch (const std::bad_alloc& e) {  // name the whole store: what the caller asked for
+    throw alloc_error("KVStore: reserving " + bytes_str(lay_.bytes()) + " for n_layers=" +
+                      std::to_string(c.n_layers) + ", n_kv_heads=" + std::to_string(c.n_kv_heads) +
+                      ", head_dim=" + std::to_string(c.head_dim) + ", max_seq_len=" + std::to_string(c.max_seq_len) +
+                      " (kv_type " + kv_type_name(c.kv_type) + ") failed: " + e.what());
   }
 }
 
