@@ -293,6 +293,45 @@ def test_sizes_past_the_layout_are_refused_before_anything_is_reserved():
     torch.testing.assert_close(st.read(0)[0], k.half().float(), rtol=0, atol=0)
 
 
+def test_reads_are_sized_under_the_store_lock():
+    """read / anchors / block_scores / read_range while another thread appends: every result is the store at
+    one moment (its outputs sized under the lock, never from an earlier length)."""
+    import threading
+
+    KVH, D, bs, T = 2, 32, 4, 400
+    st = KVStore(1, KVH, D, T, block_size=bs, kv_type="FP32", anchor_type="BLOCK_MAX")
+    k, q = randn(T, KVH, D, seed=1), randn(KVH, D, seed=2)
+    done = threading.Event()
+
+    def writer():
+        for t in range(T):
+            st.append(0, k[t : t + 1], k[t : t + 1])
+        done.set()
+
+    th = threading.Thread(target=writer)
+    th.start()
+    reads = 0
+    while not done.is_set() or reads < 5:
+        rk, rv = st.read(0)
+        n = rk.shape[0]
+        assert torch.equal(rk, k[:n]) and torch.equal(rv, k[:n])
+        a, c = st.anchors(0)  # a: [KVH, nb, 1, D]; the last block may be partial (any of its prefixes)
+        nb = a.shape[1]
+        for b in range(nb):
+            rows = range(1, bs + 1) if b == nb - 1 else [bs]
+            assert any(torch.equal(a[:, b, 0], k[b * bs : b * bs + r].amax(0)) for r in rows), b
+        assert st.block_scores(0, q).shape[1] >= nb
+        reads += 1
+    th.join()
+    assert st.length(0) == T
+    with pytest.raises(IndexError, match=r"read_range: \[0, 401\) is not inside the 400 tokens"):
+        st.read_range(0, 0, T + 1)
+    with pytest.raises(IndexError, match="is not inside"):  # sized by what is stored, never by t1 - t0
+        st.native.read_range(0, 0, (1 << 62))
+    with pytest.raises(IndexError, match="is not inside"):
+        st.native.read_range(0, -(1 << 62), 1)
+
+
 def test_append_rejects_bad_input():
     KVH, D = 2, 32
     store = KVStore(2, KVH, D, 64, block_size=16, kv_type="FP16")

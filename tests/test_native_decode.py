@@ -87,6 +87,39 @@ def test_native_decode_step_checks_its_arguments():
     assert st.length(0) == 1  # refused calls append nothing
 
 
+def test_decode_layer_takes_any_even_head_dim():
+    """DecodeLayer's RoPE works on one head at a time in a buffer of its own size (it was a fixed 1024 floats,
+    checked in one binding only); its heads and eps are checked where it is built."""
+    rng = np.random.default_rng(0)
+    dim, D, ffn = 32, 1056, 64
+
+    def q8(out, inp):
+        return (*_C.quantize_q8_0(rng.standard_normal((out, inp)).astype(np.float32)), None)
+
+    ones = np.ones(dim, np.float32)
+    wqkv = q8(3 * D, dim)
+    layer = _C.DecodeLayer(ones, ones, 1e-5, wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), 1, 1, D)
+    x = rng.standard_normal(dim).astype(np.float32)
+    ang = rng.standard_normal(D).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    out = np.zeros(3 * D, np.float32)
+    layer.qkv(x, cos, sin, out, 1)
+    w = wqkv[0].astype(np.float64) * np.repeat(wqkv[1], 32, axis=1)  # dequantised [3D, dim]
+    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5)
+    ref = w @ xn
+    for h in range(2):  # rotate-half RoPE on q and k: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i]
+        r = ref[h * D : (h + 1) * D]
+        ref[h * D : (h + 1) * D] = r * cos + np.roll(r, -D // 2) * sin
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    for args, match in [((1, 1, 0), "head_dim=0 must be even"), ((1, 1, 7), "head_dim=7 must be even"),
+                        ((3, 2, 64), "n_heads=3 must be a positive multiple of n_kv_heads=2"),
+                        ((0, 1, 64), "n_heads=0")]:
+        with pytest.raises(ValueError, match=match):
+            _C.DecodeLayer(ones, ones, 1e-5, wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), *args)
+    with pytest.raises(ValueError, match="eps=nan"):
+        _C.DecodeLayer(ones, ones, float("nan"), wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), 1, 1, D)
+
+
 def test_native_token_step_checks_every_layer_first(tiny_llama):
     """decode_token_long_context checks every layer's arguments before the first layer runs."""
 
