@@ -279,6 +279,8 @@ def test_sizes_past_the_layout_are_refused_before_anything_is_reserved():
         _C.store_bytes(1, 1, 1 << 20, 1 << 20, 1 << 20, "FP32", "FIXED", 1 << 20)
     with pytest.raises(OverflowError, match="overflows"):  # heads x blocks x tile bytes past 2**64
         _C.store_bytes(1, 1 << 30, 1 << 20, (1 << 31) - 1, 1, "FP32", "QUEST", 2)
+    with pytest.raises(ValueError, match=r"n_layers must be in \[1, 4096\], got 2147483647"):  # bookkeeping per layer
+        _C.KVStore(2**31 - 1, 1, 8, 16, 4, "FP32", "QUEST", 2, 1)
     with pytest.raises(OverflowError, match="candidate"):
         _C.candidate_copy_bytes(1, 1, 64, 1, "FP16", "QUEST", False, 1 << 62)
     # A layout that fits 64 bits but not the address space: MemoryError naming what was asked, not bad_alloc.

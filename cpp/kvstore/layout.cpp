@@ -14,7 +14,9 @@ const char* anchor_type_name(AnchorType t) { return enum_name(kAnchorTypeNames, 
 
 StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
   auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
-  if (c.n_layers < 1) bad("n_layers must be >= 1, got " + std::to_string(c.n_layers));
+  // Each layer's bookkeeping is allocated (not reserved) at construction: no model has thousands of layers.
+  if (c.n_layers < 1 || c.n_layers > kMaxLayers)
+    bad("n_layers must be in [1, " + std::to_string(kMaxLayers) + "], got " + std::to_string(c.n_layers));
   if (c.n_kv_heads < 1) bad("n_kv_heads must be >= 1, got " + std::to_string(c.n_kv_heads));
   if (c.head_dim < 1) bad("head_dim must be >= 1, got " + std::to_string(c.head_dim));
   if (c.max_seq_len < 1) bad("max_seq_len must be >= 1, got " + std::to_string(c.max_seq_len));

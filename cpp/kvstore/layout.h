@@ -47,6 +47,8 @@ inline bool linear_anchors(AnchorType t) {
   return t == AnchorType::QUEST || t == AnchorType::BLOCK_MAX || t == AnchorType::BLOCK_MEAN;
 }
 
+constexpr int kMaxLayers = 4096;  // a store's layers (their bookkeeping is allocated, not reserved)
+
 struct StoreConfig {
   int n_layers = 1;
   int n_kv_heads = 1;
