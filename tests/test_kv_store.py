@@ -352,6 +352,9 @@ def test_append_rejects_bad_input():
         store.append(2, k, k)
     with pytest.raises(IndexError, match="layer -1"):
         store.length(-1)
+    for layer in (2, -2, 2**31 - 1):  # -1 alone means every layer (2**31 - 1 + 1 overflowed an int)
+        with pytest.raises(IndexError, match=f"layer {layer} is out of range"):
+            store.native.truncate(layer, 0)
     with pytest.raises(ValueError, match="importance"):
         store.append(0, k, k, torch.ones(4, KVH + 1))
     for bad in (float("nan"), float("inf")):

@@ -302,6 +302,7 @@ void KVStore::read_locked(const StoreLayer& L, int64_t t0, int64_t t1, float* k,
 
 void KVStore::truncate(int layer, int64_t n) {
   std::lock_guard<std::mutex> lk(mu_);
+  if (layer != -1) layer_at(layer);  // out_of_range for a layer the store does not have (-1: every layer)
   const int l0 = layer < 0 ? 0 : layer, l1 = layer < 0 ? lay_.cfg.n_layers : layer + 1;
   // One layer: 0 <= n <= its length. Every layer (-1): layers holding fewer than n tokens (a forward pass
   // interrupted half-way leaves the later layers shorter) keep what they hold.
