@@ -6,7 +6,8 @@ a message; never a signal, never a hang.
 
 Each group of entry points runs in a child process (python this_file.py GROUP N): a signal kills the child,
 not pytest, and the parent fails with the last case the child announced. One hypothesis loop per child, with
-a fixed seed (derandomize) and no shrinking, so CI sees the same cases every run in a few seconds a group.
+a fixed seed (derandomize) and no shrinking, so CI sees the same cases every run in a few seconds a group
+(KTQ_FUZZ_SCALE=10 runs ten times as many).
 tools/sanitize.sh runs this file under ASan + UBSan: the children inherit the sanitizers.
 """
 
@@ -28,8 +29,10 @@ TIMEOUT_S = 120  # a group takes seconds; a hang fails the test instead of block
 def test_native_entry_points_never_crash(group):
     env = dict(os.environ, PYTHONHASHSEED="0")
     try:
-        r = subprocess.run([sys.executable, __file__, group, str(GROUPS[group])], capture_output=True, text=True,
-                           timeout=TIMEOUT_S, env=env)
+        site = ["-S"] if sys.flags.no_site else []  # as this interpreter (tools/sanitize.sh runs python -S)
+        n = max(1, round(GROUPS[group] * float(os.environ.get("KTQ_FUZZ_SCALE", "1"))))
+        r = subprocess.run([sys.executable, *site, __file__, group, str(n)], capture_output=True,
+                           text=True, timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{group}: no result after {TIMEOUT_S} s (a hang?); last output:\n{(e.stderr or '')[-3000:]}")
     if r.returncode != 0:
