@@ -73,7 +73,9 @@ void bind_decode(py::module_& m) {
              if (!py::isinstance<py::array>(gu_q) || py::array(py::reinterpret_borrow<py::object>(gu_q)).ndim() != 2)
                throw py::value_error("w_gate_up.q: expected a 2-D int8 array [2 * ffn, dim]");
              const int64_t two_ffn = py::array(py::reinterpret_borrow<py::object>(gu_q)).shape(0);
-             if (check_positive(two_ffn, "w_gate_up.q: 2 * ffn rows") % 64 != 0) throw py::value_error("w_gate_up.q: 2 * ffn rows must be a multiple of 64");
+             if (check_positive(two_ffn, "w_gate_up.q: 2 * ffn rows") % 64 != 0)
+               throw py::value_error("w_gate_up.q: 2 * ffn rows must be a multiple of 64, got " +
+                                     std::to_string(two_ffn));
              DecodeLayerWeights w;
              w.attn_norm = an.data();
              w.ffn_norm = fn.data();
