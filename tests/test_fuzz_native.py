@@ -52,7 +52,7 @@ def _child(group: str, n_examples: int) -> None:
     from ktquest import _C
 
     calls = {"ok": 0, "refused": 0}
-    F32, I8, I32, I64 = np.float32, np.int8, np.int32, np.int64
+    F32, I32, I64 = np.float32, np.int32, np.int64
     SPECIAL = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e38, -1e38, 65520.0, 1e-45]
     EDGE_INTS = [0, -1, -(2**31), 2**31 - 1, 2**31, 2**62, 2**63 - 1, -(2**63)]
     OTHER_DTYPES = [np.float64, np.float16, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
