@@ -2,7 +2,7 @@
 hypothesis, each case a valid call with up to two things changed (a size of 0, -1 or 2**62, another dtype, a
 shape off by one, a strided view, NaN / inf values, a NaN scale, ...). The contract: a call succeeds or raises
 one of the documented Python exceptions (ValueError, TypeError, IndexError, MemoryError, OverflowError) with
-a message; never a signal, never a hang.
+a message; never a signal, never a hang, never a runaway allocation (the child's peak RSS is bounded).
 
 Each group of entry points runs in a child process (python this_file.py GROUP N): a signal kills the child,
 not pytest, and the parent fails with the last case the child announced. One hypothesis loop per child, with
@@ -23,6 +23,7 @@ import pytest
 ALLOWED = (ValueError, TypeError, IndexError, MemoryError, OverflowError)
 GROUPS = {"sizes": 400, "kv_store": 300, "dense": 400, "gemv": 300, "decode": 200}
 TIMEOUT_S = 120  # a group takes seconds; a hang fails the test instead of blocking CI
+PEAK_RSS_MIB = 1024  # a child stays near 60 MiB; a runaway allocation the OOM killer would not reach fails here
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
@@ -39,6 +40,9 @@ def test_native_entry_points_never_crash(group):
         how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit code {r.returncode}"
         pytest.fail(f"{group}: the child ended with {how}; last output:\n{r.stderr[-6000:]}")
     assert f"fuzz {group}: " in r.stdout, r.stdout[-2000:]
+    rss = int(r.stdout.rsplit("peak RSS ", 1)[1].split()[0])
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # ASan's shadow memory and quarantine count as RSS
+        assert rss <= PEAK_RSS_MIB, f"{group}: the child's peak RSS was {rss} MiB"
 
 
 # ---- the child: one hypothesis loop over a group of entry points ----
@@ -334,7 +338,11 @@ def _child(group: str, n_examples: int) -> None:
         groups[group](data)
 
     fuzz()
-    print(f"fuzz {group}: {n_examples} examples, {calls['ok']} calls succeeded, {calls['refused']} refused")
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # KiB on Linux
+    print(f"fuzz {group}: {n_examples} examples, {calls['ok']} calls succeeded, {calls['refused']} refused, "
+          f"peak RSS {rss} MiB")
 
 
 if __name__ == "__main__":
