@@ -338,9 +338,9 @@ def _child(group: str, n_examples: int) -> None:
         groups[group](data)
 
     fuzz()
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # KiB on Linux
+    # VmHWM: this process image's peak RSS (getrusage's ru_maxrss keeps the parent's across fork + exec)
+    with open("/proc/self/status") as f:
+        rss = next(int(s.split()[1]) for s in f if s.startswith("VmHWM:")) // 1024  # kB -> MiB
     print(f"fuzz {group}: {n_examples} examples, {calls['ok']} calls succeeded, {calls['refused']} refused, "
           f"peak RSS {rss} MiB")
 
