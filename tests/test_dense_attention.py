@@ -114,6 +114,15 @@ def test_dense_cache_decode_matches_sdpa():
         (dict(skip0=0, skip1=10), "that leaves a row"),
         (dict(q=np.full((9, 64), np.inf, np.float32)), "q contains a non-finite value at head 0"),
         (dict(k=np.zeros((3, 20, 64), np.float32)[:, ::2]), "must be C-contiguous"),
+        # sizes of 0 are refused by name before they reach a division (a head_dim of 0 was a SIGFPE)
+        (dict(q=np.zeros((9, 0), np.float32), k=np.zeros((3, 10, 0), np.float32), v=np.zeros((3, 10, 0), np.float32),
+              out=np.zeros((9, 0), np.float32)), r"q: head_dim \(dimension 1\) must be >= 1, got 0"),
+        (dict(q=np.zeros((0, 64), np.float32), out=np.zeros((0, 64), np.float32), lse=np.zeros(0, np.float32)),
+         r"q: heads \(dimension 0\) must be >= 1, got 0"),
+        (dict(k=np.zeros((0, 10, 64), np.float32), v=np.zeros((0, 10, 64), np.float32)), "multiple of the 0 KV heads"),
+        # a non-finite scale gave NaN or zero outputs
+        (dict(scale=float("nan")), "scale=nan is not finite"),
+        (dict(scale=float("inf")), "scale=inf is not finite"),
     ],
 )
 def test_bad_arguments_raise(change, match):

@@ -232,6 +232,8 @@ def test_load_errors(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="chunk_size=0"):
         ktquest.load(tiny_llama.path, chunk_size=0)
     with pytest.raises(ConfigError, match=r"max_seq_len=\d+ is not allowed: .* GiB"):  # before allocating
+        ktquest.load(tiny_llama.path, mode="long_context", max_seq_len=2**34)
+    with pytest.raises(ConfigError, match=r"max_seq_len=\d+ is not allowed: .*block ids are int32"):  # 2**34 blocks
         ktquest.load(tiny_llama.path, mode="long_context", max_seq_len=2**40)
     with pytest.raises(GGUFError, match="no such file"):
         ktquest.load(tmp_path / "missing.gguf")

@@ -1,5 +1,8 @@
 """Q8_0 weight-only GEMV (cpp/gemm/gemv*.cpp) against a torch reference of the same quantization."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -64,6 +67,30 @@ def test_gemv_thread_count_is_bitwise_deterministic():
         outs.append(y)
     for y in outs[1:]:
         np.testing.assert_array_equal(y, outs[0])
+
+
+def test_a_huge_thread_count_is_capped():
+    """Asking for 100,000 threads starts at most 256 (the pool's cap): the same result, no exhausted process.
+    In a child process, so this one does not keep the workers."""
+    code = """
+import numpy as np
+from ktquest import _C
+def threads():
+    return int([s for s in open('/proc/self/status') if s.startswith('Threads:')][0].split()[1])
+w = np.random.default_rng(0).standard_normal((65536, 32)).astype(np.float32)
+q, d = _C.quantize_q8_0(w)
+x = np.ones((1, 32), np.float32)
+y1, y = np.empty((1, 65536), np.float32), np.empty((1, 65536), np.float32)
+_C.gemv_q8_0(x, q, d, None, y1, 1)
+before = threads()
+_C.gemv_q8_0(x, q, d, None, y, 100000)
+print(threads() - before, bool((y == y1).all()))
+"""
+    r = subprocess.run([sys.executable, *(["-S"] if sys.flags.no_site else []), "-c", code], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    started, same = r.stdout.split()
+    assert 0 < int(started) <= 255 and same == "True", r.stdout
 
 
 def test_linear_q8_path_close_to_fp32():

@@ -268,6 +268,72 @@ def test_constructor_rejects_bad_configs():
         _C.KVStore(1, 1, 64, 64, 16, "FP16", "quest?", 2, 1)
 
 
+def test_sizes_past_the_layout_are_refused_before_anything_is_reserved():
+    """Every size of the store's layout is checked before it reserves memory (cpp/common/checked.h): a capacity
+    past the int32 block ids, a product that overflows, an allocation that fails; each names the sizes."""
+    with pytest.raises(ValueError, match=r"max_seq_len=4611686018427387904 in blocks of block_size=1 .*int32"):
+        _C.KVStore(1, 1, 64, 1 << 62, 1, "FP16", "QUEST", 2, 1)  # reserved 0 bytes; an append then crashed
+    with pytest.raises(ValueError, match="block ids are int32"):
+        _C.store_bytes(1, 1, 64, 1 << 62, 1, "FP16", "QUEST", 2)
+    with pytest.raises(OverflowError, match="anchors x head_dim"):  # A * D indexes an anchor row with int
+        _C.store_bytes(1, 1, 1 << 20, 1 << 20, 1 << 20, "FP32", "FIXED", 1 << 20)
+    with pytest.raises(OverflowError, match="overflows"):  # heads x blocks x tile bytes past 2**64
+        _C.store_bytes(1, 1 << 30, 1 << 20, (1 << 31) - 1, 1, "FP32", "QUEST", 2)
+    with pytest.raises(ValueError, match=r"n_layers must be in \[1, 4096\], got 2147483647"):  # bookkeeping per layer
+        _C.KVStore(2**31 - 1, 1, 8, 16, 4, "FP32", "QUEST", 2, 1)
+    with pytest.raises(OverflowError, match="candidate"):
+        _C.candidate_copy_bytes(1, 1, 64, 1, "FP16", "QUEST", False, 1 << 62)
+    # A layout that fits 64 bits but not the address space: MemoryError naming what was asked, not bad_alloc.
+    need = _C.store_bytes(1, 1, 1 << 16, 1 << 30, 1 << 10, "FP32", "QUEST", 2)
+    assert need > 1 << 48
+    with pytest.raises(MemoryError, match=f"KVStore: reserving {need} bytes .*max_seq_len=1073741824"):
+        _C.KVStore(1, 1, 1 << 16, 1 << 30, 1 << 10, "FP32", "QUEST", 2, 1)
+    # The largest capacity the block ids allow is a store like any other: address space, filled on demand.
+    st = KVStore(1, 1, 32, (1 << 31) - 1, block_size=1, kv_type="FP16")
+    k = randn(3, 1, 32)
+    st.append(0, k, k)
+    torch.testing.assert_close(st.read(0)[0], k.half().float(), rtol=0, atol=0)
+
+
+def test_reads_are_sized_under_the_store_lock():
+    """read / anchors / block_scores / read_range while another thread appends: every result is the store at
+    one moment (its outputs sized under the lock, never from an earlier length)."""
+    import threading
+
+    KVH, D, bs, T = 2, 32, 4, 400
+    st = KVStore(1, KVH, D, T, block_size=bs, kv_type="FP32", anchor_type="BLOCK_MAX")
+    k, q = randn(T, KVH, D, seed=1), randn(KVH, D, seed=2)
+    done = threading.Event()
+
+    def writer():
+        for t in range(T):
+            st.append(0, k[t : t + 1], k[t : t + 1])
+        done.set()
+
+    th = threading.Thread(target=writer)
+    th.start()
+    reads = 0
+    while not done.is_set() or reads < 5:
+        rk, rv = st.read(0)
+        n = rk.shape[0]
+        assert torch.equal(rk, k[:n]) and torch.equal(rv, k[:n])
+        a, c = st.anchors(0)  # a: [KVH, nb, 1, D]; the last block may be partial (any of its prefixes)
+        nb = a.shape[1]
+        for b in range(nb):
+            rows = range(1, bs + 1) if b == nb - 1 else [bs]
+            assert any(torch.equal(a[:, b, 0], k[b * bs : b * bs + r].amax(0)) for r in rows), b
+        assert st.block_scores(0, q).shape[1] >= nb
+        reads += 1
+    th.join()
+    assert st.length(0) == T
+    with pytest.raises(IndexError, match=r"read_range: \[0, 401\) is not inside the 400 tokens"):
+        st.read_range(0, 0, T + 1)
+    with pytest.raises(IndexError, match="is not inside"):  # sized by what is stored, never by t1 - t0
+        st.native.read_range(0, 0, (1 << 62))
+    with pytest.raises(IndexError, match="is not inside"):
+        st.native.read_range(0, -(1 << 62), 1)
+
+
 def test_append_rejects_bad_input():
     KVH, D = 2, 32
     store = KVStore(2, KVH, D, 64, block_size=16, kv_type="FP16")
@@ -286,6 +352,9 @@ def test_append_rejects_bad_input():
         store.append(2, k, k)
     with pytest.raises(IndexError, match="layer -1"):
         store.length(-1)
+    for layer in (2, -2, 2**31 - 1):  # -1 alone means every layer (2**31 - 1 + 1 overflowed an int)
+        with pytest.raises(IndexError, match=f"layer {layer} is out of range"):
+            store.native.truncate(layer, 0)
     with pytest.raises(ValueError, match="importance"):
         store.append(0, k, k, torch.ones(4, KVH + 1))
     for bad in (float("nan"), float("inf")):

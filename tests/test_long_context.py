@@ -210,7 +210,7 @@ def test_device_kv_bytes_do_not_grow_with_the_prompt():
 # ---- errors ----
 
 
-def test_invalid_knobs_are_clear_errors():
+def test_invalid_knobs_are_clear_errors(monkeypatch):
     with pytest.raises(ConfigError, match="anchor_num.*QUEST"):
         LongContextConfig(anchor_type="QUEST", anchor_num=3)
     with pytest.raises(ConfigError, match="local_windows_len"):
@@ -223,9 +223,21 @@ def test_invalid_knobs_are_clear_errors():
     with pytest.raises(ConfigError, match="head_dim"):  # Q8_0/Q4_0 need head_dim % 32 == 0
         LongContextCache(types.SimpleNamespace(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16),
                          sparse_cfg(kv_type="Q4_0"), 256)
-    huge = 1 << 40
+    huge = 1 << 33  # 2**30 blocks of 8: a layout that exists, far more than the RAM
     with pytest.raises(ConfigError, match=r"max_seq_len.*GiB"):
         LongContextCache(ARGS, dataclasses.replace(sparse_cfg(), max_seq_len=huge), huge)
+    huge = 1 << 40  # 2**37 blocks: past the store's int32 block ids, refused by its layout
+    with pytest.raises(ConfigError, match=r"max_seq_len=1099511627776 .*block ids are int32"):
+        LongContextCache(ARGS, dataclasses.replace(sparse_cfg(), max_seq_len=huge), huge)
+    # RAM that passes the check, then a reservation that fails (here: past the address space): a ConfigError
+    # naming max_seq_len and the bytes, not a MemoryError (a bad_alloc) from the store's constructor
+    monkeypatch.setattr("ktquest.kv.memory.available_ram", lambda: 1 << 62)
+    huge = 1 << 40  # 2**30 blocks of 1024: 3 layers x 2 KV heads x 2**40 tokens x 32 x 2 x 2 bytes ~ 768 TiB
+    with pytest.raises(ConfigError, match=r"max_seq_len=1099511627776 is not allowed: KVStore: reserving "
+                                          r"\d+ bytes .*failed.*; lower max_seq_len"):
+        lc = LongContextConfig(block_size=1024, init_windows_len=1024, local_windows_len=1024, kv_type="FP16")
+        LongContextCache(ARGS, Config(mode="long_context", max_seq_len=huge, long_context=lc), huge)
+    monkeypatch.undo()
     for kv_type, anchor_type, anchor_num in [("FP16", "QUEST", 2), ("FP32", "QUEST", 2), ("Q8_0", "BLOCK_MEAN", 1),
                                              ("FP16", "BLOCK_MAX", 1), ("BF16", "DYNAMIC", 3), ("Q4_0", "FIXED", 2)]:
         # the estimate is the store's own count when full (2 layers, 3 KV heads, 100 tokens = 6 blocks of 16 + 4)

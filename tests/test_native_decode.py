@@ -87,6 +87,100 @@ def test_native_decode_step_checks_its_arguments():
     assert st.length(0) == 1  # refused calls append nothing
 
 
+def test_a_refused_decode_step_changes_nothing():
+    """decode_step validates q, scale and the token's k/v before it writes anything, and puts the window rows back
+    when the store part refuses later: the window, the store and out stay as they were (a NaN row was left in
+    the window before)."""
+    H, KVH, D = 4, 2, 16
+    st = KVStore(1, KVH, D, max_seq_len=8, block_size=4, kv_type="FP16", threads_num=1)
+    st.append(0, torch.randn(4, KVH, D), torch.randn(4, KVH, D))  # one full context block
+    q, k, v = torch.randn(H, D), torch.randn(KVH, D), torch.randn(KVH, D)
+    wk, wv = torch.randn(KVH, 16, D), torch.randn(KVH, 16, D)
+    out = torch.full((H, D), 7.0)
+    before = (wk.clone(), wv.clone())
+
+    def step(q=q, k=k, v=v, scale=D ** -0.5, blocks=None):
+        st.decode_step(0, q, k, v, wk, wv, 3, 5, (0, 0), scale, 1, out, blocks=blocks)
+
+    nan = torch.full((KVH, D), float("nan"))
+    for call, error, match in [
+        (lambda: step(k=nan), ValueError, "k contains a non-finite value"),
+        (lambda: step(v=nan), ValueError, "v contains a non-finite value"),
+        (lambda: step(k=k * 1e5), ValueError, "overflows kv_type FP16"),
+        (lambda: step(q=torch.full((H, D), float("inf"))), ValueError, "q contains a non-finite value"),
+        (lambda: step(scale=float("nan")), ValueError, "scale=nan is not finite"),
+        (lambda: step(blocks=[5]), IndexError, "block id 5 is out of range"),  # refused after the row was written
+    ]:
+        with pytest.raises(error, match=match):
+            call()
+        assert torch.equal(wk, before[0]) and torch.equal(wv, before[1])
+        assert st.length(0) == 4 and torch.equal(out, torch.full((H, D), 7.0))
+    step(blocks=[0])
+    assert st.length(0) == 5 and torch.equal(wk[:, 3], k) and not torch.equal(out, torch.full((H, D), 7.0))
+    st.append(0, torch.randn(3, KVH, D), torch.randn(3, KVH, D))  # full: the next step is refused up front
+    wk0 = wk.clone()
+    with pytest.raises(ValueError, match="KV store is full"):
+        st.decode_step(0, q, k * 2, v, wk, wv, 4, 5, (0, 0), D ** -0.5, 1, out)
+    assert torch.equal(wk, wk0) and st.length(0) == 8
+
+
+def test_a_refused_token_rolls_back_every_layer(tiny_llama):
+    """decode_token_long_context is all or nothing: when layer i refuses the token (here its store is full),
+    the layers before it lose the token again (store length, window rows) and x is restored."""
+    model, _ = load_model(tiny_llama.path)
+    set_decode_weights(model, "q8_0", threads=1)
+    layers = NativeDecoder.build(model, threads=1).blocks
+    a, L = model.args, model.args.n_layers
+    assert L >= 2
+    cache = LongContextCache(a, preset("quest", block_size=4, init_windows_len=4, local_windows_len=8), 64)
+    plan = cache.plan_decode(0)
+    st = cache.store
+    kvh, d = a.n_kv_heads, a.head_dim
+    st.append(L - 1, torch.randn(64, kvh, d), torch.randn(64, kvh, d))  # the last layer's store is full
+    x = np.random.default_rng(0).standard_normal(a.dim).astype(np.float32)
+    cs, sn = np.ones(d, np.float32), np.zeros(d, np.float32)
+    x0, wins0 = x.copy(), [(w[0].copy(), w[1].copy()) for w in plan.windows]
+    with pytest.raises(ValueError, match=f"layer {L - 1} holds 64 tokens"):
+        _C.decode_token_long_context(layers, x, cs, sn, plan.store, plan.windows, 0, 1, 0, 0, 0.125, 1, plan.steps)
+    assert [st.length(i) for i in range(L)] == [0] * (L - 1) + [64]
+    assert np.array_equal(x, x0)
+    for (k, v), (k0, v0) in zip(plan.windows, wins0):
+        assert np.array_equal(k, k0) and np.array_equal(v, v0)
+
+
+def test_decode_layer_takes_any_even_head_dim():
+    """DecodeLayer's RoPE works on one head at a time in a buffer of its own size (it was a fixed 1024 floats,
+    checked in one binding only); its heads and eps are checked where it is built."""
+    rng = np.random.default_rng(0)
+    dim, D, ffn = 32, 1056, 64
+
+    def q8(out, inp):
+        return (*_C.quantize_q8_0(rng.standard_normal((out, inp)).astype(np.float32)), None)
+
+    ones = np.ones(dim, np.float32)
+    wqkv = q8(3 * D, dim)
+    layer = _C.DecodeLayer(ones, ones, 1e-5, wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), 1, 1, D)
+    x = rng.standard_normal(dim).astype(np.float32)
+    ang = rng.standard_normal(D).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    out = np.zeros(3 * D, np.float32)
+    layer.qkv(x, cos, sin, out, 1)
+    w = wqkv[0].astype(np.float64) * np.repeat(wqkv[1], 32, axis=1)  # dequantised [3D, dim]
+    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5)
+    ref = w @ xn
+    for h in range(2):  # rotate-half RoPE on q and k: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i]
+        r = ref[h * D : (h + 1) * D]
+        ref[h * D : (h + 1) * D] = r * cos + np.roll(r, -D // 2) * sin
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    for args, match in [((1, 1, 0), "head_dim=0 must be even"), ((1, 1, 7), "head_dim=7 must be even"),
+                        ((3, 2, 64), "n_heads=3 must be a positive multiple of n_kv_heads=2"),
+                        ((0, 1, 64), "n_heads=0")]:
+        with pytest.raises(ValueError, match=match):
+            _C.DecodeLayer(ones, ones, 1e-5, wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), *args)
+    with pytest.raises(ValueError, match="eps=nan"):
+        _C.DecodeLayer(ones, ones, float("nan"), wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), 1, 1, D)
+
+
 def test_native_token_step_checks_every_layer_first(tiny_llama):
     """decode_token_long_context checks every layer's arguments before the first layer runs."""
 

@@ -12,4 +12,9 @@ void check_finite_q(const float* q, int64_t H, int D) {
                                 std::to_string(i % D));
 }
 
+void check_finite(float x, const char* name) {
+  if (first_non_finite(&x, 1) >= 0)
+    throw std::invalid_argument(std::string(name) + "=" + std::to_string(x) + " is not finite");
+}
+
 }  // namespace ktq

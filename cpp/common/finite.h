@@ -1,5 +1,5 @@
 // Finite-value checks of fp32 inputs: the one place that says what "not finite" is for the store's appended rows,
-// a query, and the decode step's q.
+// a query, the decode step's q, and a scalar argument (an attention's softmax scale, a norm's eps).
 #pragma once
 
 #include <cmath>
@@ -22,5 +22,8 @@ inline int64_t first_non_finite(const float* x, int64_t n) {
 
 // q: [H, D]. Throws std::invalid_argument("q contains a non-finite value at head h, dim d") at the first one.
 void check_finite_q(const float* q, int64_t H, int D);
+
+// Throws std::invalid_argument("<name>=nan is not finite") unless x is finite.
+void check_finite(float x, const char* name);
 
 }  // namespace ktq

@@ -2,7 +2,11 @@
 
 #include <sys/mman.h>
 
-#include <new>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "common/checked.h"
 
 namespace ktq {
 
@@ -12,11 +16,14 @@ namespace ktq {
 MappedBuffer::MappedBuffer(size_t bytes) : n_(bytes) {
   if (bytes == 0) return;
   constexpr size_t kHuge = size_t(2) << 20;
-  const size_t want = bytes >= kHuge ? bytes + kHuge : bytes;  // room to start on a 2 MiB boundary
+  // room to start on a 2 MiB boundary
+  const size_t want = bytes >= kHuge ? checked_add(bytes, kHuge, "a mapped buffer's bytes") : bytes;
   base_ = mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base_ == MAP_FAILED) {
+    const int err = errno;
     base_ = nullptr;
-    throw std::bad_alloc();
+    throw alloc_error("could not reserve " + bytes_str(bytes) + " of address space (mmap: " + std::strerror(err) +
+                      ")");
   }
   mapped_ = want;
   p_ = static_cast<uint8_t*>(base_);

@@ -12,7 +12,7 @@ namespace ktq {
 class MappedBuffer {
  public:
   MappedBuffer() = default;
-  explicit MappedBuffer(size_t bytes);  // throws std::bad_alloc when mmap fails
+  explicit MappedBuffer(size_t bytes);  // throws alloc_error (common/checked.h) naming the bytes when mmap fails
   ~MappedBuffer();
   MappedBuffer(MappedBuffer&& o) noexcept { swap(o); }
   MappedBuffer& operator=(MappedBuffer&& o) noexcept {

@@ -10,6 +10,7 @@ namespace {
 // How long an idle worker spins before sleeping. Decode calls come every few microseconds; a
 // prompt's Python-side work between calls is longer, and sleeping then is fine.
 constexpr auto kSpin = std::chrono::microseconds(200);
+constexpr int64_t kMaxThreads = 256;
 }  // namespace
 
 ThreadPool& ThreadPool::global() {
@@ -55,7 +56,9 @@ int64_t ThreadPool::drain(uint32_t gen, int64_t n_tasks, Call call, void* ctx) {
 }
 
 void ThreadPool::run(int64_t n_tasks, int n_threads, Call call, void* ctx) {
-  n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, n_tasks)));
+  // Never more threads than tasks, nor than kMaxThreads however many a caller asks for (the results do not
+  // depend on the thread count; a pool of thousands of threads would only exhaust the process).
+  n_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({n_threads, n_tasks, kMaxThreads})));
   if (n_threads == 1) {
     for (int64_t i = 0; i < n_tasks; ++i) call(ctx, i);
     return;

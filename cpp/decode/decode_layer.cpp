@@ -1,7 +1,11 @@
 #include "decode/decode_layer.h"
 
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
+#include "common/checked.h"
+#include "common/finite.h"
 #include "gemm/gemv.h"
 
 namespace ktq {
@@ -13,8 +17,29 @@ void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
 }
 
-DecodeLayer::DecodeLayer(const DecodeLayerWeights& w)
-    : w_(w), xn_(size_t(w.wqkv.in)), h_(size_t(w.w_gate_up.out)) {}
+HeadShape head_shape(int n_heads, int n_kv_heads, int head_dim) {
+  if (n_kv_heads < 1 || n_heads < 1 || n_heads % n_kv_heads != 0)
+    throw std::invalid_argument("n_heads=" + std::to_string(n_heads) + " must be a positive multiple of n_kv_heads=" +
+                                std::to_string(n_kv_heads));
+  if (head_dim < 2 || head_dim % 2 != 0)
+    throw std::invalid_argument("head_dim=" + std::to_string(head_dim) + " must be even and >= 2 (rotate-half RoPE)");
+  const int64_t heads = checked_add<int64_t>(n_heads, 2 * int64_t(n_kv_heads), "q, k and v heads");
+  return HeadShape{checked_mul<int64_t>(heads, head_dim, "wqkv rows ((n_heads + 2 n_kv_heads) x head_dim)"),
+                   checked_mul<int64_t>(n_heads, head_dim, "wo columns (n_heads x head_dim)")};
+}
+
+DecodeLayer::DecodeLayer(const DecodeLayerWeights& w) : w_(w) {
+  const HeadShape hs = head_shape(w.n_heads, w.n_kv_heads, w.head_dim);
+  if (w.wqkv.out != hs.qkv || w.wo.in != hs.attn)
+    throw std::invalid_argument("wqkv has " + std::to_string(w.wqkv.out) + " rows and wo " + std::to_string(w.wo.in) +
+                                " columns: expected " + std::to_string(hs.qkv) + " and " + std::to_string(hs.attn) +
+                                " for these heads");
+  if (!(w.eps >= 0.f)) throw std::invalid_argument("eps=" + std::to_string(w.eps) + " must be >= 0");
+  check_finite(w.eps, "eps");
+  xn_.resize(size_t(w.wqkv.in));
+  h_.resize(size_t(w.w_gate_up.out));
+  rope_.resize(size_t(w.head_dim));
+}
 
 void DecodeLayer::qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads) {
   const Q8Matrix& m = w_.wqkv;
@@ -22,7 +47,7 @@ void DecodeLayer::qkv(const float* x, const float* cos, const float* sin, float*
   gemv_q8_0(xn_.data(), 1, m.in, m.q, m.d, m.out, m.bias, qkv, n_threads);
   // RoPE, rotate-half: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i] on each q and k head (v untouched).
   const int D = w_.head_dim, half = D / 2;
-  float tmp[1024];  // one head (head_dim <= 1024, checked by the binding)
+  float* tmp = rope_.data();  // one head
   for (int h = 0; h < w_.n_heads + w_.n_kv_heads; ++h) {
     float* v = qkv + int64_t(h) * D;
     for (int i = 0; i < D; ++i) tmp[i] = v[i] * cos[i] + v[(i + half) % D] * sin[i];

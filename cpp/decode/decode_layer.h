@@ -33,8 +33,17 @@ struct DecodeLayerWeights {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
 };
 
+// The projection sizes of a block with these heads: wqkv's (H + 2 KVH) * D rows and wo's H * D columns.
+// Throws std::invalid_argument naming the argument unless n_kv_heads >= 1, n_heads is a positive multiple of
+// it and head_dim is even and >= 2; std::overflow_error when a size does not fit.
+struct HeadShape {
+  int64_t qkv = 0, attn = 0;
+};
+HeadShape head_shape(int n_heads, int n_kv_heads, int head_dim);
+
 class DecodeLayer {
  public:
+  // Checks w's heads (head_shape) against its matrices and eps (finite, >= 0): std::invalid_argument.
   explicit DecodeLayer(const DecodeLayerWeights& w);
   // x: [dim], cos/sin: [D] (the token's RoPE row) -> qkv: [(H + 2 KVH) * D], q and k rotated.
   void qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads);
@@ -48,6 +57,7 @@ class DecodeLayer {
  private:
   DecodeLayerWeights w_;
   std::vector<float> xn_, h_;  // normed input [dim]; FFN hidden [2 * ffn]
+  std::vector<float> rope_;    // one head rotated [D]
 };
 
 // y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], n values (mean accumulated in double).

@@ -36,6 +36,9 @@ struct LayerStep {
 
 // q: [H, D] unscaled, k/v: [KVH, D] the new token (fp32); scale: the window's softmax scale (the store
 // uses 1/sqrt(D)). out: [H, D]. The store is appended to only after both attentions succeeded.
+// All or nothing: a non-finite scale or q, a k/v the store would refuse (non-finite, beyond kv_type, a full
+// store) throw std::invalid_argument / std::length_error before anything is written; a store part that
+// throws later (its block ids, a selection's k) leaves the window rows, the store and out as they were.
 void layer_step(KVStore& st, int layer, const float* q, int H, const float* k, const float* v, const LayerStep& step,
                 float scale, int n_threads, float* out);
 

@@ -1,6 +1,7 @@
 // A token's long_context decode through every block (token_step.h).
 #include "decode/token_step.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,7 +26,38 @@ void block_step(DecodeLayer& block, KVStore& st, int layer, const LayerStep& ste
 
 void decode_token(DecodeLayer* const* blocks, const LayerStep* steps, KVStore& st, float* x, const float* cos,
                   const float* sin, float scale, int n_threads) {
-  for (int i = 0; i < st.config().n_layers; ++i) block_step(*blocks[i], st, i, steps[i], x, cos, sin, scale, n_threads);
+  const int n = st.config().n_layers, KVH = st.config().n_kv_heads, D = st.config().head_dim;
+  const int64_t dim = n > 0 ? blocks[0]->dim() : 0;
+  // All or nothing: a layer that refuses the token (its q not finite, a k/v its store cannot hold) leaves its own
+  // window and store as they were (layer_step); the layers before it are rolled back here (their window rows
+  // put back, the token truncated from their store) and x restored. Copies of a few KiB a token.
+  thread_local std::vector<float> kept;  // x [dim], then per layer the window rows at w0: [n, 2, KVH, D]
+  thread_local std::vector<int64_t> len;  // [n] each layer's length before the token
+  kept.resize(size_t(dim) + size_t(n) * 2 * KVH * D);
+  len.resize(n);
+  std::memcpy(kept.data(), x, sizeof(float) * dim);
+  auto rows = [&](int i, int which, int h) {  // layer i's window row at w0 of KV head h: K (0) or V (1)
+    const WindowView& w = steps[i].win;
+    return (which ? w.v : w.k) + (h * w.rows + w.w0) * D;
+  };
+  auto saved = [&](int i, int which, int h) { return kept.data() + dim + ((size_t(i) * 2 + which) * KVH + h) * D; };
+  int i = 0;
+  try {
+    for (; i < n; ++i) {
+      len[i] = st.length(i);
+      for (int which = 0; which < 2; ++which)
+        for (int h = 0; h < KVH; ++h) std::memcpy(saved(i, which, h), rows(i, which, h), sizeof(float) * D);
+      block_step(*blocks[i], st, i, steps[i], x, cos, sin, scale, n_threads);
+    }
+  } catch (...) {
+    for (int j = 0; j < i; ++j) {
+      st.truncate(j, len[j]);
+      for (int which = 0; which < 2; ++which)
+        for (int h = 0; h < KVH; ++h) std::memcpy(rows(j, which, h), saved(j, which, h), sizeof(float) * D);
+    }
+    std::memcpy(x, kept.data(), sizeof(float) * dim);
+    throw;
+  }
 }
 
 }  // namespace ktq

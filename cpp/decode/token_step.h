@@ -18,6 +18,8 @@ void block_step(DecodeLayer& block, KVStore& st, int layer, const LayerStep& ste
 
 // The whole token: block_step(*blocks[i], st, i, steps[i], ...) for i = 0 .. n_layers - 1 of the store.
 // A step's blocks may be an earlier step's out_ids: they are read after that step wrote them.
+// All or nothing: when a layer throws, the layers before it are rolled back (their window rows and store
+// lengths as before the token) and x is restored, then the error propagates.
 void decode_token(DecodeLayer* const* blocks, const LayerStep* steps, KVStore& st, float* x, const float* cos,
                   const float* sin, float scale, int n_threads);
 

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
@@ -22,9 +24,18 @@ CandLayout::CandLayout(const StoreLayout& lay, HeadMode mode)
       scaled(lay.cfg.int8_candidates),
       tiles(2 * lay.tile_bytes) {}
 
+size_t CandLayout::bytes(int64_t room) const {
+  auto mul = [](size_t a, size_t b) { return checked_mul(a, b, "candidate copy bytes"); };
+  auto add = [](size_t a, size_t b) { return checked_add(a, b, "candidate copy bytes"); };
+  const size_t per = add(mul(heads, add(add(row, scaled ? 4 : 0), tiles)), 4);  // one candidate of one set
+  return mul(mul(n_sets, size_t(room)), per);
+}
+
 size_t candidate_copy_bytes(const StoreConfig& c, HeadMode mode, int64_t room) {
   const StoreLayout lay(c);
-  return linear_anchors(c.anchor_type) ? CandLayout(lay, mode).bytes(room) * c.n_layers : 0;
+  if (room < 0) throw std::invalid_argument("candidate room must be >= 0, got " + std::to_string(room));
+  if (!linear_anchors(c.anchor_type)) return 0;
+  return checked_mul<size_t>(CandLayout(lay, mode).bytes(room), c.n_layers, "candidate copy bytes");
 }
 
 CandCaches::CandCaches(const StoreLayout& lay) : lay_(lay), cand_(size_t(lay.cfg.n_layers)) {}

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/checked.h"
 #include "common/mapped_buffer.h"
 #include "kvstore/layout.h"
 #include "select/request.h"
@@ -27,9 +28,7 @@ struct CandLayout {
   bool scaled = false;  // int8 rows: one fp32 scale each
   size_t tiles = 0;     // one candidate's K tile and V tile
   // One layer's copies with room for `room` candidates per set: anchor rows, scales, ids and K/V tiles.
-  size_t bytes(int64_t room) const {
-    return size_t(n_sets) * size_t(room) * (size_t(heads) * (row + (scaled ? 4 : 0) + tiles) + 4);
-  }
+  size_t bytes(int64_t room) const;  // checked (common/checked.h)
 };
 
 // Bytes of every layer's candidate copies with room for `room` candidates per set (checks c as the store
@@ -38,7 +37,9 @@ size_t candidate_copy_bytes(const StoreConfig& c, HeadMode mode, int64_t room);
 
 // The candidates a layer's copy has room for when it is built for `need` of them: a quarter more (at least 64)
 // for the blocks that join the candidates as decoding goes on (the copy is rebuilt bigger past that).
-inline int64_t candidate_room(int64_t need) { return need + (need / 4 > 64 ? need / 4 : 64); }
+inline int64_t candidate_room(int64_t need) {
+  return checked_add<int64_t>(need, need / 4 > 64 ? need / 4 : 64, "candidate room");
+}
 
 // One layer's candidate list and its copies.
 struct CandCache {

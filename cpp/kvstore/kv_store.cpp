@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/checked.h"
 #include "common/finite.h"
 #include "common/thread_pool.h"
 
@@ -27,16 +28,25 @@ std::string where(int64_t t, int h) { return " at token " + std::to_string(t) + 
 // ---- construction ----
 
 KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_(lay_) {
-  const StoreRegions r = lay_.regions(size_t(c.n_kv_heads) * lay_.max_blocks);  // one layer's regions
+  // lay_ validated c and computed every size (checked): what is reserved here is what store_bytes says.
+  const StoreRegions& r = lay_.layer_regions();
   layers_.resize(c.n_layers);
+  maps_.reserve(size_t(c.n_layers) * 6);
   auto grab = [&](size_t bytes) -> void* { return maps_.emplace_back(bytes).data(); };
-  for (StoreLayer& L : layers_) {  // a throw unmaps what was reserved (maps_ is destroyed)
-    L.kv = static_cast<uint8_t*>(grab(r.kv));
-    L.anchors = grab(r.anchors);
-    L.n_anchor = static_cast<int32_t*>(grab(r.n_anchor));
-    if (r.sums) L.sums = static_cast<double*>(grab(r.sums));
-    if (r.imp) L.imp = static_cast<float*>(grab(r.imp));
-    if (r.pos) L.pos = static_cast<int32_t*>(grab(r.pos));
+  try {
+    for (StoreLayer& L : layers_) {  // a throw unmaps what was reserved (maps_ is destroyed)
+      L.kv = static_cast<uint8_t*>(grab(r.kv));
+      L.anchors = grab(r.anchors);
+      L.n_anchor = static_cast<int32_t*>(grab(r.n_anchor));
+      if (r.sums) L.sums = static_cast<double*>(grab(r.sums));
+      if (r.imp) L.imp = static_cast<float*>(grab(r.imp));
+      if (r.pos) L.pos = static_cast<int32_t*>(grab(r.pos));
+    }
+  } catch (const std::bad_alloc& e) {  // name the whole store: what the caller asked for
+    throw alloc_error("KVStore: reserving " + bytes_str(lay_.bytes()) + " for n_layers=" +
+                      std::to_string(c.n_layers) + ", n_kv_heads=" + std::to_string(c.n_kv_heads) +
+                      ", head_dim=" + std::to_string(c.head_dim) + ", max_seq_len=" + std::to_string(c.max_seq_len) +
+                      " (kv_type " + kv_type_name(c.kv_type) + ") failed: " + e.what());
   }
 }
 
@@ -164,20 +174,9 @@ void KVStore::update_anchors(StoreLayer& L, int h, int64_t pos, const float* key
   if (lay_.a16) encode_row(KVType::FP16, a, lay_.A * D, reinterpret_cast<uint8_t*>(lay_.anchor16_at(L, h, b)), nullptr);
 }
 
-void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance) {
-  std::lock_guard<std::mutex> lk(mu_);
-  StoreLayer& L = const_cast<StoreLayer&>(layer_at(layer));
-  const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim, bs = lay_.cfg.block_size;
-  if (T < 0) throw std::invalid_argument("append: T must be >= 0");
-  if (L.len + T > lay_.cfg.max_seq_len)
-    throw std::length_error("KV store is full: layer " + std::to_string(layer) + " holds " + std::to_string(L.len) +
-                            " tokens, appending " + std::to_string(T) + " would exceed max_seq_len=" +
-                            std::to_string(lay_.cfg.max_seq_len));
-  if (T == 0) return;
-  const size_t in_size = in == InType::F32 ? 4 : 2;
-  const size_t row_in = size_t(D) * in_size;
-
-  // ---- validate everything before writing anything ----
+void KVStore::check_rows(const void* k, const void* v, InType in, int64_t T, const float* importance) const {
+  const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim;
+  const size_t row_in = size_t(D) * (in == InType::F32 ? 4 : 2);
   const float limit = lay_.cfg.kv_type == KVType::FP16   ? kF16Overflow
                       : lay_.cfg.kv_type == KVType::BF16 ? kBF16Overflow
                                                          : std::numeric_limits<float>::infinity();
@@ -208,6 +207,34 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
     if (!e.empty()) throw std::invalid_argument(e);
   if (const int64_t i = importance ? first_non_finite(importance, T * H) : -1; i >= 0)
     throw std::invalid_argument("importance contains a non-finite value" + where(i / H, int(i % H)));
+}
+
+void KVStore::check_room(const StoreLayer& L, int layer, int64_t T) const {
+  if (T < 0) throw std::invalid_argument("append: T must be >= 0");
+  if (L.len + T > lay_.cfg.max_seq_len)
+    throw std::length_error("KV store is full: layer " + std::to_string(layer) + " holds " + std::to_string(L.len) +
+                            " tokens, appending " + std::to_string(T) + " would exceed max_seq_len=" +
+                            std::to_string(lay_.cfg.max_seq_len));
+}
+
+void KVStore::check_append(int layer, const void* k, const void* v, InType in, int64_t T,
+                           const float* importance) const {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    check_room(layer_at(layer), layer, T);
+  }
+  check_rows(k, v, in, T, importance);
+}
+
+void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance) {
+  std::lock_guard<std::mutex> lk(mu_);
+  StoreLayer& L = const_cast<StoreLayer&>(layer_at(layer));
+  const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim, bs = lay_.cfg.block_size;
+  check_room(L, layer, T);
+  if (T == 0) return;
+  check_rows(k, v, in, T, importance);  // everything is validated before anything is written
+  const size_t row_in = size_t(D) * (in == InType::F32 ? 4 : 2);
+  const int threads = T * H < 64 ? 1 : lay_.cfg.threads_num;  // as check_rows
 
   // ---- encode + anchors: tasks own (head, block range) pairs, so they never share a byte ----
   const int64_t p0 = L.len, p1 = L.len + T;
@@ -241,8 +268,12 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
 
 // ---- read-back ----
 
-void KVStore::read(int layer, float* k, float* v) const {
-  read_range(layer, 0, length(layer), k, v);
+bool KVStore::read(int layer, int64_t n, float* k, float* v) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  if (L.len != n) return false;
+  read_locked(L, 0, n, k, v);
+  return true;
 }
 
 void KVStore::read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) const {
@@ -251,6 +282,10 @@ void KVStore::read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) 
   if (t0 < 0 || t0 > t1 || t1 > L.len)
     throw std::out_of_range("read_range: [" + std::to_string(t0) + ", " + std::to_string(t1) + ") is not inside the " +
                             std::to_string(L.len) + " tokens of layer " + std::to_string(layer));
+  read_locked(L, t0, t1, k, v);
+}
+
+void KVStore::read_locked(const StoreLayer& L, int64_t t0, int64_t t1, float* k, float* v) const {
   const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim, bs = lay_.cfg.block_size;
   for (int64_t p = t0; p < t1; ++p)
     for (int h = 0; h < H; ++h) {
@@ -267,6 +302,7 @@ void KVStore::read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) 
 
 void KVStore::truncate(int layer, int64_t n) {
   std::lock_guard<std::mutex> lk(mu_);
+  if (layer != -1) layer_at(layer);  // out_of_range for a layer the store does not have (-1: every layer)
   const int l0 = layer < 0 ? 0 : layer, l1 = layer < 0 ? lay_.cfg.n_layers : layer + 1;
   // One layer: 0 <= n <= its length. Every layer (-1): layers holding fewer than n tokens (a forward pass
   // interrupted half-way leaves the later layers shorter) keep what they hold.
@@ -311,10 +347,10 @@ void KVStore::truncate(int layer, int64_t n) {
   }
 }
 
-void KVStore::read_anchors(int layer, float* anchors, int32_t* counts) const {
+bool KVStore::read_anchors(int layer, int64_t nb, float* anchors, int32_t* counts) const {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
-  const int64_t nb = lay_.n_blocks(L);
+  if (lay_.n_blocks(L) != nb) return false;
   const size_t per = size_t(lay_.A) * lay_.cfg.head_dim;
   for (int h = 0; h < lay_.cfg.n_kv_heads; ++h) {
     if (lay_.a16)
@@ -323,6 +359,7 @@ void KVStore::read_anchors(int layer, float* anchors, int32_t* counts) const {
       std::memcpy(anchors + h * nb * per, lay_.anchor_at(L, h, 0), nb * per * 4);
     std::memcpy(counts + h * nb, L.n_anchor + h * lay_.max_blocks, nb * 4);
   }
+  return true;
 }
 
 }  // namespace ktq

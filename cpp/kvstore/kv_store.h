@@ -52,21 +52,27 @@ class KVStore {
   // k, v: [T, KVH, D] in `in`; importance: [T, KVH] fp32 or null (DYNAMIC: a token without importance
   // only fills a free anchor slot). Throws (nothing written) past max_seq_len or on non-finite input.
   void append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance);
-  // Dequantised copy of what is stored. k, v: [length, KVH, D] fp32.
-  void read(int layer, float* k, float* v) const;
+  // Throws what append(layer, k, v, in, T, importance) would throw now, and writes nothing (a caller that
+  // must change nothing else before appending checks first: decode/layer_step.cpp).
+  void check_append(int layer, const void* k, const void* v, InType in, int64_t T, const float* importance) const;
+  // Reads that fill an output sized for n tokens or blocks (the caller looked at length() or n_blocks() before
+  // this call took the lock): when the layer no longer holds exactly n (another thread appended or truncated
+  // in between) they write nothing and return false, and the caller sizes its output again.
+  // Dequantised copy of what is stored. k, v: [n = length, KVH, D] fp32.
+  bool read(int layer, int64_t n, float* k, float* v) const;
   // Dequantised copy of tokens [t0, t1) (0 <= t0 <= t1 <= length). k, v: [t1 - t0, KVH, D] fp32.
   void read_range(int layer, int64_t t0, int64_t t1, float* k, float* v) const;
   // Keep the first n tokens of `layer` (-1 = every layer; 0 <= n <= length). The anchors of a now-partial
   // last block are recomputed from its stored keys (DYNAMIC keeps the surviving anchors: token
   // importances are not stored). Stale rows past n are overwritten by the next append.
   void truncate(int layer, int64_t n);
-  // anchors: [KVH, n_blocks, A, D], counts: [KVH, n_blocks] (valid anchors per block).
-  void read_anchors(int layer, float* anchors, int32_t* counts) const;
+  // anchors: [KVH, nb = n_blocks, A, D], counts: [KVH, nb] (valid anchors per block); as read().
+  bool read_anchors(int layer, int64_t nb, float* anchors, int32_t* counts) const;
 
   // ---- the decode operations (kv_store_decode.cpp) ----
   // q: [H, D] fp32 (H a multiple of KVH). Unscaled block scores, summed over the query heads of each
-  // KV head (SEPARATE: out [KVH, n_blocks]) or over all heads (SHARED: out [n_blocks]).
-  void block_scores(int layer, const float* q, int H, HeadMode mode, float* out);
+  // KV head (SEPARATE: out [KVH, nb]) or over all heads (SHARED: out [nb]), nb = n_blocks; as read().
+  bool block_scores(int layer, const float* q, int H, HeadMode mode, int64_t nb, float* out);
   // Top-k blocks per set: out_ids [n_sets, out_cols], ascending, -1 padded. Ties -> lower block id.
   void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
   // softmax(q K^T / sqrt(D)) V over the given blocks. out: [H, D], lse: [H] (natural log, -inf and a
@@ -79,6 +85,11 @@ class KVStore {
 
  private:
   const StoreLayer& layer_at(int layer) const;
+  // append's checks: room for T more tokens (with mu_ held), and the values (non-finite, overflowing kv_type).
+  void check_room(const StoreLayer& L, int layer, int64_t T) const;
+  void check_rows(const void* k, const void* v, InType in, int64_t T, const float* importance) const;
+  // Tokens [t0, t1) of L dequantised into k, v (with mu_ held, the range checked).
+  void read_locked(const StoreLayer& L, int64_t t0, int64_t t1, float* k, float* v) const;
   // Throws std::invalid_argument unless q [H, D] has a positive multiple of KVH heads, all finite.
   void check_q(const float* q, int H) const;
   void update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance);

@@ -20,13 +20,15 @@ void KVStore::check_q(const float* q, int H) const {
 
 // ---- selection ----
 
-void KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, float* out) {
+bool KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, int64_t nb, float* out) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
   check_q(q, H);
+  if (lay_.n_blocks(L) != nb) return false;
   sel_.set_query(q, H);
-  sel_.build_runs(lay_.n_blocks(L), mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads, nullptr);
+  sel_.build_runs(nb, mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads, nullptr);
   sel_.score_runs(L, H, mode, out);
+  return true;
 }
 
 void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {

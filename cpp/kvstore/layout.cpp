@@ -1,9 +1,11 @@
 // The store's config checks and byte layout (layout.h).
 #include "kvstore/layout.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
+#include "common/checked.h"
 #include "common/enum_names.h"
 
 namespace ktq {
@@ -12,7 +14,9 @@ const char* anchor_type_name(AnchorType t) { return enum_name(kAnchorTypeNames, 
 
 StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
   auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
-  if (c.n_layers < 1) bad("n_layers must be >= 1, got " + std::to_string(c.n_layers));
+  // Each layer's bookkeeping is allocated (not reserved) at construction: no model has thousands of layers.
+  if (c.n_layers < 1 || c.n_layers > kMaxLayers)
+    bad("n_layers must be in [1, " + std::to_string(kMaxLayers) + "], got " + std::to_string(c.n_layers));
   if (c.n_kv_heads < 1) bad("n_kv_heads must be >= 1, got " + std::to_string(c.n_kv_heads));
   if (c.head_dim < 1) bad("head_dim must be >= 1, got " + std::to_string(c.head_dim));
   if (c.max_seq_len < 1) bad("max_seq_len must be >= 1, got " + std::to_string(c.max_seq_len));
@@ -37,23 +41,41 @@ StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
     bad(std::string("int8_candidates needs linear anchors (QUEST, BLOCK_MAX or BLOCK_MEAN), got anchor_type ") +
         anchor_type_name(c.anchor_type));
   a16 = c.kv_type == KVType::FP16 && linear_anchors(c.anchor_type);
-  max_blocks = (c.max_seq_len + c.block_size - 1) / c.block_size;
+  // ---- sizes: limits first, then every product checked (checked.h), before the store reserves anything ----
+  max_blocks = c.max_seq_len / c.block_size + (c.max_seq_len % c.block_size != 0);
+  if (max_blocks > std::numeric_limits<int32_t>::max())
+    bad("max_seq_len=" + std::to_string(c.max_seq_len) + " in blocks of block_size=" + std::to_string(c.block_size) +
+        " is " + std::to_string(max_blocks) + " blocks a layer: at most " +
+        std::to_string(std::numeric_limits<int32_t>::max()) + " (block ids are int32); raise block_size or lower "
+        "max_seq_len");
+  // A (head, block)'s anchor row is indexed with int: A * D must fit.
+  checked_int(checked_mul<int64_t>(A, c.head_dim, "anchor row (anchors x head_dim)"), "anchors x head_dim");
   row_bytes = kv_row_bytes(c.kv_type, c.head_dim);
   row_scales = kv_row_scales(c.kv_type, c.head_dim);
-  scale_off = size_t(c.block_size) * row_bytes;
-  tile_bytes = scale_off + size_t(c.block_size) * row_scales * 4;
-  tile_bytes = (tile_bytes + 63) & ~size_t(63);  // every tile starts on a cache line
+  scale_off = checked_mul<size_t>(c.block_size, row_bytes, "one K/V tile (block_size x row bytes)");
+  tile_bytes = checked_add<size_t>(
+      scale_off, checked_mul<size_t>(size_t(c.block_size) * 4, size_t(row_scales), "a tile's scales"), "one K/V tile");
+  tile_bytes = checked_add<size_t>(tile_bytes, 63, "one K/V tile") & ~size_t(63);  // every tile on a cache line
+  layer_ = regions(checked_mul<size_t>(c.n_kv_heads, size_t(max_blocks), "(head, block) pairs of a layer"));
+  bytes_ = checked_mul<size_t>(layer_.total(), c.n_layers, "the store's bytes (one layer's x n_layers)");
 }
 
 StoreRegions StoreLayout::regions(size_t hb) const {
   const size_t D = size_t(cfg.head_dim);
+  auto mul = [](size_t a, size_t b) { return checked_mul<size_t>(a, b, "a KV store region's bytes"); };
   StoreRegions r;
-  r.kv = hb * 2 * tile_bytes;
-  r.anchors = hb * A * D * anchor_elem_bytes();
-  r.n_anchor = hb * 4;
-  if (cfg.anchor_type == AnchorType::BLOCK_MEAN) r.sums = hb * D * 8;
-  if (cfg.anchor_type == AnchorType::DYNAMIC) r.imp = r.pos = hb * A * 4;
+  r.kv = mul(mul(hb, 2), tile_bytes);
+  r.anchors = mul(mul(hb, size_t(A) * D), anchor_elem_bytes());
+  r.n_anchor = mul(hb, 4);
+  if (cfg.anchor_type == AnchorType::BLOCK_MEAN) r.sums = mul(mul(hb, D), 8);
+  if (cfg.anchor_type == AnchorType::DYNAMIC) r.imp = r.pos = mul(mul(hb, A), 4);
   return r;
+}
+
+size_t StoreRegions::total() const {
+  size_t t = 0;
+  for (size_t b : {kv, anchors, n_anchor, sums, imp, pos}) t = checked_add(t, b, "a KV store layer's bytes");
+  return t;
 }
 
 size_t store_bytes(const StoreConfig& c) { return StoreLayout(c).bytes(); }

@@ -47,6 +47,8 @@ inline bool linear_anchors(AnchorType t) {
   return t == AnchorType::QUEST || t == AnchorType::BLOCK_MAX || t == AnchorType::BLOCK_MEAN;
 }
 
+constexpr int kMaxLayers = 4096;  // a store's layers (their bookkeeping is allocated, not reserved)
+
 struct StoreConfig {
   int n_layers = 1;
   int n_kv_heads = 1;
@@ -87,12 +89,14 @@ struct StoreLayer {
 // Bytes of each region for some number of (head, block) pairs (0 for a region the anchor type does not use).
 struct StoreRegions {
   size_t kv = 0, anchors = 0, n_anchor = 0, sums = 0, imp = 0, pos = 0;
-  size_t total() const { return kv + anchors + n_anchor + sums + imp + pos; }
+  size_t total() const;  // checked: std::overflow_error when the sum does not fit
 };
 
 // The layout of a config, and where a (head, block)'s pieces lie in a layer.
 struct StoreLayout {
-  // Validates c: std::invalid_argument naming the field, the value and what is allowed.
+  // Validates c: std::invalid_argument naming the field, the value and what is allowed (max_blocks fits the
+  // int32 block ids), then computes every size with checked arithmetic (common/checked.h): std::overflow_error
+  // when one does not fit. So a layout that exists has sizes that fit, and its accessors need no checks.
   explicit StoreLayout(const StoreConfig& c);
 
   StoreConfig cfg;
@@ -106,8 +110,9 @@ struct StoreLayout {
 
   int anchor_elem_bytes() const { return a16 ? 2 : 4; }  // 2 = fp16 anchors
   StoreRegions regions(size_t head_blocks) const;         // the regions of `head_blocks` (head, block) pairs
-  size_t layer_bytes() const { return regions(size_t(cfg.n_kv_heads) * max_blocks).total(); }
-  size_t bytes() const { return layer_bytes() * cfg.n_layers; }  // a full store
+  const StoreRegions& layer_regions() const { return layer_; }  // one full layer's
+  size_t layer_bytes() const { return layer_.total(); }
+  size_t bytes() const { return bytes_; }  // a full store
   int64_t n_blocks(const StoreLayer& L) const { return (L.len + cfg.block_size - 1) / cfg.block_size; }
 
   // ---- a (head, block)'s pieces ----
@@ -130,6 +135,10 @@ struct StoreLayout {
   const float* scales_of(const uint8_t* tile, int64_t r) const {
     return reinterpret_cast<const float*>(tile + scale_off) + r * row_scales;
   }
+
+ private:
+  StoreRegions layer_;  // one full layer's regions
+  size_t bytes_ = 0;    // a full store
 };
 
 // Bytes a full store of config c reserves (checks c as the store does): what _C.store_bytes tells Python.

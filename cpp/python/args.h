@@ -1,7 +1,8 @@
 // The bindings' shared argument checks. Arrays arrive as numpy views of torch tensors (ktquest/kv/store.py makes
 // them); every one is checked for dtype, shape and C-contiguity before the GIL is released, with a message
-// naming the argument, what was expected and what came. Semantic errors (capacity, ids, non-finite values)
-// are thrown by the C++ code itself before it writes anything.
+// naming the argument, what was expected and what came. Sizes that must be positive are checked here
+// (check_positive), size products with common/checked.h (OverflowError) and scalars with common/finite.h.
+// Semantic errors (capacity, ids, non-finite values) are thrown by the C++ code itself before it writes anything.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -73,6 +74,13 @@ py::tuple names_tuple(const char* const (&names)[N]) {
   py::tuple t(N);
   for (size_t i = 0; i < N; ++i) t[i] = py::str(names[i]);
   return t;
+}
+
+// A size from the caller (an argument, an array's dimension) that must be >= 1: ValueError naming it, before it
+// reaches a division or a loop bound (a head_dim of 0 was a SIGFPE). Size products: common/checked.h.
+inline int64_t check_positive(int64_t v, const char* what) {
+  if (v < 1) throw py::value_error(std::string(what) + " must be >= 1, got " + std::to_string(v));
+  return v;
 }
 
 inline void check_threads(int n_threads) {

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "common/finite.h"
 #include "decode/decode_layer.h"
 #include "decode/token_step.h"
 #include "kvstore/kv_store.h"
@@ -59,33 +60,30 @@ void bind_decode(py::module_& m) {
       .def(py::init([](const py::handle& attn_norm, const py::handle& ffn_norm, float eps, py::tuple wqkv,
                        py::tuple wo, py::tuple w_gate_up, py::tuple w_down, int n_heads, int n_kv_heads,
                        int head_dim) {
-             if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0)
-               throw py::value_error("n_heads=" + std::to_string(n_heads) + " must be a positive multiple of n_kv_heads=" +
-                                     std::to_string(n_kv_heads));
-             if (head_dim < 2 || head_dim % 2 != 0 || head_dim > 1024)
-               throw py::value_error("head_dim=" + std::to_string(head_dim) + " must be even and in [2, 1024]");
+             const HeadShape hs = head_shape(n_heads, n_kv_heads, head_dim);  // ValueError / OverflowError
              for (auto* t : {&wqkv, &wo, &w_gate_up, &w_down})
                if (py::len(*t) != 3) throw py::value_error("each weight is a tuple (q, d, bias or None)");
              auto L = std::make_unique<PyDecodeLayer>();
              auto an = array_arg<float>(attn_norm, "attn_norm", {-1});
-             const int64_t dim = an.shape(0);
+             const int64_t dim = check_positive(an.shape(0), "attn_norm: dim");
              auto fn = array_arg<float>(ffn_norm, "ffn_norm", {dim});
-             if (dim % kQGroup != 0 || (int64_t(n_heads) * head_dim) % kQGroup != 0)
+             if (dim % kQGroup != 0 || hs.attn % kQGroup != 0)
                throw py::value_error("dim and n_heads * head_dim must be multiples of 32 (Q8_0 groups)");
              const py::handle gu_q = w_gate_up[0];
              if (!py::isinstance<py::array>(gu_q) || py::array(py::reinterpret_borrow<py::object>(gu_q)).ndim() != 2)
                throw py::value_error("w_gate_up.q: expected a 2-D int8 array [2 * ffn, dim]");
              const int64_t two_ffn = py::array(py::reinterpret_borrow<py::object>(gu_q)).shape(0);
-             if (two_ffn % 64 != 0) throw py::value_error("w_gate_up.q: 2 * ffn rows must be a multiple of 64");
-             const int64_t n_qkv = int64_t(n_heads + 2 * n_kv_heads) * head_dim, n_attn = int64_t(n_heads) * head_dim;
+             if (check_positive(two_ffn, "w_gate_up.q: 2 * ffn rows") % 64 != 0)
+               throw py::value_error("w_gate_up.q: 2 * ffn rows must be a multiple of 64, got " +
+                                     std::to_string(two_ffn));
              DecodeLayerWeights w;
              w.attn_norm = an.data();
              w.ffn_norm = fn.data();
              L->keep.push_back(an);
              L->keep.push_back(fn);
              w.eps = eps;
-             w.wqkv = q8_matrix(*L, wqkv[0], wqkv[1], wqkv[2], "wqkv", n_qkv, dim);
-             w.wo = q8_matrix(*L, wo[0], wo[1], wo[2], "wo", dim, n_attn);
+             w.wqkv = q8_matrix(*L, wqkv[0], wqkv[1], wqkv[2], "wqkv", hs.qkv, dim);
+             w.wo = q8_matrix(*L, wo[0], wo[1], wo[2], "wo", dim, hs.attn);
              w.w_gate_up = q8_matrix(*L, w_gate_up[0], w_gate_up[1], w_gate_up[2], "w_gate_up", two_ffn, dim);
              w.w_down = q8_matrix(*L, w_down[0], w_down[1], w_down[2], "w_down", dim, two_ffn / 2);
              w.n_heads = n_heads;
@@ -127,6 +125,7 @@ void bind_decode(py::module_& m) {
           auto o = array_arg<float>(out_obj, "out", {x.shape(0)});
           if (!o.writeable()) throw py::value_error("out: must be writeable");
           if (!(eps >= 0.f)) throw py::value_error("eps must be >= 0, got " + std::to_string(eps));
+          check_finite(eps, "eps");
           const float *xp = x.data(), *wp = w.data();
           float* op = o.mutable_data();
           py::gil_scoped_release nogil;

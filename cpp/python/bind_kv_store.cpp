@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <string>
 
-#include "common/finite.h"
+#include "common/checked.h"
 #include "decode/layer_step.h"
 #include "kvstore/cand_cache.h"
 #include "kvstore/kv_store.h"
@@ -83,20 +83,30 @@ void bind_kv_store(py::module_& m) {
       }, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("dtype"), py::arg("importance"),
          "k, v: [T, KVH, D] (float32, or float16/bfloat16 as int16 bits named by dtype); importance [T, KVH] or None.")
       .def("read", [](const KVStore& st, int layer) {
-        const int64_t T = st.length(layer);
-        const int H = st.config().n_kv_heads, D = st.config().head_dim;
-        py::array_t<float> k({T, int64_t(H), int64_t(D)}), v({T, int64_t(H), int64_t(D)});
-        float *kp = k.mutable_data(), *vp = v.mutable_data();
-        {
-          py::gil_scoped_release nogil;
-          st.read(layer, kp, vp);
+        const int64_t H = st.config().n_kv_heads, D = st.config().head_dim;
+        for (;;) {  // sized from length(), filled under the store's lock: again if the layer changed in between
+          const int64_t T = st.length(layer);
+          py::array_t<float> k({T, H, D}), v({T, H, D});
+          float *kp = k.mutable_data(), *vp = v.mutable_data();
+          bool done;
+          {
+            py::gil_scoped_release nogil;
+            done = st.read(layer, T, kp, vp);
+          }
+          if (done) return py::make_tuple(k, v);
         }
-        return py::make_tuple(k, v);
       }, py::arg("layer"), "Dequantised (k, v), each [length, KVH, D] fp32.")
       .def("read_range", [](const KVStore& st, int layer, int64_t t0, int64_t t1) {
-        const int H = st.config().n_kv_heads, D = st.config().head_dim;
-        const int64_t T = std::max<int64_t>(0, t1 - t0);
-        py::array_t<float> k({T, int64_t(H), int64_t(D)}), v({T, int64_t(H), int64_t(D)});
+        const int64_t H = st.config().n_kv_heads, D = st.config().head_dim;
+        // The range is checked (again, under the lock) by the store: here only so that the output is sized
+        // by what the layer holds, never by t1 - t0 alone.
+        const int64_t len = st.length(layer);
+        if (t0 < 0 || t0 > t1 || t1 > len)
+          throw py::index_error("read_range: [" + std::to_string(t0) + ", " + std::to_string(t1) +
+                                ") is not inside the " + std::to_string(len) + " tokens of layer " +
+                                std::to_string(layer));
+        const int64_t T = t1 - t0;
+        py::array_t<float> k({T, H, D}), v({T, H, D});
         float *kp = k.mutable_data(), *vp = v.mutable_data();
         {
           py::gil_scoped_release nogil;
@@ -109,31 +119,37 @@ void bind_kv_store(py::module_& m) {
         st.truncate(layer, n);
       }, py::arg("layer"), py::arg("n"), "Keep the first n tokens of a layer (-1 = all); partial-block anchors recomputed.")
       .def("read_anchors", [](const KVStore& st, int layer) {
-        const int64_t nb = st.n_blocks(layer);
         const int64_t H = st.config().n_kv_heads, D = st.config().head_dim, A = st.anchor_slots();
-        py::array_t<float> a({H, nb, A, D});
-        py::array_t<int32_t> c({H, nb});
-        float* ap = a.mutable_data();
-        int32_t* cp = c.mutable_data();
-        {
-          py::gil_scoped_release nogil;
-          st.read_anchors(layer, ap, cp);
+        for (;;) {  // as read
+          const int64_t nb = st.n_blocks(layer);
+          py::array_t<float> a({H, nb, A, D});
+          py::array_t<int32_t> c({H, nb});
+          float* ap = a.mutable_data();
+          int32_t* cp = c.mutable_data();
+          bool done;
+          {
+            py::gil_scoped_release nogil;
+            done = st.read_anchors(layer, nb, ap, cp);
+          }
+          if (done) return py::make_tuple(a, c);
         }
-        return py::make_tuple(a, c);
       }, py::arg("layer"), "(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32).")
       .def("block_scores", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
         py::array_t<float> q;
         const int H = query_arg(st, q_obj, q);
         const HeadMode hm = head_mode(mode);
-        const int64_t nb = st.n_blocks(layer);
-        py::array_t<float> out({int64_t(hm == HeadMode::SHARED ? 1 : st.config().n_kv_heads), nb});
         const float* qp = q.data();
-        float* op = out.mutable_data();
-        {
-          py::gil_scoped_release nogil;
-          st.block_scores(layer, qp, H, hm, op);
+        for (;;) {  // as read
+          const int64_t nb = st.n_blocks(layer);
+          py::array_t<float> out({int64_t(hm == HeadMode::SHARED ? 1 : st.config().n_kv_heads), nb});
+          float* op = out.mutable_data();
+          bool done;
+          {
+            py::gil_scoped_release nogil;
+            done = st.block_scores(layer, qp, H, hm, nb, op);
+          }
+          if (done) return out;
         }
-        return out;
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), "Unscaled block scores [n_sets, n_blocks].")
       .def("select", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode, const py::handle& k,
                         const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
@@ -143,7 +159,7 @@ void bind_kv_store(py::module_& m) {
         select_args(st, a, mode, k, exclude, allowed, out_ids);
         const float* qp = q.data();
         int32_t* ip = a.out_ids.mutable_data();
-        const int cols = int(a.out_ids.shape(1));
+        const int cols = checked_int(a.out_ids.shape(1), "out_ids columns");
         py::gil_scoped_release nogil;
         st.select(layer, qp, H, a.req, ip, cols);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
@@ -156,7 +172,8 @@ void bind_kv_store(py::module_& m) {
         auto out = array_arg<float>(out_obj, "out", {H, st.config().head_dim});
         auto lse = array_arg<float>(lse_obj, "lse", {H});
         if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
-        const BlockSets b{blocks.data(), int(blocks.shape(0)), int(blocks.shape(1))};
+        const BlockSets b{blocks.data(), checked_int(blocks.shape(0), "blocks rows"),
+                          checked_int(blocks.shape(1), "blocks columns")};
         const float* qp = q.data();
         float* op = out.mutable_data();
         float* lp = lse.mutable_data();
@@ -175,7 +192,7 @@ void bind_kv_store(py::module_& m) {
         if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
         const float* qp = q.data();
         int32_t* ip = a.out_ids.mutable_data();
-        const int cols = int(a.out_ids.shape(1));
+        const int cols = checked_int(a.out_ids.shape(1), "out_ids columns");
         float* op = out.mutable_data();
         float* lp = lse.mutable_data();
         py::gil_scoped_release nogil;
@@ -193,8 +210,7 @@ void bind_kv_store(py::module_& m) {
         auto v = array_arg<float>(v_obj, "v", {KVH, D});
         auto out = array_arg<float>(out_obj, "out", {H, D});
         if (!out.writeable()) throw py::value_error("out: must be writeable");
-        check_finite_q(q.data(), H, D);
-        StepArgs a;
+        StepArgs a;  // q, scale and k/v are checked by layer_step before it writes anything
         step_args(st, a, H, wk_obj, wv_obj, w0, width, skip0, skip1, n_threads, plan);
         const float *qp = q.data(), *kp = k.data(), *vp = v.data();
         float* op = out.mutable_data();
@@ -233,7 +249,7 @@ void bind_kv_store(py::module_& m) {
                                    const std::string& kv_type, const std::string& anchor_type, bool int8_candidates,
                                    int64_t n_candidates, const std::string& head_mode_name) {
     if (n_candidates < 0) throw py::value_error("n_candidates must be >= 0, got " + std::to_string(n_candidates));
-    const int64_t room = candidate_room(n_candidates);
+    const int64_t room = candidate_room(n_candidates);  // checked: OverflowError past int64
     // The anchor count and the capacity do not change a candidate's bytes: any valid value will do.
     const StoreConfig c = store_config(n_layers, n_kv_heads, head_dim, 1, block_size, kv_type, anchor_type, 1, 1,
                                        int8_candidates);

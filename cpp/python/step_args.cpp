@@ -1,6 +1,7 @@
 // The checked arguments of a selection request and of a long_context decode step (step_args.h).
 #include "python/step_args.h"
 
+#include "common/checked.h"
 #include "python/args.h"
 #include "python/bind.h"
 
@@ -10,7 +11,7 @@ HeadMode head_mode(const std::string& s) { return parse_enum<HeadMode>(s, "head_
 
 int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q) {
   q = array_arg<float>(q_obj, "q", {-1, st.config().head_dim});
-  return int(q.shape(0));
+  return checked_int(q.shape(0), "q heads");
 }
 
 void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, const py::handle& k,
@@ -22,11 +23,11 @@ void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, cons
   a.out_ids = array_arg<int32_t>(out_ids, "out_ids", {n_sets, -1});
   a.req.k_per_set = a.k.data();
   a.req.exclude = a.exclude.data();
-  a.req.n_exclude = int(a.exclude.shape(0));
+  a.req.n_exclude = checked_int(a.exclude.shape(0), "exclude rows");
   if (!allowed.is_none()) {
     a.allowed = array_arg<int32_t>(allowed, "allowed", {n_sets, -1});
     a.req.allowed = a.allowed.data();
-    a.req.allowed_cols = int(a.allowed.shape(1));
+    a.req.allowed_cols = checked_int(a.allowed.shape(1), "allowed columns");
   }
   if (!a.out_ids.writeable()) throw py::value_error("out_ids: must be writeable");
   a.out = a.out_ids.mutable_data();
@@ -77,11 +78,12 @@ void step_args(const KVStore& st, StepArgs& a, int H, const py::handle& wk_obj, 
   LayerStep& s = a.step;
   s.part = plan.part;
   if (s.part == StorePart::ATTEND) {
-    s.blocks = BlockSets{plan.blocks.data(), int(plan.blocks.shape(0)), int(plan.blocks.shape(1))};
+    s.blocks = BlockSets{plan.blocks.data(), int(plan.blocks.shape(0)),
+                         checked_int(plan.blocks.shape(1), "blocks columns")};
   } else if (s.part == StorePart::SELECT) {
     s.req = plan.sel.req;
     s.out_ids = plan.sel.out;
-    s.out_cols = int(plan.sel.out_ids.shape(1));
+    s.out_cols = checked_int(plan.sel.out_ids.shape(1), "out_ids columns");
   }
   s.win = WindowView{a.wk.mutable_data(), a.wv.mutable_data(), rows, w0, width, skip0, skip1};
 }

@@ -86,8 +86,11 @@ class LongContextCache:
         self.chunk_size = cfg.chunk_size
         self.cap = lc.local_windows_len + self.bs + cfg.chunk_size  # local buffer capacity, tokens
         threads = lc.threads_num or cfg.resolved_threads()
-        self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
-                             lc.anchor_num, threads, lc.int8_candidates)
+        try:  # the RAM check passed, yet the reservation can still fail (strict overcommit, address space)
+            self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
+                                 lc.anchor_num, threads, lc.int8_candidates)
+        except MemoryError as e:
+            raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}; lower max_seq_len") from None
         shape = (self.n_layers, self.KVH, self.init_end + self.cap, self.D)
         self.win_k = torch.zeros(shape, device=self.device, dtype=dtype)  # [L, KVH, init_end + cap, D]
         self.win_v = torch.zeros(shape, device=self.device, dtype=dtype)

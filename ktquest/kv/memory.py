@@ -42,7 +42,11 @@ def available_ram() -> int:
 def check_store_fits(lc: LongContextConfig, args, max_seq_len: int) -> None:
     """ConfigError (with the figure) when a full store for ``max_seq_len`` would not fit in available RAM."""
     dims = (args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len)
-    need, have = store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims), available_ram()
+    try:  # the store's layout refuses sizes past its limits (int32 block ids) or that overflow
+        need = store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims)
+    except (ValueError, OverflowError) as e:
+        raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}") from None
+    have = available_ram()
     if need > have:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the {lc.kv_type} KV store would need "
                           f"{need / 2**30:.2f} GiB and {have / 2**30:.2f} GiB of RAM is available; lower "
