@@ -29,3 +29,33 @@ def test_env_var_forces_scalar_at_import():
     out = subprocess.run([sys.executable, "-c", "from ktquest import _C; print(_C.use_avx2())"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+HEAP_PROBE = """
+import ctypes, numpy as np
+from ktquest import _C
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+big = np.ones(8 << 20, np.uint8)  # mmapped; freeing it would raise glibc's dynamic threshold to 8 MiB
+del big
+before = libc.mallinfo2().hblkhd
+buf = np.ones(2 << 20, np.uint8)
+print(_C.MMAP_THRESHOLD, libc.mallinfo2().hblkhd - before)
+"""
+
+
+def test_heap_threshold_fixed_at_import():
+    """A 2 MiB buffer is still mmapped after an 8 MiB one was freed (glibc's default would serve it from the
+    heap, which then grows in a long decode loop: common/heap.h); a user's MALLOC_MMAP_THRESHOLD_ stands."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], env=env, capture_output=True, text=True, check=True)
+    threshold, mmapped = map(int, out.stdout.split())
+    assert threshold == 1 << 20
+    assert mmapped >= 2 << 20
+    env["MALLOC_MMAP_THRESHOLD_"] = str(64 << 20)
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], env=env, capture_output=True, text=True, check=True)
+    threshold, mmapped = map(int, out.stdout.split())
+    assert threshold == 0 and mmapped == 0

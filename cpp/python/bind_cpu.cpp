@@ -1,5 +1,6 @@
 // ---- CPU features and the forced scalar kernels (common/cpu_features.h) ----
 #include "common/cpu_features.h"
+#include "common/heap.h"
 #include "python/bind.h"
 
 namespace ktq::python {
@@ -18,6 +19,7 @@ void bind_cpu(py::module_& m) {
   m.def("use_avx2", &use_avx2, "True when the AVX2/FMA/F16C kernels are in use (not forced scalar).");
   m.def("set_force_scalar", &set_force_scalar, py::arg("force"),
         "Force the scalar kernels (process-wide); the env var KTQUEST_FORCE_SCALAR=1 does the same at start.");
+  m.attr("MMAP_THRESHOLD") = fix_mmap_threshold();  // at import: see common/heap.h
 }
 
 }  // namespace ktq::python
