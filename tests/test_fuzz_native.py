@@ -21,7 +21,7 @@ import sys
 import pytest
 
 ALLOWED = (ValueError, TypeError, IndexError, MemoryError, OverflowError)
-GROUPS = {"sizes": 400, "kv_store": 300, "dense": 400, "gemv": 300, "decode": 200}
+GROUPS = {"sizes": 400, "kv_store": 300, "dense": 400, "gemv": 300, "decode": 200, "sample": 400}
 TIMEOUT_S = 120  # a group takes seconds; a hang fails the test instead of blocking CI
 PEAK_RSS_MIB = 1024  # a child stays near 60 MiB; a runaway allocation the OOM killer would not reach fails here
 
@@ -329,7 +329,33 @@ def _child(group: str, n_examples: int) -> None:
                 0, data.draw(st.sampled_from([0.25, math.nan])), 1, [plan] * n_layers]
         call("decode_token_long_context", _C.decode_token_long_context, *maybe_mutate(data, args))
 
-    groups = {"sizes": sizes, "kv_store": kv_store, "dense": dense, "gemv": gemv, "decode": decode}
+    def sample(data):
+        """SampleParams from drawn knobs, then sample / sample_distribution on drawn logits and histories."""
+        knobs = [pick(data, "top_k", st.integers(0, 64), [-1, 2**31, 2**62]),
+                 data.draw(st.sampled_from([1.0, 0.9, 0.5, 0.0]), label="top_p"),
+                 data.draw(st.sampled_from([0.0, 0.05, 0.5, 1.0]), label="min_p"),
+                 data.draw(st.sampled_from([0.0, 0.7, 1.0, 1e-6, 1e-30, 30.0]), label="temperature"),
+                 data.draw(st.sampled_from([1.0, 1.1, 2.0]), label="repeat"),
+                 data.draw(st.sampled_from([0.0, 0.5, -1.0]), label="frequency"),
+                 data.draw(st.sampled_from([0.0, 0.5, -1.0]), label="presence")]
+        params = call("SampleParams", _C.SampleParams, *maybe_mutate(data, knobs))
+        if params is None:
+            return
+        V = pick(data, "V", st.integers(1, 300), [0, 1, 2])
+        logits = values(data, (V,))
+        if V > 1 and data.draw(st.booleans(), label="ties"):
+            logits[: V // 2] = logits[0]
+        recent = values(data, (data.draw(st.integers(0, 40), label="n_recent"),), I32)
+        if len(recent) and data.draw(st.booleans(), label="bad_id"):
+            recent[0] = data.draw(st.sampled_from([-1, V, 2**31 - 1]), label="id")
+        u = data.draw(st.sampled_from([0.0, 0.5, 0.999999, 1.0, -0.1, math.nan]), label="u")
+        args = maybe_mutate(data, [logits, recent, params, u])
+        tok = call("sample", _C.sample, *args)
+        assert tok is None or 0 <= tok < args[0].size, (tok, describe(args[0]))  # a token of the logits given
+        call("sample_distribution", _C.sample_distribution, *maybe_mutate(data, [logits, recent, params]))
+
+    groups = {"sizes": sizes, "kv_store": kv_store, "dense": dense, "gemv": gemv, "decode": decode,
+              "sample": sample}
 
     @settings(max_examples=n_examples, derandomize=True, database=None, deadline=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
