@@ -1,5 +1,5 @@
 """A model's hyper-parameters from GGUF metadata: every key range-checked (a GGUFError naming the file, the key,
-the value and what is allowed), the blocks counted from the tensors."""
+the value and what is allowed), the blocks counted from the tensors, the weights finite."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from conftest import TINY_SPECS, build_hf_model, gguf_metadata, hf_to_gguf_tensors
 
 from ktquest.formats.gguf import GGUFError
-from ktquest.models.loader import read_gguf
+from ktquest.models.loader import model_weights, read_gguf
 
 NAN, INF = float("nan"), float("inf")
 
@@ -139,4 +140,29 @@ def test_the_unchanged_parts_load(tmp_path, model_parts):
     md, tensors = model_parts
     a = read_gguf(write_model(tmp_path / "good.gguf", md, tensors)).args
     assert (a.n_layers, a.vocab_size, a.context_length) == (2, 320, 256)
+
+
+# ---- the weights ----
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+@pytest.mark.parametrize("name", ["blk.1.attn_k.weight", "output_norm.weight"])
+def test_non_finite_weights_are_refused_at_load(tmp_path, model_parts, name, bad):
+    md, tensors = model_parts
+    w = tensors[name].copy()
+    w.reshape(-1)[5] = bad
+    contents = read_gguf(write_model(tmp_path / "bad.gguf", md, tensors | {name: w}))  # the header is fine
+    with pytest.raises(GGUFError, match=rf"tensor '{name}' holds 1 non-finite values \(\['{bad}'\]\)"):
+        model_weights(contents)
+
+
+def test_weights_past_the_range_of_float16(tmp_path, model_parts):
+    md, tensors = model_parts
+    w = tensors["blk.0.ffn_up.weight"].copy()
+    w[0, 0] = 1e5  # finite in float32, inf in float16
+    contents = read_gguf(write_model(tmp_path / "big.gguf", md, tensors | {"blk.0.ffn_up.weight": w}))
+    model_weights(contents)
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' holds values up to 1e\+05, past the range of "
+                                        r"float16; load it with dtype float32 or bfloat16"):
+        model_weights(contents, dtype=torch.float16)
 
