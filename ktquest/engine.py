@@ -19,7 +19,8 @@ from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
-from ktquest.kv.memory import check_store_fits
+from ktquest.kv.memory import check_cache_fits
+from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
 from ktquest.native.decode import use_decode_weights
 
@@ -39,9 +40,9 @@ class Engine:
         self.dtype = _pick_dtype(config.dtype, self.device)
         contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
         self.args = contents.args
-        self.max_seq_len = config.max_seq_len or self.args.context_length
-        if config.mode == "long_context":  # refuse before any allocation, with the figure
-            check_store_fits(config.long_context, self.args, self.max_seq_len)
+        self.max_seq_len = resolve_max_seq_len(self.args, config.max_seq_len)
+        # refuse before any allocation (the weights included), with the figure
+        check_cache_fits(config, self.args, self.max_seq_len, self.device, self.dtype)
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len)
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
         decode = config.decode_weights

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model_args import tiny_model_parts, write_model
 
 import ktquest
 from ktquest.config import Config, ConfigError
 from ktquest.engine import PromptTooLongError
 from ktquest.formats.gguf import GGUFError
+from ktquest.kv.dense import DenseKVCache
 
 QUESTION = "What is the capital of France?"
 GOLDEN_REPLY = "The capital of France is Paris."  # the same as HF transformers' Llama on these weights
@@ -245,3 +247,32 @@ def test_load_errors(tiny_llama, tmp_path):
 def test_cuda_unavailable(tiny_llama):
     with pytest.raises(ConfigError, match="device='cuda' is not allowed: CUDA is not available"):
         ktquest.load(tiny_llama.path, device="cuda")
+
+
+# ---- the KV cache must fit ----
+
+
+def test_a_dense_cache_must_fit(tiny_llama, monkeypatch):
+    import ktquest.kv.memory
+
+    monkeypatch.setattr(ktquest.kv.memory, "available_ram", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match=r"^max_seq_len=4096 is not allowed: the dense KV cache would need 2\.0 MiB "
+                                          r"\(K and V, 2 layers x 2 KV heads x 16 x 4096 tokens in float32\) and "
+                                          r"1\.0 MiB of RAM is available; lower max_seq_len or use mode long_context$"):
+        ktquest.load(tiny_llama.path, max_seq_len=4096, device="cpu")
+    with pytest.raises(ConfigError, match="the dense KV cache would need 2.0 MiB"):
+        DenseKVCache(2, 2, 16, 4096)  # the cache checks too, for any caller
+    assert ktquest.load(tiny_llama.path, max_seq_len=1024, device="cpu").cache.nbytes() == 1 << 19
+
+
+def test_a_dense_cache_past_any_memory_is_refused_before_allocating(tiny_llama):
+    with pytest.raises(ConfigError, match=r"max_seq_len=2147483647 .* would need 1024\.00 GiB"):
+        ktquest.load(tiny_llama.path, max_seq_len=2**31 - 1, device="cpu")
+
+
+def test_a_million_token_context_is_not_the_default_reservation(tmp_path, tiny_bpe):
+    path = write_model(tmp_path / "1m.gguf", *tiny_model_parts(tiny_bpe), {"llama.context_length": 1 << 20})
+    e = ktquest.load(path, device="cpu", max_new_tokens=2)
+    assert e.args.context_length == 1 << 20
+    assert e.max_seq_len == e.cache.max_seq_len == e.model.max_seq_len == e.model.rope_cos.shape[0] == 32768
+    assert isinstance(e.generate("the cat"), str)

@@ -1,5 +1,6 @@
 """A model's hyper-parameters from GGUF metadata: every key range-checked (a GGUFError naming the file, the key,
-the value and what is allowed), the blocks counted from the tensors, the weights finite."""
+the value and what is allowed), the blocks counted from the tensors, the weights finite, the default context
+capped."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from conftest import TINY_SPECS, build_hf_model, gguf_metadata, hf_to_gguf_tensors
 
 from ktquest.formats.gguf import GGUFError
+from ktquest.models.args import DEFAULT_MAX_SEQ_LEN, resolve_max_seq_len
 from ktquest.models.loader import model_weights, read_gguf
 
 NAN, INF = float("nan"), float("inf")
@@ -166,3 +168,15 @@ def test_weights_past_the_range_of_float16(tmp_path, model_parts):
                                         r"float16; load it with dtype float32 or bfloat16"):
         model_weights(contents, dtype=torch.float16)
 
+
+# ---- the context ----
+
+
+def test_the_default_context_is_capped(tmp_path, model_parts):
+    md, tensors = model_parts
+    args = read_gguf(write_model(tmp_path / "1m.gguf", md, tensors, {"llama.context_length": 1 << 20})).args
+    assert args.context_length == 1 << 20  # what the file says
+    assert resolve_max_seq_len(args, 0) == DEFAULT_MAX_SEQ_LEN == 32768  # what 0 reserves
+    assert resolve_max_seq_len(args, 1 << 20) == 1 << 20  # asked for: the fit check decides
+    small = read_gguf(write_model(tmp_path / "256.gguf", md, tensors)).args
+    assert resolve_max_seq_len(small, 0) == 256

@@ -129,7 +129,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int = 0) -> tuple[Transformer, GGUFContents]:
     """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
 
-    max_seq_len: positions the RoPE tables cover; 0 = the trained context length.
+    max_seq_len: positions the RoPE tables cover; 0 = the trained context length (``resolve_max_seq_len``).
     """
     contents = read_gguf(path)
     return build_model(contents, device, dtype, max_seq_len), contents
@@ -138,5 +138,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 max_seq_len: int = 0) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
-    ``max_seq_len`` positions; 0 = the trained context length)."""
+    ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``)."""
     return Transformer(contents.args, model_weights(contents, dtype, device), max_seq_len=max_seq_len).eval()
