@@ -83,8 +83,9 @@ class LongContextCache:
         self.bs = lc.block_size
         self.ib = -(-lc.init_windows_len // self.bs)  # init window blocks
         self.init_end = self.ib * self.bs
-        self.chunk_size = cfg.chunk_size
-        self.cap = lc.local_windows_len + self.bs + cfg.chunk_size  # local buffer capacity, tokens
+        # No pass is longer than the cache: a chunk_size past max_seq_len must not size the window buffer
+        self.chunk_size = min(cfg.chunk_size, max_seq_len)
+        self.cap = lc.local_windows_len + self.bs + self.chunk_size  # local buffer capacity, tokens
         threads = lc.threads_num or cfg.resolved_threads()
         self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
                              lc.anchor_num, threads, lc.int8_candidates)
