@@ -82,9 +82,8 @@ class GenerationConfig:
         p = "generation."
         _check_types(self, p)
         _check(self.max_new_tokens >= 1, p + "max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        # The sampler divides float32 logit gaps by the temperature: one below float32's range (~1e-45)
-        # rounds to 0 there and the draw becomes NaN. The bound is far above that; below it a draw is
-        # greedy in all but name (a logit gap of 1e-4 already has odds of e^-100).
+        # Below the bound a draw is greedy in all but name (a logit gap of 1e-4 already has odds of e^-100);
+        # the sampler divides in float64, where no temperature > 0 makes a draw NaN.
         _check(self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE, p + "temperature",
                self.temperature, f"0 (greedy) or a number >= {MIN_TEMPERATURE:g}")
         _check(self.top_k >= 0, p + "top_k", self.top_k, "an integer >= 0 (0 = off)")
