@@ -4,7 +4,6 @@ conversations of ``ktquest.chat``."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats
-from ktquest.config import Config, ConfigError, GenerationConfig, load_config, to_dict
+from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats, check_arg, check_callbacks
+from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
 from ktquest.formats.bundled import bundled_model_path
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
@@ -59,16 +58,28 @@ class Engine:
         """Raw completion of ``prompt`` (no chat template) on a fresh cache; returns the generated text.
 
         ``on_text(piece)`` streams the text as it is generated; ``gen_overrides``: GenerationConfig fields.
+        Refused before any work: a ``TypeError`` for an argument of the wrong type, a ``ValueError`` for a
+        value that cannot be used: ``ConfigError`` (a generation option), ``PromptTooLongError``, or a
+        prompt that is empty (no tokens to continue from).
         """
+        check_arg("prompt", prompt, str)
+        check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
+        gen = self._gen(gen_overrides)
         tokens = self.tokenizer.encode(prompt)
+        if not tokens:
+            raise ValueError(f"prompt {show(prompt)} is empty: it encodes to no tokens, and generation continues "
+                             f"from at least one")
         self.check_fits(len(tokens))
         self.cache_owner = None
         self.cache.reset()
-        text, _ = self.run(tokens, self._gen(gen_overrides), on_text, on_progress, should_stop)
+        text, _ = self.run(tokens, gen, on_text, on_progress, should_stop)
         return text
 
     def chat_session(self, system: str | None = None, document: str | None = None) -> ChatSession:
-        """A multi-turn conversation; ``document`` is put before the first user message."""
+        """A multi-turn conversation; ``document`` is put before the first user message. ``TypeError``
+        unless each is a str or None."""
+        check_arg("system", system, (str, type(None)))
+        check_arg("document", document, (str, type(None)))
         return ChatSession(self, system=system, document=document)
 
     # ---- internals ----
@@ -77,7 +88,7 @@ class Engine:
         allowed = {f.name for f in dataclasses.fields(GenerationConfig)}
         for key in overrides:
             if key not in allowed:
-                raise ConfigError(f"unknown generation option {key!r}; allowed: {', '.join(sorted(allowed))}")
+                raise ConfigError(f"unknown generation option {show(key)}; allowed: {', '.join(sorted(allowed))}")
         return dataclasses.replace(self.config.generation, **overrides)
 
     def check_fits(self, n_tokens: int) -> None:
@@ -125,8 +136,12 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
 
     ``config``: a ``Config``, a YAML path or None (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
+    Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
+    schema refuses, a cache that would not fit), ``GGUFError`` (the file), ``OSError`` (reading it).
     """
-    sets = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
+    check_arg("model", model, (str, os.PathLike, type(None)))
+    check_arg("config", config, (Config, str, os.PathLike, type(None)))
+    sets = list(overrides.items())  # typed (key, value) pairs: no round trip through YAML text
     if isinstance(config, Config):
         if not sets:
             cfg = config
@@ -138,13 +153,13 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
     return Engine(cfg, path)
 
 
-def _as_sets(d: dict, prefix: str = "") -> list[str]:
+def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for key, value in d.items():
         if isinstance(value, dict):
             out += _as_sets(value, f"{prefix}{key}.")
         else:
-            out.append(f"{prefix}{key}={json.dumps(value)}")
+            out.append((f"{prefix}{key}", value))
     return out
 
 

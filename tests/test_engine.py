@@ -249,7 +249,7 @@ def test_cuda_unavailable(tiny_llama):
         ktquest.load(tiny_llama.path, device="cuda")
 
 
-# ---- the KV cache must fit ----
+# ---- what the Python API refuses, before any work (issue 25) ----
 
 
 def test_a_dense_cache_must_fit(tiny_llama, monkeypatch):
@@ -276,3 +276,44 @@ def test_a_million_token_context_is_not_the_default_reservation(tmp_path, tiny_b
     assert e.args.context_length == 1 << 20
     assert e.max_seq_len == e.cache.max_seq_len == e.model.max_seq_len == e.model.rope_cos.shape[0] == 32768
     assert isinstance(e.generate("the cat"), str)
+
+
+def test_load_overrides_are_typed(tiny_llama):
+    """Keyword overrides are values, not YAML text: 1e-05 is a number (YAML 1.1 would read the string)."""
+    e = ktquest.load(tiny_llama.path, temperature=1e-5, seed=2**63 - 1, max_seq_len=64)
+    assert (e.config.generation.temperature, e.config.generation.seed) == (1e-5, 2**63 - 1)
+    with pytest.raises(ConfigError, match=r"generation.temperature=nan is not allowed: a finite number"):
+        ktquest.load(tiny_llama.path, temperature=float("nan"))
+    with pytest.raises(ConfigError, match=r"threads=2.0 has the wrong type: expected int"):
+        ktquest.load(tiny_llama.path, threads=2.0)
+    with pytest.raises(TypeError, match=r"^model must be str or PathLike or None, not int$"):
+        ktquest.load(5)
+    with pytest.raises(TypeError, match=r"^config must be Config or str or PathLike or None, not dict$"):
+        ktquest.load(tiny_llama.path, config={"threads": 1})
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda e: e.generate(5), TypeError, "prompt must be str, not int"),
+    (lambda e: e.generate(None), TypeError, "prompt must be str, not NoneType"),
+    (lambda e: e.generate(b"the cat"), TypeError, "prompt must be str, not bytes"),
+    (lambda e: e.generate(""), ValueError, "prompt '' is empty: it encodes to no tokens"),
+    (lambda e: e.generate("x", on_text="print"), TypeError, "on_text must be callable or None, not str"),
+    (lambda e: e.generate("x", should_stop=True), TypeError, "should_stop must be callable or None, not bool"),
+    (lambda e: e.generate("x", max_new_tokens="5"), ConfigError, "generation.max_new_tokens='5' has the wrong type"),
+    (lambda e: e.generate("x", max_new_tokens=0), ConfigError, "generation.max_new_tokens=0 is not allowed"),
+    (lambda e: e.generate("x", temperature=1e-9), ConfigError, "generation.temperature=1e-09 is not allowed"),
+    (lambda e: e.generate("x", seed=-1), ConfigError, "generation.seed=-1 is not allowed"),
+    (lambda e: e.generate("x", nonsense=1), ConfigError, "unknown generation option 'nonsense'"),
+    (lambda e: e.chat_session(system=5), TypeError, "system must be str or None, not int"),
+    (lambda e: e.chat_session(document=[1]), TypeError, "document must be str or None, not list"),
+    (lambda e: e.chat_session().send(["hi"]), TypeError, "user_text must be str, not list"),
+    (lambda e: e.chat_session().send("hi", on_progress=3), TypeError, "on_progress must be callable or None"),
+])
+def test_wrong_arguments_are_refused_before_any_work(tiny, call, error, message):
+    s = tiny.chat_session()
+    s.send("the cat")
+    held = tiny.cache.pos
+    with pytest.raises(error) as info:
+        call(tiny)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert (tiny.cache_owner, tiny.cache.pos) == (s, held)  # the conversation in the cache is intact
