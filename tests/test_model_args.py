@@ -34,11 +34,14 @@ def model_parts(tiny_bpe):
     return tiny_model_parts(tiny_bpe)
 
 
+GGUF_TYPES = {"u8": "add_uint8", "i8": "add_int8", "u16": "add_uint16", "i16": "add_int16", "u32": "add_uint32",
+              "i32": "add_int32", "u64": "add_uint64", "i64": "add_int64", "f32": "add_float32", "f64": "add_float64"}
+
+
 def _add(w: gguf.GGUFWriter, key: str, value) -> None:
     """ints as the converter writes them (u32), else the narrowest type that holds them; ("i64", v) forces one."""
     if isinstance(value, tuple):
-        getattr(w, {"i32": "add_int32", "i64": "add_int64", "u64": "add_uint64", "f64": "add_float64"}[value[0]])(
-            key, value[1])
+        getattr(w, GGUF_TYPES[value[0]])(key, value[1])
     elif isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
@@ -107,10 +110,19 @@ def _assert_error(path: Path, *fragments: str) -> None:
     ({"tokenizer.ggml.eos_token_id": -1}, ["tokenizer.ggml.eos_token_id=-1", "[0, 319]"]),
     ({"tokenizer.ggml.eos_token_id": "x"}, ["tokenizer.ggml.eos_token_id='x'", "an integer"]),
     ({"tokenizer.ggml.eot_token_id": 2.5}, ["tokenizer.ggml.eot_token_id=2.5", "an integer"]),
-    ({"tokenizer.ggml.padding_token_id": [1, 2]}, ["tokenizer.ggml.padding_token_id", "per-layer list"]),
+    ({"tokenizer.ggml.padding_token_id": [1, 2]}, ["tokenizer.ggml.padding_token_id=[1, 2]", "a single value"]),
     ({"tokenizer.ggml.token_type": [1, 2, 3]}, ["tokenizer.ggml.token_type has 3 entries", "(320)"]),
     ({"tokenizer.ggml.tokens": ["a", "b"]}, ["tokenizer.ggml.tokens has 2 tokens", "is 320"]),
-    ({"tokenizer.ggml.tokens": [1, 2]}, ["tokenizer.ggml.tokens=[1, 2]", "a list of strings"]),
+    ({"tokenizer.ggml.tokens": [1, 2]}, ["tokenizer.ggml.tokens[0]=1 is not allowed", "a list of strings"]),
+    ({"tokenizer.ggml.tokens": "abc"}, ["tokenizer.ggml.tokens='abc' is not allowed", "a list of strings"]),
+    ({"tokenizer.ggml.token_type": [1.5] * 320}, ["token_type[0]=1.5", "a list of integers"]),
+    ({"tokenizer.ggml.scores": [0.0] * 319 + [NAN]}, ["scores[319]=nan", "a list of finite numbers"]),
+    ({"tokenizer.ggml.merges": ("f32", 0.0)}, ["tokenizer.ggml.merges=0.0", "a list of strings"]),
+    ({"tokenizer.ggml.merges": ["0"]}, ["merges[0]='0' is not allowed", "'left right'"]),
+    ({"tokenizer.ggml.merges": ["zz q"]}, ["merges[0]='zz q'", "left+right are tokens"]),
+    ({"tokenizer.ggml.model": ("u32", 3)}, ["tokenizer.ggml.model=3", "a string"]),
+    ({"tokenizer.chat_template": ["x"]}, ["tokenizer.chat_template=['x']", "a single value"]),
+    ({"tokenizer.ggml.add_bos_token": ("u8", 1)}, ["tokenizer.ggml.add_bos_token=1", "true or false"]),
 ])
 def test_metadata_out_of_range(tmp_path, model_parts, changes, fragments):
     md, tensors = model_parts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -123,8 +124,7 @@ class _Metadata:
             return default
         value = self.md[key]
         if isinstance(value, list):
-            raise GGUFError(f"{self.path}: metadata key {key!r} is a per-layer list {show(value)}, "
-                            f"only a single value is supported")
+            raise self.error(key, value, "a single value (lists, such as per-layer values, are not supported)")
         return value
 
     def integer(self, key: str, lo: int, hi: int = _INT_MAX, default: Any = _REQUIRED) -> int:
@@ -141,6 +141,16 @@ class _Metadata:
             raise self.error(key, value, f"a finite number > {above:g}{why}")
         return float(value)
 
+    def array(self, key: str, ok: Callable[[Any], bool], allowed: str) -> list:
+        """The list at ``key``, each of its items ``ok``."""
+        value = self.md[key]
+        if not isinstance(value, list):
+            raise self.error(key, value, allowed)
+        for i, item in enumerate(value):
+            if not ok(item):
+                raise GGUFError(f"{self.path}: {key}[{i}]={show(item)} is not allowed: {key} is {allowed}")
+        return value
+
     def string(self, key: str, default: Any = _REQUIRED) -> str:
         value = self.value(key, default)
         if not isinstance(value, str):
@@ -148,22 +158,53 @@ class _Metadata:
         return value
 
 
+# The tokenizer's keys besides the token lists and ids (ktquest.formats.tokenizer reads them), by type
+_TOKENIZER_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
+_TOKENIZER_FLAGS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+                    "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces")
+
+
 def _check_tokenizer(m: _Metadata, vocab_size: int) -> None:
-    """The tokenizer's lists match the model's vocabulary, and its special token ids are in it."""
+    """The tokenizer's keys have their types, its lists match the model's vocabulary, its merges join tokens
+    of it, and its special token ids are in it (checked here, so the tokenizer libraries only ever see
+    well-formed input)."""
+    for key in _TOKENIZER_STRINGS:
+        if key in m.md:
+            m.string(key)
+    for key in _TOKENIZER_FLAGS:
+        if key in m.md and not isinstance(m.md[key], bool):
+            raise m.error(key, m.md[key], "true or false")
     tokens = m.md.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise m.error("tokenizer.ggml.tokens", tokens, "a list of strings")
+        m.array("tokenizer.ggml.tokens", lambda t: isinstance(t, str), "a list of strings")
         if len(tokens) != vocab_size:
             raise GGUFError(f"{m.path}: tokenizer.ggml.tokens has {len(tokens)} tokens, but the model's "
                             f"vocabulary (token_embd.weight's rows) is {vocab_size}; they must be equal")
-        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            values = m.md.get(key)
-            if values is not None and (not isinstance(values, list) or len(values) != len(tokens)):
-                raise GGUFError(f"{m.path}: {key} has {len(values) if isinstance(values, list) else show(values)} "
-                                f"entries; expected one per token ({len(tokens)})")
+        for key, ok, what in (("tokenizer.ggml.token_type", _is_int, "a list of integers"),
+                              ("tokenizer.ggml.scores", _is_finite, "a list of finite numbers")):
+            if key in m.md:
+                values = m.array(key, ok, what)
+                if len(values) != len(tokens):
+                    raise GGUFError(f"{m.path}: {key} has {len(values)} entries; expected one per token "
+                                    f"({len(tokens)})")
+        if "tokenizer.ggml.merges" in m.md:
+            vocab = set(tokens)
+            for i, merge in enumerate(m.array("tokenizer.ggml.merges", lambda t: isinstance(t, str),
+                                              "a list of strings")):
+                left, _, right = merge.partition(" ")
+                if not (left in vocab and right in vocab and left + right in vocab):
+                    raise GGUFError(f"{m.path}: tokenizer.ggml.merges[{i}]={show(merge)} is not allowed: "
+                                    f"'left right', where left, right and left+right are tokens")
     for key in sorted(k for k in m.md if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
         m.integer(key, 0, vocab_size - 1)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def model_args(f: GGUFFile) -> ModelArgs:
