@@ -270,6 +270,13 @@ def test_a_dense_cache_past_any_memory_is_refused_before_allocating(tiny_llama):
         ktquest.load(tiny_llama.path, max_seq_len=2**31 - 1, device="cpu")
 
 
+def test_a_long_context_store_of_a_type_the_model_cannot_use(tiny_llama):
+    """head_dim 16 is not whole groups of 32: said before the store's size is counted (which needs them)."""
+    with pytest.raises(ConfigError, match=r"^long_context.kv_type='Q4_0' is not allowed for this model: .* "
+                                          r"head_dim is 16; use FP16, BF16 or FP32$"):
+        ktquest.load(tiny_llama.path, mode="long_context", kv_type="Q4_0")
+
+
 def test_a_million_token_context_is_not_the_default_reservation(tmp_path, tiny_bpe):
     path = write_model(tmp_path / "1m.gguf", *tiny_model_parts(tiny_bpe), {"llama.context_length": 1 << 20})
     e = ktquest.load(path, device="cpu", max_new_tokens=2)

@@ -79,9 +79,18 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def check_kv_type(lc: LongContextConfig, head_dim: int) -> None:
+    """ConfigError unless the store's ``kv_type`` holds rows of ``head_dim`` (Q8_0/Q4_0: whole groups)."""
+    if lc.kv_type in ("Q8_0", "Q4_0") and head_dim % _C.Q8_GROUP:
+        raise ConfigError(f"long_context.kv_type={lc.kv_type!r} is not allowed for this model: it quantises "
+                          f"groups of {_C.Q8_GROUP} along head_dim, and head_dim is {head_dim}; use FP16, BF16 "
+                          f"or FP32")
+
+
 def check_cache_fits(config: Config, args, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
     """The fit check of ``config.mode``'s KV cache for ``max_seq_len`` tokens, before anything is allocated."""
     if config.mode == "long_context":
+        check_kv_type(config.long_context, args.head_dim)  # (the store's layout needs it to count its bytes)
         check_store_fits(config.long_context, args, max_seq_len)
     else:
         check_dense_fits(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)
