@@ -25,8 +25,9 @@ class ConfigError(ValueError):
     """A YAML file or override does not fit the schema."""
 
 
-INT_MAX = 2**31 - 1  # every integer key but the seed: the kernels take 32-bit sizes
+INT_MAX = 2**31 - 1  # every integer key but these two: the kernels take 32-bit sizes
 SEED_MAX = 2**63 - 1  # numpy's and torch's seeds both take a non-negative int64
+SEQ_LEN_MAX = 2**63 - 1  # max_seq_len: the fit checks refuse a cache that would not fit, with its bytes
 MAX_CHUNK_SIZE = 16384  # a prefill chunk's activations and attention mask grow with it
 MIN_TEMPERATURE = 1e-6  # see GenerationConfig
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few lines
@@ -187,7 +188,8 @@ class Config:
     decode_weights: Literal["auto", "fp32", "q8_0"] = "auto"
     threads: int = 0  # CPU threads for torch and the operators; 0 = all cores
     chunk_size: int = 512  # prefill chunk, tokens
-    max_seq_len: int = 0  # KV capacity, tokens; 0 = the model's trained context length
+    # KV capacity, tokens; 0 = the model's trained context, at most 32768 (args.resolve_max_seq_len)
+    max_seq_len: int = field(default=0, metadata={"max": SEQ_LEN_MAX})
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
 
@@ -197,7 +199,7 @@ class Config:
         _check(1 <= self.chunk_size <= MAX_CHUNK_SIZE, "chunk_size", self.chunk_size,
                f"an integer in [1, {MAX_CHUNK_SIZE}]")
         _check(self.max_seq_len >= 0, "max_seq_len", self.max_seq_len,
-               f"an integer in [0, {INT_MAX}] (0 = the model's context)")
+               f"an integer in [0, {SEQ_LEN_MAX}] (0 = the model's context)")
         lc = self.long_context
         if self.mode == "long_context" and self.max_seq_len > 0:
             _check(lc.init_windows_len + lc.local_windows_len <= self.max_seq_len, "long_context.local_windows_len",

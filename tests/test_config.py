@@ -209,7 +209,7 @@ def test_set_must_be_utf8():
     ("threads_num=100000", ("long_context.threads_num=100000", "per CPU core")),
     ("seed=18446744073709551616", ("generation.seed=18446744073709551616", "<= 9223372036854775807")),
     ("chunk_size=1000000000", ("chunk_size=1000000000", "[1, 16384]")),
-    ("max_seq_len=2147483648", ("max_seq_len=2147483648", "<= 2147483647")),
+    ("max_seq_len=9223372036854775808", ("max_seq_len=9223372036854775808", "<= 9223372036854775807")),
     ("temperature=1.0e-300", ("generation.temperature=1e-300", "0 (greedy) or a number >= 1e-06")),
     ("temperature=.inf", ("generation.temperature=inf", "finite")),
     ("repeat_penalty=.inf", ("generation.repeat_penalty=inf", "finite")),
