@@ -80,6 +80,8 @@ class ChatSession:
         (stats.stopped_by == "interrupted"); if that happens before the reply starts, the turn is dropped.
         """
         eng, tok = self.engine, self.engine.tokenizer
+        check_arg("user_text", user_text, str)  # TypeError, as for the callbacks
+        check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
         first = not any(m["role"] == "user" for m in self.messages)
         content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
         messages = self.messages + [{"role": "user", "content": content}]
@@ -148,3 +150,18 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def check_arg(name: str, value: object, types: type | tuple[type, ...]) -> None:
+    """TypeError unless ``value`` is an instance of ``types``: the Python API's check of its arguments."""
+    if not isinstance(value, types):
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in
+                            (types if isinstance(types, tuple) else (types,)))
+        raise TypeError(f"{name} must be {names}, not {type(value).__name__}")
+
+
+def check_callbacks(**callbacks: object) -> None:
+    """TypeError unless each callback is None or callable."""
+    for name, f in callbacks.items():
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable or None, not {type(f).__name__}")

@@ -7,7 +7,10 @@ Every error names the source (file or ``--set``), the key, the value and what is
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +25,42 @@ class ConfigError(ValueError):
     """A YAML file or override does not fit the schema."""
 
 
+INT_MAX = 2**31 - 1  # every integer key but these two: the kernels take 32-bit sizes
+SEED_MAX = 2**63 - 1  # numpy's and torch's seeds both take a non-negative int64
+SEQ_LEN_MAX = 2**63 - 1  # max_seq_len: the fit checks refuse a cache that would not fit, with its bytes
+MAX_CHUNK_SIZE = 16384  # a prefill chunk's activations and attention mask grow with it
+MIN_TEMPERATURE = 1e-6  # see GenerationConfig
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few lines
+_MAX_YAML_DEPTH = 8  # the schema nests 2 levels; deeper YAML would only recurse in the parser
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def show(value: Any) -> str:
+    """A value as an error message shows it: its repr, at most ~80 characters, computed in bounded time
+    (reprlib stops at a few items and levels, so a value built from YAML aliases never expands)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<an integer of {value.bit_length()} bits>"  # repr of a huge int is slow or refused
+    r = _REPR.repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def max_threads() -> int:
+    """The most threads a config may ask for: 4 per CPU core (more only adds contention)."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
     if not cond:
-        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+        raise ConfigError(f"{key}={show(value)} is not allowed: {allowed}")
+
+
+def _check_threads(key: str, value: int, zero_means: str) -> None:
+    _check(0 <= value <= max_threads(), key, value,
+           f"an integer >= 0 (0 = {zero_means}) and at most {max_threads()} (4 per CPU core; this machine "
+           f"has {os.cpu_count() or 1})")
 
 
 @dataclass(slots=True)
@@ -41,12 +77,16 @@ class GenerationConfig:
     repeat_last_n: int = 64  # the recent tokens the penalties look at
     presence_penalty: float = 0.0  # subtracted from a recent token's logit once
     frequency_penalty: float = 0.0  # subtracted once per occurrence among the recent tokens
-    seed: int = 0
+    seed: int = field(default=0, metadata={"max": SEED_MAX})
 
     def __post_init__(self) -> None:
         p = "generation."
+        _check_types(self, p)
         _check(self.max_new_tokens >= 1, p + "max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        _check(self.temperature >= 0.0, p + "temperature", self.temperature, "a number >= 0 (0 = greedy)")
+        # Below the bound a draw is greedy in all but name (a logit gap of 1e-4 already has odds of e^-100);
+        # the sampler divides in float64, where no temperature > 0 makes a draw NaN.
+        _check(self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE, p + "temperature",
+               self.temperature, f"0 (greedy) or a number >= {MIN_TEMPERATURE:g}")
         _check(self.top_k >= 0, p + "top_k", self.top_k, "an integer >= 0 (0 = off)")
         _check(0.0 < self.top_p <= 1.0, p + "top_p", self.top_p, "a number in (0, 1]")
         _check(0.0 <= self.min_p < 1.0, p + "min_p", self.min_p, "a number in [0, 1) (0 = off)")
@@ -55,7 +95,7 @@ class GenerationConfig:
         for key in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, key)
             _check(-2.0 <= value <= 2.0, p + key, value, "a number in [-2, 2] (0 = off)")
-        _check(self.seed >= 0, p + "seed", self.seed, "an integer >= 0")
+        _check(self.seed >= 0, p + "seed", self.seed, "an integer in [0, 2**63 - 1]")
 
 
 # What ``ktquest chat`` samples with unless the config or the command line says otherwise: replies that do not
@@ -103,11 +143,12 @@ class LongContextConfig:
 
     def __post_init__(self) -> None:
         p = "long_context."
+        _check_types(self, p)
         _check(self.block_size >= 1, p + "block_size", self.block_size, "an integer >= 1")
         _check(self.init_windows_len >= 0, p + "init_windows_len", self.init_windows_len, "an integer >= 0")
         _check(self.local_windows_len >= 1, p + "local_windows_len", self.local_windows_len, "an integer >= 1")
         _check(self.second_select_num >= 0, p + "second_select_num", self.second_select_num, "an integer >= 0")
-        _check(self.threads_num >= 0, p + "threads_num", self.threads_num, "an integer >= 0 (0 = runtime threads)")
+        _check_threads(p + "threads_num", self.threads_num, "the runtime's threads")
         _check(self.anchor_num >= 1, p + "anchor_num", self.anchor_num, "an integer >= 1")
         if self.anchor_type == "QUEST":
             _check(self.anchor_num == 2, p + "anchor_num", self.anchor_num,
@@ -147,15 +188,19 @@ class Config:
     decode_weights: Literal["auto", "fp32", "q8_0"] = "auto"
     threads: int = 0  # CPU threads for torch and the operators; 0 = all cores
     chunk_size: int = 512  # prefill chunk, tokens
-    max_seq_len: int = 0  # KV capacity, tokens; 0 = the model's trained context length
+    # KV capacity, tokens; 0 = the model's trained context, at most 32768 (args.resolve_max_seq_len)
+    max_seq_len: int = field(default=0, metadata={"max": SEQ_LEN_MAX})
     parse_special: bool = False  # chat: special-token text in messages and documents as control tokens
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
 
     def __post_init__(self) -> None:
-        _check(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0 = all cores)")
-        _check(self.chunk_size >= 1, "chunk_size", self.chunk_size, "an integer >= 1")
-        _check(self.max_seq_len >= 0, "max_seq_len", self.max_seq_len, "an integer >= 0 (0 = model context)")
+        _check_types(self, "")
+        _check_threads("threads", self.threads, "all cores")
+        _check(1 <= self.chunk_size <= MAX_CHUNK_SIZE, "chunk_size", self.chunk_size,
+               f"an integer in [1, {MAX_CHUNK_SIZE}]")
+        _check(self.max_seq_len >= 0, "max_seq_len", self.max_seq_len,
+               f"an integer in [0, {SEQ_LEN_MAX}] (0 = the model's context)")
         lc = self.long_context
         if self.mode == "long_context" and self.max_seq_len > 0:
             _check(lc.init_windows_len + lc.local_windows_len <= self.max_seq_len, "long_context.local_windows_len",
@@ -168,7 +213,7 @@ class Config:
         return self.threads if self.threads > 0 else (os.cpu_count() or 1)
 
 
-# ---- loading ----
+# ---- types ----
 
 
 def _type_name(tp: Any) -> str:
@@ -177,10 +222,16 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(key: str, value: Any, tp: Any, source: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` (bool/int/float/str/Literal), return it typed."""
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, tp: Any, int_max: int = INT_MAX) -> Any:
+    """Check ``value`` against the annotation ``tp`` (bool/int/float/str/Literal), return it typed. Integers
+    are at most ``int_max``, numbers finite."""
     def bad() -> ConfigError:
-        return ConfigError(f"{source}: {key}={value!r} has the wrong type: expected {_type_name(tp)}")
+        return ConfigError(f"{key}={show(value)} has the wrong type: expected {_type_name(tp)}")
 
     if typing.get_origin(tp) is Literal:
         allowed = typing.get_args(tp)
@@ -188,18 +239,24 @@ def _coerce(key: str, value: Any, tp: Any, source: str) -> Any:
             for a in allowed:  # enum names are case-insensitive: quest == QUEST
                 if a.lower() == value.lower():
                     return a
-        raise ConfigError(f"{source}: {key}={value!r} is not allowed: expected {_type_name(tp)}")
+        raise ConfigError(f"{key}={show(value)} is not allowed: expected {_type_name(tp)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
         raise bad()
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            _check(value <= int_max, key, value, f"an integer <= {int_max}")
+            return int(value)
         raise bad()
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int past float's range
+                number = math.inf
+            _check(math.isfinite(number), key, value, "a finite number")
+            return number
         raise bad()
     if tp is str:
         if isinstance(value, str):
@@ -208,22 +265,77 @@ def _coerce(key: str, value: Any, tp: Any, source: str) -> Any:
     raise bad()
 
 
+def _check_types(obj: Any, prefix: str) -> None:
+    """Each field of the schema dataclass ``obj`` checked against its annotation and stored typed (an int
+    for a float key becomes a float); run first by every ``__post_init__``, so the Python API's values
+    are checked as the YAML's are."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp, value = hints[f.name], getattr(obj, f.name)
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(f"{prefix}{f.name}={show(value)} has the wrong type: expected a mapping of "
+                                  f"its keys")
+        else:
+            setattr(obj, f.name, _coerce(prefix + f.name, value, tp, f.metadata.get("max", INT_MAX)))
+
+
+# ---- loading ----
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """YAML as a config needs it: plain scalars, lists and mappings. Aliases are refused (a few hundred
+    bytes of nested aliases stand for gigabytes of values), so are explicit tags (``!!binary``,
+    ``!!timestamp``, ...) and nesting deeper than the schema could use."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, f"aliases (*{event.anchor}) are not supported",
+                                              event.start_mark)
+        if getattr(event, "tag", None) not in (None, "!"):
+            raise yaml.composer.ComposerError(None, None, f"tags ({event.tag}) are not supported",
+                                              event.start_mark)
+        if self._depth >= _MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {_MAX_YAML_DEPTH} levels",
+                                              event.start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    """``text`` as YAML (``_YAMLLoader``); any failure is a one-line ConfigError naming ``source``."""
+    try:
+        return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
+        what = ", ".join(x for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{source}: not valid YAML: {what}{where}") from None
+    except yaml.YAMLError as e:  # the reader's errors (a control character, ...) carry no mark
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(e).split())}") from None
+    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise ConfigError(f"{source}: not valid YAML: {str(e).split(':')[0]}") from None
+
+
 def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the top level'} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the top level'} must be a mapping, "
+                          f"got {show(data)}")
+    hints = _hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise ConfigError(f"{source}: unknown key {name!r}; allowed keys here: {allowed}")
+            raise ConfigError(f"{source}: unknown key {show(name)}; allowed keys here: {allowed}")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, source, prefix=f"{name}.")
-        else:
-            kwargs[key] = _coerce(name, value, tp, source)
+        kwargs[key] = _build(tp, value, source, prefix=f"{name}.") if dataclasses.is_dataclass(tp) else value
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -236,12 +348,12 @@ def to_dict(cfg: Any) -> dict:
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value (for example long_context.block_size=32)")
+        raise ConfigError(f"--set {show(item)}: expected key=value (for example long_context.block_size=32)")
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key:
-        raise ConfigError(f"--set {item!r}: empty key")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+        raise ConfigError(f"--set {show(item)}: empty key")
+    value = _parse_yaml(raw, f"--set {show(item)}") if raw.strip() else ""
     return key.split("."), value
 
 
@@ -249,12 +361,40 @@ def _resolve_short_key(path: list[str]) -> list[str]:
     """Let ``--set block_size=32`` mean ``long_context.block_size`` when the name is unique."""
     if len(path) != 1:
         return path
-    hints = typing.get_type_hints(Config)
+    hints = _hints(Config)
     if path[0] in hints:
         return path
     owners = [name for name, tp in hints.items()
               if dataclasses.is_dataclass(tp) and path[0] in {f.name for f in dataclasses.fields(tp)}]
     return [owners[0], path[0]] if len(owners) == 1 else path
+
+
+def _read_config_file(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    source = str(p)
+    if not p.is_file():
+        raise ConfigError(f"{source}: no such config file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: {p.stat().st_size} bytes is too large for a config file "
+                          f"(at most {MAX_CONFIG_BYTES})")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    loaded = _parse_yaml(text, source)
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(loaded).__name__}")
+    return loaded
+
+
+def _check_utf8(text: str, where: str) -> None:
+    """Command-line text that was not UTF-8 reaches Python as lone surrogates (PEP 383)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text ({e.reason} at character {e.start})") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list | None = None,
@@ -267,30 +407,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: list | None = 
     data: dict = {}
     source = "defaults"
     if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigError(f"{source}: no such config file")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(loaded).__name__}")
-        data = loaded
+        source = str(path)
+        data = _read_config_file(path)
     for section, values in (base or {}).items():
         if isinstance(data.get(section, {}), dict):  # (a wrong type is reported by _build)
             data[section] = {**values, **data.get(section, {})}
     for item in overrides or []:
-        keys, value = (item[0].split("."), item[1]) if isinstance(item, tuple) else _parse_override(item)
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            keys, value = item[0].split("."), item[1]
+            _check_utf8(item[0], f"--set {show(item[0])}")
+        elif isinstance(item, str):
+            _check_utf8(item, f"--set {show(item)}")
+            keys, value = _parse_override(item)
+        else:
+            raise ConfigError(f"override {show(item)}: expected 'key=value' or a (key, value) pair")
         keys = _resolve_short_key(keys)
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {k!r} is not a section")
+                raise ConfigError(f"--set {show(item)}: {k!r} is not a section")
         node[keys[-1]] = value
         source = f"{source} + --set" if "--set" not in source else source
     return _build(Config, data, source)

@@ -4,7 +4,6 @@ conversations of ``ktquest.chat``."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,14 +11,15 @@ from typing import Any
 
 import torch
 
-from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats
-from ktquest.config import Config, ConfigError, GenerationConfig, load_config, to_dict
+from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats, check_arg, check_callbacks
+from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
 from ktquest.formats.bundled import bundled_model_path
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
-from ktquest.kv.memory import check_store_fits
+from ktquest.kv.memory import check_cache_fits
+from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
 from ktquest.native.decode import use_decode_weights
 
@@ -39,9 +39,9 @@ class Engine:
         self.dtype = _pick_dtype(config.dtype, self.device)
         contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
         self.args = contents.args
-        self.max_seq_len = config.max_seq_len or self.args.context_length
-        if config.mode == "long_context":  # refuse before any allocation, with the figure
-            check_store_fits(config.long_context, self.args, self.max_seq_len)
+        self.max_seq_len = resolve_max_seq_len(self.args, config.max_seq_len)
+        # refuse before any allocation (the weights included), with the figure
+        check_cache_fits(config, self.args, self.max_seq_len, self.device, self.dtype)
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len)
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
         decode = config.decode_weights
@@ -58,16 +58,28 @@ class Engine:
         """Raw completion of ``prompt`` (no chat template) on a fresh cache; returns the generated text.
 
         ``on_text(piece)`` streams the text as it is generated; ``gen_overrides``: GenerationConfig fields.
+        Refused before any work: a ``TypeError`` for an argument of the wrong type, a ``ValueError`` for a
+        value that cannot be used: ``ConfigError`` (a generation option), ``PromptTooLongError``, or a
+        prompt that is empty (no tokens to continue from).
         """
+        check_arg("prompt", prompt, str)
+        check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
+        gen = self._gen(gen_overrides)
         tokens = self.tokenizer.encode(prompt)
+        if not tokens:
+            raise ValueError(f"prompt {show(prompt)} is empty: it encodes to no tokens, and generation continues "
+                             f"from at least one")
         self.check_fits(len(tokens))
         self.cache_owner = None
         self.cache.reset()
-        text, _ = self.run(tokens, self._gen(gen_overrides), on_text, on_progress, should_stop)
+        text, _ = self.run(tokens, gen, on_text, on_progress, should_stop)
         return text
 
     def chat_session(self, system: str | None = None, document: str | None = None) -> ChatSession:
-        """A multi-turn conversation; ``document`` is put before the first user message."""
+        """A multi-turn conversation; ``document`` is put before the first user message. ``TypeError``
+        unless each is a str or None."""
+        check_arg("system", system, (str, type(None)))
+        check_arg("document", document, (str, type(None)))
         return ChatSession(self, system=system, document=document)
 
     # ---- internals ----
@@ -76,7 +88,7 @@ class Engine:
         allowed = {f.name for f in dataclasses.fields(GenerationConfig)}
         for key in overrides:
             if key not in allowed:
-                raise ConfigError(f"unknown generation option {key!r}; allowed: {', '.join(sorted(allowed))}")
+                raise ConfigError(f"unknown generation option {show(key)}; allowed: {', '.join(sorted(allowed))}")
         return dataclasses.replace(self.config.generation, **overrides)
 
     def check_fits(self, n_tokens: int) -> None:
@@ -124,8 +136,12 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
 
     ``config``: a ``Config``, a YAML path or None (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
+    Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
+    schema refuses, a cache that would not fit), ``GGUFError`` (the file), ``OSError`` (reading it).
     """
-    sets = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
+    check_arg("model", model, (str, os.PathLike, type(None)))
+    check_arg("config", config, (Config, str, os.PathLike, type(None)))
+    sets = list(overrides.items())  # typed (key, value) pairs: no round trip through YAML text
     if isinstance(config, Config):
         if not sets:
             cfg = config
@@ -137,13 +153,13 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
     return Engine(cfg, path)
 
 
-def _as_sets(d: dict, prefix: str = "") -> list[str]:
+def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for key, value in d.items():
         if isinstance(value, dict):
             out += _as_sets(value, f"{prefix}{key}.")
         else:
-            out.append(f"{prefix}{key}={json.dumps(value)}")
+            out.append((f"{prefix}{key}", value))
     return out
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ktquest.config import Config, ConfigError, load_config
+from ktquest.config import Config, ConfigError, GenerationConfig, LongContextConfig, load_config
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
@@ -86,9 +87,9 @@ def test_bad_enum(tmp_path):
 
 
 @pytest.mark.parametrize("text, key, value, allowed", [
-    ("chunk_size: 0", "chunk_size", "0", ">= 1"),
+    ("chunk_size: 0", "chunk_size", "0", "[1, 16384]"),
     ("generation:\n  top_p: 1.5", "generation.top_p", "1.5", "(0, 1]"),
-    ("generation:\n  temperature: -1", "generation.temperature", "-1.0", ">= 0"),
+    ("generation:\n  temperature: -1", "generation.temperature", "-1.0", "0 (greedy) or a number >= 1e-06"),
     ("long_context:\n  anchor_num: 3", "long_context.anchor_num", "3", "exactly 2"),
     ("long_context:\n  preselect_pool_kernel: 4", "long_context.preselect_pool_kernel", "4", "odd"),
     ("mode: long_context\nmax_seq_len: 100", "long_context.local_windows_len", "1024", "<= max_seq_len (100)"),
@@ -153,3 +154,95 @@ def test_set_errors(item, match):
 def test_set_into_a_value_from_the_file(tmp_path):
     with pytest.raises(ConfigError, match="'threads' is not a section"):
         load_config(_write(tmp_path, "threads: 1\n"), ["threads.x=1"])
+
+
+# ---- hostile input: bounded work, one-line errors ----
+
+
+def _one_line_error(fn, *needles: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    assert all(n in msg for n in needles), msg
+    return msg
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    # levels of 9 aliases each: ~250 bytes that stand for 9**5 strings (each further level: 9 times more)
+    lines = ['- &a0 ["xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"]'] + \
+        [f"- &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 6)]
+    p = _write(tmp_path, "threads:\n" + "\n".join(lines) + "\n")
+    _one_line_error(lambda: load_config(p), str(p), "aliases (*a0) are not supported", "line 3")
+    _one_line_error(lambda: load_config(None, ["threads=[&a 1, *a]"]), "aliases")
+
+
+@pytest.mark.parametrize("value, needle", [("!!binary aGk=", "tags"), ("!!python/object:os.system x", "tags"),
+                                           ("[" * 100 + "]" * 100, "nested deeper"), ("[1", "expected ','"),
+                                           ("1" * 5000, "4300 digits"), ("'a\x07b'", "not valid YAML")])
+def test_set_values_that_are_not_plain_yaml(value, needle):
+    _one_line_error(lambda: load_config(None, [f"threads={value}"]), "--set", needle)
+
+
+def test_a_huge_wrong_value_is_shown_short():
+    msg = _one_line_error(lambda: load_config(None, [("threads", ["x" * 1000] * 1000)]), "threads=",
+                          "wrong type")
+    assert len(msg) < 200, msg
+
+
+def test_config_file_must_be_utf8(tmp_path):
+    p = tmp_path / "cfg.yaml"
+    p.write_bytes(b"threads: 1\nmodel: caf\xe9\n")
+    _one_line_error(lambda: load_config(p), str(p), "not UTF-8", "byte 21")
+
+
+def test_set_must_be_utf8():
+    bad = b"model=caf\xe9".decode("utf-8", "surrogateescape")  # how argv holds bytes that are not UTF-8
+    _one_line_error(lambda: load_config(None, [bad]), "--set", "not UTF-8")
+    _one_line_error(lambda: load_config(None, [(bad.split("=")[0] + "\udcff", 1)]), "not UTF-8")
+
+
+@pytest.mark.parametrize("item, needles", [
+    ("threads=100000", ("threads=100000", ">= 0 (0 = all cores) and at most", "per CPU core")),
+    ("threads=3000000000", ("threads=3000000000", "<= 2147483647")),
+    ("threads=-1", ("threads=-1", ">= 0")),
+    ("threads_num=100000", ("long_context.threads_num=100000", "per CPU core")),
+    ("seed=18446744073709551616", ("generation.seed=18446744073709551616", "<= 9223372036854775807")),
+    ("chunk_size=1000000000", ("chunk_size=1000000000", "[1, 16384]")),
+    ("max_seq_len=9223372036854775808", ("max_seq_len=9223372036854775808", "<= 9223372036854775807")),
+    ("temperature=1.0e-300", ("generation.temperature=1e-300", "0 (greedy) or a number >= 1e-06")),
+    ("temperature=.inf", ("generation.temperature=inf", "finite")),
+    ("repeat_penalty=.inf", ("generation.repeat_penalty=inf", "finite")),
+    ("top_p=.nan", ("generation.top_p=nan", "finite")),
+    ("block_size=99999999999", ("long_context.block_size=99999999999", "<= 2147483647")),
+])
+def test_limits(item, needles):
+    _one_line_error(lambda: load_config(None, [item]), *needles)
+
+
+def test_seed_and_temperature_limits_are_inclusive():
+    cfg = load_config(None, [("seed", 2**63 - 1), ("temperature", 1e-6), ("threads", 4 * (os.cpu_count() or 1))])
+    assert cfg.generation.seed == 2**63 - 1 and cfg.generation.temperature == 1e-6
+
+
+@pytest.mark.parametrize("make, needles", [
+    (lambda: Config(threads="2"), ("threads='2'", "wrong type", "int")),
+    (lambda: Config(max_seq_len=None), ("max_seq_len=None", "wrong type")),
+    (lambda: Config(generation={"seed": 1}), ("generation=", "wrong type")),
+    (lambda: GenerationConfig(max_new_tokens=2.0), ("generation.max_new_tokens=2.0", "int")),
+    (lambda: GenerationConfig(temperature=True), ("generation.temperature=True", "float")),
+    (lambda: LongContextConfig(kv_type="fp64"), ("long_context.kv_type='fp64'", "'FP16'")),
+    (lambda: GenerationConfig(seed=10**100), ("<an integer of 333 bits>", "<= 9223372036854775807")),
+])
+def test_python_api_values_are_checked_as_the_yaml_is(make, needles):
+    _one_line_error(make, *needles)
+
+
+def test_python_api_values_are_stored_typed():
+    assert GenerationConfig(temperature=1).temperature == 1.0 and isinstance(GenerationConfig(temperature=1)
+                                                                             .temperature, float)
+    assert LongContextConfig(kv_type="q8_0").kv_type == "Q8_0"
+
+
+def test_overrides_of_other_types_are_refused():
+    _one_line_error(lambda: load_config(None, [3]), "expected 'key=value' or a (key, value) pair")

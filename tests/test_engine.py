@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model_args import tiny_model_parts, write_model
 
 import ktquest
 from ktquest.config import Config, ConfigError
 from ktquest.engine import PromptTooLongError
 from ktquest.formats.gguf import GGUFError
+from ktquest.kv.dense import DenseKVCache
 
 QUESTION = "What is the capital of France?"
 GOLDEN_REPLY = "The capital of France is Paris."  # the same as HF transformers' Llama on these weights
@@ -247,3 +249,80 @@ def test_load_errors(tiny_llama, tmp_path):
 def test_cuda_unavailable(tiny_llama):
     with pytest.raises(ConfigError, match="device='cuda' is not allowed: CUDA is not available"):
         ktquest.load(tiny_llama.path, device="cuda")
+
+
+# ---- what the Python API refuses, before any work (issue 25) ----
+
+
+def test_a_dense_cache_must_fit(tiny_llama, monkeypatch):
+    import ktquest.kv.memory
+
+    monkeypatch.setattr(ktquest.kv.memory, "available_ram", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match=r"^max_seq_len=4096 is not allowed: the dense KV cache would need 2\.0 MiB "
+                                          r"\(K and V, 2 layers x 2 KV heads x 16 x 4096 tokens in float32\) and "
+                                          r"1\.0 MiB of RAM is available; lower max_seq_len or use mode long_context$"):
+        ktquest.load(tiny_llama.path, max_seq_len=4096, device="cpu")
+    with pytest.raises(ConfigError, match="the dense KV cache would need 2.0 MiB"):
+        DenseKVCache(2, 2, 16, 4096)  # the cache checks too, for any caller
+    assert ktquest.load(tiny_llama.path, max_seq_len=1024, device="cpu").cache.nbytes() == 1 << 19
+
+
+def test_a_dense_cache_past_any_memory_is_refused_before_allocating(tiny_llama):
+    with pytest.raises(ConfigError, match=r"max_seq_len=2147483647 .* would need 1024\.00 GiB"):
+        ktquest.load(tiny_llama.path, max_seq_len=2**31 - 1, device="cpu")
+
+
+def test_a_long_context_store_of_a_type_the_model_cannot_use(tiny_llama):
+    """head_dim 16 is not whole groups of 32: said before the store's size is counted (which needs them)."""
+    with pytest.raises(ConfigError, match=r"^long_context.kv_type='Q4_0' is not allowed for this model: .* "
+                                          r"head_dim is 16; use FP16, BF16 or FP32$"):
+        ktquest.load(tiny_llama.path, mode="long_context", kv_type="Q4_0")
+
+
+def test_a_million_token_context_is_not_the_default_reservation(tmp_path, tiny_bpe):
+    path = write_model(tmp_path / "1m.gguf", *tiny_model_parts(tiny_bpe), {"llama.context_length": 1 << 20})
+    e = ktquest.load(path, device="cpu", max_new_tokens=2)
+    assert e.args.context_length == 1 << 20
+    assert e.max_seq_len == e.cache.max_seq_len == e.model.max_seq_len == e.model.rope_cos.shape[0] == 32768
+    assert isinstance(e.generate("the cat"), str)
+
+
+def test_load_overrides_are_typed(tiny_llama):
+    """Keyword overrides are values, not YAML text: 1e-05 is a number (YAML 1.1 would read the string)."""
+    e = ktquest.load(tiny_llama.path, temperature=1e-5, seed=2**63 - 1, max_seq_len=64)
+    assert (e.config.generation.temperature, e.config.generation.seed) == (1e-5, 2**63 - 1)
+    with pytest.raises(ConfigError, match=r"generation.temperature=nan is not allowed: a finite number"):
+        ktquest.load(tiny_llama.path, temperature=float("nan"))
+    with pytest.raises(ConfigError, match=r"threads=2.0 has the wrong type: expected int"):
+        ktquest.load(tiny_llama.path, threads=2.0)
+    with pytest.raises(TypeError, match=r"^model must be str or PathLike or None, not int$"):
+        ktquest.load(5)
+    with pytest.raises(TypeError, match=r"^config must be Config or str or PathLike or None, not dict$"):
+        ktquest.load(tiny_llama.path, config={"threads": 1})
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda e: e.generate(5), TypeError, "prompt must be str, not int"),
+    (lambda e: e.generate(None), TypeError, "prompt must be str, not NoneType"),
+    (lambda e: e.generate(b"the cat"), TypeError, "prompt must be str, not bytes"),
+    (lambda e: e.generate(""), ValueError, "prompt '' is empty: it encodes to no tokens"),
+    (lambda e: e.generate("x", on_text="print"), TypeError, "on_text must be callable or None, not str"),
+    (lambda e: e.generate("x", should_stop=True), TypeError, "should_stop must be callable or None, not bool"),
+    (lambda e: e.generate("x", max_new_tokens="5"), ConfigError, "generation.max_new_tokens='5' has the wrong type"),
+    (lambda e: e.generate("x", max_new_tokens=0), ConfigError, "generation.max_new_tokens=0 is not allowed"),
+    (lambda e: e.generate("x", temperature=1e-9), ConfigError, "generation.temperature=1e-09 is not allowed"),
+    (lambda e: e.generate("x", seed=-1), ConfigError, "generation.seed=-1 is not allowed"),
+    (lambda e: e.generate("x", nonsense=1), ConfigError, "unknown generation option 'nonsense'"),
+    (lambda e: e.chat_session(system=5), TypeError, "system must be str or None, not int"),
+    (lambda e: e.chat_session(document=[1]), TypeError, "document must be str or None, not list"),
+    (lambda e: e.chat_session().send(["hi"]), TypeError, "user_text must be str, not list"),
+    (lambda e: e.chat_session().send("hi", on_progress=3), TypeError, "on_progress must be callable or None"),
+])
+def test_wrong_arguments_are_refused_before_any_work(tiny, call, error, message):
+    s = tiny.chat_session()
+    s.send("the cat")
+    held = tiny.cache.pos
+    with pytest.raises(error) as info:
+        call(tiny)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert (tiny.cache_owner, tiny.cache.pos) == (s, held)  # the conversation in the cache is intact

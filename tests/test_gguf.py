@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+import time
 from pathlib import Path
 
 import gguf
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TINY_SPECS, gguf_metadata, hf_to_gguf_tensors, permute_qk, write_gguf
 
-from ktquest.formats.gguf import GGUFError, dequantize_tensor
+from ktquest.formats.gguf import GGUFError, dequantize_tensor, open_gguf
 from ktquest.models.loader import read_gguf, unpermute_qk
 
 Q = gguf.GGMLQuantizationType
@@ -276,3 +278,119 @@ def test_unreadable_tensor_type_fails_on_access(tmp_path):
     c = read_gguf(path)
     with pytest.raises(GGUFError, match=r"'odd.weight' has type Q8_1"):
         c.tensors["odd.weight"]
+
+
+# ---- a bounded reader: counts and lengths checked against the bytes left ----
+
+
+METADATA_KINDS = {  # key -> (value, GGUFWriter method): every value type, arrays of each, an array of arrays
+    "t.u8": (200, "add_uint8"), "t.i8": (-5, "add_int8"), "t.u16": (60000, "add_uint16"),
+    "t.i16": (-300, "add_int16"), "t.u32": (4_000_000_000, "add_uint32"), "t.i32": (-7, "add_int32"),
+    "t.u64": (2**63 + 5, "add_uint64"), "t.i64": (-(2**40), "add_int64"), "t.f32": (0.5, "add_float32"),
+    "t.f64": (1e300, "add_float64"), "t.bool": (True, "add_bool"), "t.str": ("héllo", "add_string"),
+    "t.empty_str": ("", "add_string"), "t.ints": ([1, 2, 3], "add_array"), "t.floats": ([0.25, -1.5], "add_array"),
+    "t.strs": (["a", "", "ünï"], "add_array"), "t.bools": ([True, False], "add_array"),
+    "t.nested": ([[1, 2], [3]], "add_array"),
+}
+
+
+def _write_small(path: Path, metadata: dict, endianess=gguf.GGUFEndian.LITTLE,
+                 tensors: dict | None = None) -> Path:
+    w = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    for key, (value, method) in metadata.items():
+        getattr(w, method)(key, value)
+    for name, t in (tensors if tensors is not None else {"w": np.ones((2, 32), np.float32)}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["le", "be"])
+def test_metadata_is_what_the_stock_reader_reads(tmp_path, endianess):
+    path = _write_small(tmp_path / "kinds.gguf", METADATA_KINDS, endianess)
+    stock = gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in stock.fields.items() if not k.startswith("GGUF.")}
+    md = open_gguf(path).metadata
+    assert md == expected
+    assert md["t.strs"] == ["a", "", "ünï"] and md["t.u64"] == 2**63 + 5 and md["t.ints"] == [1, 2, 3]
+
+
+def _key_offset(data: bytes, key: str) -> int:
+    """Where the value type of metadata ``key`` starts (little-endian files)."""
+    k = key.encode()
+    return data.index(struct.pack("<Q", len(k)) + k) + 8 + len(k)
+
+
+def _patched(tmp_path: Path, data: bytes, at: int, fmt: str, value: int) -> Path:
+    b = bytearray(data)
+    struct.pack_into(fmt, b, at, value)
+    path = tmp_path / "patched.gguf"
+    path.write_bytes(bytes(b))
+    return path
+
+
+def _assert_open_error(path: Path, *fragments: str) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(GGUFError) as info:
+        open_gguf(path)
+    msg = str(info.value)
+    assert time.perf_counter() - t0 < 2 and "\n" not in msg, msg
+    assert all(f in msg for f in (str(path), *fragments)), msg
+
+
+@pytest.mark.parametrize("key", ["t.ints", "t.strs", "t.bools", "t.nested"])
+@pytest.mark.parametrize("count", [2**33, 2**64 - 1, 10**6])
+def test_array_count_past_the_end_names_the_key(tmp_path, key, count):
+    data = _write_small(tmp_path / "a.gguf", METADATA_KINDS).read_bytes()
+    path = _patched(tmp_path, data, _key_offset(data, key) + 8, "<Q", count)  # type u32, item type u32, count
+    _assert_open_error(path, f"metadata key {key!r}", f"the array's length is {count}", "bytes")
+
+
+@pytest.mark.parametrize("key", ["t.str", "general.architecture"])
+def test_string_length_past_the_end(tmp_path, key):
+    data = _write_small(tmp_path / "a.gguf", METADATA_KINDS).read_bytes()
+    path = _patched(tmp_path, data, _key_offset(data, key) + 4, "<Q", 2**62)
+    _assert_open_error(path, "truncated or corrupt", "past the end of the file")
+
+
+def test_string_in_an_array_past_the_end(tmp_path):
+    data = _write_small(tmp_path / "a.gguf", METADATA_KINDS).read_bytes()
+    path = _patched(tmp_path, data, _key_offset(data, "t.strs") + 16, "<Q", 2**40)  # the first string's length
+    _assert_open_error(path, "metadata key 't.strs'", "string 0 of the array runs past the end")
+
+
+def test_arrays_nested_too_deep(tmp_path):
+    path = _write_small(tmp_path / "deep.gguf", {"t.deep": ([[[1]]], "add_array")})
+    _assert_open_error(path, "metadata key 't.deep'", "nested more than 2 deep")
+
+
+@pytest.mark.parametrize("field, at, fmt, value, needle", [
+    ("tensor count", 8, "<Q", 2**40, "the tensor count is 1099511627776"),
+    ("kv count", 16, "<Q", 2**40, "the metadata count (kv_count) is 1099511627776"),
+])
+def test_header_counts_past_the_end(tmp_path, field, at, fmt, value, needle):
+    data = _write_small(tmp_path / "a.gguf", {}).read_bytes()
+    _assert_open_error(_patched(tmp_path, data, at, fmt, value), needle)
+
+
+def _tensor_info_offset(data: bytes, name: str) -> int:
+    """Where tensor ``name``'s n_dims field starts."""
+    n = name.encode()
+    return data.index(struct.pack("<Q", len(n)) + n) + 8 + len(n)
+
+
+@pytest.mark.parametrize("at, fmt, value, needle", [
+    (0, "<I", 9, "tensor 'w' has 9 dimensions"),
+    (0, "<I", 0, "tensor 'w' has 0 dimensions"),
+    (4, "<Q", 2**62, "tensor 'w' ends at byte"),  # dims[0] (its overflowing product once wrapped to a small number)
+    (12, "<Q", 2**62 + 1, "tensor 'w' ends at byte"),
+    (12, "<Q", 0, "tensor 'w' has shape [32, 0]"),
+    (20, "<I", 1000, "tensor 'w' has an unknown type 1000"),
+    (24, "<Q", 2**50, "tensor 'w' ends at byte"),  # its data offset
+])
+def test_tensor_info_out_of_range_names_the_tensor(tmp_path, at, fmt, value, needle):
+    data = _write_small(tmp_path / "a.gguf", {}).read_bytes()
+    _assert_open_error(_patched(tmp_path, data, _tensor_info_offset(data, "w") + at, fmt, value), needle)

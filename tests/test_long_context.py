@@ -207,6 +207,16 @@ def test_device_kv_bytes_do_not_grow_with_the_prompt():
         assert peaks[1] < peaks[0] * 1.5
 
 
+def test_a_chunk_larger_than_the_context_does_not_size_the_window():
+    """No pass is longer than max_seq_len: chunk_size 16384 with max_seq_len 256 is a chunk of 256."""
+    cfg = dataclasses.replace(sparse_cfg(), chunk_size=16384)
+    cache = LongContextCache(ARGS, cfg, 256)
+    assert cache.chunk_size == 256 and cache.win_k.shape[2] == 8 + 16 + 8 + 256  # init + local + block + chunk
+    q, k, v = qkv(N=256)
+    run(cache, q, k, v, 256, 250, n_layers=3)  # a 250-token pass in one chunk, then decode to the end
+    assert cache.pos == 256
+
+
 # ---- errors ----
 
 

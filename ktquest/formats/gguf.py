@@ -7,7 +7,9 @@ format only: what the tensors and keys mean to a model is ``ktquest.models``' bu
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,17 +113,128 @@ def _field_value(field: Any) -> Any:
     return value
 
 
-class _Reader(gguf.GGUFReader):
-    """``GGUFReader`` parsing a plain ndarray view of its memory map.
+_VT = gguf.GGUFValueType
+_MAX_ARRAY_DEPTH = 2  # an array of arrays at most (llama.cpp's files have none)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+# The fewest bytes a value of each type takes: what a count must be checked against before it is looped over.
+_ARRAY, _STRING = int(_VT.ARRAY), int(_VT.STRING)  # ints: comparing with enum members is slow in the loop
+_MIN_BYTES = {**{int(t): np.dtype(dt).itemsize for t, dt in gguf.GGUFReader.gguf_scalar_to_np.items()},
+              _STRING: 8, _ARRAY: 12}
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a 1-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 
-    The reader slices its ``np.memmap`` once per metadata value (~250k times for a 49K-token vocabulary
-    with its merges) and numpy's memmap subclass makes each slice several times slower: 2x on the whole load.
+
+class _Corrupt(ValueError):
+    """A count, length or offset in the file points past its end, or a structure nests too deep."""
+
+
+class _Reader(gguf.GGUFReader):
+    """``GGUFReader`` bounded by the file: every count and length is checked against the bytes left before
+    anything is looped over or allocated, so a corrupt header fails at once (an array count of 2**33 in a
+    1 KB file made the stock reader loop for minutes at 7 GB), naming the key or tensor. Work and memory
+    stay linear in the file's size.
+
+    It also parses a plain ndarray view of its memory map: the reader slices its ``np.memmap`` once per
+    metadata value (~250k times for a 49K-token vocabulary with its merges) and numpy's memmap subclass
+    makes each slice several times slower, 2x on the whole load. An array of numbers is one view of the
+    map (one part, not one per element), which ``ReaderField.contents()`` reads the same way.
     """
+
+    _depth = 0  # arrays being parsed, outermost first
+    _last_str: tuple[int, Any] = (-1, b"")  # the last string read: (its end offset, its bytes)
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         if type(self.data) is np.memmap:
             self.data = self.data.view(np.ndarray)  # keeps the mapping alive through .base
+        count = int(count)
+        end = offset + np.dtype(dtype).itemsize * count
+        if end > len(self.data):
+            raise _Corrupt(f"{count} value(s) of {np.dtype(dtype).name} at byte {offset} end at byte {end}, "
+                           f"past the end of the file ({len(self.data)} bytes)")
         return super()._get(offset, dtype, count, override_order)
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        length, data = super()._get_str(offset)
+        self._last_str = (offset + 8 + len(data), data)
+        return length, data
+
+    def _check_count(self, what: str, count: int, offset: int, min_bytes: int) -> None:
+        left = len(self.data) - offset
+        if count * min_bytes > left:
+            raise _Corrupt(f"{what} is {count}, which needs at least {count * min_bytes} bytes, and only "
+                           f"{left} are left in the file")
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        self._check_count("the metadata count (kv_count)", int(count), offs, _MIN_KV_BYTES)
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:
+        self._check_count("the tensor count", int(count), offs, _MIN_TENSOR_INFO_BYTES)
+        return super()._build_tensor_info(offs, count)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+        if self._depth > 0:
+            return self._value_parts(orig_offs, raw_type)
+        end, key = self._last_str  # a metadata value follows its key and its type (4 bytes)
+        name = str(bytes(key), "utf-8", "replace") if end + 4 == orig_offs else "?"
+        try:
+            return self._value_parts(orig_offs, raw_type)
+        except _Corrupt as e:
+            raise _Corrupt(f"metadata key {name[:80]!r}: {e}") from None
+
+    def _value_parts(self, offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+        if raw_type != _ARRAY:
+            return super()._get_field_parts(offs, raw_type)
+        if self._depth >= _MAX_ARRAY_DEPTH:
+            raise _Corrupt(f"arrays nested more than {_MAX_ARRAY_DEPTH} deep")
+        raw_itype, count = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
+        itype, n = int(raw_itype[0]), int(count[0])
+        if itype not in _MIN_BYTES:
+            raise _Corrupt(f"unknown array element type {itype}")
+        self._check_count("the array's length", n, offs + 12, _MIN_BYTES[itype])
+        types = [_VT.ARRAY, _VT(itype)]
+        np_type = self.gguf_scalar_to_np.get(_VT(itype))
+        if np_type is not None:  # numbers: one view of the map
+            values = self._get(offs + 12, np_type, n)
+            return 12 + int(values.nbytes), [raw_itype, count, values], [2], types
+        if itype == _STRING:  # the stock reader's parts (length, bytes) per string, sliced here directly
+            data, size = self.data, len(self.data)
+            order = sys.byteorder if self.byte_order == "I" else {"little": "big", "big": "little"}[sys.byteorder]
+            parts: list = [raw_itype, count]
+            o = offs + 12
+            for _ in range(n):
+                k = int.from_bytes(data[o: o + 8], order) if o + 8 <= size else -1
+                if k < 0 or o + 8 + k > size:
+                    raise _Corrupt(f"string {len(parts) // 2 - 1} of the array runs past the end of the file")
+                parts += (data[o: o + 8], data[o + 8: o + 8 + k])
+                o += 8 + k
+            return o - offs, parts, list(range(3, len(parts), 2)), types
+        self._depth += 1
+        try:
+            return super()._get_field_parts(offs, raw_type)
+        finally:
+            self._depth -= 1
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:  # what the stock reader would compute for each tensor, checked first
+            _, name, n_dims, dims, raw_dtype, offset = field.parts
+            what = f"tensor {str(bytes(name), 'utf-8', 'replace')[:80]!r}"
+            if not 1 <= int(n_dims[0]) <= _MAX_DIMS:
+                raise _Corrupt(f"{what} has {int(n_dims[0])} dimensions (1 to {_MAX_DIMS} are allowed)")
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+            except (ValueError, KeyError):
+                raise _Corrupt(f"{what} has an unknown type {int(raw_dtype[0])}") from None
+            shape = [int(d) for d in dims]
+            n = math.prod(shape)
+            if min(shape) < 1 or n % block or int(dims[0]) % block:
+                raise _Corrupt(f"{what} has shape {shape}, which is not whole blocks of {block} values")
+            begin = start_offs + int(offset[0])
+            end = begin + n // block * type_size
+            if end > len(self.data):
+                raise _Corrupt(f"{what} ends at byte {end}, the file has "
+                               f"{len(self.data)} bytes")
+        super()._build_tensors(start_offs, fields)
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:
@@ -132,15 +245,11 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = _Reader(path)
+        return _Reader(path)
+    except _Corrupt as e:
+        raise GGUFError(f"{path}: truncated or corrupt GGUF file: {e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as e:
         raise GGUFError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise GGUFError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte "
-                            f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
-    return reader
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ktquest.kv.attention import dense_decode_attention
+from ktquest.kv.memory import check_dense_fits
 
 
 class DenseKVCache:
@@ -24,6 +25,7 @@ class DenseKVCache:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, threads: int = 1):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
+        check_dense_fits(n_layers, n_kv_heads, head_dim, max_seq_len, torch.device(device), dtype)
         self.n_layers, self.max_seq_len = n_layers, max_seq_len
         shape = (n_layers, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, S, D]

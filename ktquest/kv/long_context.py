@@ -33,11 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ktquest import _C
 from ktquest.config import Config, ConfigError
 from ktquest.kv.attention import merge_attention
 from ktquest.kv.base import TokenPlan
-from ktquest.kv.memory import check_store_fits
+from ktquest.kv.memory import check_kv_type, check_store_fits
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
 from ktquest.kv.store import KVStore
 
@@ -71,10 +70,7 @@ class LongContextCache:
         self.n_layers, self.max_seq_len = args.n_layers, max_seq_len
         self.H, self.KVH, self.D = args.n_heads, args.n_kv_heads, args.head_dim
         self.G = self.H // self.KVH
-        if lc.kv_type in ("Q8_0", "Q4_0") and self.D % _C.Q8_GROUP:
-            raise ConfigError(f"long_context.kv_type={lc.kv_type!r} is not allowed for this model: it quantises "
-                              f"groups of {_C.Q8_GROUP} along head_dim, and head_dim is {self.D}; use FP16, BF16 "
-                              f"or FP32")
+        check_kv_type(lc, self.D)
         if lc.init_windows_len + lc.local_windows_len > max_seq_len:
             raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
                               f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
@@ -83,8 +79,9 @@ class LongContextCache:
         self.bs = lc.block_size
         self.ib = -(-lc.init_windows_len // self.bs)  # init window blocks
         self.init_end = self.ib * self.bs
-        self.chunk_size = cfg.chunk_size
-        self.cap = lc.local_windows_len + self.bs + cfg.chunk_size  # local buffer capacity, tokens
+        # No pass is longer than the cache: a chunk_size past max_seq_len must not size the window buffer
+        self.chunk_size = min(cfg.chunk_size, max_seq_len)
+        self.cap = lc.local_windows_len + self.bs + self.chunk_size  # local buffer capacity, tokens
         threads = lc.threads_num or cfg.resolved_threads()
         try:  # the RAM check passed, yet the reservation can still fail (strict overcommit, address space)
             self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,

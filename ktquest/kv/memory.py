@@ -1,12 +1,14 @@
-"""How many bytes a long_context store needs, and the check that refuses a ``max_seq_len`` whose store
-would not fit in RAM before anything is allocated."""
+"""How many bytes a KV cache needs (a long_context store, a dense cache), and the checks that refuse a
+``max_seq_len`` whose cache would not fit before anything is allocated."""
 
 from __future__ import annotations
 
 import os
 
+import torch
+
 from ktquest import _C
-from ktquest.config import ConfigError, LongContextConfig
+from ktquest.config import Config, ConfigError, LongContextConfig
 
 
 def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int) -> int:
@@ -51,3 +53,48 @@ def check_store_fits(lc: LongContextConfig, args, max_seq_len: int) -> None:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the {lc.kv_type} KV store would need "
                           f"{need / 2**30:.2f} GiB and {have / 2**30:.2f} GiB of RAM is available; lower "
                           f"max_seq_len or pick a smaller kv_type (Q8_0, Q4_0)")
+
+
+def dense_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype) -> int:
+    """Bytes of a dense KV cache: K and V of every position of every layer in ``dtype``."""
+    return 2 * n_layers * n_kv_heads * max_seq_len * head_dim * dtype.itemsize
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes a new tensor on ``device`` can take, and how to name them in a message."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"is free on {device}"
+    return available_ram(), "of RAM is available"
+
+
+def check_dense_fits(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int, device: torch.device,
+                     dtype: torch.dtype) -> None:
+    """ConfigError (with the figure) when a dense KV cache for ``max_seq_len`` would not fit on ``device``."""
+    need = dense_bytes(n_layers, n_kv_heads, head_dim, max_seq_len, dtype)
+    have, where = available_memory(torch.device(device))
+    if need > have:
+        raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the dense KV cache would need "
+                          f"{_size(need)} (K and V, {n_layers} layers x {n_kv_heads} KV heads x {head_dim} x "
+                          f"{max_seq_len} tokens in {str(dtype).removeprefix('torch.')}) and {_size(have)} "
+                          f"{where}; lower max_seq_len or use mode long_context")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_kv_type(lc: LongContextConfig, head_dim: int) -> None:
+    """ConfigError unless the store's ``kv_type`` holds rows of ``head_dim`` (Q8_0/Q4_0: whole groups)."""
+    if lc.kv_type in ("Q8_0", "Q4_0") and head_dim % _C.Q8_GROUP:
+        raise ConfigError(f"long_context.kv_type={lc.kv_type!r} is not allowed for this model: it quantises "
+                          f"groups of {_C.Q8_GROUP} along head_dim, and head_dim is {head_dim}; use FP16, BF16 "
+                          f"or FP32")
+
+
+def check_cache_fits(config: Config, args, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    """The fit check of ``config.mode``'s KV cache for ``max_seq_len`` tokens, before anything is allocated."""
+    if config.mode == "long_context":
+        check_kv_type(config.long_context, args.head_dim)  # (the store's layout needs it to count its bytes)
+        check_store_fits(config.long_context, args, max_seq_len)
+    else:
+        check_dense_fits(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)

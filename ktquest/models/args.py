@@ -4,10 +4,15 @@ name or a config, and a missing or inconsistent key is a ``GGUFError`` naming th
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
+from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFFile, GGUFTensors
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -57,81 +62,203 @@ class ModelArgs:
     tie_embeddings: bool
 
 
-def _rope_scaling(path: Path, md: dict[str, Any], arch: str, tensors: GGUFTensors,
-                  head_dim: int) -> RopeScaling | None:
-    kind = md.get(f"{arch}.rope.scaling.type", "none")
+def _rope_scaling(m: _Metadata, arch: str, tensors: GGUFTensors, head_dim: int) -> RopeScaling | None:
+    path = m.path
+    kind = m.string(f"{arch}.rope.scaling.type", "none")
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         n = math.prod(tensors.shape("rope_freqs.weight"))
         if n != head_dim // 2:
             raise GGUFError(f"{path}: tensor 'rope_freqs.weight' has {n} values, "
                             f"expected head_dim/2 = {head_dim // 2}")
-        freq_factors = tuple(float(x) for x in tensors["rope_freqs.weight"].reshape(-1))
+        freqs = tensors["rope_freqs.weight"].reshape(-1)
+        if not (np.isfinite(freqs).all() and (freqs > 0).all()):
+            raise GGUFError(f"{path}: tensor 'rope_freqs.weight' holds {show(freqs.tolist())}: its values "
+                            f"divide the RoPE frequencies and must be finite numbers > 0")
+        freq_factors = tuple(float(x) for x in freqs)
     if kind == "none" and freq_factors is None:
         return None
     if kind not in ("none", "linear", "yarn"):
-        raise GGUFError(f"{path}: unsupported {arch}.rope.scaling.type {kind!r} "
+        raise GGUFError(f"{path}: unsupported {arch}.rope.scaling.type {show(kind)} "
                         f"(supported: none, linear, yarn, and llama3-style rope_freqs.weight)")
-    factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0))
-    if kind != "none" and factor <= 0:
-        raise GGUFError(f"{path}: {arch}.rope.scaling.factor={factor} must be > 0")
+    p = f"{arch}.rope.scaling."
     return RopeScaling(
         type="llama3" if kind == "none" else kind,
-        factor=factor,
-        original_context_length=int(md.get(f"{arch}.rope.scaling.original_context_length", 0)),
-        beta_fast=float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-        beta_slow=float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-        attn_factor=float(md.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+        factor=m.number(p + "factor", 0.0, default=1.0),
+        original_context_length=m.integer(p + "original_context_length", 0, default=0),
+        beta_fast=m.number(p + "yarn_beta_fast", 0.0, default=32.0),
+        beta_slow=m.number(p + "yarn_beta_slow", 0.0, default=1.0),
+        attn_factor=m.number(p + "attn_factor", 0.0, default=1.0),
         freq_factors=freq_factors,
     )
 
 
-def model_args(f: GGUFFile) -> ModelArgs:
-    """The hyper-parameters of the model in ``f``, from its metadata (and the tensors a key may be missing for)."""
-    path, md, tensors = f.path, f.metadata, f.tensors
+DEFAULT_MAX_SEQ_LEN = 32768  # max_seq_len 0: the trained context, but at most this many tokens
 
-    def need(key: str) -> Any:
-        if key not in md:
-            raise GGUFError(f"{path}: missing required metadata key {key!r}")
-        value = md[key]
+
+def resolve_max_seq_len(args: ModelArgs, max_seq_len: int) -> int:
+    """The KV capacity in tokens: ``max_seq_len``, or for 0 the model's trained context length capped at
+    ``DEFAULT_MAX_SEQ_LEN`` (a file that says 1M tokens must not make the default reserve 1M)."""
+    return max_seq_len or min(args.context_length, DEFAULT_MAX_SEQ_LEN)
+
+
+_REQUIRED = object()
+_INT_MAX = 2**31 - 1  # sizes reach the kernels as 32-bit ints
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+class _Metadata:
+    """Typed, range-checked reads of a file's metadata: each failure a ``GGUFError`` naming the file, the key,
+    the value and what is allowed."""
+
+    def __init__(self, path: Path, md: dict[str, Any]):
+        self.path, self.md = path, md
+
+    def error(self, key: str, value: Any, allowed: str) -> GGUFError:
+        return GGUFError(f"{self.path}: {key}={show(value)} is not allowed: {allowed}")
+
+    def value(self, key: str, default: Any = _REQUIRED) -> Any:
+        if key not in self.md:
+            if default is _REQUIRED:
+                raise GGUFError(f"{self.path}: missing required metadata key {key!r}")
+            return default
+        value = self.md[key]
         if isinstance(value, list):
-            raise GGUFError(f"{path}: metadata key {key!r} is a per-layer list {value[:4]}..., "
-                            f"only a single value is supported")
+            raise self.error(key, value, "a single value (lists, such as per-layer values, are not supported)")
         return value
 
-    arch = need("general.architecture")
+    def integer(self, key: str, lo: int, hi: int = _INT_MAX, default: Any = _REQUIRED) -> int:
+        value = self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise self.error(key, value, f"an integer in [{lo}, {hi}]")
+        return value
+
+    def number(self, key: str, above: float, default: Any = _REQUIRED, why: str = "") -> float:
+        """A finite number > ``above``."""
+        value = self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not value > above:
+            raise self.error(key, value, f"a finite number > {above:g}{why}")
+        return float(value)
+
+    def array(self, key: str, ok: Callable[[Any], bool], allowed: str) -> list:
+        """The list at ``key``, each of its items ``ok``."""
+        value = self.md[key]
+        if not isinstance(value, list):
+            raise self.error(key, value, allowed)
+        for i, item in enumerate(value):
+            if not ok(item):
+                raise GGUFError(f"{self.path}: {key}[{i}]={show(item)} is not allowed: {key} is {allowed}")
+        return value
+
+    def string(self, key: str, default: Any = _REQUIRED) -> str:
+        value = self.value(key, default)
+        if not isinstance(value, str):
+            raise self.error(key, value, "a string")
+        return value
+
+
+# The tokenizer's keys besides the token lists and ids (ktquest.formats.tokenizer reads them), by type
+_TOKENIZER_STRINGS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
+_TOKENIZER_FLAGS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+                    "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces")
+
+
+def _check_tokenizer(m: _Metadata, vocab_size: int) -> None:
+    """The tokenizer's keys have their types, its lists match the model's vocabulary, its merges join tokens
+    of it, and its special token ids are in it (checked here, so the tokenizer libraries only ever see
+    well-formed input)."""
+    for key in _TOKENIZER_STRINGS:
+        if key in m.md:
+            m.string(key)
+    for key in _TOKENIZER_FLAGS:
+        if key in m.md and not isinstance(m.md[key], bool):
+            raise m.error(key, m.md[key], "true or false")
+    tokens = m.md.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        m.array("tokenizer.ggml.tokens", lambda t: isinstance(t, str), "a list of strings")
+        if len(tokens) != vocab_size:
+            raise GGUFError(f"{m.path}: tokenizer.ggml.tokens has {len(tokens)} tokens, but the model's "
+                            f"vocabulary (token_embd.weight's rows) is {vocab_size}; they must be equal")
+        for key, ok, what in (("tokenizer.ggml.token_type", _is_int, "a list of integers"),
+                              ("tokenizer.ggml.scores", _is_finite, "a list of finite numbers")):
+            if key in m.md:
+                values = m.array(key, ok, what)
+                if len(values) != len(tokens):
+                    raise GGUFError(f"{m.path}: {key} has {len(values)} entries; expected one per token "
+                                    f"({len(tokens)})")
+        if "tokenizer.ggml.merges" in m.md:
+            vocab = set(tokens)
+            for i, merge in enumerate(m.array("tokenizer.ggml.merges", lambda t: isinstance(t, str),
+                                              "a list of strings")):
+                left, _, right = merge.partition(" ")
+                if not (left in vocab and right in vocab and left + right in vocab):
+                    raise GGUFError(f"{m.path}: tokenizer.ggml.merges[{i}]={show(merge)} is not allowed: "
+                                    f"'left right', where left, right and left+right are tokens")
+    for key in sorted(k for k in m.md if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
+        m.integer(key, 0, vocab_size - 1)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def model_args(f: GGUFFile) -> ModelArgs:
+    """The hyper-parameters of the model in ``f``, from its metadata (and the tensors a key may be missing
+    for), each checked against what the model code can run."""
+    path, tensors = f.path, f.tensors
+    m = _Metadata(path, f.metadata)
+    arch = m.string("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(f"{path}: unsupported architecture {arch!r} "
+        raise GGUFError(f"{path}: unsupported architecture {show(arch)} "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    dim = int(need(f"{arch}.embedding_length"))
-    n_heads = int(need(f"{arch}.attention.head_count"))
-    n_kv_heads = int(md.get(f"{arch}.attention.head_count_kv", n_heads))
-    head_dim = int(md.get(f"{arch}.attention.key_length", dim // n_heads))
-    if int(md.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
-        raise GGUFError(f"{path}: attention.value_length differs from key_length ({head_dim}); not supported")
+    dim = m.integer(f"{arch}.embedding_length", 1)
+    n_heads = m.integer(f"{arch}.attention.head_count", 1)
+    n_kv_heads = m.integer(f"{arch}.attention.head_count_kv", 1, n_heads, default=n_heads)
     if n_heads % n_kv_heads != 0:
-        raise GGUFError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}")
-    rope_dim = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+        raise GGUFError(f"{path}: {arch}.attention.head_count={n_heads} is not a multiple of "
+                        f"{arch}.attention.head_count_kv={n_kv_heads}")
+    # rotate-half RoPE pairs dim i with dim i + D/2: D even
+    head_dim = m.integer(f"{arch}.attention.key_length", 2, default=dim // n_heads)
+    if head_dim % 2:
+        raise m.error(f"{arch}.attention.key_length", head_dim, "an even head_dim (RoPE rotates pairs of dims)")
+    if m.integer(f"{arch}.attention.value_length", 1, default=head_dim) != head_dim:
+        raise GGUFError(f"{path}: attention.value_length differs from key_length ({head_dim}); not supported")
+    rope_dim = m.integer(f"{arch}.rope.dimension_count", 1, default=head_dim)
     if rope_dim != head_dim:
         raise GGUFError(f"{path}: {arch}.rope.dimension_count={rope_dim} differs from head_dim {head_dim} "
                         f"(partial rotary embeddings are not supported)")
     embd = MODEL_TENSORS["tok_embeddings"]
     if embd not in tensors:
         raise GGUFError(f"{path}: missing tensor {embd!r}")
-    vocab_size = int(md.get(f"{arch}.vocab_size", tensors.shape(embd)[0]))
+    vocab_size = m.integer(f"{arch}.vocab_size", 1, default=tensors.shape(embd)[0])
+    _check_tokenizer(m, vocab_size)
+    # The blocks are counted from the tensors: a block_count below them would drop layers silently, and the
+    # shape checks of read_gguf loop over block_count.
+    n_blocks = max((int(b.group(1)) for b in map(_BLOCK.match, tensors) if b), default=-1) + 1
+    n_layers = m.integer(f"{arch}.block_count", 1)
+    if n_layers != n_blocks:
+        raise m.error(f"{arch}.block_count", n_layers, f"the number of blocks the file has tensors for "
+                      f"({n_blocks}: blk.0 to blk.{n_blocks - 1})" if n_blocks else
+                      "the number of blocks the file has tensors for, and it has none (no blk.* tensors)")
     return ModelArgs(
         arch=arch,
-        n_layers=int(need(f"{arch}.block_count")),
+        n_layers=n_layers,
         dim=dim,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn_dim=int(need(f"{arch}.feed_forward_length")),
+        ffn_dim=m.integer(f"{arch}.feed_forward_length", 1),
         vocab_size=vocab_size,
-        norm_eps=float(need(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),  # llama.cpp's default when absent
-        context_length=int(need(f"{arch}.context_length")),
-        rope_scaling=_rope_scaling(path, md, arch, tensors, head_dim),
+        norm_eps=m.number(f"{arch}.attention.layer_norm_rms_epsilon", 0.0),
+        # llama.cpp's default when absent; the inverse frequencies are base^(-2i/head_dim)
+        rope_theta=m.number(f"{arch}.rope.freq_base", 1.0, default=10000.0),
+        context_length=m.integer(f"{arch}.context_length", 1),
+        rope_scaling=_rope_scaling(m, arch, tensors, head_dim),
         # qwen2 always has Q/K/V biases; a llama file may carry them too.
         qkv_bias=arch == "qwen2" or f"blk.0.{BIAS_TENSORS['bq']}" in tensors,
         tie_embeddings=MODEL_TENSORS["output"] not in tensors,

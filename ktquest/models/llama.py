@@ -20,7 +20,7 @@ from torch import nn
 
 from ktquest.kv.base import KVCache
 from ktquest.layers.linear import Linear
-from ktquest.models.args import ModelArgs
+from ktquest.models.args import ModelArgs, resolve_max_seq_len
 from ktquest.models.rope import apply_rope, rope_tables
 
 
@@ -125,7 +125,7 @@ class Transformer(nn.Module):
         # Tied: the embedding table and the LM head are one tensor.
         self.tok_embeddings = self.output.weight if tied else \
             nn.Parameter(weights.tok_embeddings, requires_grad=False)  # [V, dim]
-        self.max_seq_len = max_seq_len or args.context_length
+        self.max_seq_len = resolve_max_seq_len(args, max_seq_len)
         emb = self.tok_embeddings
         cos, sin = rope_tables(args, self.max_seq_len, emb.dtype, emb.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [S, D]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.models.args import BIAS_TENSORS, BLOCK_TENSORS, MODEL_TENSORS, ModelArgs, model_args
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
@@ -87,6 +88,20 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).copy()
 
 
+def _check_finite(path: Path, name: str, w: np.ndarray, dtype: torch.dtype) -> None:
+    """GGUFError unless every weight of ``w`` is finite in ``dtype``: one NaN or inf weight makes every q/k it
+    reaches non-finite, and the reply NaN or silently empty."""
+    ends = (w.min(), w.max())  # NaN reaches both, +-inf one: a read of the array, no copy
+    if torch.isfinite(torch.tensor(ends, dtype=torch.float64).to(dtype)).all():  # rounded as the weights will be
+        return
+    bad = ~np.isfinite(w)
+    if bad.any():
+        raise GGUFError(f"{path}: tensor {name!r} holds {int(bad.sum())} non-finite values "
+                        f"({show(sorted({str(x) for x in w[bad][:1000]}))}); a model's weights must be finite")
+    raise GGUFError(f"{path}: tensor {name!r} holds values up to {float(np.abs(w).max()):.4g}, past the range "
+                    f"of {str(dtype).removeprefix('torch.')}; load it with dtype float32 or bfloat16")
+
+
 def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu") -> TransformerWeights:
     """The model's tensors from the file, dequantized to ``dtype`` on ``device``, in the Hugging Face layout
@@ -97,6 +112,7 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
         w = src[name].reshape(src.shape(name))
         if a.arch == "llama" and n_heads:
             w = unpermute_qk(w, n_heads)
+        _check_finite(contents.path, name, w, dtype)
         return torch.from_numpy(w).to(device=device, dtype=dtype)
 
     heads = {"wq": a.n_heads, "wk": a.n_kv_heads, "bq": a.n_heads, "bk": a.n_kv_heads}
@@ -113,7 +129,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int = 0) -> tuple[Transformer, GGUFContents]:
     """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
 
-    max_seq_len: positions the RoPE tables cover; 0 = the trained context length.
+    max_seq_len: positions the RoPE tables cover; 0 = the trained context length (``resolve_max_seq_len``).
     """
     contents = read_gguf(path)
     return build_model(contents, device, dtype, max_seq_len), contents
@@ -122,5 +138,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 max_seq_len: int = 0) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
-    ``max_seq_len`` positions; 0 = the trained context length)."""
+    ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``)."""
     return Transformer(contents.args, model_weights(contents, dtype, device), max_seq_len=max_seq_len).eval()

@@ -8,6 +8,8 @@ import torch
 
 from ktquest.models.args import ModelArgs
 
+_ROPE_CHUNK = 8192  # positions whose float64 angles are computed at once
+
 
 def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] (float64) after rope scaling, and the cos/sin multiplier (yarn's mscale)."""
@@ -40,14 +42,20 @@ def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,
                 device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_len, D], angles computed in float64 (fp32 angles drift by ~1e-3 rad at 8K positions).
 
-    sin carries rotate-half's sign: ``rotate_half(x) * sin_full == roll(x, D/2) * sin``.
+    sin carries rotate-half's sign: ``rotate_half(x) * sin_full == roll(x, D/2) * sin``. The float64 angles
+    are made ``_ROPE_CHUNK`` positions at a time, so the tables are all the memory a long context costs here.
     """
     inv_freq, mscale = rope_frequencies(args)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # [S, D/2]
-    cos, sin = angles.cos() * mscale, angles.sin() * mscale
-    cos = torch.cat([cos, cos], dim=-1)  # [S, D]
-    sin = torch.cat([-sin, sin], dim=-1)  # [S, D]
-    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+    half = inv_freq.shape[0]
+    cos = torch.empty(max_len, 2 * half, dtype=dtype, device=device)  # [S, D]
+    sin = torch.empty(max_len, 2 * half, dtype=dtype, device=device)  # [S, D]
+    for p0 in range(0, max_len, _ROPE_CHUNK):
+        p1 = min(p0 + _ROPE_CHUNK, max_len)
+        angles = torch.outer(torch.arange(p0, p1, dtype=torch.float64), inv_freq)  # [n, D/2]
+        c, s = angles.cos() * mscale, angles.sin() * mscale
+        cos[p0:p1] = torch.cat([c, c], dim=-1)  # rounded to dtype by the copy
+        sin[p0:p1] = torch.cat([-s, s], dim=-1)
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
