@@ -110,7 +110,7 @@ def _assert_error(path: Path, *fragments: str) -> None:
     ({"tokenizer.ggml.eos_token_id": -1}, ["tokenizer.ggml.eos_token_id=-1", "[0, 319]"]),
     ({"tokenizer.ggml.eos_token_id": "x"}, ["tokenizer.ggml.eos_token_id='x'", "an integer"]),
     ({"tokenizer.ggml.eot_token_id": 2.5}, ["tokenizer.ggml.eot_token_id=2.5", "an integer"]),
-    ({"tokenizer.ggml.padding_token_id": [1, 2]}, ["tokenizer.ggml.padding_token_id=[1, 2]", "a single value"]),
+    ({"tokenizer.ggml.unknown_token_id": 320}, ["tokenizer.ggml.unknown_token_id=320", "[0, 319]"]),
     ({"tokenizer.ggml.token_type": [1, 2, 3]}, ["tokenizer.ggml.token_type has 3 entries", "(320)"]),
     ({"tokenizer.ggml.tokens": ["a", "b"]}, ["tokenizer.ggml.tokens has 2 tokens", "is 320"]),
     ({"tokenizer.ggml.tokens": [1, 2]}, ["tokenizer.ggml.tokens[0]=1 is not allowed", "a list of strings"]),
@@ -154,6 +154,13 @@ def test_the_unchanged_parts_load(tmp_path, model_parts):
     md, tensors = model_parts
     a = read_gguf(write_model(tmp_path / "good.gguf", md, tensors)).args
     assert (a.n_layers, a.vocab_size, a.context_length) == (2, 320, 256)
+
+
+def test_special_ids_never_read_are_not_checked(tmp_path, model_parts):
+    """A padding id past the vocabulary (some converted files have one) loads, as in llama.cpp."""
+    md, tensors = model_parts
+    path = write_model(tmp_path / "pad.gguf", md, tensors, {"tokenizer.ggml.padding_token_id": 320})
+    assert read_gguf(path).args.vocab_size == 320
 
 
 # ---- the weights ----

@@ -195,8 +195,12 @@ def _check_tokenizer(m: _Metadata, vocab_size: int) -> None:
                 if not (left in vocab and right in vocab and left + right in vocab):
                     raise GGUFError(f"{m.path}: tokenizer.ggml.merges[{i}]={show(merge)} is not allowed: "
                                     f"'left right', where left, right and left+right are tokens")
-    for key in sorted(k for k in m.md if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
-        m.integer(key, 0, vocab_size - 1)
+    for name in _USED_TOKEN_IDS:  # others (padding, sep, ...) are never read: llama.cpp too only warns of them
+        if f"tokenizer.ggml.{name}_token_id" in m.md:
+            m.integer(f"tokenizer.ggml.{name}_token_id", 0, vocab_size - 1)
+
+
+_USED_TOKEN_IDS = ("bos", "eos", "eot", "eom", "unknown")  # the special ids formats/tokenizer.py reads
 
 
 def _is_int(x: Any) -> bool:
