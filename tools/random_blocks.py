@@ -40,8 +40,11 @@ def _half_bytes(x: np.ndarray) -> np.ndarray:
     return x.astype("<f2").view(np.uint8).reshape(*x.shape, 2)
 
 
-def _block_d(rng: np.random.Generator, n_blocks: int, base: float) -> np.ndarray:
-    return base * rng.uniform(1 - _JITTER, 1 + _JITTER, n_blocks)
+def _block_d(rng: np.random.Generator, n_blocks: int, base: float, signed: bool = False) -> np.ndarray:
+    """Block scales: ``base`` jittered; ``signed``: a random sign each, which centres the symmetric types
+    (their codes q - mid have mean -1/2, as llama.cpp's negative d for a block whose extreme is negative)."""
+    d = base * rng.uniform(1 - _JITTER, 1 + _JITTER, n_blocks)
+    return np.where(rng.integers(0, 2, n_blocks, dtype=np.uint8) == 1, -d, d) if signed else d
 
 
 def _int_scales(rng: np.random.Generator, shape: tuple[int, ...], lo: int, hi: int) -> tuple[np.ndarray, float]:
@@ -66,21 +69,21 @@ def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 def q8_0(rng, n: int, std: float) -> np.ndarray:
     """block_q8_0: d (fp16), qs int8[32]; w = d * q."""
     b = _payload(rng, n, 34)
-    b[:, 0:2] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(256) * _JITTER_RMS)))
+    b[:, 0:2] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(256) * _JITTER_RMS), signed=True))
     return b
 
 
 def q4_0(rng, n: int, std: float) -> np.ndarray:
     """block_q4_0: d (fp16), qs[16] nibbles; w = d * (q - 8)."""
     b = _payload(rng, n, 18)
-    b[:, 0:2] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(16) * _JITTER_RMS)))
+    b[:, 0:2] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(16) * _JITTER_RMS), signed=True))
     return b
 
 
 def q5_0(rng, n: int, std: float) -> np.ndarray:
     """block_q5_0: d (fp16), qh[4] fifth bits, qs[16] nibbles; w = d * (q - 16)."""
     b = _payload(rng, n, 22)
-    b[:, 0:2] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(32) * _JITTER_RMS)))
+    b[:, 0:2] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(32) * _JITTER_RMS), signed=True))
     return b
 
 
@@ -122,7 +125,8 @@ def q6_k(rng, n: int, std: float) -> np.ndarray:
     b = _payload(rng, n, 210)
     sc, sc_rms = _int_scales(rng, (n, 16), 64, 127)
     b[:, 192:208] = sc  # 64..127: the same bytes as int8
-    b[:, 208:210] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(64) * sc_rms * _JITTER_RMS)))
+    b[:, 208:210] = _half_bytes(_block_d(rng, n, std / (_uniform_q_std(64) * sc_rms * _JITTER_RMS),
+                                                   signed=True))
     return b
 
 
