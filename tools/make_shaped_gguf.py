@@ -43,7 +43,9 @@ Sources (Instruct configs; 0.5B/1.5B/7B/14B/7B-1M/Llama-3 through copies that na
   qwen2.5-14b-1m  huggingface.co/Qwen/Qwen2.5-14B-Instruct-1M/blob/d5c878c4e4970d754350de81bb78658bb2748dc4/config.json
   llama3-8b       huggingface.co/zakkosi/jhcode-meta-llama3_eng/blob/main/config.json (Meta-Llama-3-8B-Instruct)
 ``tiny`` is ours: small dims for tests, with an ``ffn`` that is not whole 256-blocks so ``ffn_down`` takes
-the fallback types; its vocabulary is the tokenizer's own.
+the fallback types; its vocabulary is the tokenizer's own. A check of the mix: the qwen2.5-7b file is
+4,681,224,608 bytes; the published Qwen2.5-7B-Instruct-Q4_K_M.gguf files are 4.68 GB
+(huggingface.co/bartowski/Qwen2.5-7B-Instruct-GGUF, lmstudio-community/Qwen2.5-7B-Instruct-GGUF).
 
 Examples:
 
