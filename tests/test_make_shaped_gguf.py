@@ -102,6 +102,9 @@ def test_tiny_shape_reads_back(shaped, tokenizer_gguf, tmp_path):
     assert t.shape("blk.0.attn_k.weight") == (128, 256) and t.shape("blk.0.attn_k.bias") == (128,)
     assert t.shape("blk.3.ffn_down.weight") == (256, 640) and t.shape("blk.3.ffn_up.weight") == (640, 256)
 
+    embd = t["token_embd.weight"]  # the padding tokens' rows are small (untrained)
+    assert 0.018 < float(embd[:320].std()) < 0.022 and float(embd[320:].std()) < 0.003
+
     for name in names:
         assert t.type_name(name) == _expected_type(name), name
         w = t[name]

@@ -15,7 +15,8 @@ llama.cpp's converter (convert_hf_to_gguf.py) and quantizer (llama-quantize) wou
 - metadata: the converter's keys for the architecture, ``general.file_type`` and
   ``general.quantization_version`` 2, and the tokenizer of ``--tokenizer`` (default: the bundled SmolLM2)
   with its token list padded to the model's vocabulary with ``[PAD<id>]`` tokens of type UNUSED, as the
-  converter pads Qwen's 151,665 tokens to 151,936.
+  converter pads Qwen's 151,665 tokens to 151,936. The padding tokens' rows of ``token_embd`` and ``output``
+  are 10x smaller, as untrained rows are, so greedy text is made of real tokens.
 
 Weights are random blocks with sane scales (random_blocks.py): dequantized std ~0.02 for the matrices,
 norm weights ~1, biases std 0.05, no NaN/Inf. Tensors are streamed to disk in chunks; memory stays small.
@@ -62,7 +63,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -75,6 +76,7 @@ Q = gguf.GGMLQuantizationType
 WEIGHT_STD = 0.02  # of the dequantized matrices (a trained model's order of magnitude)
 NORM_STD = 0.05  # norm weights: 1 +- this
 BIAS_STD = 0.05
+PAD_ROW_STD = 0.002  # embedding/output rows of the padding tokens: untrained, so greedy text is real tokens
 CHUNK_BYTES = 32 << 20  # how much of a tensor is generated at a time
 
 
@@ -122,6 +124,7 @@ class TensorPlan:
     qtype: Q
     std: float
     mean: float = 0.0
+    pad_rows_from: int | None = None  # rows from here on are padding tokens' (std PAD_ROW_STD)
 
     @property
     def n_blocks(self) -> int:
@@ -159,8 +162,9 @@ def matrix_type(kind: str, layer: int, n_layers: int, cols: int, ftype: str, tie
     return qtype
 
 
-def plan_tensors(shape: Shape, ftype: str, vocab: int) -> list[TensorPlan]:
-    """Every tensor of the file, in the order written: names, shapes, types, target statistics."""
+def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = None) -> list[TensorPlan]:
+    """Every tensor of the file, in the order written: names, shapes, types, target statistics. Rows
+    ``n_tokens`` and on of the embeddings and the output are padding tokens'."""
     dim, ffn, n = shape.dim, shape.ffn, shape.n_layers
     kv_dim = dim // shape.n_heads * shape.n_kv_heads
 
@@ -170,7 +174,8 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int) -> list[TensorPlan]:
     def norm(name: str, size: int) -> TensorPlan:
         return TensorPlan(name, (size,), Q.F32, NORM_STD, 1.0)
 
-    plans = [matrix("token_embd.weight", "token_embd", 0, vocab, dim)]
+    pad = None if n_tokens is None or n_tokens >= vocab else n_tokens
+    plans = [replace(matrix("token_embd.weight", "token_embd", 0, vocab, dim), pad_rows_from=pad)]
     for i in range(n):
         p = f"blk.{i}."
         plans.append(norm(p + "attn_norm.weight", dim))
@@ -185,7 +190,7 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int) -> list[TensorPlan]:
                   matrix(p + "ffn_down.weight", "ffn_down", i, dim, ffn)]
     plans.append(norm("output_norm.weight", dim))
     if not shape.tied:
-        plans.append(matrix("output.weight", "output", n, vocab, dim))
+        plans.append(replace(matrix("output.weight", "output", n, vocab, dim), pad_rows_from=pad))
     return plans
 
 
@@ -202,26 +207,28 @@ def _gguf_type(value) -> tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]:
     return scalar[type(value)], None
 
 
-def tokenizer_fields(path: Path, vocab: int | None) -> tuple[list[tuple], int]:
-    """The ``tokenizer.*`` keys of ``path`` as (key, value, type, sub_type), the token list padded to
-    ``vocab`` with UNUSED ``[PAD<id>]`` tokens as the converter pads; and the final token count."""
+def tokenizer_fields(path: Path) -> tuple[dict, int]:
+    """The ``tokenizer.*`` keys of ``path`` (plain values) and its token count."""
     # ktquest's bounded reader parses the 150k-entry token lists several times faster than the stock one
     from ktquest.formats.gguf import open_gguf
 
     md = {k: v for k, v in open_gguf(path).metadata.items() if k.startswith("tokenizer.")}
-    tokens = md.get("tokenizer.ggml.tokens")
-    if not tokens:
+    if not md.get("tokenizer.ggml.tokens"):
         raise ValueError(f"{path}: no tokenizer.ggml.tokens; pass a GGUF with a tokenizer as --tokenizer")
-    n = len(tokens) if vocab is None else vocab
-    if n < len(tokens):
-        raise ValueError(f"{path}: the tokenizer has {len(tokens)} tokens, more than the shape's vocabulary {n}")
-    pad = n - len(tokens)
-    md["tokenizer.ggml.tokens"] = tokens + [f"[PAD{i}]" for i in range(len(tokens), n)]
+    return md, len(md["tokenizer.ggml.tokens"])
+
+
+def pad_tokenizer(md: dict, n_tokens: int, vocab: int) -> list[tuple]:
+    """The tokenizer keys with the token list padded to ``vocab`` by UNUSED ``[PAD<id>]`` tokens, as the
+    converter pads Qwen's; as (key, value, type, sub_type) for GGUFWriter.add_key_value."""
+    md = dict(md)
+    pad = vocab - n_tokens
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"] + [f"[PAD{i}]" for i in range(n_tokens, vocab)]
     if "tokenizer.ggml.token_type" in md:
         md["tokenizer.ggml.token_type"] = md["tokenizer.ggml.token_type"] + [int(gguf.TokenType.UNUSED)] * pad
     if "tokenizer.ggml.scores" in md:
         md["tokenizer.ggml.scores"] = md["tokenizer.ggml.scores"] + [0.0] * pad
-    return [(k, v, *_gguf_type(v)) for k, v in md.items()], n
+    return [(k, v, *_gguf_type(v)) for k, v in md.items()]
 
 
 def add_model_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, ftype: str, context: int) -> None:
@@ -249,13 +256,16 @@ def write_tensor(fout, plan: TensorPlan, rng: np.random.Generator) -> None:
     """Stream ``plan``'s random blocks to ``fout`` in chunks of about CHUNK_BYTES."""
     type_size = gguf.GGML_QUANT_SIZES[plan.qtype][1]
     step = max(1, CHUNK_BYTES // type_size)
-    for start in range(0, plan.n_blocks, step):
-        n = min(step, plan.n_blocks - start)
-        if plan.qtype == Q.F32:
-            blocks = random_blocks(plan.qtype, rng, n, plan.std).view(np.float32) + np.float32(plan.mean)
-        else:
-            blocks = random_blocks(plan.qtype, rng, n, plan.std)
-        fout.write(memoryview(np.ascontiguousarray(blocks)).cast("B"))
+    end = plan.n_blocks
+    split = end if plan.pad_rows_from is None else plan.pad_rows_from * (end // plan.shape[0])
+    for lo, hi, std in ((0, split, plan.std), (split, end, PAD_ROW_STD)):
+        for start in range(lo, hi, step):
+            n = min(step, hi - start)
+            if plan.qtype == Q.F32:
+                blocks = random_blocks(plan.qtype, rng, n, std).view(np.float32) + np.float32(plan.mean)
+            else:
+                blocks = random_blocks(plan.qtype, rng, n, std)
+            fout.write(memoryview(np.ascontiguousarray(blocks)).cast("B"))
 
 
 def write_shaped_gguf(out: Path, shape: Shape, name: str, ftype: str = "Q4_K_M", context: int | None = None,
@@ -265,8 +275,13 @@ def write_shaped_gguf(out: Path, shape: Shape, name: str, ftype: str = "Q4_K_M",
     if tokenizer is None:
         from ktquest.formats.bundled import bundled_model_path
         tokenizer = bundled_model_path()
-    tok_fields, vocab = tokenizer_fields(Path(tokenizer), shape.vocab)
-    plans = plan_tensors(shape, ftype, vocab)
+    tok_fields, n_tokens = tokenizer_fields(Path(tokenizer))
+    vocab = n_tokens if shape.vocab is None else shape.vocab
+    if vocab < n_tokens:
+        raise ValueError(f"{tokenizer}: the tokenizer has {n_tokens} tokens, more than the shape's "
+                         f"vocabulary {vocab}")
+    tok_fields = pad_tokenizer(tok_fields, n_tokens, vocab)
+    plans = plan_tensors(shape, ftype, vocab, n_tokens)
     need = sum(p.nbytes for p in plans) + (64 << 20)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
