@@ -1,0 +1,64 @@
+// Scalar twins of the block GEMV's row dot products (gemm/gemv_blocks.h): the same integer sums per block as the
+// AVX2 kernels, scaled in fp32 in a plainer order.
+#include "gemm/gemv_blocks.h"
+#include "quant/kv_codec.h"
+
+namespace ktq::scalar {
+
+namespace {
+inline float h2f(uint16_t h) { return f16_to_f32(h); }
+}  // namespace
+
+// ---- K-quants (activations in groups of 256: a.d[i] scales super-block i) ----
+
+float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(row);
+  float acc = 0.f;
+  for (int64_t i = 0; i < in / kQK; ++i) {
+    uint8_t sc[16];
+    unpack_k_scales(b[i].scales, sc);
+    const int8_t* q8 = a.q + i * kQK;
+    const int16_t* s16 = a.sum16 + i * (kQK / 16);
+    int32_t sumi = 0, summ = 0;  // sum_s sc[s] * (q . q8) and sum_s mn[s] * sum(q8) over sub-block s
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t* q = b[i].qs + 32 * (s / 2);
+      const int shift = 4 * (s % 2);
+      int32_t dot = 0;
+      for (int l = 0; l < 32; ++l) dot += ((q[l] >> shift) & 15) * q8[32 * s + l];
+      sumi += sc[s] * dot;
+      summ += sc[8 + s] * (s16[2 * s] + s16[2 * s + 1]);
+    }
+    acc += h2f(b[i].d) * a.d[i] * float(sumi) - h2f(b[i].dmin) * a.d[i] * float(summ);
+  }
+  return acc;
+}
+
+float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row);
+  float acc = 0.f;
+  for (int64_t i = 0; i < in / kQK; ++i) {
+    const int8_t* q8 = a.q + i * kQK;
+    int32_t sumi = 0;
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = b[i].ql + 64 * half;
+      const uint8_t* qh = b[i].qh + 32 * half;
+      const int8_t* sc = b[i].scales + 8 * half;
+      const int8_t* x = q8 + 128 * half;
+      for (int k = 0; k < 4; ++k) {
+        for (int sub = 0; sub < 2; ++sub) {  // 16 values of one scale
+          int32_t dot = 0;
+          for (int l = 16 * sub; l < 16 * sub + 16; ++l) {
+            const int lo = k % 2 ? ql[l + 32] : ql[l];
+            const int q = ((k < 2 ? lo & 15 : lo >> 4) | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
+            dot += q * x[l + 32 * k];
+          }
+          sumi += sc[sub + 2 * k] * dot;
+        }
+      }
+    }
+    acc += h2f(b[i].d) * a.d[i] * float(sumi);
+  }
+  return acc;
+}
+
+}  // namespace ktq::scalar

@@ -1,0 +1,108 @@
+// AVX2 twins of the K-quant row dot products (gemm/gemv_blocks.h; scalar: gemv_blocks_scalar.cpp), after ggml's
+// Q4_K/Q6_K x Q8_K kernels. Per super-block: unsigned weight codes times int8 activations with maddubs (pairs
+// summed to int16: at most 2 * 63 * 127 = 16002, no saturation), times the integer sub-block scales with madd
+// (int32), summed over the super-block and converted to fp32 once. Compiled with -mavx2 -mfma -mf16c, called
+// only when use_avx2().
+#include <cstring>
+
+#include "gemm/avx2_blocks.h"
+#include "gemm/gemv_blocks.h"
+
+namespace ktq::avx2 {
+
+namespace {
+
+// Every int16 lane = int16 lane s of v's 128-bit half (v holds the same 8 scales in both halves).
+inline __m256i bcast_i16(__m256i v, int s) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16(short(0x0202 * s + 0x0100))); }
+
+}  // namespace
+
+// ---- Q4_K ----
+
+float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(row);
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  __m256 acc = _mm256_setzero_ps();
+  __m128 acc_m = _mm_setzero_ps();
+  for (int64_t i = 0; i < in / kQK; ++i) {
+    prefetch_weights(b + i);
+    const float d = a.d[i] * h2f(b[i].d), dmin = -a.d[i] * h2f(b[i].dmin);
+    // The 12 packed bytes -> 8 scales then 8 mins, one byte each (unpack_k_scales, four bytes at a time).
+    uint32_t u[4];
+    std::memcpy(u, b[i].scales, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3f3f3f3f;
+    const __m256i sc_mn = _mm256_cvtepu8_epi16(loadu128(u));  // [sc0..sc7 | mn0..mn7] int16
+    // Mins: sum_s mn[s] * sum(q8 over sub-block s); the sums of 16 added in pairs.
+    const __m256i s16 = loadu256(a.sum16 + i * (kQK / 16));
+    const __m128i s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+    const __m128i pm = _mm_madd_epi16(_mm256_extracti128_si256(sc_mn, 1), s32);
+    acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(pm), acc_m);
+
+    const __m128i sc128 = _mm256_castsi256_si128(sc_mn);
+    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    const uint8_t* q4 = b[i].qs;
+    const int8_t* q8 = a.q + i * kQK;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j, q4 += 32, q8 += 64) {  // 64 values: sub-blocks 2j (low nibbles), 2j+1 (high)
+      const __m256i bits = loadu256(q4);
+      const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+      const __m256i pl = _mm256_madd_epi16(bcast_i16(scales, 2 * j), _mm256_maddubs_epi16(lo, loadu256(q8)));
+      const __m256i ph = _mm256_madd_epi16(bcast_i16(scales, 2 * j + 1), _mm256_maddubs_epi16(hi, loadu256(q8 + 32)));
+      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+  acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+  return hsum(acc) + _mm_cvtss_f32(acc_m);
+}
+
+// ---- Q6_K ----
+
+float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row);
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < in / kQK; ++i) {
+    prefetch_weights(b + i);
+    prefetch_weights(reinterpret_cast<const uint8_t*>(b + i) + 64 * 3);  // 210-byte blocks span 4 cache lines
+    const float d = a.d[i] * h2f(b[i].d);
+    const __m128i scales = loadu128(b[i].scales);  // 16 int8, one per 16 values
+    // The codes are q + 32 with q in [0, 64): sum (q - 32) * x = sum q * x - 32 * sum x, the second term from the
+    // activation sums of 16, weighted by the same scales (one madd for the super-block).
+    const __m256i corr = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), loadu256(a.sum16 + i * (kQK / 16)));
+    __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+    const uint8_t* ql = b[i].ql;
+    const uint8_t* qh = b[i].qh;
+    const int8_t* q8 = a.q + i * kQK;
+    for (int j = 0; j < 2; ++j, ql += 64, qh += 32, q8 += 128) {  // 128 values, scales 8j .. 8j+8
+      const __m256i l1 = loadu256(ql), l2 = loadu256(ql + 32), h = loadu256(qh);
+      const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+      const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l2, m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+      const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+      const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+      // Chunk k's 32 values take scales 8j + 2k (first 16) and 8j + 2k + 1: bytes {s x 8, s+1 x 8}, widened.
+      auto scale = [&](int k) {
+        const int s = 8 * j + 2 * k;
+        return _mm256_cvtepi8_epi16(
+            _mm_shuffle_epi8(scales, _mm_set_epi64x(0x0101010101010101LL * (s + 1), 0x0101010101010101LL * s)));
+      };
+      const __m256i p0 = _mm256_madd_epi16(scale(0), _mm256_maddubs_epi16(q0, loadu256(q8)));
+      const __m256i p1 = _mm256_madd_epi16(scale(1), _mm256_maddubs_epi16(q1, loadu256(q8 + 32)));
+      const __m256i p2 = _mm256_madd_epi16(scale(2), _mm256_maddubs_epi16(q2, loadu256(q8 + 64)));
+      const __m256i p3 = _mm256_madd_epi16(scale(3), _mm256_maddubs_epi16(q3, loadu256(q8 + 96)));
+      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(acc);
+}
+
+}  // namespace ktq::avx2
