@@ -133,7 +133,9 @@ def test_row_bytes():
 
 # ---- the GEMV ----
 
-SHAPES = [(qt, out, inp) for qt in ["Q4_K", "Q6_K"] for out in (1, 7, 33, 260) for inp in (256, 512, 2816)]
+GEMV_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0"]
+IN_SIZES = {**{t: (256, 512, 2816) for t in K_TYPES}, **{t: (32, 96, 160) for t in Q32_TYPES}}
+SHAPES = [(qt, out, inp) for qt in GEMV_TYPES for out in (1, 7, 33, 260) for inp in IN_SIZES[qt]]
 # (T, bias, threads): every value of each, not every combination.
 RUNS = [(1, False, 1), (3, True, 3), (1, True, 3), (3, False, 1)]
 
@@ -152,7 +154,7 @@ def test_gemv_matches_reference(force_scalar, qtype, out, inp, T, bias, threads)
     assert ((y.double() - exact).abs() <= q8_bound(qtype, raw, x) + tol).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", GEMV_TYPES)
 def test_gemv_threads_and_paths(qtype):
     """Bitwise the same for any thread count; the two twins agree to fp32 rounding."""
     raw, x, b = case(qtype, 777, 1024, 2, True)
@@ -168,6 +170,18 @@ def test_gemv_threads_and_paths(qtype):
         _C.set_force_scalar(False)
     _, tol = reference(qtype, raw, x, b)
     assert ((y_avx.double() - ys[0].double()).abs() <= 2 * tol).all()
+
+
+@pytest.mark.parametrize("qtype", [t for t in GEMV_TYPES if t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16")])
+def test_gemv_on_gguf_quantized_weights(force_scalar, qtype):
+    """Weights as gguf quantizes real floats (scales from the data, not drawn at random)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(67, 256, generator=g) * 0.02
+    raw = quantize(w.numpy(), QT[qtype]).view(np.uint8).reshape(67, -1)
+    x = torch.randn(2, 256, generator=g)
+    y = run_gemv(qtype, raw, x, None, 2)
+    ref, tol = reference(qtype, raw, x, None)
+    assert ((y.double() - ref).abs() <= tol).all()
 
 
 def test_gemv_zero_activations():

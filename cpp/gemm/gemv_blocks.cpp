@@ -22,6 +22,8 @@ Kernels kernels(GgmlType t) {
   switch (t) {
     case GgmlType::Q4_K: return {scalar::dot_q4_k, avx2::dot_q4_k, kQK};
     case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, kQK};
+    case GgmlType::Q8_0: return {scalar::dot_q8_0, avx2::dot_q8_0, kQ32};
+    case GgmlType::Q5_0: return {scalar::dot_q5_0, avx2::dot_q5_0, kQ32};
     default: return {nullptr, nullptr, 0};
   }
 }

@@ -1,5 +1,7 @@
 // Scalar twins of the block GEMV's row dot products (gemm/gemv_blocks.h): the same integer sums per block as the
 // AVX2 kernels, scaled in fp32 in a plainer order.
+#include <cstring>
+
 #include "gemm/gemv_blocks.h"
 #include "quant/kv_codec.h"
 
@@ -57,6 +59,37 @@ float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) {
       }
     }
     acc += h2f(b[i].d) * a.d[i] * float(sumi);
+  }
+  return acc;
+}
+
+// ---- 32-value blocks (activations in groups of 32: a.d[i] scales block i) ----
+
+float dot_q8_0(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row);
+  float acc = 0.f;
+  for (int64_t i = 0; i < in / kQ32; ++i) {
+    const int8_t* x = a.q + i * kQ32;
+    int32_t dot = 0;
+    for (int j = 0; j < 32; ++j) dot += b[i].qs[j] * x[j];
+    acc += h2f(b[i].d) * a.d[i] * float(dot);
+  }
+  return acc;
+}
+
+float dot_q5_0(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ5_0* b = reinterpret_cast<const BlockQ5_0*>(row);
+  float acc = 0.f;
+  for (int64_t i = 0; i < in / kQ32; ++i) {
+    const int8_t* x = a.q + i * kQ32;
+    uint32_t qh;
+    std::memcpy(&qh, b[i].qh, 4);
+    int32_t dot = 0;
+    for (int j = 0; j < 16; ++j) {
+      dot += (int((b[i].qs[j] & 15) | ((qh >> j) & 1) << 4) - 16) * x[j];
+      dot += (int((b[i].qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16) * x[j + 16];
+    }
+    acc += h2f(b[i].d) * a.d[i] * float(dot);
   }
   return acc;
 }
