@@ -55,13 +55,13 @@ def quantize_x(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def reference(qtype: str, raw: np.ndarray, x: torch.Tensor, b: torch.Tensor | None):
     """(y, err): the kernels' product in float64 (x rounded as they round it) and the fp32 rounding allowed, a
-    small multiple of the magnitude sum |W| @ |x'| (a block's dot product is exact in integers; fp32 rounding
+    small multiple of the magnitude sum |W| @ |x'| + |b| (a block's dot product is exact in integers; fp32 rounding
     enters where blocks are scaled and summed: at most ~in/32 additions, each off by 2^-24 of the running sum)."""
     with np.errstate(all="ignore"):
         w = torch.from_numpy(dequantize(raw, QT[qtype]).copy()).double()
     xq = quantize_x(x, ACT_GROUP[qtype]) if qtype in ACT_GROUP else x
-    y = xq.double() @ w.T + (0 if b is None else b.double())
-    return y, FP32_SUM_REL * (xq.double().abs() @ w.abs().T) + 1e-30
+    bias = 0 if b is None else b.double()
+    return xq.double() @ w.T + bias, FP32_SUM_REL * (xq.double().abs() @ w.abs().T + abs(bias)) + 1e-30
 
 
 FP32_SUM_REL = 1e-5
@@ -133,8 +133,9 @@ def test_row_bytes():
 
 # ---- the GEMV ----
 
-GEMV_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0"]
-IN_SIZES = {**{t: (256, 512, 2816) for t in K_TYPES}, **{t: (32, 96, 160) for t in Q32_TYPES}}
+GEMV_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "BF16", "F32"]
+IN_SIZES = {**{t: (256, 512, 2816) for t in K_TYPES}, **{t: (32, 96, 160) for t in Q32_TYPES},
+            **{t: (1, 37, 160) for t in FLOAT_TYPES}}  # float rows: any length (tails of 1..7 and 8..31)
 SHAPES = [(qt, out, inp) for qt in GEMV_TYPES for out in (1, 7, 33, 260) for inp in IN_SIZES[qt]]
 # (T, bias, threads): every value of each, not every combination.
 RUNS = [(1, False, 1), (3, True, 3), (1, True, 3), (3, False, 1)]

@@ -24,6 +24,9 @@ Kernels kernels(GgmlType t) {
     case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, kQK};
     case GgmlType::Q8_0: return {scalar::dot_q8_0, avx2::dot_q8_0, kQ32};
     case GgmlType::Q5_0: return {scalar::dot_q5_0, avx2::dot_q5_0, kQ32};
+    case GgmlType::F32: return {scalar::dot_f32, avx2::dot_f32, 0};
+    case GgmlType::F16: return {scalar::dot_f16, avx2::dot_f16, 0};
+    case GgmlType::BF16: return {scalar::dot_bf16, avx2::dot_bf16, 0};
     default: return {nullptr, nullptr, 0};
   }
 }

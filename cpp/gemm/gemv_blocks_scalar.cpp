@@ -94,4 +94,27 @@ float dot_q5_0(const uint8_t* row, const ActRow& a, int64_t in) {
   return acc;
 }
 
+// ---- float types (fp32 x; summed in double: the twin's sums are then the more exact ones) ----
+
+float dot_f32(const uint8_t* row, const ActRow& a, int64_t in) {
+  const float* w = reinterpret_cast<const float*>(row);
+  double acc = 0.0;
+  for (int64_t i = 0; i < in; ++i) acc += double(w[i]) * a.x[i];
+  return float(acc);
+}
+
+float dot_f16(const uint8_t* row, const ActRow& a, int64_t in) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+  double acc = 0.0;
+  for (int64_t i = 0; i < in; ++i) acc += double(f16_to_f32(w[i])) * a.x[i];
+  return float(acc);
+}
+
+float dot_bf16(const uint8_t* row, const ActRow& a, int64_t in) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+  double acc = 0.0;
+  for (int64_t i = 0; i < in; ++i) acc += double(bf16_to_f32(w[i])) * a.x[i];
+  return float(acc);
+}
+
 }  // namespace ktq::scalar
