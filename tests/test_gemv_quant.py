@@ -133,7 +133,7 @@ def test_row_bytes():
 
 # ---- the GEMV ----
 
-GEMV_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "F16", "BF16", "F32"]
+GEMV_TYPES = list(_C.GGML_TYPES)
 IN_SIZES = {**{t: (256, 512, 2816) for t in K_TYPES}, **{t: (32, 96, 160) for t in Q32_TYPES},
             **{t: (1, 37, 160) for t in FLOAT_TYPES}}  # float rows: any length (tails of 1..7 and 8..31)
 SHAPES = [(qt, out, inp) for qt in GEMV_TYPES for out in (1, 7, 33, 260) for inp in IN_SIZES[qt]]

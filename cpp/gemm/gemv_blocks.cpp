@@ -20,15 +20,19 @@ struct Kernels {
 
 Kernels kernels(GgmlType t) {
   switch (t) {
-    case GgmlType::Q4_K: return {scalar::dot_q4_k, avx2::dot_q4_k, kQK};
-    case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, kQK};
-    case GgmlType::Q8_0: return {scalar::dot_q8_0, avx2::dot_q8_0, kQ32};
-    case GgmlType::Q5_0: return {scalar::dot_q5_0, avx2::dot_q5_0, kQ32};
     case GgmlType::F32: return {scalar::dot_f32, avx2::dot_f32, 0};
     case GgmlType::F16: return {scalar::dot_f16, avx2::dot_f16, 0};
     case GgmlType::BF16: return {scalar::dot_bf16, avx2::dot_bf16, 0};
-    default: return {nullptr, nullptr, 0};
+    case GgmlType::Q8_0: return {scalar::dot_q8_0, avx2::dot_q8_0, kQ32};
+    case GgmlType::Q4_0: return {scalar::dot_q4_0, avx2::dot_q4_0, kQ32};
+    case GgmlType::Q4_1: return {scalar::dot_q4_1, avx2::dot_q4_1, kQ32};
+    case GgmlType::Q5_0: return {scalar::dot_q5_0, avx2::dot_q5_0, kQ32};
+    case GgmlType::Q5_1: return {scalar::dot_q5_1, avx2::dot_q5_1, kQ32};
+    case GgmlType::Q4_K: return {scalar::dot_q4_k, avx2::dot_q4_k, kQK};
+    case GgmlType::Q5_K: return {scalar::dot_q5_k, avx2::dot_q5_k, kQK};
+    case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, kQK};
   }
+  return {nullptr, nullptr, 0};
 }
 
 // The quantized activations of the calling thread, grown once: q [T, in], d [T, in / group], sum16 [T, in / 16].

@@ -44,13 +44,13 @@ struct ActRow {
 using RowDot = float(const uint8_t* row, const ActRow& a, int64_t in);
 
 namespace scalar {  // gemv_blocks_scalar.cpp
-RowDot dot_q4_k, dot_q6_k, dot_q8_0, dot_q5_0, dot_f32, dot_f16, dot_bf16;
+RowDot dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1, dot_q4_k, dot_q5_k, dot_q6_k;
 }  // namespace scalar
 
 namespace avx2 {
-RowDot dot_q4_k, dot_q6_k;  // gemv_kquants_avx2.cpp
-RowDot dot_q8_0, dot_q5_0;  // gemv_q32_avx2.cpp
-RowDot dot_f32, dot_f16, dot_bf16;  // gemv_float_avx2.cpp
+RowDot dot_q4_k, dot_q5_k, dot_q6_k;                      // gemv_kquants_avx2.cpp
+RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;  // gemv_q32_avx2.cpp
+RowDot dot_f32, dot_f16, dot_bf16;                        // gemv_float_avx2.cpp
 }  // namespace avx2
 
 }  // namespace ktq

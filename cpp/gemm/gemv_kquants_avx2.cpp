@@ -1,5 +1,5 @@
 // AVX2 twins of the K-quant row dot products (gemm/gemv_blocks.h; scalar: gemv_blocks_scalar.cpp), after ggml's
-// Q4_K/Q6_K x Q8_K kernels. Per super-block: unsigned weight codes times int8 activations with maddubs (pairs
+// Q4_K/Q5_K/Q6_K x Q8_K kernels. Per super-block: unsigned weight codes times int8 activations with maddubs (pairs
 // summed to int16: at most 2 * 63 * 127 = 16002, no saturation), times the integer sub-block scales with madd
 // (int32), summed over the super-block and converted to fp32 once. Compiled with -mavx2 -mfma -mf16c, called
 // only when use_avx2().
@@ -13,7 +13,34 @@ namespace ktq::avx2 {
 namespace {
 
 // Every int16 lane = int16 lane s of v's 128-bit half (v holds the same 8 scales in both halves).
-inline __m256i bcast_i16(__m256i v, int s) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16(short(0x0202 * s + 0x0100))); }
+inline __m256i bcast_i16(__m256i v, int s) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(short(0x0202 * s + 0x0100)));
+}
+
+// The 12 packed bytes of a Q4_K/Q5_K super-block -> [sc0..sc7 | mn0..mn7] as int16 (unpack_k_scales, four bytes
+// at a time).
+inline __m256i scales_mins(const uint8_t* packed) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+  const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+  u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+  u[2] = mins_lo;
+  u[0] &= 0x3f3f3f3f;
+  return _mm256_cvtepu8_epi16(loadu128(u));
+}
+
+// sum_s mn[s] * sum(q8 over sub-block s) as 4 int32 lanes; the activation sums of 16 added in pairs.
+inline __m128i mins_dot(__m256i sc_mn, const int16_t* sum16) {
+  const __m256i s16 = loadu256(sum16);
+  const __m128i s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+  return _mm_madd_epi16(_mm256_extracti128_si256(sc_mn, 1), s32);
+}
+
+inline float hsum128(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
 
 }  // namespace
 
@@ -27,20 +54,8 @@ float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
   for (int64_t i = 0; i < in / kQK; ++i) {
     prefetch_weights(b + i);
     const float d = a.d[i] * h2f(b[i].d), dmin = -a.d[i] * h2f(b[i].dmin);
-    // The 12 packed bytes -> 8 scales then 8 mins, one byte each (unpack_k_scales, four bytes at a time).
-    uint32_t u[4];
-    std::memcpy(u, b[i].scales, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = mins_lo;
-    u[0] &= 0x3f3f3f3f;
-    const __m256i sc_mn = _mm256_cvtepu8_epi16(loadu128(u));  // [sc0..sc7 | mn0..mn7] int16
-    // Mins: sum_s mn[s] * sum(q8 over sub-block s); the sums of 16 added in pairs.
-    const __m256i s16 = loadu256(a.sum16 + i * (kQK / 16));
-    const __m128i s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
-    const __m128i pm = _mm_madd_epi16(_mm256_extracti128_si256(sc_mn, 1), s32);
-    acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(pm), acc_m);
+    const __m256i sc_mn = scales_mins(b[i].scales);
+    acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_dot(sc_mn, a.sum16 + i * (kQK / 16))), acc_m);
 
     const __m128i sc128 = _mm256_castsi256_si128(sc_mn);
     const __m256i scales = _mm256_set_m128i(sc128, sc128);
@@ -56,9 +71,44 @@ float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
     }
     acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
   }
-  acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-  acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-  return hsum(acc) + _mm_cvtss_f32(acc_m);
+  return hsum(acc) + hsum128(acc_m);
+}
+
+// ---- Q5_K ----
+
+float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ5_K* b = reinterpret_cast<const BlockQ5_K*>(row);
+  const __m256i m4 = _mm256_set1_epi8(0xF), m1 = _mm256_set1_epi8(1);
+  __m256 acc = _mm256_setzero_ps();
+  __m128 acc_m = _mm_setzero_ps();
+  for (int64_t i = 0; i < in / kQK; ++i) {
+    prefetch_weights(b + i);
+    prefetch_weights(reinterpret_cast<const uint8_t*>(b + i) + 128);  // 176-byte blocks span 3 cache lines
+    const float d = a.d[i] * h2f(b[i].d), dmin = -a.d[i] * h2f(b[i].dmin);
+    const __m256i sc_mn = scales_mins(b[i].scales);
+    acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_dot(sc_mn, a.sum16 + i * (kQK / 16))), acc_m);
+
+    const __m128i sc128 = _mm256_castsi256_si128(sc_mn);
+    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    // Bit s of qh[l] is the fifth bit of element l of sub-block s: shifted down two places per 64 values. A
+    // 16-bit shift moves each byte's own bits (bit 0 of either byte after `& 1` comes from that byte).
+    __m256i hbits = loadu256(b[i].qh);
+    const uint8_t* q5 = b[i].qs;
+    const int8_t* q8 = a.q + i * kQK;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j, q5 += 32, q8 += 64, hbits = _mm256_srli_epi16(hbits, 2)) {
+      const __m256i bits = loadu256(q5);
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hbits, m1), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), m1), 4);
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), h0);
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h1);
+      const __m256i pl = _mm256_madd_epi16(bcast_i16(scales, 2 * j), _mm256_maddubs_epi16(lo, loadu256(q8)));
+      const __m256i ph = _mm256_madd_epi16(bcast_i16(scales, 2 * j + 1), _mm256_maddubs_epi16(hi, loadu256(q8 + 32)));
+      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(acc) + hsum128(acc_m);
 }
 
 // ---- Q6_K ----

@@ -18,6 +18,11 @@ inline __m256i dot_i8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
+// Unsigned codes (< 32) . signed x as 8 int32 lanes (pairs at most 2 * 31 * 127).
+inline __m256i dot_u8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
 // 16 bytes of nibbles -> 32 bytes: the low nibbles (values 0..15), then the high ones (values 16..31).
 inline __m256i nibbles32(const uint8_t* p) {
   const __m128i v = loadu128(p);
@@ -61,6 +66,46 @@ float dot_q5_0(const uint8_t* row, const ActRow& a, int64_t in) {
     acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a.d[i]), _mm256_cvtepi32_ps(p), acc);
   }
   return hsum(acc);
+}
+
+float dot_q4_0(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ4_0* b = reinterpret_cast<const BlockQ4_0*>(row);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < in / kQ32; ++i) {
+    prefetch_weights(b + i);
+    const __m256i w = _mm256_sub_epi8(nibbles32(b[i].qs), _mm256_set1_epi8(8));
+    const __m256i p = dot_i8(w, loadu256(a.q + i * kQ32));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a.d[i]), _mm256_cvtepi32_ps(p), acc);
+  }
+  return hsum(acc);
+}
+
+// Q4_1 / Q5_1: unsigned codes times x (maddubs directly), plus m * dx * sum(q) per block, summed apart.
+float dot_q4_1(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row);
+  __m256 acc = _mm256_setzero_ps();
+  float acc_m = 0.f;
+  for (int64_t i = 0; i < in / kQ32; ++i) {
+    prefetch_weights(b + i);
+    const __m256i p = dot_u8(nibbles32(b[i].qs), loadu256(a.q + i * kQ32));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a.d[i]), _mm256_cvtepi32_ps(p), acc);
+    acc_m += h2f(b[i].m) * a.d[i] * float(a.sum16[2 * i] + a.sum16[2 * i + 1]);
+  }
+  return hsum(acc) + acc_m;
+}
+
+float dot_q5_1(const uint8_t* row, const ActRow& a, int64_t in) {
+  const BlockQ5_1* b = reinterpret_cast<const BlockQ5_1*>(row);
+  __m256 acc = _mm256_setzero_ps();
+  float acc_m = 0.f;
+  for (int64_t i = 0; i < in / kQ32; ++i) {
+    prefetch_weights(b + i);
+    const __m256i h = _mm256_and_si256(bits32(b[i].qh), _mm256_set1_epi8(0x10));
+    const __m256i p = dot_u8(_mm256_or_si256(nibbles32(b[i].qs), h), loadu256(a.q + i * kQ32));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a.d[i]), _mm256_cvtepi32_ps(p), acc);
+    acc_m += h2f(b[i].m) * a.d[i] * float(a.sum16[2 * i] + a.sum16[2 * i + 1]);
+  }
+  return hsum(acc) + acc_m;
 }
 
 }  // namespace ktq::avx2

@@ -82,7 +82,8 @@ void bind_gemv_quant(py::module_& m) {
     if (!bias_obj.is_none()) {
       auto b = ndim_arg<float>(bias_obj, "bias", 1);
       if (b.shape(0) != out)
-        throw py::value_error("bias: expected [" + std::to_string(out) + "], got [" + std::to_string(b.shape(0)) + "]");
+        throw py::value_error("bias: expected [" + std::to_string(out) + "], got [" + std::to_string(b.shape(0)) +
+                              "]");
       bp = b.data();
     }
     check_threads(n_threads);
