@@ -35,11 +35,12 @@ Kernels kernels(GgmlType t) {
   return {nullptr, nullptr, 0};
 }
 
-// The quantized activations of the calling thread, grown once: q [T, in], d [T, in / group], sum16 [T, in / 16].
+// The quantized activations of the calling thread, grown once: q [T, in], d [T, in / group], sum16 [T, in / 16],
+// sum32 [T, in / 32].
 struct ActScratch {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int16_t> sum16;
+  std::vector<int16_t> sum16, sum32;
 };
 
 }  // namespace
@@ -59,17 +60,20 @@ void gemv_quant(GgmlType t, const float* x, int64_t T, int64_t in, const uint8_t
     if (int64_t(s.q.size()) < T * in) s.q.resize(size_t(T * in));
     if (int64_t(s.d.size()) < T * in / k.group) s.d.resize(size_t(T * in / k.group));
     if (int64_t(s.sum16.size()) < T * in / 16) s.sum16.resize(size_t(T * in / 16));
+    if (int64_t(s.sum32.size()) < T * in / 32) s.sum32.resize(size_t(T * in / 32));
     for (int64_t r = 0; r < T; ++r)
       quantize_act(x + r * in, in, k.group, s.q.data() + r * in, s.d.data() + r * (in / k.group),
                    s.sum16.data() + r * (in / 16));
+    for (int64_t j = 0; j < T * in / 32; ++j) s.sum32[j] = int16_t(s.sum16[2 * j] + s.sum16[2 * j + 1]);
   }
   // The pointers are taken here: a thread_local named inside the task would be each worker's own (empty) one.
   const int8_t* q = s.q.data();
   const float* d = s.d.data();
   const int16_t* sum16 = s.sum16.data();
+  const int16_t* sum32 = s.sum32.data();
   auto act = [&](int64_t r) -> ActRow {
-    if (k.group == 0) return {x + r * in, nullptr, nullptr, nullptr};
-    return {x + r * in, q + r * in, d + r * (in / k.group), sum16 + r * (in / 16)};
+    if (k.group == 0) return {x + r * in, nullptr, nullptr, nullptr, nullptr};
+    return {x + r * in, q + r * in, d + r * (in / k.group), sum16 + r * (in / 16), sum32 + r * (in / 32)};
   };
 
   // Two contiguous row ranges per thread, as in gemv.cpp: each thread reads long forward streams that the

@@ -39,6 +39,7 @@ struct ActRow {
   const int8_t* q;       // [in] x quantized (quant/q8_act.h; the quantized types read these three)
   const float* d;        // [in / group] its scales
   const int16_t* sum16;  // [in / 16] sums of q over 16 values
+  const int16_t* sum32;  // [in / 32] and over 32 (|sum| <= 32 * 127)
 };
 
 using RowDot = float(const uint8_t* row, const ActRow& a, int64_t in);

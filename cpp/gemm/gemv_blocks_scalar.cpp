@@ -20,7 +20,7 @@ float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
     uint8_t sc[16];
     unpack_k_scales(b[i].scales, sc);
     const int8_t* q8 = a.q + i * kQK;
-    const int16_t* s16 = a.sum16 + i * (kQK / 16);
+    const int16_t* s32 = a.sum32 + i * (kQK / 32);
     int32_t sumi = 0, summ = 0;  // sum_s sc[s] * (q . q8) and sum_s mn[s] * sum(q8) over sub-block s
     for (int s = 0; s < 8; ++s) {
       const uint8_t* q = b[i].qs + 32 * (s / 2);
@@ -28,7 +28,7 @@ float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
       int32_t dot = 0;
       for (int l = 0; l < 32; ++l) dot += ((q[l] >> shift) & 15) * q8[32 * s + l];
       sumi += sc[s] * dot;
-      summ += sc[8 + s] * (s16[2 * s] + s16[2 * s + 1]);
+      summ += sc[8 + s] * s32[s];
     }
     acc += h2f(b[i].d) * a.d[i] * float(sumi) - h2f(b[i].dmin) * a.d[i] * float(summ);
   }
@@ -42,7 +42,7 @@ float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
     uint8_t sc[16];
     unpack_k_scales(b[i].scales, sc);
     const int8_t* q8 = a.q + i * kQK;
-    const int16_t* s16 = a.sum16 + i * (kQK / 16);
+    const int16_t* s32 = a.sum32 + i * (kQK / 32);
     int32_t sumi = 0, summ = 0;
     for (int s = 0; s < 8; ++s) {
       const uint8_t* q = b[i].qs + 32 * (s / 2);
@@ -50,7 +50,7 @@ float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
       int32_t dot = 0;
       for (int l = 0; l < 32; ++l) dot += (((q[l] >> shift) & 15) | ((b[i].qh[l] >> s) & 1) << 4) * q8[32 * s + l];
       sumi += sc[s] * dot;
-      summ += sc[8 + s] * (s16[2 * s] + s16[2 * s + 1]);
+      summ += sc[8 + s] * s32[s];
     }
     acc += h2f(b[i].d) * a.d[i] * float(sumi) - h2f(b[i].dmin) * a.d[i] * float(summ);
   }
@@ -111,7 +111,7 @@ float dot_q4_0(const uint8_t* row, const ActRow& a, int64_t in) {
   return acc;
 }
 
-// Q4_1 / Q5_1: w = d * code + m, so w . x = d * (code . q) * dx + m * sum(q) * dx, sum(q) from the sums of 16.
+// Q4_1 / Q5_1: w = d * code + m, so w . x = d * (code . q) * dx + m * sum(q) * dx.
 float dot_q4_1(const uint8_t* row, const ActRow& a, int64_t in) {
   const BlockQ4_1* b = reinterpret_cast<const BlockQ4_1*>(row);
   float acc = 0.f;
@@ -119,7 +119,7 @@ float dot_q4_1(const uint8_t* row, const ActRow& a, int64_t in) {
     const int8_t* x = a.q + i * kQ32;
     int32_t dot = 0;
     for (int j = 0; j < 16; ++j) dot += (b[i].qs[j] & 15) * x[j] + (b[i].qs[j] >> 4) * x[j + 16];
-    const int32_t xsum = a.sum16[2 * i] + a.sum16[2 * i + 1];
+    const int32_t xsum = a.sum32[i];
     acc += h2f(b[i].d) * a.d[i] * float(dot) + h2f(b[i].m) * a.d[i] * float(xsum);
   }
   return acc;
@@ -154,7 +154,7 @@ float dot_q5_1(const uint8_t* row, const ActRow& a, int64_t in) {
       dot += int((b[i].qs[j] & 15) | ((qh >> j) & 1) << 4) * x[j];
       dot += int((b[i].qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) * x[j + 16];
     }
-    const int32_t xsum = a.sum16[2 * i] + a.sum16[2 * i + 1];
+    const int32_t xsum = a.sum32[i];
     acc += h2f(b[i].d) * a.d[i] * float(dot) + h2f(b[i].m) * a.d[i] * float(xsum);
   }
   return acc;

@@ -46,8 +46,7 @@ inline __m256i bits32(const uint8_t* p) {
 float dot_q8_0(const uint8_t* row, const ActRow& a, int64_t in) {
   const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row);
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < in / kQ32; ++i) {
-    prefetch_weights(b + i);
+  for (int64_t i = 0; i < in / kQ32; ++i) {  // no software prefetch: 10-15% slower with one per block (Zen 4)
     const __m256i p = dot_i8(loadu256(b[i].qs), loadu256(a.q + i * kQ32));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a.d[i]), _mm256_cvtepi32_ps(p), acc);
   }
@@ -89,7 +88,7 @@ float dot_q4_1(const uint8_t* row, const ActRow& a, int64_t in) {
     prefetch_weights(b + i);
     const __m256i p = dot_u8(nibbles32(b[i].qs), loadu256(a.q + i * kQ32));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a.d[i]), _mm256_cvtepi32_ps(p), acc);
-    acc_m += h2f(b[i].m) * a.d[i] * float(a.sum16[2 * i] + a.sum16[2 * i + 1]);
+    acc_m += h2f(b[i].m) * a.d[i] * float(a.sum32[i]);
   }
   return hsum(acc) + acc_m;
 }
@@ -103,7 +102,7 @@ float dot_q5_1(const uint8_t* row, const ActRow& a, int64_t in) {
     const __m256i h = _mm256_and_si256(bits32(b[i].qh), _mm256_set1_epi8(0x10));
     const __m256i p = dot_u8(_mm256_or_si256(nibbles32(b[i].qs), h), loadu256(a.q + i * kQ32));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a.d[i]), _mm256_cvtepi32_ps(p), acc);
-    acc_m += h2f(b[i].m) * a.d[i] * float(a.sum16[2 * i] + a.sum16[2 * i + 1]);
+    acc_m += h2f(b[i].m) * a.d[i] * float(a.sum32[i]);
   }
   return hsum(acc) + acc_m;
 }
