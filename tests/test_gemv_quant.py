@@ -80,7 +80,7 @@ def q8_bound(qtype: str, raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     return half_step @ wsum.T
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(qtype: str, out: int, inp: int, T: int, bias: bool):
     seed = zlib.crc32(repr((qtype, out, inp, T, bias)).encode())
     raw = random_rows(qtype, out, inp, seed)
