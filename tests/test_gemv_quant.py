@@ -185,6 +185,16 @@ def test_gemv_on_gguf_quantized_weights(force_scalar, qtype):
     assert ((y.double() - ref).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("qtype", [t for t in GEMV_TYPES if t in ACT_GROUP])
+def test_gemv_long_rows(force_scalar, qtype):
+    """Rows of _C.GEMV_STREAM_IN values and more take the AVX2 kernels that prefetch the weights."""
+    inp = _C.GEMV_STREAM_IN + 256
+    raw, x, b = case(qtype, 9, inp, 2, True)
+    y = run_gemv(qtype, raw, x, b, 2)
+    ref, tol = reference(qtype, raw, x, b)
+    assert ((y.double() - ref).abs() <= tol).all()
+
+
 def test_gemv_zero_activations():
     """A zero x (absmax 0: scale 0) gives the bias, on both paths."""
     raw = random_rows("Q4_K", 5, 512, 0)

@@ -15,24 +15,25 @@ namespace {
 struct Kernels {
   RowDot* scalar;
   RowDot* avx2;
-  int group;  // values per activation scale (0: the kernels read fp32 x)
+  RowDot* avx2_stream;  // avx2 with the weight prefetch of long rows
+  int group;            // values per activation scale (0: the kernels read fp32 x)
 };
 
 Kernels kernels(GgmlType t) {
   switch (t) {
-    case GgmlType::F32: return {scalar::dot_f32, avx2::dot_f32, 0};
-    case GgmlType::F16: return {scalar::dot_f16, avx2::dot_f16, 0};
-    case GgmlType::BF16: return {scalar::dot_bf16, avx2::dot_bf16, 0};
-    case GgmlType::Q8_0: return {scalar::dot_q8_0, avx2::dot_q8_0, kQ32};
-    case GgmlType::Q4_0: return {scalar::dot_q4_0, avx2::dot_q4_0, kQ32};
-    case GgmlType::Q4_1: return {scalar::dot_q4_1, avx2::dot_q4_1, kQ32};
-    case GgmlType::Q5_0: return {scalar::dot_q5_0, avx2::dot_q5_0, kQ32};
-    case GgmlType::Q5_1: return {scalar::dot_q5_1, avx2::dot_q5_1, kQ32};
-    case GgmlType::Q4_K: return {scalar::dot_q4_k, avx2::dot_q4_k, kQK};
-    case GgmlType::Q5_K: return {scalar::dot_q5_k, avx2::dot_q5_k, kQK};
-    case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, kQK};
+    case GgmlType::F32: return {scalar::dot_f32, avx2::dot_f32, avx2::dot_f32, 0};
+    case GgmlType::F16: return {scalar::dot_f16, avx2::dot_f16, avx2::dot_f16, 0};
+    case GgmlType::BF16: return {scalar::dot_bf16, avx2::dot_bf16, avx2::dot_bf16, 0};
+    case GgmlType::Q8_0: return {scalar::dot_q8_0, avx2::dot_q8_0, avx2_stream::dot_q8_0, kQ32};
+    case GgmlType::Q4_0: return {scalar::dot_q4_0, avx2::dot_q4_0, avx2_stream::dot_q4_0, kQ32};
+    case GgmlType::Q4_1: return {scalar::dot_q4_1, avx2::dot_q4_1, avx2_stream::dot_q4_1, kQ32};
+    case GgmlType::Q5_0: return {scalar::dot_q5_0, avx2::dot_q5_0, avx2_stream::dot_q5_0, kQ32};
+    case GgmlType::Q5_1: return {scalar::dot_q5_1, avx2::dot_q5_1, avx2_stream::dot_q5_1, kQ32};
+    case GgmlType::Q4_K: return {scalar::dot_q4_k, avx2::dot_q4_k, avx2_stream::dot_q4_k, kQK};
+    case GgmlType::Q5_K: return {scalar::dot_q5_k, avx2::dot_q5_k, avx2_stream::dot_q5_k, kQK};
+    case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, avx2_stream::dot_q6_k, kQK};
   }
-  return {nullptr, nullptr, 0};
+  return {nullptr, nullptr, nullptr, 0};
 }
 
 // The quantized activations of the calling thread, grown once: q [T, in], d [T, in / group], sum16 [T, in / 16],
@@ -51,7 +52,7 @@ void gemv_quant(GgmlType t, const float* x, int64_t T, int64_t in, const uint8_t
                 const float* bias, float* y, int n_threads) {
   const Kernels k = kernels(t);
   const bool use_avx = use_avx2();
-  RowDot* dot = use_avx ? k.avx2 : k.scalar;
+  RowDot* dot = !use_avx ? k.scalar : in >= kGemvStreamIn ? k.avx2_stream : k.avx2;
   const int64_t row_bytes = ggml_row_bytes(t, in);
 
   // x quantized once per call (T rows), read by every thread.

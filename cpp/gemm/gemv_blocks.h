@@ -32,6 +32,10 @@ void gemv_quant(GgmlType t, const float* x, int64_t T, int64_t in, const uint8_t
 // True when type t has kernels (both twins).
 bool gemv_quant_supported(GgmlType t);
 
+// Rows of at least this many values take the AVX2 kernels that prefetch every weight line (avx2_stream; why and
+// the measurements: avx2_blocks.h). 7-14B models' ffn_down rows (13824-18944) do, the other matrices do not.
+constexpr int64_t kGemvStreamIn = 12288;
+
 // ---- kernels: one row's dot product with one activation row, picked at run time ----
 
 struct ActRow {
@@ -51,7 +55,12 @@ RowDot dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q
 namespace avx2 {
 RowDot dot_q4_k, dot_q5_k, dot_q6_k;                      // gemv_kquants_avx2.cpp
 RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;  // gemv_q32_avx2.cpp
-RowDot dot_f32, dot_f16, dot_bf16;                        // gemv_float_avx2.cpp
+RowDot dot_f32, dot_f16, dot_bf16;                        // gemv_float_avx2.cpp (they always prefetch)
 }  // namespace avx2
+
+namespace avx2_stream {  // the same with a software prefetch of every weight line, for long rows (avx2_blocks.h)
+RowDot dot_q4_k, dot_q5_k, dot_q6_k;
+RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
+}  // namespace avx2_stream
 
 }  // namespace ktq

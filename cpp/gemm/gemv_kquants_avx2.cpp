@@ -52,13 +52,14 @@ inline float hsum128(__m128 v) {
 
 // ---- Q4_K ----
 
-float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
+template <bool kStream>
+float q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
   const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(row);
   const __m256i m4 = _mm256_set1_epi8(0xF);
   __m256 acc = _mm256_setzero_ps();
   __m128 acc_m = _mm_setzero_ps();
   for (int64_t i = 0; i < in / kQK; ++i) {
-    prefetch_weights(b + i);
+    if constexpr (kStream) prefetch_block<sizeof(*b)>(b + i);
     const __m128 dd = scales_d_dmin(&b[i].d, a.d[i]);
     const __m256i sc_mn = scales_mins(b[i].scales);
     const __m128 mins = _mm_cvtepi32_ps(mins_dot(sc_mn, a.sum32 + i * (kQK / 32)));
@@ -83,14 +84,14 @@ float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
 
 // ---- Q5_K ----
 
-float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
+template <bool kStream>
+float q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
   const BlockQ5_K* b = reinterpret_cast<const BlockQ5_K*>(row);
   const __m256i m4 = _mm256_set1_epi8(0xF), m1 = _mm256_set1_epi8(1);
   __m256 acc = _mm256_setzero_ps();
   __m128 acc_m = _mm_setzero_ps();
   for (int64_t i = 0; i < in / kQK; ++i) {
-    prefetch_weights(b + i);
-    prefetch_weights(reinterpret_cast<const uint8_t*>(b + i) + 128);  // 176-byte blocks span 3 cache lines
+    if constexpr (kStream) prefetch_block<sizeof(*b)>(b + i);
     const __m128 dd = scales_d_dmin(&b[i].d, a.d[i]);
     const __m256i sc_mn = scales_mins(b[i].scales);
     const __m128 mins = _mm_cvtepi32_ps(mins_dot(sc_mn, a.sum32 + i * (kQK / 32)));
@@ -121,12 +122,13 @@ float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
 
 // ---- Q6_K ----
 
-float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) {
+template <bool kStream>
+float q6_k(const uint8_t* row, const ActRow& a, int64_t in) {
   const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row);
   const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t i = 0; i < in / kQK; ++i) {
-    // No software prefetch: with one (or two) per block this kernel ran 25-30% slower on Zen 4.
+    if constexpr (kStream) prefetch_block<sizeof(*b)>(b + i);
     const float d = a.d[i] * h2f(b[i].d);
     const __m128i scales = loadu128(b[i].scales);  // 16 int8, one per 16 values
     // The codes are q + 32 with q in [0, 64): sum (q - 32) * x = sum q * x - 32 * sum x, the second term from the
@@ -162,4 +164,18 @@ float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) {
   return hsum(acc);
 }
 
+// ---- the kernels without and with the weight prefetch of long rows ----
+
+float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) { return q4_k<false>(row, a, in); }
+float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) { return q5_k<false>(row, a, in); }
+float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) { return q6_k<false>(row, a, in); }
+
 }  // namespace ktq::avx2
+
+namespace ktq::avx2_stream {
+
+float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q4_k<true>(row, a, in); }
+float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q5_k<true>(row, a, in); }
+float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q6_k<true>(row, a, in); }
+
+}  // namespace ktq::avx2_stream

@@ -25,6 +25,7 @@ void check_aligned(const void* p, GgmlType t, const char* name) {
 
 void bind_gemv_quant(py::module_& m) {
   m.attr("GGML_TYPES") = names_tuple(kGgmlTypeNames);  // the weight encodings read in place (gguf's names)
+  m.attr("GEMV_STREAM_IN") = kGemvStreamIn;             // rows this long take the prefetching AVX2 kernels
 
   m.def("ggml_row_bytes", [](const std::string& type, int64_t in) {
     const GgmlType t = type_arg(type);
