@@ -12,7 +12,9 @@
 // taken side by side in one run):
 //   1 thread:  weight-only 6672 us (5.0 GB/s of weights), quantized x + maddubs 2993 us (11.0 GB/s): 2.2x
 //   2 threads: weight-only 7662 us (4.3 GB/s),            quantized x + maddubs 2390 us (13.8 GB/s): 3.2x
-// and llama.cpp, which decode must match on 2 cores, takes the integer route.
+// and llama.cpp, which decode must match on 2 cores, takes the integer route. These kernels follow ggml's x Q8
+// ones; against ggml's own (its vec_dot, and the repacked q4_K_8x8 llama.cpp loads Q4_K into) side by side:
+// docs/perf-log.md, 2026-11-24.
 //
 // Threads split the rows; each output is one row's dot product summed in a fixed order, so the result does not
 // depend on the thread count. T > 1 loops over the activation rows (a few tokens; prefill has its own GEMM).
@@ -40,7 +42,7 @@ constexpr int64_t kGemvStreamIn = 12288;
 
 struct ActRow {
   const float* x;        // [in] fp32 (the float weight types read it)
-  const int8_t* q;       // [in] x quantized (quant/q8_act.h; the quantized types read these three)
+  const int8_t* q;       // [in] x quantized (quant/q8_act.h; the quantized types read these four)
   const float* d;        // [in / group] its scales
   const int16_t* sum16;  // [in / 16] sums of q over 16 values
   const int16_t* sum32;  // [in / 32] and over 32 (|sum| <= 32 * 127)
