@@ -224,3 +224,21 @@ def test_bench_memory_smoke(bundled_gguf, tmp_path, capsys):
     with pytest.raises(SystemExit):  # argparse error: names the known modes and presets
         tool.main(["--modes", "nosuchpreset"])
     assert "nosuchpreset" in capsys.readouterr().err
+
+
+def test_bench_gemv_quant_smoke(tmp_path, capsys):
+    tool = _tool("bench_gemv_quant")
+    out_json = tmp_path / "g.json"
+    rc = tool.main(["--shapes", "64x512", "--types", "Q4_K,F16", "--threads", "1,2", "--rounds", "1",
+                    "--min-mib", "0.1", "--json", str(out_json)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out_json.read_text())
+    assert {(r["type"], r["threads"]) for r in rows} == {
+        (t, n) for t in ("Q4_K", "F16", "q8_0 split") for n in (1, 2)}
+    assert all(r["us"] > 0 and r["gbps"] > 0 and r["calls"] >= 2 for r in rows)
+    assert all(r["bytes"] == {"Q4_K": 64 * 288, "F16": 64 * 1024, "q8_0 split": 64 * (512 + 64)}[r["type"]]
+               for r in rows)
+    assert "GB/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tool.main(["--types", "Q3_K"])
+    assert "Q3_K" in capsys.readouterr().err

@@ -1,0 +1,44 @@
+// Helpers of the block GEMV's AVX2 kernels (gemv_*_avx2.cpp). Include only from *_avx2.cpp files (built with
+// -mavx2 -mfma -mf16c).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace ktq::avx2 {
+
+// Software prefetch of the weight stream, for long rows only (the dispatcher picks the kernels built with it for
+// in >= kGemvStreamIn): every cache line of a block, kPrefetchBytes ahead, non-temporal. Measured on Zen 4, one
+// thread, weights from DRAM, calls of both kinds interleaved in one process: with in = 18944 (19 KB of int8 x a
+// row) the streamed weights evict x from L1 and a row-at-a-time kernel ran at half the speed of short rows
+// (wrapping x to 4 KB restored it); prefetching every line NTA, so that the weights leave L1 first, made Q4_K
+// 4048 -> 3292 us, Q6_K 6880 -> 5054, Q8_0 7244 -> 6280, Q5_0 6147 -> 4503 ([3584 x 18944]). Prefetching some
+// lines only (one per 144-byte Q4_K block) was worse than none (6.6 against 9.7 GB/s). With in = 8960, 4864 and
+// 3584 the prefetch cost 2-15%: those rows stream well with the hardware prefetchers alone.
+constexpr int64_t kPrefetchBytes = 2048;
+
+template <int kBlockBytes>
+inline void prefetch_block(const void* block) {
+  const char* p = static_cast<const char*>(block) + kPrefetchBytes;
+  for (int off = 0; off < kBlockBytes; off += 64) _mm_prefetch(p + off, _MM_HINT_NTA);
+}
+
+// Float rows: one line of 64 bytes at p (called once per 64 bytes).
+inline void prefetch_weights(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
+}
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i loadu256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline __m128i loadu128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+
+}  // namespace ktq::avx2

@@ -1,0 +1,68 @@
+// Decode GEMV over weight rows in their GGUF encoding, read in place from the mapped file:
+//   y[T, out] = x[T, in] @ dequant(W)^T (+ bias),  W: [out, row_bytes] in one GgmlType (quant/ggml_blocks.h)
+//
+// Numerics. The quantized types take ggml's route: x is quantized once per call to int8 (quant/q8_act.h: groups
+// of 32, or 256 for the K-quants) and each block's dot product is an integer one (AVX2: maddubs/madd), scaled
+// once per block or super-block. The result is dequant(W) . dequant(q8(x)) up to fp32 rounding; the extra error
+// against fp32 x is bounded in q8_act.h. F32, F16 and BF16 weights are widened to fp32 in registers and
+// multiplied by fp32 x with FMA (no activation rounding; the weights' bytes bound their speed anyway).
+// Why not weight-only for the quantized types too (widen each weight to fp32 and FMA with fp32 x, as the Q8_0
+// split-plane GEMV of gemv.h does, exact up to fp32 rounding)? Decode is bound by instructions here, not only by
+// memory: Q4_K [14336 x 4096], one token, AMD EPYC (Zen 4) with 2 cores shared with other jobs (noisy; ratios
+// taken side by side in one run):
+//   1 thread:  weight-only 6672 us (5.0 GB/s of weights), quantized x + maddubs 2993 us (11.0 GB/s): 2.2x
+//   2 threads: weight-only 7662 us (4.3 GB/s),            quantized x + maddubs 2390 us (13.8 GB/s): 3.2x
+// and llama.cpp, which decode must match on 2 cores, takes the integer route. These kernels follow ggml's x Q8
+// ones; against ggml's own (its vec_dot, and the repacked q4_K_8x8 llama.cpp loads Q4_K into) side by side:
+// docs/perf-log.md, 2026-11-24.
+//
+// Threads split the rows; each output is one row's dot product summed in a fixed order, so the result does not
+// depend on the thread count. T > 1 loops over the activation rows (a few tokens; prefill has its own GEMM).
+#pragma once
+
+#include <cstdint>
+
+#include "quant/ggml_blocks.h"
+
+namespace ktq {
+
+// W: [out, ggml_row_bytes(t, in)] bytes, x: [T, in] fp32, bias: [out] or nullptr, y: [T, out] fp32.
+// in % block_values(t) == 0; W's rows aligned to ggml_type_info(t).align (the binding checks both).
+void gemv_quant(GgmlType t, const float* x, int64_t T, int64_t in, const uint8_t* w, int64_t out,
+                const float* bias, float* y, int n_threads);
+
+// True when type t has kernels (both twins).
+bool gemv_quant_supported(GgmlType t);
+
+// Rows of at least this many values take the AVX2 kernels that prefetch every weight line (avx2_stream; why and
+// the measurements: avx2_blocks.h). 7-14B models' ffn_down rows (13824-18944) do, the other matrices do not.
+constexpr int64_t kGemvStreamIn = 12288;
+
+// ---- kernels: one row's dot product with one activation row, picked at run time ----
+
+struct ActRow {
+  const float* x;        // [in] fp32 (the float weight types read it)
+  const int8_t* q;       // [in] x quantized (quant/q8_act.h; the quantized types read these four)
+  const float* d;        // [in / group] its scales
+  const int16_t* sum16;  // [in / 16] sums of q over 16 values
+  const int16_t* sum32;  // [in / 32] and over 32 (|sum| <= 32 * 127)
+};
+
+using RowDot = float(const uint8_t* row, const ActRow& a, int64_t in);
+
+namespace scalar {  // gemv_blocks_scalar.cpp
+RowDot dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1, dot_q4_k, dot_q5_k, dot_q6_k;
+}  // namespace scalar
+
+namespace avx2 {
+RowDot dot_q4_k, dot_q5_k, dot_q6_k;                      // gemv_kquants_avx2.cpp
+RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;  // gemv_q32_avx2.cpp
+RowDot dot_f32, dot_f16, dot_bf16;                        // gemv_float_avx2.cpp (they always prefetch)
+}  // namespace avx2
+
+namespace avx2_stream {  // the same with a software prefetch of every weight line, for long rows (avx2_blocks.h)
+RowDot dot_q4_k, dot_q5_k, dot_q6_k;
+RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
+}  // namespace avx2_stream
+
+}  // namespace ktq

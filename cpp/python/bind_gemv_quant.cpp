@@ -1,0 +1,101 @@
+// ---- weights in their GGUF encoding: the block layouts, dequantization and the block GEMV
+//      (quant/ggml_blocks.h, gemm/gemv_blocks.h) ----
+#include <string>
+
+#include "gemm/gemv_blocks.h"
+#include "python/args.h"
+#include "python/bind.h"
+#include "quant/ggml_blocks.h"
+
+namespace ktq::python {
+
+namespace {
+
+GgmlType type_arg(const std::string& name) { return parse_enum<GgmlType>(name, "type", kGgmlTypeNames); }
+
+// Rows of a uint8 [rows, row_bytes] array must start where the type's fields can be read in place.
+void check_aligned(const void* p, GgmlType t, const char* name) {
+  const int align = ggml_type_info(t).align;
+  if (reinterpret_cast<uintptr_t>(p) % uintptr_t(align) != 0)
+    throw py::value_error(std::string(name) + ": " + ggml_type_name(t) + " rows must be " + std::to_string(align) +
+                          "-byte aligned");
+}
+
+}  // namespace
+
+void bind_gemv_quant(py::module_& m) {
+  m.attr("GGML_TYPES") = names_tuple(kGgmlTypeNames);  // the weight encodings read in place (gguf's names)
+  m.attr("GEMV_STREAM_IN") = kGemvStreamIn;             // rows this long take the prefetching AVX2 kernels
+
+  m.def("ggml_row_bytes", [](const std::string& type, int64_t in) {
+    const GgmlType t = type_arg(type);
+    const int bv = ggml_type_info(t).block_values;
+    if (in < 0 || in % bv != 0)
+      throw py::value_error("in: " + std::string(ggml_type_name(t)) + " rows hold a multiple of " +
+                            std::to_string(bv) + " values, got " + std::to_string(in));
+    return ggml_row_bytes(t, in);
+  }, py::arg("type"), py::arg("in"), "Bytes of one row of `in` values in the ggml encoding `type`.");
+
+  m.def("dequantize_rows", [](const std::string& type, const py::handle& raw_obj) {
+    const GgmlType t = type_arg(type);
+    auto raw = ndim_arg<uint8_t>(raw_obj, "raw", 2);
+    const GgmlTypeInfo info = ggml_type_info(t);
+    const int64_t rows = raw.shape(0), row_bytes = raw.shape(1);
+    if (row_bytes % info.block_bytes != 0)
+      throw py::value_error("raw: a " + std::string(ggml_type_name(t)) + " row is whole blocks of " +
+                            std::to_string(info.block_bytes) + " bytes, got rows of " + std::to_string(row_bytes));
+    check_aligned(raw.data(), t, "raw");
+    const int64_t in = row_bytes / info.block_bytes * info.block_values;
+    py::array_t<float> y({rows, in});
+    const uint8_t* src = raw.data();
+    float* dst = y.mutable_data();
+    {
+      py::gil_scoped_release nogil;
+      for (int64_t r = 0; r < rows; ++r) dequantize_row(t, src + r * row_bytes, in, dst + r * in);
+    }
+    return y;
+  }, py::arg("type"), py::arg("raw"),
+     "raw uint8 [rows, row_bytes] in the ggml encoding `type` -> fp32 [rows, in] (as gguf's dequantizer).");
+
+  m.def("gemv_quant", [](const py::handle& x_obj, const py::handle& w_obj, const std::string& type,
+                         const py::handle& bias_obj, const py::handle& y_obj, int n_threads) {
+    const GgmlType t = type_arg(type);
+    if (!gemv_quant_supported(t))
+      throw py::value_error("type '" + type + "': no GEMV kernels for this encoding");
+    auto x = ndim_arg<float>(x_obj, "x", 2);
+    auto w = ndim_arg<uint8_t>(w_obj, "w", 2);
+    auto y = ndim_arg<float>(y_obj, "y", 2);
+    const int64_t T = x.shape(0), in = x.shape(1), out = w.shape(0);
+    const GgmlTypeInfo info = ggml_type_info(t);
+    if (in % info.block_values != 0)
+      throw py::value_error("x: the input dimension (" + std::to_string(in) + ") must be a multiple of " +
+                            std::to_string(info.block_values) + " for " + ggml_type_name(t) + " weights");
+    if (w.shape(1) != ggml_row_bytes(t, in))
+      throw py::value_error("w: expected rows of " + std::to_string(ggml_row_bytes(t, in)) + " bytes (" +
+                            std::to_string(in / info.block_values) + " " + ggml_type_name(t) + " blocks of " +
+                            std::to_string(info.block_bytes) + " bytes for in = " + std::to_string(in) +
+                            "), got " + std::to_string(w.shape(1)));
+    check_aligned(w.data(), t, "w");
+    if (y.shape(0) != T || y.shape(1) != out)
+      throw py::value_error("y: expected [" + std::to_string(T) + ", " + std::to_string(out) + "], got [" +
+                            std::to_string(y.shape(0)) + ", " + std::to_string(y.shape(1)) + "]");
+    const float* bp = nullptr;
+    if (!bias_obj.is_none()) {
+      auto b = ndim_arg<float>(bias_obj, "bias", 1);
+      if (b.shape(0) != out)
+        throw py::value_error("bias: expected [" + std::to_string(out) + "], got [" + std::to_string(b.shape(0)) +
+                              "]");
+      bp = b.data();
+    }
+    check_threads(n_threads);
+    const float* xp = x.data();
+    const uint8_t* wp = w.data();
+    float* yp = y.mutable_data();
+    py::gil_scoped_release nogil;
+    gemv_quant(t, xp, T, in, wp, out, bp, yp, n_threads);
+  }, py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias"), py::arg("y"), py::arg("n_threads"),
+     "y[T, out] = x[T, in] @ dequant(w)^T (+ bias), w uint8 [out, row_bytes] in the ggml encoding `type`, read "
+     "in place; quantized types quantize x to int8 per 32 (256 for K-quants) values first.");
+}
+
+}  // namespace ktq::python
