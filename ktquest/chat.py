@@ -49,6 +49,7 @@ class SessionStats:
     context_tokens: int
     max_seq_len: int
     kv_cache_bytes: int
+    load_s: float  # the engine's load: reading the file, building the model and its cache
     prompt_tokens: int  # prefilled over all turns
     new_tokens: int  # generated over all turns
     prefill_s: float
@@ -132,7 +133,7 @@ class ChatSession:
         eng = self.engine
         held = eng.cache.pos if eng.cache_owner is self else 0
         return SessionStats(turns=len(self._turns), context_tokens=held, max_seq_len=eng.max_seq_len,
-                            kv_cache_bytes=eng.cache.nbytes(),
+                            kv_cache_bytes=eng.cache.nbytes(), load_s=eng.load_s,
                             prompt_tokens=sum(t.prompt_tokens for t in self._turns),
                             new_tokens=sum(t.new_tokens for t in self._turns),
                             prefill_s=sum(t.prefill_s for t in self._turns),

@@ -307,6 +307,7 @@ def _stats_table(session) -> Table:
     t.add_row("turns", str(s.turns))
     t.add_row("context", f"{s.context_tokens} / {s.max_seq_len} tokens")
     t.add_row("KV cache", f"{s.kv_cache_bytes / 2**20:.1f} MiB")
+    t.add_row("model load", f"{s.load_s:.2f} s")
     t.add_row("prefilled", f"{s.prompt_tokens} tokens in {s.prefill_s:.2f} s")
     t.add_row("generated", f"{s.new_tokens} tokens in {s.decode_s:.2f} s")
     if s.last is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class Engine:
     """A loaded model ready to generate.  Build with ``ktquest.load``."""
 
     def __init__(self, config: Config, model_path: Path):
+        t0 = time.perf_counter()
         self.config = config
         self.model_path = model_path
         torch.set_num_threads(config.resolved_threads())
@@ -51,6 +53,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
         self.cache_owner: ChatSession | None = None  # the conversation whose tokens the cache holds
+        self.load_s = time.perf_counter() - t0  # reading, building and caching: what a user waits for
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
                  on_progress: ProgressCallback | None = None, should_stop: Callable[[], bool] | None = None,

@@ -58,6 +58,7 @@ def test_interactive_subprocess(tiny_llama):
     assert r.returncode == 0, r.stderr
     assert "turns" in r.stdout and "context" in r.stdout
     assert re.search(STATS, r.stdout)
+    assert re.search(r"model load\s+\d+\.\d\d s", r.stdout)
 
 
 # ---- in process (fast): interactive through stdin, errors ----

@@ -81,6 +81,7 @@ def test_multi_turn_reuses_the_cache(smol):
     assert fresh.stats.prompt_tokens == len(whole)
     assert (fresh.text, fresh.stats.context_tokens) == (second.text, second.stats.context_tokens)
     assert s.stats().turns == 2
+    assert s.stats().load_s == smol.load_s > 0  # /stats shows the load time
 
 
 def test_prompt_too_long_changes_nothing(smol):
