@@ -14,22 +14,20 @@ Derandomized (the same examples every run, no example database): a few tens of s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
 import re
-import signal
 import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import _bounded_process
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from test_model_args import tiny_model_parts, write_model
@@ -50,29 +48,9 @@ SECONDS = 10.0  # for one example in the test process; the slowest load of the t
 CHILD_BYTES = 4 << 30  # address space of a CLI child: torch's imports need ~2 GiB of it
 
 
-class Hung(BaseException):
-    """Raised by ``_bounded`` when time is up (a BaseException: no ``except Exception`` stops it)."""
-
-
-@contextlib.contextmanager
-def _bounded(seconds: float = SECONDS, extra_bytes: int = 1 << 30) -> Iterator[None]:
-    """While the block runs (main thread, Linux): the address space capped at its size + ``extra_bytes`` and
-    ``Hung`` raised after ``seconds``."""
-    def hung(signum: int, frame: object) -> None:
-        raise Hung(f"still running after {seconds} s")
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    size = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
-    cap = size + extra_bytes if hard == resource.RLIM_INFINITY else min(size + extra_bytes, hard)
-    previous = signal.signal(signal.SIGALRM, hung)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+def _bounded(extra_bytes: int = 1 << 30):
+    """conftest's guard with this file's time limit: the address space capped, ``Hung`` after SECONDS."""
+    return _bounded_process(SECONDS, extra_bytes)
 
 
 def _one_line(e: BaseException) -> str:
