@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "common/cpu_features.h"
-#include "common/thread_pool.h"
+#include "gemm/row_tiles.h"
 #include "quant/q8_act.h"
 
 namespace ktq {
@@ -77,23 +77,11 @@ void gemv_quant(GgmlType t, const float* x, int64_t T, int64_t in, const uint8_t
     return {x + r * in, q + r * in, d + r * (in / k.group), sum16 + r * (in / 16), sum32 + r * (in / 32)};
   };
 
-  // Two contiguous row ranges per thread, as in gemv.cpp: each thread reads long forward streams that the
-  // prefetchers follow. The ranges depend on n_threads, the result does not.
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(int64_t(n_threads) * 2, out / 64));
-  const int64_t rows_per_task = (out + n_tasks - 1) / n_tasks;
-  auto task = [&](int64_t c) {
-    const int64_t o0 = std::min(out, c * rows_per_task), o1 = std::min(out, o0 + rows_per_task);
-    // T > 1: every activation row over 64 weight rows while they are in L1/L2.
-    for (int64_t r0 = o0; r0 < o1; r0 += 64) {
-      const int64_t r1 = std::min(o1, r0 + 64);
-      for (int64_t r = 0; r < T; ++r) {
-        const ActRow a = act(r);
-        float* yr = y + r * out;
-        for (int64_t o = r0; o < r1; ++o) yr[o] = dot(w + o * row_bytes, a, in) + (bias ? bias[o] : 0.f);
-      }
-    }
-  };
-  ThreadPool::global().parallel_for(n_tasks, n_threads, task);
+  for_row_tiles(T, out, n_threads, [&](int64_t r, int64_t r0, int64_t r1) {
+    const ActRow a = act(r);
+    float* yr = y + r * out;
+    for (int64_t o = r0; o < r1; ++o) yr[o] = dot(w + o * row_bytes, a, in) + (bias ? bias[o] : 0.f);
+  });
 }
 
 }  // namespace ktq
