@@ -183,9 +183,16 @@ class Config:
     mode: Literal["dense", "long_context"] = "dense"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: fp16 on CUDA, fp32 on CPU
-    # CPU decode matmuls: "q8_0" runs the int8 weight-only GEMV of ktquest._C (a quarter of the fp32
-    # bytes per token); "fp32" uses torch. "auto" = q8_0 on CPU, unused on CUDA.
-    decode_weights: Literal["auto", "fp32", "q8_0"] = "auto"
+    # How the weights are held: "gguf" keeps each matrix in the file's encoding (Q4_K, Q8_0, ...), mapped and
+    # read in place by the native kernels (CPU, float32 activations); "dequantize" converts every weight to
+    # `dtype` (the reference path; CUDA's). "auto" = gguf on the CPU in float32, dequantize otherwise.
+    weights: Literal["auto", "gguf", "dequantize"] = "auto"
+    # How decode multiplies activations by GGUF-encoded weights: "int8" rounds x to int8 per 32 or 256 values
+    # and takes integer dot products (ggml's route: 2-3x the speed on 7B Q4_K rows); "fp32" multiplies the
+    # unrounded x (weight-only kernels; the K-quants keep int8). Small models have thin logit margins: int8 x
+    # flips the bundled SmolLM2's greedy answer (as it does under llama.cpp) and costs them little speed.
+    # "auto" = fp32 for models under 1B parameters, int8 from 1B up.
+    activations: Literal["auto", "int8", "fp32"] = "auto"
     threads: int = 0  # CPU threads for torch and the operators; 0 = all cores
     chunk_size: int = 512  # prefill chunk, tokens
     # KV capacity, tokens; 0 = the model's trained context, at most 32768 (args.resolve_max_seq_len)

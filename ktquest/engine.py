@@ -22,7 +22,8 @@ from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import check_cache_fits
 from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
-from ktquest.native.decode import use_decode_weights
+from ktquest.layers.linear import set_fp32_x
+from ktquest.native.decode import use_native_decode
 
 
 class PromptTooLongError(ValueError):
@@ -44,12 +45,12 @@ class Engine:
         self.max_seq_len = resolve_max_seq_len(self.args, config.max_seq_len)
         # refuse before any allocation (the weights included), with the figure
         check_cache_fits(config, self.args, self.max_seq_len, self.device, self.dtype)
-        self.model = build_model(contents, self.device, self.dtype, self.max_seq_len)
+        self.weights = _pick_weights(config.weights, self.device, self.dtype)
+        self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf")
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
-        decode = config.decode_weights
-        if decode == "auto":
-            decode = "q8_0" if self.device.type == "cpu" and self.dtype == torch.float32 else "fp32"
-        use_decode_weights(self.model, decode, config.resolved_threads())
+        self.activations = _pick_activations(config.activations, self.args)
+        set_fp32_x(self.model, self.activations == "fp32")
+        use_native_decode(self.model, config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
         self.cache_owner: ChatSession | None = None  # the conversation whose tokens the cache holds
@@ -182,6 +183,27 @@ def _pick_device(name: str) -> torch.device:
         raise ConfigError(f"device={name!r} is not allowed: CUDA is not available to torch "
                           f"{torch.__version__}; use 'cpu' or 'auto'")
     return torch.device(name)
+
+
+def _pick_activations(name: str, args) -> str:
+    """"int8" or "fp32" (Config.activations): auto = fp32 under 1B parameters."""
+    if name != "auto":
+        return name
+    return "fp32" if args.n_params < ACTIVATIONS_FP32_BELOW else "int8"
+
+
+ACTIVATIONS_FP32_BELOW = 1_000_000_000  # parameters
+
+
+def _pick_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"gguf" or "dequantize" (Config.weights); ConfigError for gguf off the CPU or not in float32."""
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    if name == "auto":
+        return "gguf" if cpu_fp32 else "dequantize"
+    if name == "gguf" and not cpu_fp32:
+        raise ConfigError(f"weights: gguf runs on the CPU in float32, not on {device.type} in "
+                          f"{str(dtype).removeprefix('torch.')} (use weights: dequantize)")
+    return name
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:

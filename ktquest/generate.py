@@ -48,7 +48,7 @@ def _as_tokens(tokens: Sequence[int] | torch.Tensor, device: torch.device) -> to
 
 
 def _device(model: torch.nn.Module) -> torch.device:
-    return model.tok_embeddings.device
+    return model.device
 
 
 @torch.inference_mode()

@@ -34,7 +34,7 @@ def _one_error_line(stderr: str, *needles: str) -> None:
 
 
 def test_message_bundled_model(bundled_gguf):
-    r = _run("--message", "What is the capital of France?", "--max-new-tokens", "8", "--set", "decode_weights=fp32",
+    r = _run("--message", "What is the capital of France?", "--max-new-tokens", "8",
              "--temperature", "0")  # greedy: the golden answer
     assert r.returncode == 0, r.stderr
     assert r.stdout == "The capital of France is Paris.\n"  # plain text: no markup, no escape codes

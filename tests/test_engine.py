@@ -25,7 +25,7 @@ FOLLOW_UP_TOKENS = 14  # "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_star
 
 @pytest.fixture(scope="module")
 def smol(bundled_gguf):
-    return ktquest.load(bundled_gguf, decode_weights="fp32", max_seq_len=1024, max_new_tokens=48)
+    return ktquest.load(bundled_gguf, weights="dequantize", max_seq_len=1024, max_new_tokens=48)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +53,12 @@ def test_golden_reply(smol):
     assert s.prefill_tok_s > 0 and s.decode_tok_s > 0
 
 
-def test_golden_reply_on_the_default_q8_0_decode_path(bundled_gguf):
-    # What `ktquest chat` runs out of the box: decode matmuls through the int8 weight-only GEMV.
+def test_golden_reply_on_the_default_gguf_weights(bundled_gguf):
+    # What `ktquest chat` runs out of the box: the file's Q4_1 weights read in place (no fp32 copy), the
+    # decode step native, prefill on dequantized panels.
     eng = ktquest.load(bundled_gguf, max_seq_len=256, max_new_tokens=16)
-    assert eng.config.decode_weights == "auto" and eng.device.type == "cpu"
+    assert eng.config.weights == "auto" and eng.weights == "gguf" and eng.device.type == "cpu"
+    assert eng.model.native is not None and eng.model.layers[0].attn.wqkv.quant.parts[0][0] == "Q4_1"
     assert eng.chat_session().send(QUESTION).text == GOLDEN_REPLY
 
 

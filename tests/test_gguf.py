@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from conftest import TINY_SPECS, gguf_metadata, hf_to_gguf_tensors, permute_qk, write_gguf
 
 from ktquest.formats.gguf import GGUFError, dequantize_tensor, open_gguf
-from ktquest.models.loader import read_gguf, unpermute_qk
+from ktquest.models.loader import qk_perm, read_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -175,12 +176,17 @@ def test_rope_scaling_args(tiny_models):
     assert llama3.type == "llama3" and len(llama3.freq_factors) == 8 and max(llama3.freq_factors) == 8.0
 
 
-@pytest.mark.parametrize("n_heads", [1, 3])
-def test_unpermute_inverts_the_converter(n_heads):
-    w = np.random.default_rng(0).standard_normal((n_heads * 8, 5)).astype(np.float32)
-    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, n_heads), n_heads), w)
-    b = w[:, 0].copy()  # biases [rows] too
-    np.testing.assert_array_equal(unpermute_qk(permute_qk(b, n_heads), n_heads), b)
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(1, 1), (3, 1), (4, 2)])
+def test_qk_perm_inverts_the_converter(n_heads, n_kv_heads):
+    """The gather the model applies to a llama file's q | k | v projection undoes the converter's permutation
+    of q and k (per head) and leaves v."""
+    d = 8
+    a = SimpleNamespace(arch="llama", n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((h * d, 5)).astype(np.float32) for h in (n_heads, n_kv_heads, n_kv_heads))
+    in_file = np.concatenate([permute_qk(q, n_heads), permute_qk(k, n_kv_heads), v])
+    np.testing.assert_array_equal(in_file[qk_perm(a).numpy()], np.concatenate([q, k, v]))
+    assert qk_perm(SimpleNamespace(arch="qwen2")) is None
 
 
 # ---- bad inputs: GGUFError names the file and the problem ----

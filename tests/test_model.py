@@ -149,9 +149,11 @@ def test_last_only_is_the_last_row(tiny_llama):
 
 def test_tied_embeddings_share_storage(tiny_models):
     tied, _ = load_model(tiny_models("llama_tied").path)
-    assert tied.tok_embeddings.data_ptr() == tied.output.weight.data_ptr()
+    assert tied.tok_embeddings.weight.data_ptr() == tied.output.weight.data_ptr()
     untied, _ = load_model(tiny_models("llama").path)
-    assert untied.tok_embeddings.data_ptr() != untied.output.weight.data_ptr()
+    assert untied.tok_embeddings.weight.data_ptr() != untied.output.weight.data_ptr()
+    tied, _ = load_model(tiny_models("llama_tied").path, encoded=True)  # one mapping of the file's table
+    assert tied.tok_embeddings.quant is tied.output.quant is not None
 
 
 def test_positions_past_the_rope_tables_raise(tiny_llama):
@@ -191,13 +193,10 @@ def test_bundled_model_greedy_next_token(bundled_gguf):
 
 def test_native_decode_matches_the_torch_block(tiny_model):
     """The native decode step (the blocks' native stages around the cache's attention, native RMSNorm and LM
-    head GEMV) gives the logits of the torch ops on the same Q8_0 weights (every tiny model: biases, tied
+    head GEMV) gives the logits of the torch ops on the same encoded weights (every tiny model: biases, tied
     embeddings, each RoPE scaling), over decode steps after a chunked prefill."""
-    from ktquest.layers.linear import set_decode_weights
-
     path, _ = tiny_model
-    model, _ = load_model(path)
-    assert set_decode_weights(model, "q8_0", threads=2) > 0
+    model, _ = load_model(path, encoded=True)
     tokens = prompt_ids(40, model.args.vocab_size)
     runs = []
     for native in (None, NativeDecoder.build(model, threads=2)):
@@ -212,11 +211,9 @@ def test_native_decode_matches_the_torch_block(tiny_model):
 
 
 def test_native_decode_refuses_bad_tokens_and_positions(tiny_llama):
-    from ktquest.layers.linear import set_decode_weights
-
     model, _ = load_model(tiny_llama.path, max_seq_len=4)
-    assert NativeDecoder.build(model, threads=1) is None  # no Q8_0 copies: decode_one_token takes forward()
-    set_decode_weights(model, "q8_0", threads=1)
+    assert NativeDecoder.build(model, threads=1) is None  # dequantized weights: decode_one_token takes forward()
+    model, _ = load_model(tiny_llama.path, max_seq_len=4, encoded=True)
     nat = NativeDecoder.build(model, threads=1)
     cache = make_cache(model, 8)
     V = model.args.vocab_size
@@ -233,13 +230,13 @@ def test_native_decode_refuses_bad_tokens_and_positions(tiny_llama):
     assert cache.pos == 4
 
 
-def test_native_decode_needs_every_q8_weight(tiny_llama):
-    from ktquest.layers.linear import set_decode_weights
+def test_native_decode_needs_every_weight_encoded(tiny_llama):
+    from ktquest.layers.linear import Linear
 
-    model, _ = load_model(tiny_llama.path)
-    set_decode_weights(model, "q8_0", threads=1)
+    model, _ = load_model(tiny_llama.path, encoded=True)
     assert NativeDecoder.build(model, threads=1) is not None
-    model.layers[1].ffn.w_down.disable_q8()
+    down = model.layers[1].ffn.w_down
+    model.layers[1].ffn.w_down = Linear(torch.from_numpy(down.quant.dequantize()))
     assert NativeDecoder.build(model, threads=1) is None
 
 
@@ -247,10 +244,8 @@ def test_native_decode_layer_checks_its_arguments(tiny_llama):
     import numpy as np
 
     from ktquest import _C
-    from ktquest.layers.linear import set_decode_weights
 
-    model, _ = load_model(tiny_llama.path)
-    set_decode_weights(model, "q8_0", threads=1)
+    model, _ = load_model(tiny_llama.path, encoded=True)
     layer = NativeDecoder.build(model, threads=1).blocks[0]
     block = model.layers[0]
     a = block.attn
@@ -261,9 +256,9 @@ def test_native_decode_layer_checks_its_arguments(tiny_llama):
                                                              np.float32), 1)
     with pytest.raises(ValueError, match="n_threads"):
         layer.out(np.zeros(a.n_heads * a.head_dim, np.float32), np.zeros(dim, np.float32), 0)
-    packs = [m.q8 for m in (a.wqkv, a.wo, block.ffn.w_gate_up, block.ffn.w_down)]
+    packs = [m.qm for m in (a.wqkv, a.wo, block.ffn.w_gate_up, block.ffn.w_down)]
     norm = block.attn_norm.weight.numpy()
-    with pytest.raises(ValueError, match="wo.q: expected shape"):  # wqkv where wo belongs
+    with pytest.raises(ValueError, match=r"wo: expected \["):  # wqkv where wo belongs
         _C.DecodeLayer(norm, norm, 1e-5, packs[0], packs[0], packs[2], packs[3], a.n_heads, a.n_kv_heads, a.head_dim)
     with pytest.raises(ValueError, match="multiple of n_kv_heads"):
         _C.DecodeLayer(norm, norm, 1e-5, *packs, a.n_heads + 1, a.n_kv_heads, a.head_dim)

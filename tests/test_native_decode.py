@@ -15,7 +15,6 @@ from ktquest.config import Config, load_config
 from ktquest.generate import prefill
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.store import KVStore
-from ktquest.layers.linear import set_decode_weights
 from ktquest.models.loader import load_model
 from ktquest.native.decode import NativeDecoder
 
@@ -37,10 +36,9 @@ def preset(name: str, **lc_overrides) -> Config:
 ])
 def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
     """A whole token in one native call (the cache's plan) gives the logits, the selections and the call
-    statistics of the block-by-block path (qkv stage, cache.attend, out stage) on the same Q8_0 weights."""
+    statistics of the block-by-block path (qkv stage, cache.attend, out stage) on the same weights."""
 
-    model, _ = load_model(tiny_llama.path)
-    assert set_decode_weights(model, "q8_0", threads=2) > 0
+    model, _ = load_model(tiny_llama.path, encoded=True)
     native = NativeDecoder.build(model, threads=2)
     lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=3, preselect_block_count=6,
               dense_layer_num=1, kv_type="FP16", anchor_num=2)
@@ -127,8 +125,7 @@ def test_a_refused_decode_step_changes_nothing():
 def test_a_refused_token_rolls_back_every_layer(tiny_llama):
     """decode_token_long_context is all or nothing: when layer i refuses the token (here its store is full),
     the layers before it lose the token again (store length, window rows) and x is restored."""
-    model, _ = load_model(tiny_llama.path)
-    set_decode_weights(model, "q8_0", threads=1)
+    model, _ = load_model(tiny_llama.path, encoded=True)
     layers = NativeDecoder.build(model, threads=1).blocks
     a, L = model.args, model.args.n_layers
     assert L >= 2
@@ -154,8 +151,11 @@ def test_decode_layer_takes_any_even_head_dim():
     rng = np.random.default_rng(0)
     dim, D, ffn = 32, 1056, 64
 
-    def q8(out, inp):
-        return (*_C.quantize_q8_0(rng.standard_normal((out, inp)).astype(np.float32)), None)
+    mats = {}
+
+    def q8(out, inp):  # an F32 matrix read in place (the name is the old Q8_0 pack's)
+        mats[out, inp] = rng.standard_normal((out, inp)).astype(np.float32)
+        return _C.QuantMatrix([("F32", mats[out, inp].view(np.uint8))])
 
     ones = np.ones(dim, np.float32)
     wqkv = q8(3 * D, dim)
@@ -165,13 +165,24 @@ def test_decode_layer_takes_any_even_head_dim():
     cos, sin = np.cos(ang), np.sin(ang)
     out = np.zeros(3 * D, np.float32)
     layer.qkv(x, cos, sin, out, 1)
-    w = wqkv[0].astype(np.float64) * np.repeat(wqkv[1], 32, axis=1)  # dequantised [3D, dim]
+    w = mats[3 * D, dim].astype(np.float64)  # [3D, dim]
     xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5)
-    ref = w @ xn
-    for h in range(2):  # rotate-half RoPE on q and k: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i]
-        r = ref[h * D : (h + 1) * D]
-        ref[h * D : (h + 1) * D] = r * cos + np.roll(r, -D // 2) * sin
-    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+    def rope(ref):
+        for h in range(2):  # rotate-half RoPE on q and k: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i]
+            r = ref[h * D : (h + 1) * D]
+            ref[h * D : (h + 1) * D] = r * cos + np.roll(r, -D // 2) * sin
+        return ref
+
+    np.testing.assert_allclose(out, rope(w @ xn), rtol=1e-4, atol=1e-4)
+    # qkv_perm: the projection gathered before RoPE (a llama file's interleaved q/k rows)
+    perm = rng.permutation(3 * D).astype(np.int32)
+    layer = _C.DecodeLayer(ones, ones, 1e-5, wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), 1, 1, D, perm)
+    layer.qkv(x, cos, sin, out, 1)
+    np.testing.assert_allclose(out, rope((w @ xn)[perm]), rtol=1e-4, atol=1e-4)
+    for bad in (perm[:-1], np.zeros(3 * D, np.int32)):
+        with pytest.raises(ValueError, match="qkv_perm"):
+            _C.DecodeLayer(ones, ones, 1e-5, wqkv, q8(dim, D), q8(2 * ffn, dim), q8(dim, ffn), 1, 1, D, bad)
     for args, match in [((1, 1, 0), "head_dim=0 must be even"), ((1, 1, 7), "head_dim=7 must be even"),
                         ((3, 2, 64), "n_heads=3 must be a positive multiple of n_kv_heads=2"),
                         ((0, 1, 64), "n_heads=0")]:
@@ -184,8 +195,7 @@ def test_decode_layer_takes_any_even_head_dim():
 def test_native_token_step_checks_every_layer_first(tiny_llama):
     """decode_token_long_context checks every layer's arguments before the first layer runs."""
 
-    model, _ = load_model(tiny_llama.path)
-    set_decode_weights(model, "q8_0", threads=1)
+    model, _ = load_model(tiny_llama.path, encoded=True)
     layers = NativeDecoder.build(model, threads=1).blocks
     a, L = model.args, model.args.n_layers
     cache = LongContextCache(a, preset("quest", block_size=4, init_windows_len=4, local_windows_len=8), 64)

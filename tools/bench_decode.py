@@ -90,7 +90,7 @@ class KtquestRunner:
     def row(self) -> dict:
         c = self.eng.config
         return dict(engine="ktquest", label=self.label, mode=c.mode, config=self.config_path or "default",
-                    chunk_size=c.chunk_size, decode_weights=c.decode_weights, sampling=self.sampling)
+                    chunk_size=c.chunk_size, weights=c.weights, sampling=self.sampling)
 
 
 class LlamaCppRunner:

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if eng.config.mode != "long_context":
         ap.error(f"--config {a.config}: mode is {eng.config.mode!r}, not long_context")
     if eng.model.native is None:
-        ap.error("the native decode step is off (decode_weights: fp32, or not on the CPU): nothing to profile")
+        ap.error("the native decode step is off (weights: dequantize, or not on the CPU): nothing to profile")
     torch.set_num_threads(a.threads)
     cache, store = eng.cache, eng.cache.store
     n_dense = eng.config.long_context.dense_layer_num

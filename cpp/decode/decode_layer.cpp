@@ -6,7 +6,6 @@
 
 #include "common/checked.h"
 #include "common/finite.h"
-#include "gemm/gemv.h"
 
 namespace ktq {
 
@@ -36,15 +35,33 @@ DecodeLayer::DecodeLayer(const DecodeLayerWeights& w) : w_(w) {
                                 " for these heads");
   if (!(w.eps >= 0.f)) throw std::invalid_argument("eps=" + std::to_string(w.eps) + " must be >= 0");
   check_finite(w.eps, "eps");
+  if (!w.qkv_perm.empty()) {
+    if (int64_t(w.qkv_perm.size()) != hs.qkv)
+      throw std::invalid_argument("qkv_perm has " + std::to_string(w.qkv_perm.size()) + " entries, wqkv " +
+                                  std::to_string(hs.qkv) + " rows");
+    std::vector<bool> seen(size_t(hs.qkv), false);
+    for (int32_t i : w.qkv_perm) {
+      if (i < 0 || i >= hs.qkv || seen[size_t(i)])
+        throw std::invalid_argument("qkv_perm is not a permutation of the wqkv rows (entry " + std::to_string(i) +
+                                    ")");
+      seen[size_t(i)] = true;
+    }
+    proj_.resize(size_t(hs.qkv));
+  }
   xn_.resize(size_t(w.wqkv.in));
   h_.resize(size_t(w.w_gate_up.out));
   rope_.resize(size_t(w.head_dim));
 }
 
 void DecodeLayer::qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads) {
-  const Q8Matrix& m = w_.wqkv;
+  const QuantMatrix& m = w_.wqkv;
   rms_norm(x, w_.attn_norm, m.in, w_.eps, xn_.data());
-  gemv_q8_0(xn_.data(), 1, m.in, m.q, m.d, m.out, m.bias, qkv, n_threads);
+  if (w_.qkv_perm.empty()) {
+    gemv_matrix(m, xn_.data(), 1, qkv, n_threads);
+  } else {
+    gemv_matrix(m, xn_.data(), 1, proj_.data(), n_threads);
+    for (int64_t i = 0; i < m.out; ++i) qkv[i] = proj_[size_t(w_.qkv_perm[size_t(i)])];
+  }
   // RoPE, rotate-half: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i] on each q and k head (v untouched).
   const int D = w_.head_dim, half = D / 2;
   float* tmp = rope_.data();  // one head
@@ -58,15 +75,15 @@ void DecodeLayer::qkv(const float* x, const float* cos, const float* sin, float*
 void DecodeLayer::out(const float* attn, float* x, int n_threads) {
   const int64_t dim = w_.wo.out, ffn = w_.w_down.in;
   // x += Wo attn (xn_ holds the projection, then the normed residual)
-  gemv_q8_0(attn, 1, w_.wo.in, w_.wo.q, w_.wo.d, dim, w_.wo.bias, xn_.data(), n_threads);
+  gemv_matrix(w_.wo, attn, 1, xn_.data(), n_threads);
   for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
   rms_norm(x, w_.ffn_norm, dim, w_.eps, xn_.data());
-  gemv_q8_0(xn_.data(), 1, dim, w_.w_gate_up.q, w_.w_gate_up.d, 2 * ffn, w_.w_gate_up.bias, h_.data(), n_threads);
+  gemv_matrix(w_.w_gate_up, xn_.data(), 1, h_.data(), n_threads);
   for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = silu(gate) * up
     const float g = h_[i];
     h_[i] = g / (1.f + std::exp(-g)) * h_[ffn + i];
   }
-  gemv_q8_0(h_.data(), 1, ffn, w_.w_down.q, w_.w_down.d, dim, w_.w_down.bias, xn_.data(), n_threads);
+  gemv_matrix(w_.w_down, h_.data(), 1, xn_.data(), n_threads);
   for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
 }
 

@@ -1,35 +1,33 @@
-// One transformer block's decode step (one token) around its attention, for the CPU fp32 path with
-// Q8_0 weights: ~25 small torch ops a layer, whose per-op cost outweighed the layer's GEMVs on the bundled
-// model, become two native calls.
+// One transformer block's decode step (one token) around its attention, for the CPU path with the weights
+// in their GGUF encoding: ~25 small torch ops a layer, whose per-op cost outweighed the layer's GEMVs on the
+// bundled model, become two native calls.
 //
 //   qkv stage:  xn = rmsnorm(x) * attn_norm;  qkv = Wqkv xn (+ b);  RoPE on the q and k heads
 //   (attention: the cache's, between the stages: dense or long-context)
 //   out stage:  x += Wo attn;  xn = rmsnorm(x) * ffn_norm;  [g | u] = Wgu xn;  x += Wdown (silu(g) * u)
 //
 // The same math as ktquest/models/llama.py (pre-norm residual block, SwiGLU, rotate-half RoPE whose sin
-// table carries the rotate-half sign), in fp32; the GEMVs are gemv_q8_0's (deterministic, threaded).
+// table carries the rotate-half sign), in fp32; the GEMVs are gemv_matrix's (gemm/gemv_blocks.h: deterministic,
+// threaded). llama files store each q/k head's rows interleaved (ggml's RoPE); qkv_perm then gathers the
+// projection into the rotate-half order before RoPE, as the model's Linear does.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-namespace ktq {
+#include "gemm/gemv_blocks.h"
 
-struct Q8Matrix {  // Q8_0 weight [out, in] (gemm/gemv.h) and an optional bias [out]
-  const int8_t* q = nullptr;
-  const float* d = nullptr;
-  const float* bias = nullptr;
-  int64_t out = 0, in = 0;
-};
+namespace ktq {
 
 struct DecodeLayerWeights {
   const float* attn_norm = nullptr;  // [dim]
   const float* ffn_norm = nullptr;   // [dim]
   float eps = 1e-5f;
-  Q8Matrix wqkv;     // [(H + 2 KVH) * D, dim]: rows q | k | v
-  Q8Matrix wo;       // [dim, H * D]
-  Q8Matrix w_gate_up;  // [2 * ffn, dim]: rows gate | up
-  Q8Matrix w_down;   // [dim, ffn]
+  QuantMatrix wqkv;       // [(H + 2 KVH) * D, dim]: rows q | k | v
+  std::vector<int32_t> qkv_perm;  // empty, or [(H + 2 KVH) * D]: qkv[i] = projection[qkv_perm[i]]
+  QuantMatrix wo;         // [dim, H * D]
+  QuantMatrix w_gate_up;  // [2 * ffn, dim]: rows gate | up
+  QuantMatrix w_down;     // [dim, ffn]
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
 };
 
@@ -43,7 +41,8 @@ HeadShape head_shape(int n_heads, int n_kv_heads, int head_dim);
 
 class DecodeLayer {
  public:
-  // Checks w's heads (head_shape) against its matrices and eps (finite, >= 0): std::invalid_argument.
+  // Checks w's heads (head_shape) against its matrices, qkv_perm (a permutation of the qkv rows) and eps
+  // (finite, >= 0): std::invalid_argument.
   explicit DecodeLayer(const DecodeLayerWeights& w);
   // x: [dim], cos/sin: [D] (the token's RoPE row) -> qkv: [(H + 2 KVH) * D], q and k rotated.
   void qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads);
@@ -58,6 +57,7 @@ class DecodeLayer {
   DecodeLayerWeights w_;
   std::vector<float> xn_, h_;  // normed input [dim]; FFN hidden [2 * ffn]
   std::vector<float> rope_;    // one head rotated [D]
+  std::vector<float> proj_;    // the qkv projection before qkv_perm [(H + 2 KVH) * D] (llama files)
 };
 
 // y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], n values (mean accumulated in double).

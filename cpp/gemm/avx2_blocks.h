@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace ktq::avx2 {
 
@@ -40,5 +41,23 @@ inline float hsum(__m256 v) {
 
 inline __m256i loadu256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline __m128i loadu128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+
+// 16 bytes of nibbles -> 32 bytes: the low nibbles (values 0..15), then the high ones (values 16..31).
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i v = loadu128(p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0xF));
+}
+
+// 32 bits (little-endian) -> 32 bytes, 0xFF where the bit is set: byte j picks byte j / 8 of the word, sets every
+// bit but bit j % 8, and compares with all ones.
+inline __m256i bits32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(v)),
+      _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+  const __m256i others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+  return _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1));
+}
 
 }  // namespace ktq::avx2

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/cpu_features.h"
+#include "common/thread_pool.h"
 #include "gemm/row_tiles.h"
 #include "quant/q8_act.h"
 
@@ -18,6 +19,18 @@ struct Kernels {
   RowDot* avx2_stream;  // avx2 with the weight prefetch of long rows
   int group;            // values per activation scale (0: the kernels read fp32 x)
 };
+
+// The weight-only kernels of the 32-value block types (fp32 x); {} for the others.
+Kernels fx_kernels(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q8_0: return {scalar_fx::dot_q8_0, avx2_fx::dot_q8_0, avx2_fx::dot_q8_0, 0};
+    case GgmlType::Q4_0: return {scalar_fx::dot_q4_0, avx2_fx::dot_q4_0, avx2_fx::dot_q4_0, 0};
+    case GgmlType::Q4_1: return {scalar_fx::dot_q4_1, avx2_fx::dot_q4_1, avx2_fx::dot_q4_1, 0};
+    case GgmlType::Q5_0: return {scalar_fx::dot_q5_0, avx2_fx::dot_q5_0, avx2_fx::dot_q5_0, 0};
+    case GgmlType::Q5_1: return {scalar_fx::dot_q5_1, avx2_fx::dot_q5_1, avx2_fx::dot_q5_1, 0};
+    default: return {nullptr, nullptr, nullptr, 0};
+  }
+}
 
 Kernels kernels(GgmlType t) {
   switch (t) {
@@ -48,40 +61,93 @@ struct ActScratch {
 
 bool gemv_quant_supported(GgmlType t) { return kernels(t).scalar != nullptr; }
 
+namespace {
+
+// x quantized for one activation group (32 or 256): the calling thread's scratch, grown once.
+ActScratch& quantized_act(int slot, int group, const float* x, int64_t T, int64_t in) {
+  thread_local ActScratch scratch[2];
+  ActScratch& s = scratch[slot];
+  if (int64_t(s.q.size()) < T * in) s.q.resize(size_t(T * in));
+  if (int64_t(s.d.size()) < T * in / group) s.d.resize(size_t(T * in / group));
+  if (int64_t(s.sum16.size()) < T * in / 16) s.sum16.resize(size_t(T * in / 16));
+  if (int64_t(s.sum32.size()) < T * in / 32) s.sum32.resize(size_t(T * in / 32));
+  for (int64_t r = 0; r < T; ++r)
+    quantize_act(x + r * in, in, group, s.q.data() + r * in, s.d.data() + r * (in / group),
+                 s.sum16.data() + r * (in / 16));
+  for (int64_t j = 0; j < T * in / 32; ++j) s.sum32[j] = int16_t(s.sum16[2 * j] + s.sum16[2 * j + 1]);
+  return s;
+}
+
+// One part as the row loop reads it: its first row, its kernel and where its activation rows are.
+struct PartPlan {
+  const uint8_t* w;
+  int64_t row0, row1, row_bytes;
+  RowDot* dot;
+  const ActScratch* act;  // nullptr: fp32 x
+  int group;
+};
+
+}  // namespace
+
+void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
+  const bool use_avx = use_avx2();
+  const int64_t in = m.in, out = m.out;
+  // x quantized once per group the parts need (slot 0: 32 values, slot 1: 256), before the threads start.
+  const ActScratch* acts[2] = {nullptr, nullptr};
+  std::vector<PartPlan> plan;
+  plan.reserve(m.parts.size());
+  int64_t row = 0;
+  for (const QuantPart& p : m.parts) {
+    const Kernels fx = m.fp32_x ? fx_kernels(p.type) : Kernels{nullptr, nullptr, nullptr, 0};
+    const Kernels k = fx.scalar ? fx : kernels(p.type);
+    const int slot = k.group == kQK ? 1 : 0;
+    if (k.group > 0 && acts[slot] == nullptr) acts[slot] = &quantized_act(slot, k.group, x, T, in);
+    RowDot* dot = !use_avx ? k.scalar : in >= kGemvStreamIn ? k.avx2_stream : k.avx2;
+    plan.push_back({p.w, row, row + p.rows, ggml_row_bytes(p.type, in), dot, k.group > 0 ? acts[slot] : nullptr,
+                    k.group});
+    row += p.rows;
+  }
+  // The pointers are taken above: a thread_local named inside the task would be each worker's own (empty) one.
+  for_row_tiles(T, out, n_threads, [&](int64_t r, int64_t r0, int64_t r1) {
+    float* yr = y + r * out;
+    for (const PartPlan& p : plan) {
+      const int64_t a0 = std::max(r0, p.row0), a1 = std::min(r1, p.row1);
+      if (a0 >= a1) continue;
+      ActRow a{x + r * in, nullptr, nullptr, nullptr, nullptr};
+      if (p.act) {
+        const ActScratch& s = *p.act;
+        a = {x + r * in, s.q.data() + r * in, s.d.data() + r * (in / p.group), s.sum16.data() + r * (in / 16),
+             s.sum32.data() + r * (in / 32)};
+      }
+      for (int64_t o = a0; o < a1; ++o)
+        yr[o] = p.dot(p.w + (o - p.row0) * p.row_bytes, a, in) + (m.bias ? m.bias[o] : 0.f);
+    }
+  });
+}
+
+void dequantize_matrix_rows(const QuantMatrix& m, int64_t r0, int64_t r1, float* out, int n_threads) {
+  const int64_t n = r1 - r0, in = m.in;
+  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_threads, n / 8));
+  ThreadPool::global().parallel_for(n_tasks, n_threads, [&](int64_t c) {
+    const int64_t a = r0 + n * c / n_tasks, b = r0 + n * (c + 1) / n_tasks;
+    int64_t row0 = 0;
+    for (const QuantPart& p : m.parts) {
+      const int64_t row_bytes = ggml_row_bytes(p.type, in);
+      for (int64_t o = std::max(a, row0); o < std::min(b, row0 + p.rows); ++o)
+        dequantize_row(p.type, p.w + (o - row0) * row_bytes, in, out + (o - r0) * in);
+      row0 += p.rows;
+    }
+  });
+}
+
 void gemv_quant(GgmlType t, const float* x, int64_t T, int64_t in, const uint8_t* w, int64_t out,
                 const float* bias, float* y, int n_threads) {
-  const Kernels k = kernels(t);
-  const bool use_avx = use_avx2();
-  RowDot* dot = !use_avx ? k.scalar : in >= kGemvStreamIn ? k.avx2_stream : k.avx2;
-  const int64_t row_bytes = ggml_row_bytes(t, in);
-
-  // x quantized once per call (T rows), read by every thread.
-  thread_local ActScratch s;
-  if (k.group > 0) {
-    if (int64_t(s.q.size()) < T * in) s.q.resize(size_t(T * in));
-    if (int64_t(s.d.size()) < T * in / k.group) s.d.resize(size_t(T * in / k.group));
-    if (int64_t(s.sum16.size()) < T * in / 16) s.sum16.resize(size_t(T * in / 16));
-    if (int64_t(s.sum32.size()) < T * in / 32) s.sum32.resize(size_t(T * in / 32));
-    for (int64_t r = 0; r < T; ++r)
-      quantize_act(x + r * in, in, k.group, s.q.data() + r * in, s.d.data() + r * (in / k.group),
-                   s.sum16.data() + r * (in / 16));
-    for (int64_t j = 0; j < T * in / 32; ++j) s.sum32[j] = int16_t(s.sum16[2 * j] + s.sum16[2 * j + 1]);
-  }
-  // The pointers are taken here: a thread_local named inside the task would be each worker's own (empty) one.
-  const int8_t* q = s.q.data();
-  const float* d = s.d.data();
-  const int16_t* sum16 = s.sum16.data();
-  const int16_t* sum32 = s.sum32.data();
-  auto act = [&](int64_t r) -> ActRow {
-    if (k.group == 0) return {x + r * in, nullptr, nullptr, nullptr, nullptr};
-    return {x + r * in, q + r * in, d + r * (in / k.group), sum16 + r * (in / 16), sum32 + r * (in / 32)};
-  };
-
-  for_row_tiles(T, out, n_threads, [&](int64_t r, int64_t r0, int64_t r1) {
-    const ActRow a = act(r);
-    float* yr = y + r * out;
-    for (int64_t o = r0; o < r1; ++o) yr[o] = dot(w + o * row_bytes, a, in) + (bias ? bias[o] : 0.f);
-  });
+  QuantMatrix m;
+  m.parts.push_back({t, w, out});
+  m.bias = bias;
+  m.out = out;
+  m.in = in;
+  gemv_matrix(m, x, T, y, n_threads);
 }
 
 }  // namespace ktq

@@ -21,10 +21,36 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "quant/ggml_blocks.h"
 
 namespace ktq {
+
+// A weight matrix [out, in] as the file stores it: one or more parts of whole rows stacked in order, each in
+// its own encoding (a fused projection such as q | k | v whose tensors a Q4_K_M file quantizes differently),
+// read in place; bias [out] or nullptr. Borrowed pointers: the owner keeps the mapped file alive.
+struct QuantPart {
+  GgmlType type = GgmlType::F32;
+  const uint8_t* w = nullptr;  // [rows, ggml_row_bytes(type, in)]
+  int64_t rows = 0;
+};
+struct QuantMatrix {
+  std::vector<QuantPart> parts;
+  const float* bias = nullptr;
+  int64_t out = 0, in = 0;  // out = the parts' rows
+  // Multiply fp32 x (weight-only kernels, no activation rounding) where the part's type has them: the 32-value
+  // block types. The K-quants always take the int8 route. Why a choice: ktquest/config.py (activations).
+  bool fp32_x = false;
+};
+
+// y[T, out] = x[T, in] @ dequant(m)^T (+ bias): gemv_quant over every part in one threaded pass (x quantized
+// once per activation group the parts need).
+void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
+
+// out[r1 - r0, in] = dequant(rows [r0, r1) of m) in fp32 (as gguf's dequantizer), rows split across threads:
+// the panel a prefill chunk multiplies (ktquest/layers/linear.py). 0 <= r0 <= r1 <= m.out.
+void dequantize_matrix_rows(const QuantMatrix& m, int64_t r0, int64_t r1, float* out, int n_threads);
 
 // W: [out, ggml_row_bytes(t, in)] bytes, x: [T, in] fp32, bias: [out] or nullptr, y: [T, out] fp32.
 // in % block_values(t) == 0; W's rows aligned to ggml_type_info(t).align (the binding checks both).
@@ -59,6 +85,13 @@ RowDot dot_q4_k, dot_q5_k, dot_q6_k;                      // gemv_kquants_avx2.c
 RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;  // gemv_q32_avx2.cpp
 RowDot dot_f32, dot_f16, dot_bf16;                        // gemv_float_avx2.cpp (they always prefetch)
 }  // namespace avx2
+
+namespace scalar_fx {  // weight-only: fp32 x (gemv_blocks_scalar.cpp; AVX2: gemv_q32_fx_avx2.cpp)
+RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
+}  // namespace scalar_fx
+namespace avx2_fx {
+RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
+}  // namespace avx2_fx
 
 namespace avx2_stream {  // the same with a software prefetch of every weight line, for long rows (avx2_blocks.h)
 RowDot dot_q4_k, dot_q5_k, dot_q6_k;

@@ -184,3 +184,31 @@ float dot_bf16(const uint8_t* row, const ActRow& a, int64_t in) {
 }
 
 }  // namespace ktq::scalar
+
+// ---- weight-only twins (fp32 x) of the 32-value block types: each block dequantized (as gguf does) and
+//      multiplied with x, the block's sum added to the row's (the AVX2 kernels: gemv_q32_fx_avx2.cpp) ----
+
+namespace ktq::scalar_fx {
+
+namespace {
+template <GgmlType kType>
+float dot(const uint8_t* row, const ActRow& a, int64_t in) {
+  const int bytes = ggml_type_info(kType).block_bytes;
+  float acc = 0.f, w[kQ32];
+  for (int64_t i = 0; i < in / kQ32; ++i) {
+    dequantize_row(kType, row + i * bytes, kQ32, w);
+    float s = 0.f;
+    for (int j = 0; j < kQ32; ++j) s += w[j] * a.x[i * kQ32 + j];
+    acc += s;
+  }
+  return acc;
+}
+}  // namespace
+
+float dot_q8_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q8_0>(row, a, in); }
+float dot_q4_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q4_0>(row, a, in); }
+float dot_q4_1(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q4_1>(row, a, in); }
+float dot_q5_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q5_0>(row, a, in); }
+float dot_q5_1(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q5_1>(row, a, in); }
+
+}  // namespace ktq::scalar_fx

@@ -2,8 +2,6 @@
 // after ggml's x Q8_0 kernels: a block's 32 weight codes are expanded to one byte each and multiplied with the 32
 // int8 activations by maddubs + madd (int32 lanes), converted and scaled by d_w * d_x once per block. Compiled
 // with -mavx2 -mfma -mf16c, called only when use_avx2().
-#include <cstring>
-
 #include "gemm/avx2_blocks.h"
 #include "gemm/gemv_blocks.h"
 
@@ -21,24 +19,6 @@ inline __m256i dot_i8(__m256i w, __m256i x) {
 // Unsigned codes (< 32) . signed x as 8 int32 lanes (pairs at most 2 * 31 * 127).
 inline __m256i dot_u8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-
-// 16 bytes of nibbles -> 32 bytes: the low nibbles (values 0..15), then the high ones (values 16..31).
-inline __m256i nibbles32(const uint8_t* p) {
-  const __m128i v = loadu128(p);
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0xF));
-}
-
-// 32 bits (little-endian) -> 32 bytes, 0xFF where the bit is set: byte j picks byte j / 8 of the word, sets every
-// bit but bit j % 8, and compares with all ones.
-inline __m256i bits32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(int(v)),
-      _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
-  const __m256i others = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
-  return _mm256_cmpeq_epi8(others, _mm256_set1_epi64x(-1));
 }
 
 }  // namespace

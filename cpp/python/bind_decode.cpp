@@ -9,8 +9,8 @@
 #include "kvstore/kv_store.h"
 #include "python/args.h"
 #include "python/bind.h"
+#include "python/quant_matrix.h"
 #include "python/step_args.h"
-#include "quant/qgroup.h"
 
 namespace ktq::python {
 
@@ -22,23 +22,16 @@ struct PyDecodeLayer {
   std::unique_ptr<DecodeLayer> layer;
 };
 
-Q8Matrix q8_matrix(PyDecodeLayer& L, const py::handle& q_obj, const py::handle& d_obj, const py::handle& b_obj,
-                   const char* name, int64_t out, int64_t in) {
-  const std::string n(name);
-  auto q = array_arg<int8_t>(q_obj, (n + ".q").c_str(), {out, in});
-  auto d = array_arg<float>(d_obj, (n + ".d").c_str(), {out, in / kQGroup});
-  Q8Matrix m;
-  m.q = q.data();
-  m.d = d.data();
-  m.out = out;
-  m.in = in;
-  L.keep.push_back(q);
-  L.keep.push_back(d);
-  if (!b_obj.is_none()) {
-    auto b = array_arg<float>(b_obj, (n + ".bias").c_str(), {out});
-    m.bias = b.data();
-    L.keep.push_back(b);
-  }
+// A matrix argument: a QuantMatrix of [out, in] (-1: any), kept alive by the layer.
+const QuantMatrix& matrix_arg(PyDecodeLayer& L, const py::handle& obj, const char* name, int64_t out, int64_t in) {
+  if (!py::isinstance<PyQuantMatrix>(obj))
+    throw py::type_error(std::string(name) + ": expected a QuantMatrix, got " +
+                         py::str(py::type::of(obj)).cast<std::string>());
+  const QuantMatrix& m = obj.cast<const PyQuantMatrix&>().m;
+  if ((out >= 0 && m.out != out) || m.in != in)
+    throw py::value_error(std::string(name) + ": expected [" + (out >= 0 ? std::to_string(out) : "any") + ", " +
+                          std::to_string(in) + "], got [" + std::to_string(m.out) + ", " + std::to_string(m.in) + "]");
+  L.keep.push_back(py::reinterpret_borrow<py::object>(obj));
   return m;
 }
 
@@ -56,36 +49,32 @@ void layer_check(const PyDecodeLayer& L, const KVStore& st, int index) {
 
 void bind_decode(py::module_& m) {
   py::class_<PyDecodeLayer>(m, "DecodeLayer",
-                            "One block's decode step around attention, with Q8_0 weights (cpp/decode/decode_layer.h).")
-      .def(py::init([](const py::handle& attn_norm, const py::handle& ffn_norm, float eps, py::tuple wqkv,
-                       py::tuple wo, py::tuple w_gate_up, py::tuple w_down, int n_heads, int n_kv_heads,
-                       int head_dim) {
+                            "One block's decode step around attention, on GGUF-encoded weights (cpp/decode/decode_layer.h).")
+      .def(py::init([](const py::handle& attn_norm, const py::handle& ffn_norm, float eps, const py::handle& wqkv,
+                       const py::handle& wo, const py::handle& w_gate_up, const py::handle& w_down, int n_heads,
+                       int n_kv_heads, int head_dim, const py::handle& qkv_perm) {
              const HeadShape hs = head_shape(n_heads, n_kv_heads, head_dim);  // ValueError / OverflowError
-             for (auto* t : {&wqkv, &wo, &w_gate_up, &w_down})
-               if (py::len(*t) != 3) throw py::value_error("each weight is a tuple (q, d, bias or None)");
              auto L = std::make_unique<PyDecodeLayer>();
              auto an = array_arg<float>(attn_norm, "attn_norm", {-1});
              const int64_t dim = check_positive(an.shape(0), "attn_norm: dim");
              auto fn = array_arg<float>(ffn_norm, "ffn_norm", {dim});
-             if (dim % kQGroup != 0 || hs.attn % kQGroup != 0)
-               throw py::value_error("dim and n_heads * head_dim must be multiples of 32 (Q8_0 groups)");
-             const py::handle gu_q = w_gate_up[0];
-             if (!py::isinstance<py::array>(gu_q) || py::array(py::reinterpret_borrow<py::object>(gu_q)).ndim() != 2)
-               throw py::value_error("w_gate_up.q: expected a 2-D int8 array [2 * ffn, dim]");
-             const int64_t two_ffn = py::array(py::reinterpret_borrow<py::object>(gu_q)).shape(0);
-             if (check_positive(two_ffn, "w_gate_up.q: 2 * ffn rows") % 64 != 0)
-               throw py::value_error("w_gate_up.q: 2 * ffn rows must be a multiple of 64, got " +
-                                     std::to_string(two_ffn));
              DecodeLayerWeights w;
              w.attn_norm = an.data();
              w.ffn_norm = fn.data();
              L->keep.push_back(an);
              L->keep.push_back(fn);
              w.eps = eps;
-             w.wqkv = q8_matrix(*L, wqkv[0], wqkv[1], wqkv[2], "wqkv", hs.qkv, dim);
-             w.wo = q8_matrix(*L, wo[0], wo[1], wo[2], "wo", dim, hs.attn);
-             w.w_gate_up = q8_matrix(*L, w_gate_up[0], w_gate_up[1], w_gate_up[2], "w_gate_up", two_ffn, dim);
-             w.w_down = q8_matrix(*L, w_down[0], w_down[1], w_down[2], "w_down", dim, two_ffn / 2);
+             w.wqkv = matrix_arg(*L, wqkv, "wqkv", hs.qkv, dim);
+             w.wo = matrix_arg(*L, wo, "wo", dim, hs.attn);
+             w.w_gate_up = matrix_arg(*L, w_gate_up, "w_gate_up", -1, dim);
+             const int64_t two_ffn = w.w_gate_up.out;
+             if (two_ffn % 2 != 0)
+               throw py::value_error("w_gate_up: expected 2 * ffn rows (gate | up), got " + std::to_string(two_ffn));
+             w.w_down = matrix_arg(*L, w_down, "w_down", dim, two_ffn / 2);
+             if (!qkv_perm.is_none()) {
+               auto p = array_arg<int32_t>(qkv_perm, "qkv_perm", {hs.qkv});
+               w.qkv_perm.assign(p.data(), p.data() + hs.qkv);
+             }
              w.n_heads = n_heads;
              w.n_kv_heads = n_kv_heads;
              w.head_dim = head_dim;
@@ -93,7 +82,8 @@ void bind_decode(py::module_& m) {
              return L;
            }),
            py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("wo"),
-           py::arg("w_gate_up"), py::arg("w_down"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"))
+           py::arg("w_gate_up"), py::arg("w_down"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
+           py::arg("qkv_perm") = py::none())
       .def("qkv", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj, const py::handle& sin_obj,
                      const py::handle& out_obj, int n_threads) {
              const int64_t D = L.layer->weights().head_dim;

@@ -1,10 +1,13 @@
 // ---- weights in their GGUF encoding: the block layouts, dequantization and the block GEMV
 //      (quant/ggml_blocks.h, gemm/gemv_blocks.h) ----
+#include <memory>
 #include <string>
 
+#include "common/checked.h"
 #include "gemm/gemv_blocks.h"
 #include "python/args.h"
 #include "python/bind.h"
+#include "python/quant_matrix.h"
 #include "quant/ggml_blocks.h"
 
 namespace ktq::python {
@@ -21,9 +24,90 @@ void check_aligned(const void* p, GgmlType t, const char* name) {
                           "-byte aligned");
 }
 
+// parts: a list of (type, uint8 [rows, row_bytes]) stacked in order; the input dimension is the first part's
+// and every part must agree with it.
+std::unique_ptr<PyQuantMatrix> quant_matrix(const py::list& parts, const py::handle& bias_obj, bool fp32_x) {
+  if (py::len(parts) == 0) throw py::value_error("parts: a matrix needs at least one part");
+  auto M = std::make_unique<PyQuantMatrix>();
+  M->m.fp32_x = fp32_x;
+  for (size_t i = 0; i < py::len(parts); ++i) {
+    const std::string what = "parts[" + std::to_string(i) + "]";
+    if (!py::isinstance<py::tuple>(parts[i]) || py::len(parts[i]) != 2)
+      throw py::type_error(what + ": expected a tuple (type, uint8 array [rows, row_bytes])");
+    py::tuple p = parts[i];
+    const GgmlType t = type_arg(py::cast<std::string>(p[0]));
+    if (!gemv_quant_supported(t)) throw py::value_error(what + ": no GEMV kernels for " + ggml_type_name(t));
+    auto w = ndim_arg<uint8_t>(p[1], what.c_str(), 2);
+    const GgmlTypeInfo info = ggml_type_info(t);
+    if (w.shape(1) == 0 || w.shape(1) % info.block_bytes != 0)
+      throw py::value_error(what + ": a " + ggml_type_name(t) + " row is whole blocks of " +
+                            std::to_string(info.block_bytes) + " bytes, got rows of " + std::to_string(w.shape(1)));
+    const int64_t in = w.shape(1) / info.block_bytes * info.block_values;
+    if (i > 0 && in != M->m.in)
+      throw py::value_error(what + ": rows of " + std::to_string(in) + " values, the matrix's are " +
+                            std::to_string(M->m.in));
+    check_aligned(w.data(), t, what.c_str());
+    M->m.in = in;
+    M->m.parts.push_back({t, w.data(), w.shape(0)});
+    M->m.out = checked_add<int64_t>(M->m.out, w.shape(0), "matrix rows");
+    M->keep.push_back(w);
+  }
+  if (!bias_obj.is_none()) {
+    auto b = array_arg<float>(bias_obj, "bias", {M->m.out});
+    M->m.bias = b.data();
+    M->keep.push_back(b);
+  }
+  return M;
+}
+
 }  // namespace
 
 void bind_gemv_quant(py::module_& m) {
+  py::class_<PyQuantMatrix>(m, "QuantMatrix",
+                            "A weight [out, in] in its GGUF encoding, read in place: parts of whole rows stacked in "
+                            "order, each (type, uint8 [rows, row_bytes]), and a bias [out] or None; fp32_x: the 32-value block types "
+                            "multiply unrounded x (weight-only kernels), the others int8 x.")
+      .def(py::init(&quant_matrix), py::arg("parts"), py::arg("bias") = py::none(), py::arg("fp32_x") = false)
+      .def_property_readonly("fp32_x", [](const PyQuantMatrix& M) { return M.m.fp32_x; })
+      .def_property_readonly("out_features", [](const PyQuantMatrix& M) { return M.m.out; })
+      .def_property_readonly("in_features", [](const PyQuantMatrix& M) { return M.m.in; })
+      .def_property_readonly("types", [](const PyQuantMatrix& M) {
+        py::list l;
+        for (const QuantPart& p : M.m.parts) l.append(ggml_type_name(p.type));
+        return l;
+      });
+
+  m.def("gemv_matrix", [](const PyQuantMatrix& M, const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
+    auto x = ndim_arg<float>(x_obj, "x", 2);
+    const int64_t T = x.shape(0);
+    if (x.shape(1) != M.m.in)
+      throw py::value_error("x: expected [T, " + std::to_string(M.m.in) + "], got [" + std::to_string(T) + ", " +
+                            std::to_string(x.shape(1)) + "]");
+    auto y = array_arg<float>(y_obj, "y", {T, M.m.out});
+    check_threads(n_threads);
+    const float* xp = x.data();
+    float* yp = y.mutable_data();
+    py::gil_scoped_release nogil;
+    gemv_matrix(M.m, xp, T, yp, n_threads);
+  }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
+     "y[T, out] = x[T, in] @ dequant(m)^T (+ bias), every part in one threaded pass.");
+
+  m.def("dequantize_matrix", [](const PyQuantMatrix& M, int64_t r0, int64_t r1, const py::handle& out_obj,
+                                int n_threads) {
+    if (r0 < 0 || r1 < r0 || r1 > M.m.out)
+      throw py::index_error("rows [" + std::to_string(r0) + ", " + std::to_string(r1) + ") are outside the " +
+                            std::to_string(M.m.out) + " rows of the matrix");
+    auto out = ndim_arg<float>(out_obj, "out", 2);
+    if (out.shape(0) < r1 - r0 || out.shape(1) != M.m.in)
+      throw py::value_error("out: expected at least [" + std::to_string(r1 - r0) + ", " + std::to_string(M.m.in) +
+                            "], got [" + std::to_string(out.shape(0)) + ", " + std::to_string(out.shape(1)) + "]");
+    check_threads(n_threads);
+    float* op = out.mutable_data();
+    py::gil_scoped_release nogil;
+    dequantize_matrix_rows(M.m, r0, r1, op, n_threads);
+  }, py::arg("m"), py::arg("r0"), py::arg("r1"), py::arg("out"), py::arg("n_threads"),
+     "out[:r1 - r0] = rows [r0, r1) of m dequantized to fp32 (the bias is not added).");
+
   m.attr("GGML_TYPES") = names_tuple(kGgmlTypeNames);  // the weight encodings read in place (gguf's names)
   m.attr("GEMV_STREAM_IN") = kGemvStreamIn;             // rows this long take the prefetching AVX2 kernels
 

@@ -1,75 +1,164 @@
 """Linear layers of the model: one place that decides how a weight is multiplied.
 
-On CUDA and for prefill chunks this is ``torch.nn.functional.linear`` on the fp32/fp16 weight. On the
-CPU, single-token decode is bound by reading the weights, so each layer can also hold a Q8_0 copy
-(int8 in groups of 32 with an fp32 scale: 1.125 bytes a weight instead of 4) that the AVX2 GEMV of
-``ktquest._C`` multiplies (``decode_weights: q8_0``). Only the weights are rounded (the activation stays
-fp32), so decode logits differ from the fp32 path by a few tenths of a percent.
+A weight is either a torch tensor (``weights: dequantize``: the reference path, and CUDA) or a
+``QuantWeight``: the tensor as the GGUF file stores it (Q4_K, Q6_K, Q8_0, F16, ...), memory-mapped and
+read in place, never copied to fp32. On a ``QuantWeight``:
+
+- a few tokens (decode) take ``_C.gemv_matrix``: AVX2 integer dot products on the encoded rows, x quantized
+  to int8 per 32 or 256 values as ggml does (``cpp/gemm/gemv_blocks.h``), or, with ``activations: fp32``,
+  weight-only kernels that multiply the unrounded x (the 32-value block types);
+- a prefill chunk dequantizes a panel of rows at a time (``_C.dequantize_matrix``, about 8 MB of fp32) and
+  multiplies it with torch's fp32 GEMM: the transient panel is all the fp32 a layer ever holds.
+
+A fused projection (q | k | v, gate | up) is several tensors stacked by rows, each in its own encoding
+(Q4_K_M files quantize ``attn_v`` and some ``ffn_down`` to Q6_K): a ``QuantWeight`` of several parts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ktquest import _C
 
-# Rows up to this many tokens take the GEMV path; longer chunks are compute-bound and go to torch.
+# Rows up to this many tokens take the GEMV path; longer chunks are compute-bound and take the GEMM.
 GEMV_MAX_TOKENS = 4
+# fp32 values in one dequantized panel of a prefill chunk's GEMM (8 MB).
+PANEL_VALUES = 1 << 21
 
 
-class Linear(torch.nn.Module):
-    """y = x @ W.T (+ b).  weight: [out, in], bias: [out] or None."""
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """A weight [out, in] in its GGUF encoding: parts of whole rows stacked in order.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        # The Q8_0 copy for CPU decode: (qw int8 [out, in], dw fp32 [out, in/32], bias numpy or None)
-        self.q8: tuple | None = None
-        self.threads = 1
+    parts: (type, uint8 [rows, row_bytes]) each, the type one of ``_C.GGML_TYPES`` (gguf's names), the array
+    a view of the mapped file (read-only) or, for a type converted at load, its Q8_0 bytes.
+    """
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
+    parts: tuple[tuple[str, np.ndarray], ...]
+    in_features: int
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return sum(p.shape[0] for _, p in self.parts)
 
-    def enable_q8(self, threads: int) -> bool:
-        """Quantize a Q8_0 copy of the weight for CPU decode; False when this layer can't use it."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % _C.Q8_GROUP != 0:
-            return False
-        qw, dw = _C.quantize_q8_0(w.detach().contiguous().numpy())
-        b = None if self.bias is None else self.bias.detach().contiguous().numpy()
-        self.q8 = (qw, dw, b)
-        self.threads = max(1, threads)
-        return True
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for _, p in self.parts)
 
-    def disable_q8(self) -> None:
-        self.q8 = None
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """fp32 [len(ids), in]: the rows ``ids`` dequantized (an embedding lookup; one part only)."""
+        (t, data), = self.parts
+        return _C.dequantize_rows(t, np.ascontiguousarray(data[ids]))
+
+    def dequantize(self) -> np.ndarray:
+        """fp32 [out, in]: every row (tests, and the ``dequantize`` path)."""
+        return np.concatenate([_C.dequantize_rows(t, p) for t, p in self.parts])
+
+
+def stack_rows(*ws: torch.Tensor | QuantWeight) -> torch.Tensor | QuantWeight:
+    """Matrices [out_i, in] stacked by rows (a fused projection): torch.cat, or one QuantWeight of their parts."""
+    if all(isinstance(w, QuantWeight) for w in ws):
+        return QuantWeight(parts=tuple(p for w in ws for p in w.parts), in_features=ws[0].in_features)
+    return torch.cat(ws)
+
+
+class Linear(torch.nn.Module):
+    """y = x @ W.T (+ b), then the output columns gathered by ``out_perm`` when given.
+
+    weight: a torch tensor [out, in] or a ``QuantWeight``; bias: [out] or None (fp32 for a QuantWeight);
+    out_perm: int64 [out] or None (llama files' q/k rows: ``models/loader.py``).
+    """
+
+    def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
+                 out_perm: torch.Tensor | None = None):
+        super().__init__()
+        self.quant: QuantWeight | None = weight if isinstance(weight, QuantWeight) else None
+        self.qm = None  # the native matrix of a QuantWeight (_C.QuantMatrix)
+        if self.quant is not None:
+            self.weight = None
+            b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+            self.bias = None if b is None else torch.nn.Parameter(b, requires_grad=False)
+            self.use_fp32_x(False)
+        else:
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+            self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("out_perm", out_perm, persistent=False)
+        self.threads = max(1, torch.get_num_threads())
+
+    def use_fp32_x(self, fp32_x: bool) -> None:
+        """How the decode GEMV multiplies x (a QuantWeight only): rounded to int8 as ggml does (False), or
+        unrounded through weight-only kernels where the type has them (True; Config.activations)."""
+        b = None if self.bias is None else self.bias.detach().numpy()
+        self.qm = _C.QuantMatrix(list(self.quant.parts), b, fp32_x=fp32_x)
+
+    @property
+    def in_features(self) -> int:
+        return self.quant.in_features if self.quant is not None else self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.quant.out_features if self.quant is not None else self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        if self.q8 is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == torch.float32:
-            qw, dw, b = self.q8
-            y = torch.empty(x.shape[0], qw.shape[0], dtype=torch.float32)
-            _C.gemv_q8_0(x.contiguous().numpy(), qw, dw, b, y.numpy(), self.threads)
-            return y
-        return F.linear(x, self.weight, self.bias)
+        if self.quant is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            x = x.to(torch.float32).contiguous()
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            if x.shape[0] <= GEMV_MAX_TOKENS:
+                _C.gemv_matrix(self.qm, x.numpy(), y.numpy(), self.threads)
+            else:
+                self._gemm(x, y)
+        return y if self.out_perm is None else y.index_select(1, self.out_perm)
+
+    def _gemm(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[T, out] = x @ W.T (+ b), W dequantized a panel of rows at a time."""
+        n, k = self.out_features, self.in_features
+        step = max(16, min(n, PANEL_VALUES // k))
+        panel = torch.empty(step, k, dtype=torch.float32)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            _C.dequantize_matrix(self.qm, r0, r1, panel.numpy(), self.threads)
+            b = None if self.bias is None else self.bias[r0:r1]
+            y[:, r0:r1] = F.linear(x, panel[: r1 - r0], b)
 
 
-def set_decode_weights(model: torch.nn.Module, mode: str, threads: int) -> int:
-    """Give every ``Linear`` of ``model`` the decode path ``mode`` ("q8_0" or "fp32").
-
-    Returns the number of layers that use Q8_0 (0 for "fp32", or off the CPU / not fp32).
-    """
-    n = 0
+def set_threads(model: torch.nn.Module, threads: int) -> None:
+    """The threads every ``Linear`` of ``model`` gives its native matmuls."""
     for m in model.modules():
         if isinstance(m, Linear):
-            if mode == "q8_0":
-                n += m.enable_q8(threads)
-            else:
-                m.disable_q8()
-    return n
+            m.threads = max(1, threads)
+
+
+def set_fp32_x(model: torch.nn.Module, fp32_x: bool) -> None:
+    """``Linear.use_fp32_x`` on every encoded Linear of ``model`` (before its native decoder is built)."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.quant is not None:
+            m.use_fp32_x(fp32_x)
+
+
+class Embedding(torch.nn.Module):
+    """Token ids -> rows of the embedding table [V, dim]: a torch tensor, or a ``QuantWeight`` whose rows are
+    dequantized as they are looked up."""
+
+    def __init__(self, table: torch.Tensor | QuantWeight):
+        super().__init__()
+        self.quant: QuantWeight | None = table if isinstance(table, QuantWeight) else None
+        self.weight = None if self.quant is not None else torch.nn.Parameter(table, requires_grad=False)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.quant.out_features if self.quant is not None else self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        if self.quant is None:
+            return F.embedding(tokens, self.weight)
+        ids = tokens.cpu().numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token ids {ids.min()}..{ids.max()} are outside the vocabulary "
+                             f"(0..{self.num_embeddings - 1})")
+        return torch.from_numpy(self.quant.rows(ids))

@@ -61,6 +61,13 @@ class ModelArgs:
     qkv_bias: bool
     tie_embeddings: bool
 
+    @property
+    def n_params(self) -> int:
+        """Parameters in the matrices (the embedding table once, plus the LM head when untied)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        block = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim
+        return self.n_layers * block + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+
 
 def _rope_scaling(m: _Metadata, arch: str, tensors: GGUFTensors, head_dim: int) -> RopeScaling | None:
     path = m.path

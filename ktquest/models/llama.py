@@ -6,8 +6,8 @@ llama's Q/K), so RoPE is rotate-half for both archs: rotary pair i is (dim i, di
 itself lives behind ``cache.attend`` (``ktquest.kv.base.KVCache``): the model computes q, k, v and RoPE,
 the cache stores k/v and returns causal attention over everything it holds (dense or sparse).
 
-This is the reference path (prefill chunks, CUDA, fp32 decode weights). The CPU decode step with Q8_0
-weights runs the same math natively: ``ktquest.native.decode``.
+This is the reference path (prefill chunks, CUDA, dequantized weights). The CPU decode step on the weights
+in their GGUF encoding runs the same math natively: ``ktquest.native.decode``.
 """
 
 from __future__ import annotations
@@ -19,24 +19,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from ktquest.kv.base import KVCache
-from ktquest.layers.linear import Linear
+from ktquest.layers.linear import Embedding, Linear, QuantWeight, stack_rows
 from ktquest.models.args import ModelArgs, resolve_max_seq_len
 from ktquest.models.rope import apply_rope, rope_tables
+
+Matrix = torch.Tensor | QuantWeight  # a dequantized tensor, or the file's encoding read in place
 
 
 @dataclass(slots=True)
 class BlockWeights:
-    """One block's tensors, [out, in] for matrices (the Hugging Face layout)."""
+    """One block's tensors, [out, in] for matrices, in the file's row order (llama q/k: ``qkv_perm``)."""
 
     attn_norm: torch.Tensor  # [dim]
-    wq: torch.Tensor  # [H*D, dim]
-    wk: torch.Tensor  # [KVH*D, dim]
-    wv: torch.Tensor  # [KVH*D, dim]
-    wo: torch.Tensor  # [dim, H*D]
+    wq: Matrix  # [H*D, dim]
+    wk: Matrix  # [KVH*D, dim]
+    wv: Matrix  # [KVH*D, dim]
+    wo: Matrix  # [dim, H*D]
     ffn_norm: torch.Tensor  # [dim]
-    w_gate: torch.Tensor  # [ffn, dim]
-    w_up: torch.Tensor  # [ffn, dim]
-    w_down: torch.Tensor  # [dim, ffn]
+    w_gate: Matrix  # [ffn, dim]
+    w_up: Matrix  # [ffn, dim]
+    w_down: Matrix  # [dim, ffn]
     bq: torch.Tensor | None = None  # [H*D] (qwen2)
     bk: torch.Tensor | None = None  # [KVH*D]
     bv: torch.Tensor | None = None  # [KVH*D]
@@ -44,10 +46,13 @@ class BlockWeights:
 
 @dataclass(slots=True)
 class TransformerWeights:
-    tok_embeddings: torch.Tensor  # [V, dim]
+    tok_embeddings: Matrix  # [V, dim]
     norm: torch.Tensor  # [dim]
-    output: torch.Tensor | None  # [V, dim]; None: tied to tok_embeddings
+    output: Matrix | None  # [V, dim]; None: tied to tok_embeddings
     layers: list[BlockWeights]
+    # The gather from the file's q | k | v rows to the Hugging Face order, int64 [(H + 2 KVH) * D] (llama
+    # files: models/loader.qk_perm), or None.
+    qkv_perm: torch.Tensor | None = None
 
 
 # ---- layers ----
@@ -65,13 +70,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, w: BlockWeights):
+    def __init__(self, args: ModelArgs, layer_idx: int, w: BlockWeights, qkv_perm: torch.Tensor | None):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        # One fused projection: rows [q (H*D) | k (KVH*D) | v (KVH*D)].
+        # One fused projection: rows [q (H*D) | k (KVH*D) | v (KVH*D)], gathered into the rotate-half order.
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv])
-        self.wqkv = Linear(torch.cat([w.wq, w.wk, w.wv]), bqkv)
+        self.wqkv = Linear(stack_rows(w.wq, w.wk, w.wv), bqkv, out_perm=qkv_perm)
         self.wo = Linear(w.wo)
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -87,9 +92,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    def __init__(self, w_gate: Matrix, w_up: Matrix, w_down: Matrix):
         super().__init__()
-        self.w_gate_up = Linear(torch.cat([w_gate, w_up]))  # [2*ffn, dim]
+        self.w_gate_up = Linear(stack_rows(w_gate, w_up))  # [2*ffn, dim]
         self.w_down = Linear(w_down)  # [dim, ffn]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +103,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, w: BlockWeights):
+    def __init__(self, args: ModelArgs, layer_idx: int, w: BlockWeights, qkv_perm: torch.Tensor | None):
         super().__init__()
         self.attn_norm = RMSNorm(w.attn_norm, args.norm_eps)
-        self.attn = Attention(args, layer_idx, w)
+        self.attn = Attention(args, layer_idx, w, qkv_perm)
         self.ffn_norm = RMSNorm(w.ffn_norm, args.norm_eps)
         self.ffn = FeedForward(w.w_gate, w.w_up, w.w_down)
         self.layer_idx = layer_idx
@@ -118,20 +123,21 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, weights: TransformerWeights, max_seq_len: int = 0):
         super().__init__()
         self.args = args
-        self.layers = nn.ModuleList(Block(args, i, w) for i, w in enumerate(weights.layers))
+        self.layers = nn.ModuleList(Block(args, i, w, weights.qkv_perm) for i, w in enumerate(weights.layers))
         self.norm = RMSNorm(weights.norm, args.norm_eps)
         tied = weights.output is None
-        self.output = Linear(weights.tok_embeddings if tied else weights.output)
-        # Tied: the embedding table and the LM head are one tensor.
-        self.tok_embeddings = self.output.weight if tied else \
-            nn.Parameter(weights.tok_embeddings, requires_grad=False)  # [V, dim]
+        table = weights.tok_embeddings
+        self.output = Linear(table if tied else weights.output)
+        # Tied: the embedding table and the LM head are one tensor (or one mapping of the file).
+        self.tok_embeddings = Embedding(self.output.weight if tied and self.output.quant is None else table)
         self.max_seq_len = resolve_max_seq_len(args, max_seq_len)
-        emb = self.tok_embeddings
-        cos, sin = rope_tables(args, self.max_seq_len, emb.dtype, emb.device)
+        # The activations' dtype and device (fp32 on the CPU where the weights are encoded).
+        self.dtype, self.device = weights.norm.dtype, weights.norm.device
+        cos, sin = rope_tables(args, self.max_seq_len, self.dtype, self.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [S, D]
         self.register_buffer("rope_sin", sin, persistent=False)  # [S, D]
         # The CPU decode step's native stages (ktquest.native.decode.NativeDecoder), or None: the engine
-        # sets it when the decode weights are Q8_0 on the CPU; ``generate.decode_one_token`` then uses it.
+        # sets it when the weights are in their GGUF encoding; ``generate.decode_one_token`` then uses it.
         self.native = None
 
     def check_positions(self, start_pos: int, t: int) -> None:
@@ -147,7 +153,7 @@ class Transformer(nn.Module):
         self.check_positions(start_pos, t)
         cos = self.rope_cos[start_pos: start_pos + t, None]  # [T, 1, D]
         sin = self.rope_sin[start_pos: start_pos + t, None]  # [T, 1, D]
-        x = F.embedding(tokens, self.tok_embeddings)  # [T, dim]
+        x = self.tok_embeddings(tokens)  # [T, dim]
         for layer in self.layers:
             x = layer(x, start_pos, cos, sin, cache)
         if last_only:

@@ -3,23 +3,28 @@ shapes, and the conversion to the layout the model code uses.
 
 Q/K layout. llama.cpp's converter permutes the rows of llama's ``attn_q``/``attn_k`` (within each head,
 row ``2i`` and ``2i+1`` hold the two halves of rotary pair ``i``) so that ggml can rotate adjacent pairs
-("interleaved" RoPE). qwen2 files are not permuted (ggml's NEOX RoPE). ``model_weights`` undoes the llama
-permutation, so both archs reach the model in the Hugging Face layout and the model has one RoPE style:
-rotate-half (pair ``i`` = dims ``i`` and ``i + D/2``).
+("interleaved" RoPE). qwen2 files are not permuted (ggml's NEOX RoPE). The weights keep the file's rows (they
+are read in place); ``qk_perm`` is the gather the model applies to the q | k | v projection, so both archs
+reach attention in the Hugging Face layout and the model has one RoPE style: rotate-half (pair ``i`` = dims
+``i`` and ``i + D/2``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
+from ktquest import _C
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
+from ktquest.layers.linear import QuantWeight
 from ktquest.models.args import BIAS_TENSORS, BLOCK_TENSORS, MODEL_TENSORS, ModelArgs, model_args
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
 
@@ -33,7 +38,7 @@ class GGUFContents:
 
     path: Path
     args: ModelArgs
-    tensors: GGUFTensors  # raw file layout (llama Q/K still permuted); see model_weights
+    tensors: GGUFTensors  # raw file layout (llama Q/K permuted); see qk_perm
     metadata: dict[str, Any]
 
 
@@ -76,16 +81,21 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
 # ---- model weights ----
 
 
-def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation: interleaved pairs -> rotate-half halves, per head.
+def qk_perm(a: ModelArgs) -> torch.Tensor | None:
+    """The gather that takes a llama file's q | k | v projection to the Hugging Face order, or None (qwen2).
 
-    w: [n_heads * D, ...] in GGUF order, where head h's rows are (x0, y0, x1, y1, ...);
-    returns the Hugging Face order (x0, x1, ..., y0, y1, ...). Works for weights and biases.
+    llama.cpp's converter stores head h's rows as (x0, y0, x1, y1, ...): rotary pair i in rows 2i and 2i + 1,
+    for ggml's interleaved RoPE. The model rotates halves (pair i = dims i and i + D/2), so output j of a
+    head is read from row 2 (j % (D/2)) + j // (D/2) of the file's; v is in order. int64 [(H + 2 KVH) * D].
     """
-    rows = w.shape[0]
-    d = rows // n_heads
-    # [H, D/2, 2, ...] -> [H, 2, D/2, ...]
-    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).copy()
+    if a.arch != "llama":
+        return None
+    d = a.head_dim
+    j = torch.arange(d)
+    within = 2 * (j % (d // 2)) + j // (d // 2)  # [D]
+    heads = torch.arange(a.n_heads + a.n_kv_heads)[:, None] * d  # q and k heads
+    v = torch.arange((a.n_heads + a.n_kv_heads) * d, (a.n_heads + 2 * a.n_kv_heads) * d)
+    return torch.cat([(heads + within).reshape(-1), v])
 
 
 def _check_finite(path: Path, name: str, w: np.ndarray, dtype: torch.dtype) -> None:
@@ -103,40 +113,103 @@ def _check_finite(path: Path, name: str, w: np.ndarray, dtype: torch.dtype) -> N
 
 
 def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu") -> TransformerWeights:
-    """The model's tensors from the file, dequantized to ``dtype`` on ``device``, in the Hugging Face layout
-    (llama's Q/K un-permuted)."""
+                  device: str | torch.device = "cpu", encoded: bool = False) -> TransformerWeights:
+    """The model's tensors from the file, in the file's row order (llama's q/k: ``qk_perm``).
+
+    encoded: every matrix stays in its GGUF encoding, a view of the mapped file (``QuantWeight``; types with
+    no kernels are converted to Q8_0 once: ``encoded_weight``), the norms and biases in fp32 on the CPU.
+    Otherwise every tensor is dequantized to ``dtype`` on ``device``.
+    """
     a, src = contents.args, contents.tensors
+    converted: list[str] = []
 
-    def tensor(name: str, n_heads: int = 0) -> torch.Tensor:
+    def tensor(name: str, dt: torch.dtype = dtype, dev: str | torch.device = device) -> torch.Tensor:
         w = src[name].reshape(src.shape(name))
-        if a.arch == "llama" and n_heads:
-            w = unpermute_qk(w, n_heads)
-        _check_finite(contents.path, name, w, dtype)
-        return torch.from_numpy(w).to(device=device, dtype=dtype)
+        _check_finite(contents.path, name, w, dt)
+        return torch.from_numpy(w).to(device=dev, dtype=dt)
 
-    heads = {"wq": a.n_heads, "wk": a.n_kv_heads, "bq": a.n_heads, "bk": a.n_kv_heads}
-    layers = [BlockWeights(**{f: tensor(f"blk.{i}.{n}", heads.get(f, 0)) for f, n in _block_tensors(a).items()})
+    def matrix(name: str) -> torch.Tensor | QuantWeight:
+        return encoded_weight(contents, name, converted) if encoded else tensor(name)
+
+    small = {"attn_norm", "ffn_norm", "bq", "bk", "bv"}  # the vectors: dequantized in both cases (fp32 encoded)
+    vector = (lambda n: tensor(n, torch.float32, "cpu")) if encoded else tensor
+    layers = [BlockWeights(**{f: (vector if f in small else matrix)(f"blk.{i}.{n}")
+                              for f, n in _block_tensors(a).items()})
               for i in range(a.n_layers)]
-    return TransformerWeights(
-        tok_embeddings=tensor(MODEL_TENSORS["tok_embeddings"]),
-        norm=tensor(MODEL_TENSORS["norm"]),
-        output=None if a.tie_embeddings else tensor(MODEL_TENSORS["output"]),
-        layers=layers)
+    weights = TransformerWeights(
+        tok_embeddings=matrix(MODEL_TENSORS["tok_embeddings"]),
+        norm=vector(MODEL_TENSORS["norm"]),
+        output=None if a.tie_embeddings else matrix(MODEL_TENSORS["output"]),
+        layers=layers, qkv_perm=qk_perm(a))
+    if converted:
+        print(f"ktquest: {len(converted)} tensor(s) of a type with no kernels converted to Q8_0 at load "
+              f"({show(sorted(set(converted)))})", file=sys.stderr)
+    return weights
+
+
+def encoded_weight(contents: GGUFContents, name: str, converted: list[str]) -> QuantWeight:
+    """Tensor ``name`` as a ``QuantWeight``: a view of the mapped file, its blocks checked for non-finite
+    scales; a type with no kernels (Q2_K, Q3_K, IQ*, ...) is dequantized and re-encoded as Q8_0 (its type
+    appended to ``converted``)."""
+    src = contents.tensors
+    raw = src.raw(name)
+    rows, cols = src.shape(name)
+    t = raw.tensor_type.name
+    if t not in _C.GGML_TYPES:
+        if cols % 32:
+            raise GGUFError(f"{contents.path}: tensor {name!r} has type {t}, which has no kernels, and rows of "
+                            f"{cols} values cannot be re-encoded as Q8_0 (blocks of 32)")
+        w = src[name].reshape(rows, cols)
+        _check_finite(contents.path, name, w, torch.float32)
+        converted.append(t)
+        data = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+        return QuantWeight(parts=(("Q8_0", np.ascontiguousarray(data, dtype=np.uint8)),), in_features=cols)
+    data = np.asarray(raw.data).view(np.uint8).reshape(rows, -1)
+    bad = nonfinite_blocks(t, data)
+    if bad:
+        raise GGUFError(f"{contents.path}: tensor {name!r} holds {bad} non-finite {t} "
+                        f"{'values' if t in ('F32', 'F16', 'BF16') else 'block scales'}; a model's weights must "
+                        f"be finite")
+    return QuantWeight(parts=((t, data),), in_features=cols)
+
+
+# Where each block type keeps its fp16 scales: (block bytes, offsets of the fp16 fields). A quantized weight is
+# finite exactly when these are (the quants are small integers).
+_SCALE_FIELDS = {"Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)),
+                 "Q5_1": (24, (0, 2)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def nonfinite_blocks(t: str, data: np.ndarray) -> int:
+    """How many values (F32/F16/BF16) or block scales (the quantized types) of ``data`` (uint8 [rows,
+    row_bytes] in encoding ``t``) are NaN or infinite."""
+    if t == "F32":
+        return int(np.count_nonzero(~np.isfinite(data.view(np.float32))))
+    if t in ("F16", "BF16"):
+        mask = 0x7C00 if t == "F16" else 0x7F80  # all exponent bits set: inf or NaN
+        return int(np.count_nonzero((data.view(np.uint16) & mask) == mask))
+    block, offsets = _SCALE_FIELDS[t]
+    blocks = data.reshape(-1, block)
+    return sum(int(np.count_nonzero((blocks[:, o:o + 2].copy().view(np.uint16) & 0x7C00) == 0x7C00))
+               for o in offsets)
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, max_seq_len: int = 0) -> tuple[Transformer, GGUFContents]:
+               dtype: torch.dtype = torch.float32, max_seq_len: int = 0,
+               encoded: bool = False) -> tuple[Transformer, GGUFContents]:
     """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
 
     max_seq_len: positions the RoPE tables cover; 0 = the trained context length (``resolve_max_seq_len``).
+    encoded: the matrices stay in their GGUF encoding (``model_weights``; the CPU in fp32 only).
     """
     contents = read_gguf(path)
-    return build_model(contents, device, dtype, max_seq_len), contents
+    return build_model(contents, device, dtype, max_seq_len, encoded), contents
 
 
 def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                max_seq_len: int = 0) -> Transformer:
+                max_seq_len: int = 0, encoded: bool = False) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
     ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``)."""
-    return Transformer(contents.args, model_weights(contents, dtype, device), max_seq_len=max_seq_len).eval()
+    if encoded and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"weights in their GGUF encoding run on the CPU in float32, not {device}/{dtype}")
+    weights = model_weights(contents, dtype, device, encoded)
+    return Transformer(contents.args, weights, max_seq_len=max_seq_len).eval()

@@ -1,12 +1,13 @@
-"""The CPU decode step of one token with Q8_0 weights, in native code: llama2.c's ``transformer(token, pos)``.
+"""The CPU decode step of one token on the GGUF-encoded weights, in native code: llama2.c's
+``transformer(token, pos)``.
 
     x = embedding[token]
     for each block:      qkv stage (RMSNorm, Wqkv, RoPE) -> attention (the cache's) -> out stage
                          (Wo + residual, RMSNorm, SwiGLU FFN + residual)      cpp/decode/
     logits = head(rmsnorm(x))
 
-The same math as ``ktquest.models.llama`` on the layers' Q8_0 copies (``layers/linear.py``), with no
-torch op on the way: between tokens the caches are cold (the weights streamed through them) and a torch
+The same math as ``ktquest.models.llama`` on the layers' ``QuantWeight`` matrices (``layers/linear.py``), with
+no torch op on the way: between tokens the caches are cold (the weights streamed through them) and a torch
 op then costs 100-200 us. Where the cache can plan the token ahead (``KVCache.plan_decode``: dense
 windows, fixed block lists, fresh selections), every block runs in one native call; where the attention
 needs the token's query before it can be planned (Ada-KV decode budgets, DYNAMIC anchors), the blocks run
@@ -20,33 +21,31 @@ import torch
 
 from ktquest import _C
 from ktquest.kv.base import KVCache
-from ktquest.layers.linear import set_decode_weights
+from ktquest.layers.linear import set_threads
 
 
 class NativeDecoder:
-    """The decode step of ``model`` (a ``Transformer`` whose Linear layers hold Q8_0 copies) in native code.
+    """The decode step of ``model`` (a ``Transformer`` whose weights stay in their GGUF encoding) in native code.
 
-    Build with ``NativeDecoder.build(model, threads)`` (None where the model is not fp32 on the CPU with
-    Q8_0 weights everywhere); ``decode(token, cache)`` -> logits [V]."""
+    Build with ``NativeDecoder.build(model, threads)`` (None where a weight is a torch tensor: the
+    ``dequantize`` path); ``decode(token, cache)`` -> logits [V]."""
 
     def __init__(self, model, threads: int):
         self.threads = max(1, threads)
         self.blocks = [_decode_layer(b) for b in model.layers]  # [n_layers] _C.DecodeLayer
         a = model.args
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.emb = model.tok_embeddings.detach().numpy()  # [V, dim]
+        self.emb = model.tok_embeddings  # Embedding of a QuantWeight [V, dim]
         self.cos, self.sin = model.rope_cos.numpy(), model.rope_sin.numpy()  # [S, D]
         self.norm_w, self.eps = model.norm.weight.detach().numpy(), model.norm.eps  # [dim]
-        self.head = model.output.q8  # (qw [V, dim] int8, dw [V, dim/32], bias or None)
-        self.head_threads = model.output.threads
+        self.head = model.output.qm  # _C.QuantMatrix [V, dim]
         self.check_positions = model.check_positions
         self._qkv = np.empty((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, np.float32)
 
     @classmethod
     def build(cls, model, threads: int) -> NativeDecoder | None:
-        emb = model.tok_embeddings
         linears = [model.output] + [m for b in model.layers for m in _linears(b)]
-        if emb.device.type != "cpu" or emb.dtype != torch.float32 or any(m.q8 is None for m in linears):
+        if model.tok_embeddings.quant is None or any(m.qm is None for m in linears):
             return None
         return cls(model, threads)
 
@@ -56,9 +55,10 @@ class NativeDecoder:
         reference the planned path is tested against; a profile of each layer's attention)."""
         pos = cache.pos
         self.check_positions(pos, 1)
-        if not 0 <= token < self.emb.shape[0]:
-            raise IndexError(f"token id {token} is outside the vocabulary (0..{self.emb.shape[0] - 1})")
-        x = self.emb[token].copy()  # [dim]
+        vocab = self.emb.num_embeddings
+        if not 0 <= token < vocab:
+            raise IndexError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+        x = self.emb.quant.rows(np.array([token]))[0]  # [dim]
         cos, sin = self.cos[pos], self.sin[pos]  # [D]: the token's RoPE rows
         plan = cache.plan_decode(pos) if planned else None
         if plan is not None:  # every block in one native call
@@ -74,9 +74,8 @@ class NativeDecoder:
             self.decode_blocks(x, cos, sin, pos, cache)
         xn = np.empty_like(x)
         _C.rms_norm(x, self.norm_w, self.eps, xn)
-        qw, dw, b = self.head
-        logits = np.empty((1, qw.shape[0]), np.float32)
-        _C.gemv_q8_0(xn[None], qw, dw, b, logits, self.head_threads)
+        logits = np.empty((1, self.head.out_features), np.float32)
+        _C.gemv_matrix(self.head, xn[None], logits, self.threads)
         return torch.from_numpy(logits[0])  # [V]
 
     def decode_blocks(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, cache: KVCache) -> None:
@@ -90,11 +89,11 @@ class NativeDecoder:
             block.out(out.reshape(-1).contiguous().numpy(), x, self.threads)
 
 
-def use_decode_weights(model, mode: str, threads: int) -> None:
-    """Give ``model`` the CPU decode path ``mode``: "q8_0" (each Linear keeps a Q8_0 copy, and the decode
-    step runs natively: ``model.native``) or "fp32" (torch ops on the fp32 weights)."""
-    set_decode_weights(model, mode, threads)
-    model.native = NativeDecoder.build(model, threads) if mode == "q8_0" else None
+def use_native_decode(model, threads: int) -> None:
+    """Give ``model`` its native CPU decode step (``model.native``) where its weights are in their GGUF
+    encoding, and every Linear ``threads``; None otherwise (torch ops on the dequantized weights)."""
+    set_threads(model, threads)
+    model.native = NativeDecoder.build(model, threads)
 
 
 def _linears(block) -> list:
@@ -103,7 +102,9 @@ def _linears(block) -> list:
 
 
 def _decode_layer(block) -> object:
-    """A block's native decode stages (cpp/decode/): its norms and its Linear layers' Q8_0 packs."""
+    """A block's native decode stages (cpp/decode/): its norms and its Linear layers' matrices."""
     a = block.attn
+    perm = a.wqkv.out_perm
     return _C.DecodeLayer(block.attn_norm.weight.detach().numpy(), block.ffn_norm.weight.detach().numpy(),
-                          block.attn_norm.eps, *(m.q8 for m in _linears(block)), a.n_heads, a.n_kv_heads, a.head_dim)
+                          block.attn_norm.eps, *(m.qm for m in _linears(block)), a.n_heads, a.n_kv_heads, a.head_dim,
+                          None if perm is None else perm.to(torch.int32).numpy())

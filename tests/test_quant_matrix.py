@@ -1,0 +1,133 @@
+"""A weight read in place as the GGUF file stores it (ktquest.layers.linear: QuantWeight, Linear): the fused
+multi-part GEMV of decode and the prefill GEMM on dequantized panels, against gguf's dequantizer and a float64
+torch matmul, every kept type, both kernel paths, odd shapes."""
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from test_gemv_quant import QT, case, random_rows, reference
+
+from ktquest import _C
+from ktquest.layers import linear
+from ktquest.layers.linear import Linear, QuantWeight, stack_rows
+
+TYPES = list(_C.GGML_TYPES)
+# A block multiple that fits every type, and odd row counts.
+IN = {t: 512 if t in ("Q4_K", "Q5_K", "Q6_K") else 96 for t in TYPES}
+
+
+def dequant(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    with np.errstate(all="ignore"):
+        return torch.from_numpy(dequantize(raw, QT[qtype]).copy()).double()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemm_matches_dequantize_and_matmul(force_scalar, qtype, monkeypatch):
+    """A prefill chunk (T > GEMV_MAX_TOKENS) through panels of rows: dequantize + fp32 matmul, the bias added;
+    panels small enough that the rows take several (a last, partial one included)."""
+    monkeypatch.setattr(linear, "PANEL_VALUES", 16 * IN[qtype])
+    raw, x, b = case(qtype, 37, IN[qtype], 9, True)
+    lin = Linear(QuantWeight(parts=((qtype, raw),), in_features=IN[qtype]), b)
+    y = lin(x)
+    ref = x.double() @ dequant(raw, qtype).T + b.double()
+    tol = 1e-5 * (x.double().abs() @ dequant(raw, qtype).abs().T + b.double().abs()) + 1e-6
+    assert y.shape == (9, 37) and ((y.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_linear_decode_rows_take_the_gemv(force_scalar, qtype):
+    raw, x, b = case(qtype, 33, IN[qtype], 3, True)
+    y = Linear(QuantWeight(parts=((qtype, raw),), in_features=IN[qtype]), b)(x)
+    ref, tol = reference(qtype, raw, x, b)
+    assert ((y.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("T,threads", [(1, 1), (3, 2)])
+def test_fp32_x_multiplies_unrounded_activations(force_scalar, qtype, T, threads):
+    """fp32_x: the 32-value block types take weight-only kernels (x not rounded to int8: dequant(W) . x up to
+    fp32 rounding); the K-quants keep the int8 route and the float types never round x."""
+    raw, x, b = case(qtype, 41, IN[qtype], T, True)
+    m = _C.QuantMatrix([(qtype, raw)], b.numpy(), fp32_x=True)
+    assert m.fp32_x
+    y = np.full((T, 41), np.nan, np.float32)
+    _C.gemv_matrix(m, x.numpy(), y, threads)
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        ref, tol = reference(qtype, raw, x, b)
+    else:
+        w = dequant(raw, qtype)
+        ref = x.double() @ w.T + b.double()
+        tol = 1e-5 * (x.double().abs() @ w.abs().T + b.double().abs()) + 1e-6
+    assert ((torch.from_numpy(y).double() - ref).abs() <= tol).all()
+
+
+def test_fused_parts_of_mixed_types(force_scalar):
+    """q | k | v in three encodings (a Q4_K_M file's attn_q Q4_K, attn_k Q8_0, attn_v Q6_K) and a bias: one pass
+    gives each part's product, for decode rows and a prefill chunk, at 1 and 3 threads (bitwise the same)."""
+    inp = 512
+    parts = [("Q4_K", random_rows("Q4_K", 67, inp, 1)), ("Q8_0", random_rows("Q8_0", 5, inp, 2)),
+             ("Q6_K", random_rows("Q6_K", 64, inp, 3))]
+    w = stack_rows(*(QuantWeight(parts=(p,), in_features=inp) for p in parts))
+    assert w.out_features == 136 and [t for t, _ in w.parts] == ["Q4_K", "Q8_0", "Q6_K"]
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(136, generator=g)
+    lin = Linear(w, b)
+    for T in (1, 2, 8):
+        x = torch.randn(T, inp, generator=g)
+        lin.threads = 1
+        y = lin(x)
+        lin.threads = 3
+        assert torch.equal(lin(x), y)
+        row = 0
+        for t, raw in parts:
+            n = raw.shape[0]
+            ref, tol = reference(t, raw, x, b[row:row + n])
+            if T > linear.GEMV_MAX_TOKENS:  # the GEMM multiplies fp32 x: no activation rounding
+                ref = x.double() @ dequant(raw, t).T + b[row:row + n].double()
+            assert ((y[:, row:row + n].double() - ref).abs() <= tol).all(), t
+            row += n
+
+
+def test_out_perm_gathers_the_outputs():
+    raw, x, _ = case("Q8_0", 32, 64, 2, False)
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    w = QuantWeight(parts=(("Q8_0", raw),), in_features=64)
+    assert torch.equal(Linear(w, out_perm=perm)(x), Linear(w)(x)[:, perm])
+
+
+def test_quant_matrix_checks_its_parts():
+    q4 = random_rows("Q4_K", 4, 512, 0)
+    with pytest.raises(ValueError, match="at least one part"):
+        _C.QuantMatrix([])
+    with pytest.raises(ValueError, match=r"parts\[1\]: rows of 256 values, the matrix's are 512"):
+        _C.QuantMatrix([("Q4_K", q4), ("Q4_K", random_rows("Q4_K", 4, 256, 0))])
+    with pytest.raises(ValueError, match="whole blocks of 144 bytes"):
+        _C.QuantMatrix([("Q4_K", np.zeros((4, 100), np.uint8))])
+    with pytest.raises(ValueError, match="not allowed|type"):
+        _C.QuantMatrix([("Q3_K", q4)])
+    with pytest.raises(TypeError, match=r"parts\[0\]: expected a tuple"):
+        _C.QuantMatrix(["Q4_K"])
+    with pytest.raises(ValueError, match=r"bias: expected shape \[4\]"):
+        _C.QuantMatrix([("Q4_K", q4)], np.zeros(5, np.float32))
+    m = _C.QuantMatrix([("Q4_K", q4)])
+    assert (m.out_features, m.in_features, m.types) == (4, 512, ["Q4_K"])
+    with pytest.raises(ValueError, match=r"x: expected \[T, 512\]"):
+        _C.gemv_matrix(m, np.zeros((1, 256), np.float32), np.zeros((1, 4), np.float32), 1)
+    with pytest.raises(IndexError, match=r"rows \[2, 5\) are outside the 4 rows"):
+        _C.dequantize_matrix(m, 2, 5, np.zeros((3, 512), np.float32), 1)
+    with pytest.raises(ValueError, match="not writeable|read-only"):
+        out = np.zeros((4, 512), np.float32)
+        out.flags.writeable = False
+        _C.dequantize_matrix(m, 0, 4, out, 1)
+
+
+def test_dequantize_matrix_rows_across_parts():
+    parts = [("Q5_1", random_rows("Q5_1", 7, 64, 4)), ("BF16", random_rows("BF16", 9, 64, 5))]
+    m = _C.QuantMatrix(parts)
+    full = np.concatenate([dequant(r, t).float().numpy() for t, r in parts])
+    for r0, r1, threads in ((0, 16, 1), (3, 12, 2), (6, 8, 3), (5, 5, 1)):
+        out = np.full((r1 - r0 + 2, 64), np.nan, np.float32)
+        _C.dequantize_matrix(m, r0, r1, out, threads)
+        np.testing.assert_array_equal(out[: r1 - r0], full[r0:r1])
+        assert np.isnan(out[r1 - r0:]).all()
