@@ -20,9 +20,9 @@ from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import check_cache_fits
+from ktquest.layers.linear import set_fp32_x
 from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
-from ktquest.layers.linear import set_fp32_x
 from ktquest.native.decode import use_native_decode
 
 
