@@ -93,7 +93,7 @@ def test_dense_cache_decode_matches_sdpa():
         for layer in range(2):
             q, k, v = (torch.randn(t, h, 64, generator=g) for h in (9, 3, 3))
             out = cache.attend(layer, q, k, v, start)
-    keys, values = cache.k[1, None, :, :301], cache.v[1, None, :, :301]
+    keys, values = (t[None, :, :301] for t in cache.layer_kv(1))
     sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, :, None].transpose(0, 1).reshape(1, 9, 1, 64),
                                                             keys, values, enable_gqa=True)
     torch.testing.assert_close(out, sdpa.reshape(1, 9, 64), rtol=1e-5, atol=1e-5)
@@ -132,3 +132,29 @@ def test_bad_arguments_raise(change, match):
     args.update(change)
     with pytest.raises((TypeError, ValueError), match=match):
         _C.dense_decode_attention(**args)
+
+
+def test_dense_cache_grows_on_demand():
+    """max_seq_len is a ceiling: each layer starts at GROW_TOKENS and grows by half again (to a multiple of
+    GROW_TOKENS) as tokens arrive, keeping what it held; the attention is the same as a cache sized up front."""
+    from ktquest.kv.dense import GROW_TOKENS
+
+    g = torch.Generator().manual_seed(3)
+    big = DenseKVCache(2, 2, 16, 8 * GROW_TOKENS)
+    assert big.capacity == GROW_TOKENS and big.nbytes() == 2 * 2 * 2 * GROW_TOKENS * 16 * 4
+    ref = DenseKVCache(2, 2, 16, 8 * GROW_TOKENS)
+    ref._grow(0, 8 * GROW_TOKENS), ref._grow(1, 8 * GROW_TOKENS)  # the whole ceiling at once
+    caps = []
+    for start, t in ((0, 700), (700, 700), (1400, 1)):
+        for layer in range(2):
+            q, k, v = (torch.randn(t, h, 16, generator=g) for h in (4, 2, 2))
+            out = big.attend(layer, q, k, v, start)
+            torch.testing.assert_close(out, ref.attend(layer, q, k, v, start), rtol=0, atol=0)
+        caps.append(big.capacity)
+    assert caps == [GROW_TOKENS, 2 * GROW_TOKENS, 2 * GROW_TOKENS]
+    for i in range(2):
+        torch.testing.assert_close(big.layer_kv(i)[0][:, :1401], ref.layer_kv(i)[0][:, :1401], rtol=0, atol=0)
+    small = DenseKVCache(1, 1, 16, 100)  # a ceiling under GROW_TOKENS is the first capacity
+    assert small.capacity == 100
+    with pytest.raises(ValueError, match="do not fit in max_seq_len=100"):
+        small.attend(0, *(torch.zeros(101, 1, 16) for _ in range(3)), 0)

@@ -88,10 +88,10 @@ def test_recall_matches_a_direct_computation(recall_tool):
     rows, _ = recall_tool.measure(rec, n, lc, 3, 4, 1, ["QUEST"])
     from ktquest.kv.store import KVStore
 
-    k = rec.inner.k[0, :, :n]  # [KVH, n, D]
+    k, v = (t[:, :n] for t in rec.inner.layer_kv(0))  # [KVH, n, D]
     q = rec.query(0)[0]  # [H, D]
     store = KVStore(1, 2, 16, n, block_size=bs, kv_type="FP32", anchor_type="QUEST", anchor_num=2)
-    store.append(0, k.transpose(0, 1).contiguous(), rec.inner.v[0, :, :n].transpose(0, 1).contiguous())
+    store.append(0, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
     b0, b1 = recall_tool.candidate_range(n, bs, 16, 32)
     ids = store.select(0, q, 3, exclude_ranges=[(0, b0), (b1, math.ceil(n / bs))])
     for h in range(4):

@@ -130,7 +130,7 @@ def test_chunk_size_does_not_change_logits(tiny_models, name):
         assert cache.pos == 30
         with torch.inference_mode():
             nxt = model(tokens[:1], 30, cache)[0]  # one decode step reads the whole cache
-        results.append((last, nxt, cache.k[:, :, :31].clone()))
+        results.append((last, nxt, torch.stack([cache.layer_kv(i)[0][:, :31] for i in range(cache.n_layers)])))
     for last, nxt, keys in results[1:]:
         torch.testing.assert_close(last, results[0][0], atol=FP32_ATOL, rtol=FP32_RTOL)
         torch.testing.assert_close(nxt, results[0][1], atol=FP32_ATOL, rtol=FP32_RTOL)

@@ -106,7 +106,8 @@ def measure(
 ) -> tuple[list[dict], list[dict]]:
     """Recall rows (anchor, layer, head) and QUEST rows (layer, head), averaged over the recorded queries."""
     dense = rec.inner
-    L, KVH, D = dense.n_layers, dense.k.shape[1], dense.k.shape[3]
+    L = dense.n_layers
+    KVH, _, D = dense.layer_kv(0)[0].shape
     bs = lc.block_size
     nb = -(-n // bs)
     b0, b1 = candidate_range(n, bs, lc.init_windows_len, lc.local_windows_len)
@@ -117,8 +118,7 @@ def measure(
         q = rec.query(layer)  # [W, H, D]
         W, H, _ = q.shape
         G = H // KVH
-        k = dense.k[layer, :, :n].float()  # [KVH, n, D]
-        v = dense.v[layer, :, :n].float()
+        k, v = (t[:, :n].float() for t in dense.layer_kv(layer))  # [KVH, n, D]
         qpos = torch.arange(n - W, n)  # [W]
         # ---- dense softmax mass per token and per block ----
         kh = k.repeat_interleave(G, 0)  # [H, n, D]: query head h reads KV head h // G

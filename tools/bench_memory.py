@@ -85,8 +85,8 @@ def measure(model: str | None, mode: str, config: str | None, context: int, max_
     store = cache.store.nbytes() if long_context else 0
     if long_context:
         kv_device = cache.device_kv_bytes()
-    else:  # the dense cache, allocated for max_seq_len tokens
-        kv_device = cache.k.nbytes + cache.v.nbytes
+    else:  # the dense cache, grown to the context (in steps of half again)
+        kv_device = cache.nbytes()
     row = dict(mode=cfg.mode, config=os.path.basename(config) if config else "default", context=context,
                max_seq_len=max_len, chunk_size=cfg.chunk_size, device=str(eng.device), kv_device_bytes=kv_device,
                store_bytes=store, peak_growth_bytes=growth, prefill_s=prefill_s)

@@ -1,10 +1,15 @@
 """The dense KV cache: every position of every layer kept, attention by ``scaled_dot_product_attention``.
 
-Layout: k, v: [L, KVH, max_seq_len, D], head-major. ``k[l, :, :n]`` is then a [KVH, n, D] view with unit
-stride along D and each head's keys contiguous, which SDPA reads in place: the past is never copied or
-re-laid out per step, and decode streams each head's keys from memory in order (on the CPU through
+Layout: per layer, k, v: [1, KVH, capacity, D], head-major. ``layer_kv(l)[0][:, :n]`` is then a [KVH, n, D]
+view with unit stride along D and each head's keys contiguous, which SDPA reads in place: the past is never
+copied or re-laid out per step, and decode streams each head's keys from memory in order (on the CPU through
 the C++ kernel of ``kv.attention.dense_decode_attention``, elsewhere SDPA). Appending a chunk is a
 small strided copy of [T, KVH, D] into [KVH, T, D]. GQA is SDPA's ``enable_gqa`` (no expanded K/V copy).
+
+Memory on demand: a layer's capacity starts at ``GROW_TOKENS`` and grows as the conversation does, by half
+again and to a multiple of ``GROW_TOKENS`` (a copy of that layer alone, amortised over the tokens that filled
+it), up to ``max_seq_len``: a ceiling, not a reservation. The ceiling is still checked up front
+(``check_dense_fits``): a cache that could never fit is refused before any work.
 
 ``pos`` counts the positions that hold valid k/v for every layer; it advances when the last layer of a
 forward pass has stored its k/v, so a forward pass interrupted half-way leaves ``pos`` unchanged (the
@@ -20,6 +25,9 @@ from ktquest.kv.attention import dense_decode_attention
 from ktquest.kv.memory import check_dense_fits
 
 
+GROW_TOKENS = 1024  # a layer's first capacity, and the multiple its capacities are rounded up to
+
+
 class DenseKVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, threads: int = 1):
@@ -27,16 +35,14 @@ class DenseKVCache:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
         check_dense_fits(n_layers, n_kv_heads, head_dim, max_seq_len, torch.device(device), dtype)
         self.n_layers, self.max_seq_len = n_layers, max_seq_len
-        shape = (n_layers, n_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, S, D]
-        self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, S, D]
-        # Per-layer views [1, KVH, S, D], made once: a decode step then costs one slice per tensor.
-        self._k = [self.k[i, None] for i in range(n_layers)]
-        self._v = [self.v[i, None] for i in range(n_layers)]
+        self.device = torch.device(device)
+        shape = (1, n_kv_heads, min(max_seq_len, GROW_TOKENS), head_dim)
+        self._k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]  # [1, KVH, cap, D]
+        self._v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]  # [1, KVH, cap, D]
         self.pos = 0
         # CPU fp32 decode goes to the C++ split-K kernel (kv/attention.dense_decode_attention): SDPA read a decode
         # step's K/V at a fraction of the DRAM bandwidth the kernel streams them at.
-        self._native_decode = self.k.device.type == "cpu" and dtype == torch.float32
+        self._native_decode = self.device.type == "cpu" and dtype == torch.float32
         self.threads = max(1, threads)
         self.scale = head_dim ** -0.5
         self._mask_key: tuple[int, int] | None = None
@@ -53,7 +59,9 @@ class DenseKVCache:
         end = start_pos + t
         if start_pos > self.pos or end > self.max_seq_len or start_pos < 0:
             self._raise_bad_positions(start_pos, end)
-        k_all, v_all = self._k[layer_idx], self._v[layer_idx]  # [1, KVH, S, D]
+        if end > self._k[layer_idx].shape[2]:
+            self._grow(layer_idx, end)
+        k_all, v_all = self._k[layer_idx], self._v[layer_idx]  # [1, KVH, cap, D]
         k_all[:, :, start_pos:end] = k.transpose(0, 1)  # [KVH, T, D]
         v_all[:, :, start_pos:end] = v.transpose(0, 1)
         if layer_idx == self.n_layers - 1:
@@ -73,14 +81,34 @@ class DenseKVCache:
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)  # [T, H, D]
 
+    def _grow(self, layer_idx: int, end: int) -> None:
+        """Layer ``layer_idx``'s capacity to at least ``end`` tokens (by half again, to a multiple of
+        GROW_TOKENS, at most max_seq_len); the tokens it holds are copied over."""
+        old = self._k[layer_idx]
+        cap = -(-max(end, old.shape[2] * 3 // 2) // GROW_TOKENS) * GROW_TOKENS
+        cap = min(self.max_seq_len, cap)
+        for bufs in (self._k, self._v):
+            new = bufs[layer_idx].new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+            new[:, :, : self.pos] = bufs[layer_idx][:, :, : self.pos]
+            bufs[layer_idx] = new
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s K and V, [KVH, capacity, D] each (positions 0..pos-1 valid)."""
+        return self._k[layer_idx][0], self._v[layer_idx][0]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens every layer can hold without growing."""
+        return min(k.shape[2] for k in self._k)
+
     def _chunk_mask(self, start_pos: int, t: int) -> torch.Tensor:
         """[T, start_pos + T] bool: chunk query i (position start_pos + i) sees keys 0..start_pos + i.
 
         Built once per forward pass and shared by all layers.
         """
         if self._mask_key != (start_pos, t):
-            qpos = torch.arange(start_pos, start_pos + t, device=self.k.device)[:, None]
-            kpos = torch.arange(start_pos + t, device=self.k.device)[None, :]
+            qpos = torch.arange(start_pos, start_pos + t, device=self.device)[:, None]
+            kpos = torch.arange(start_pos + t, device=self.device)[None, :]
             self._mask, self._mask_key = kpos <= qpos, (start_pos, t)
         return self._mask
 
@@ -110,4 +138,5 @@ class DenseKVCache:
         self.pos = n
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        """Bytes held now (the capacity grown so far, not max_seq_len's)."""
+        return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))
