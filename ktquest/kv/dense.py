@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from ktquest.kv.attention import dense_decode_attention
 from ktquest.kv.memory import check_dense_fits
 
-
 GROW_TOKENS = 1024  # a layer's first capacity, and the multiple its capacities are rounded up to
 
 
