@@ -19,7 +19,7 @@ from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
-from ktquest.kv.memory import check_cache_fits
+from ktquest.kv.memory import check_cache_fits, check_weights_fit
 from ktquest.layers.linear import set_fp32_x
 from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
@@ -45,6 +45,7 @@ class Engine:
         self.max_seq_len = resolve_max_seq_len(self.args, config.max_seq_len)
         # refuse before any allocation (the weights included), with the figure
         check_cache_fits(config, self.args, self.max_seq_len, self.device, self.dtype)
+        check_weights_fit(self.args, self.device, self.dtype)
         self.weights = _pick_weights(config.weights, self.device, self.dtype)
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf")
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem

@@ -329,3 +329,20 @@ def test_wrong_arguments_are_refused_before_any_work(tiny, call, error, message)
         call(tiny)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
     assert (tiny.cache_owner, tiny.cache.pos) == (s, held)  # the conversation in the cache is intact
+
+
+def test_weights_that_cannot_fit_on_cuda_are_refused_up_front(tiny_llama, monkeypatch):
+    """CUDA dequantizes every weight (fp16): a model whose weights would not fit in the free device memory is
+    refused before any weight is read, with the GiB it needs (checked here without a GPU)."""
+    import ktquest.kv.memory
+    from ktquest.models.loader import read_gguf
+
+    args = read_gguf(tiny_llama.path).args
+    monkeypatch.setattr(ktquest.kv.memory, "available_memory", lambda d: (1000, "is free on cuda:0"))
+    need = args.n_params * 2
+    with pytest.raises(ConfigError, match=rf"^the model's weights in float16 would need {need / 2**20:.1f} MiB .* and "
+                                          r"0\.0 MiB is free on cuda:0; run it on the CPU"):
+        ktquest.kv.memory.check_weights_fit(args, torch.device("cuda"), torch.float16)
+    monkeypatch.setattr(ktquest.kv.memory, "available_memory", lambda d: (need, "is free on cuda:0"))
+    ktquest.kv.memory.check_weights_fit(args, torch.device("cuda"), torch.float16)
+    ktquest.kv.memory.check_weights_fit(args, torch.device("cpu"), torch.float32)  # the CPU maps the file

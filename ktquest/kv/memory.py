@@ -79,6 +79,20 @@ def check_dense_fits(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len:
                           f"{where}; lower max_seq_len or use mode long_context")
 
 
+def check_weights_fit(args, device: torch.device, dtype: torch.dtype) -> None:
+    """ConfigError (with the figure) when the model's weights, dequantized to ``dtype``, would not fit on
+    ``device`` (CUDA: ``weights: dequantize``), before any weight is read. On the CPU the weights stay in
+    their GGUF encoding, mapped from the file: nothing to check."""
+    if device.type != "cuda":
+        return
+    need = args.n_params * dtype.itemsize
+    have, where = available_memory(device)
+    if need > have:
+        raise ConfigError(f"the model's weights in {str(dtype).removeprefix('torch.')} would need {_size(need)} "
+                          f"({args.n_params / 1e9:.2f}B parameters) and {_size(have)} {where}; run it on the "
+                          f"CPU (device: cpu), where the weights stay in the file's encoding")
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

@@ -143,7 +143,7 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
         layers=layers, qkv_perm=qk_perm(a))
     if converted:
         print(f"ktquest: {len(converted)} tensor(s) of a type with no kernels converted to Q8_0 at load "
-              f"({show(sorted(set(converted)))})", file=sys.stderr)
+              f"({', '.join(sorted(set(converted)))})", file=sys.stderr)
     return weights
 
 
