@@ -187,12 +187,12 @@ class Config:
     # read in place by the native kernels (CPU, float32 activations); "dequantize" converts every weight to
     # `dtype` (the reference path; CUDA's). "auto" = gguf on the CPU in float32, dequantize otherwise.
     weights: Literal["auto", "gguf", "dequantize"] = "auto"
-    # How decode multiplies activations by GGUF-encoded weights: "int8" rounds x to int8 per 32 or 256 values
-    # and takes integer dot products (ggml's route: 2-3x the speed on 7B Q4_K rows); "fp32" multiplies the
-    # unrounded x (weight-only kernels; the K-quants keep int8). Small models have thin logit margins: int8 x
-    # flips the bundled SmolLM2's greedy answer (as it does under llama.cpp) and costs them little speed.
-    # "auto" = fp32 for models under 1B parameters, int8 from 1B up.
-    activations: Literal["auto", "int8", "fp32"] = "auto"
+    # How decode rounds activations for the integer dot products on GGUF-encoded weights: "int8" per 32 or 256
+    # values (ggml's route); "int16" per 32 values for the 32-value block types (Q4_0..Q8_0; the K-quants keep
+    # int8), 258 times less rounding at about int8's speed on those types. Small models have thin logit
+    # margins: int8 x flips the bundled SmolLM2's greedy answer (as it does under llama.cpp).
+    # "auto" = int16 for models under 1B parameters, int8 from 1B up.
+    activations: Literal["auto", "int8", "int16"] = "auto"
     threads: int = 0  # CPU threads for torch and the operators; 0 = all cores
     chunk_size: int = 512  # prefill chunk, tokens
     # KV capacity, tokens; 0 = the model's trained context, at most 32768 (args.resolve_max_seq_len)

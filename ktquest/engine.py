@@ -20,7 +20,7 @@ from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import check_cache_fits, check_weights_fit
-from ktquest.layers.linear import set_fp32_x
+from ktquest.layers.linear import set_x16
 from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
 from ktquest.native.decode import use_native_decode
@@ -50,7 +50,7 @@ class Engine:
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf")
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
         self.activations = _pick_activations(config.activations, self.args)
-        set_fp32_x(self.model, self.activations == "fp32")
+        set_x16(self.model, self.activations == "int16")
         use_native_decode(self.model, config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
@@ -187,13 +187,13 @@ def _pick_device(name: str) -> torch.device:
 
 
 def _pick_activations(name: str, args) -> str:
-    """"int8" or "fp32" (Config.activations): auto = fp32 under 1B parameters."""
+    """"int8" or "int16" (Config.activations): auto = int16 under 1B parameters."""
     if name != "auto":
         return name
-    return "fp32" if args.n_params < ACTIVATIONS_FP32_BELOW else "int8"
+    return "int16" if args.n_params < ACTIVATIONS_INT16_BELOW else "int8"
 
 
-ACTIVATIONS_FP32_BELOW = 1_000_000_000  # parameters
+ACTIVATIONS_INT16_BELOW = 1_000_000_000  # parameters
 
 
 def _pick_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -234,9 +234,9 @@ def test_bench_gemv_quant_smoke(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(out_json.read_text())
     assert {(r["type"], r["threads"]) for r in rows} == {
-        (t, n) for t in ("Q4_K", "F16", "q8_0 split") for n in (1, 2)}
+        (t, n) for t in ("Q4_K", "F16", "Q8_0 x16") for n in (1, 2)}
     assert all(r["us"] > 0 and r["gbps"] > 0 and r["calls"] >= 2 for r in rows)
-    assert all(r["bytes"] == {"Q4_K": 64 * 288, "F16": 64 * 1024, "q8_0 split": 64 * (512 + 64)}[r["type"]]
+    assert all(r["bytes"] == {"Q4_K": 64 * 288, "F16": 64 * 1024, "Q8_0 x16": 64 * 544}[r["type"]]
                for r in rows)
     assert "GB/s" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -49,6 +49,7 @@ def test_native_entry_points_never_crash(group):
 
 
 def _child(group: str, n_examples: int) -> None:
+    import gguf
     import numpy as np
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
@@ -277,18 +278,20 @@ def _child(group: str, n_examples: int) -> None:
         T, out = data.draw(st.integers(0, 3), label="T"), data.draw(st.integers(0, 70), label="out")
         inp = 32 * data.draw(st.integers(0, 3), label="in/32")
         w = values(data, (out, inp))
-        r = call("quantize_q8_0", _C.quantize_q8_0, *maybe_mutate(data, [w]))
-        qw, dw = r if r is not None else _C.quantize_q8_0(np.zeros((out, inp), F32))
         bias = None if data.draw(st.booleans()) else values(data, (out,))
-        args = [values(data, (T, inp)), qw, dw, bias, np.zeros((T, out), F32), data.draw(st.integers(1, 3))]
-        call("gemv_q8_0", _C.gemv_q8_0, *maybe_mutate(data, args))
+        m = call("QuantMatrix", _C.QuantMatrix, *maybe_mutate(data, [[("F32", w.view(np.uint8))], bias,
+                                                                      data.draw(st.booleans(), label="x16")]))
+        if m is not None:
+            args = [m, values(data, (T, inp)), np.zeros((T, out), F32), data.draw(st.integers(1, 3))]
+            call("gemv_matrix", _C.gemv_matrix, *maybe_mutate(data, args))
         x = values(data, (data.draw(st.integers(0, 40), label="n"),))
         call("rms_norm", _C.rms_norm, *maybe_mutate(data, [x, values(data, x.shape), 1e-5, np.zeros_like(x)]))
         call("set_force_scalar", _C.set_force_scalar, data.draw(st.booleans(), label="scalar"))
 
-    def q8(data, out, inp):
-        qd = _C.quantize_q8_0(values(data, (out, inp)) if data.draw(st.booleans()) else np.ones((out, inp), F32))
-        return (qd[0], qd[1], None if data.draw(st.booleans()) else np.zeros(out, F32))
+    def q8(data, out, inp):  # a Q8_0 QuantMatrix (bias or not) of random values or ones
+        w = values(data, (out, inp)) if data.draw(st.booleans()) else np.ones((out, inp), F32)
+        raw = gguf.quants.quantize(np.nan_to_num(w, posinf=1.0, neginf=-1.0), gguf.GGMLQuantizationType.Q8_0)
+        return _C.QuantMatrix([("Q8_0", raw)], None if data.draw(st.booleans()) else np.zeros(out, F32))
 
     def decode(data):
         """DecodeLayer (its weights' shapes), its stages, and a whole token through a store."""
@@ -300,11 +303,8 @@ def _child(group: str, n_examples: int) -> None:
         args = [norm, norm.copy(), 1e-5, *weights, H, KVH, D]
         if data.draw(st.booleans(), label="bad_layer"):
             i = data.draw(st.integers(0, len(args) - 1), label="which")
-            if 3 <= i <= 6:  # a weight tuple: change one of its arrays
-                t = list(args[i])
-                j = data.draw(st.integers(0, 2), label="part")
-                t[j] = mutate(data, t[j] if t[j] is not None else np.zeros(1, F32))
-                args[i] = tuple(t)
+            if 3 <= i <= 6:  # a weight: another shape's matrix (a wrong [out, in]) or not a matrix at all
+                args[i] = data.draw(st.sampled_from([weights[(i - 2) % 4], None, np.zeros(1, F32)]), label="w")
             else:
                 args[i] = mutate(data, args[i])
         layer = call("DecodeLayer", _C.DecodeLayer, *args)

@@ -2,6 +2,9 @@
 multi-part GEMV of decode and the prefill GEMM on dequantized panels, against gguf's dequantizer and a float64
 torch matmul, every kept type, both kernel paths, odd shapes."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -43,23 +46,40 @@ def test_linear_decode_rows_take_the_gemv(force_scalar, qtype):
     assert ((y.double() - ref).abs() <= tol).all()
 
 
+def quantize_x16(x: torch.Tensor) -> torch.Tensor:
+    """What the x16 kernels multiply (cpp/quant/q8_act.h, quantize_act16): x [T, in] -> dequant(q16(x)) [T, in],
+    d = absmax / 32767 per 32 values (0 below 1e-30), q = round_half_even(x * (1 / d)) in fp32."""
+    g = x.reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1)
+    d = torch.where(amax >= 1e-30, amax / 32767.0, torch.zeros_like(amax))
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(g * inv[..., None]) * d[..., None]).reshape(x.shape)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("T,threads", [(1, 1), (3, 2)])
-def test_fp32_x_multiplies_unrounded_activations(force_scalar, qtype, T, threads):
-    """fp32_x: the 32-value block types take weight-only kernels (x not rounded to int8: dequant(W) . x up to
-    fp32 rounding); the K-quants keep the int8 route and the float types never round x."""
+def test_x16_rounds_activations_to_int16(force_scalar, qtype, T, threads):
+    """x16: the 32-value block types multiply x rounded to int16 per 32 values (dequant(W) . q16(x) up to fp32
+    rounding, and within the int16 bound of fp32 x); the K-quants keep int8, the float types never round x."""
     raw, x, b = case(qtype, 41, IN[qtype], T, True)
-    m = _C.QuantMatrix([(qtype, raw)], b.numpy(), fp32_x=True)
-    assert m.fp32_x
+    m = _C.QuantMatrix([(qtype, raw)], b.numpy(), x16=True)
+    assert m.x16
     y = np.full((T, 41), np.nan, np.float32)
     _C.gemv_matrix(m, x.numpy(), y, threads)
-    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+    y = torch.from_numpy(y).double()
+    if qtype in ("Q4_K", "Q5_K", "Q6_K", "F32", "F16", "BF16"):
         ref, tol = reference(qtype, raw, x, b)
-    else:
-        w = dequant(raw, qtype)
-        ref = x.double() @ w.T + b.double()
-        tol = 1e-5 * (x.double().abs() @ w.abs().T + b.double().abs()) + 1e-6
-    assert ((torch.from_numpy(y).double() - ref).abs() <= tol).all()
+        assert ((y - ref).abs() <= tol).all()
+        return
+    w = dequant(raw, qtype)
+    xq = quantize_x16(x).double()
+    ref = xq @ w.T + b.double()
+    tol = 1e-5 * (xq.abs() @ w.abs().T + b.double().abs()) + 1e-6
+    assert ((y - ref).abs() <= tol).all()
+    half_step = x.double().reshape(T, -1, 32).abs().amax(-1) / 65534.0  # [T, in / 32]
+    bound = half_step @ w.abs().reshape(41, -1, 32).sum(-1).T  # what int16 rounding may add to each output
+    exact = x.double() @ w.T + b.double()
+    assert ((y - exact).abs() <= bound + tol).all()
 
 
 def test_fused_parts_of_mixed_types(force_scalar):
@@ -131,3 +151,30 @@ def test_dequantize_matrix_rows_across_parts():
         _C.dequantize_matrix(m, r0, r1, out, threads)
         np.testing.assert_array_equal(out[: r1 - r0], full[r0:r1])
         assert np.isnan(out[r1 - r0:]).all()
+
+
+def test_a_huge_thread_count_is_capped():
+    """Asking for 100,000 threads starts at most 256 (the pool's cap): the same result, no exhausted process.
+    In a child process, so this one does not keep the workers."""
+    code = """
+import subprocess
+import sys
+
+import numpy as np
+from ktquest import _C
+def threads():
+    return int([s for s in open('/proc/self/status') if s.startswith('Threads:')][0].split()[1])
+w = np.random.default_rng(0).standard_normal((65536, 32)).astype(np.float32)
+m = _C.QuantMatrix([("F32", w.view(np.uint8))])
+x = np.ones((1, 32), np.float32)
+y1, y = np.empty((1, 65536), np.float32), np.empty((1, 65536), np.float32)
+_C.gemv_matrix(m, x, y1, 1)
+before = threads()
+_C.gemv_matrix(m, x, y, 100000)
+print(threads() - before, bool((y == y1).all()))
+"""
+    r = subprocess.run([sys.executable, *(["-S"] if sys.flags.no_site else []), "-c", code], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    started, same = r.stdout.split()
+    assert 0 < int(started) <= 255 and same == "True", r.stdout

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Decode GEMV on GGUF-encoded weights (_C.gemv_quant) per type, beside the Q8_0 split-plane GEMV (_C.gemv_q8_0).
+"""Decode GEMV on GGUF-encoded weights (_C.gemv_quant) per type, beside Q8_0 rows multiplied by unrounded x
+rounded to int16 (`activations: int16`, _C.gemv_matrix with x16).
 
 For each shape (out x in) and thread count, every type multiplies one token (T = 1) by random weights of that
 shape: random codes with sane fp16 scales (float types: N(0, 1) values). Each type holds enough copies of its
@@ -8,7 +9,7 @@ matrix to pass --min-mib, and each call reads the next copy, so the weights come
 
   us      median (and min) microseconds of one call, argument checks and x's quantization included
   GB/s    weight bytes read over the median time
-  vs q8   median time over that of the Q8_0 split-plane GEMV (int8 plane + fp32 scales, 1.125 bytes a weight)
+  vs x16  median time over that of Q8_0 with int16 x (1.0625 bytes a weight)
 
     python tools/bench_gemv_quant.py --threads 1,2 --json tools/out/bench_gemv_quant.json
 """
@@ -35,7 +36,7 @@ SHAPES = "3584x18944,18944x3584,3584x3584,1536x8960"
 # there could be NaN, inf or subnormal, which some CPUs compute slowly.
 FP16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-BASELINE = "q8_0 split"
+BASELINE = "Q8_0 x16"
 
 
 def random_rows(qtype: str, out: int, inp: int, rng: np.random.Generator) -> np.ndarray:
@@ -64,10 +65,11 @@ def bench_shape(out: int, inp: int, types: list[str], threads: int, rounds: int,
         copies = [one] + [random_rows(t, out, inp, rng) for _ in range(-(-min_bytes // one.nbytes) - 1)]
         nbytes[t] = one.nbytes
         calls[t] = (lambda c, t=t: _C.gemv_quant(x, c, t, None, y, threads), copies)
-    q, d = _C.quantize_q8_0(rng.standard_normal((out, inp), dtype=np.float32))
-    planes = [(q, d)] + [(q.copy(), d.copy()) for _ in range(-(-min_bytes // (q.nbytes + d.nbytes)) - 1)]
-    calls[BASELINE] = (lambda c: _C.gemv_q8_0(x, c[0], c[1], None, y, threads), planes)
-    nbytes[BASELINE] = q.nbytes + d.nbytes
+    one = random_rows("Q8_0", out, inp, rng)
+    mats = [_C.QuantMatrix([("Q8_0", r)], x16=True)
+            for r in [one] + [random_rows("Q8_0", out, inp, rng) for _ in range(-(-min_bytes // one.nbytes) - 1)]]
+    calls[BASELINE] = (lambda m: _C.gemv_matrix(m, x, y, threads), mats)
+    nbytes[BASELINE] = one.nbytes
 
     times = {name: [] for name in calls}
     for r in range(rounds + 1):  # round 0 warms up (pages, workers)
@@ -82,7 +84,7 @@ def bench_shape(out: int, inp: int, types: list[str], threads: int, rounds: int,
     for name, ts in times.items():
         med = statistics.median(ts)
         rows.append({"type": name, "out": out, "in": inp, "threads": threads, "us": med * 1e6,
-                     "us_min": min(ts) * 1e6, "gbps": nbytes[name] / med / 1e9, "vs_q8": med / base,
+                     "us_min": min(ts) * 1e6, "gbps": nbytes[name] / med / 1e9, "vs_x16": med / base,
                      "bytes": nbytes[name], "calls": len(ts)})
     return rows
 
@@ -105,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     _C.set_force_scalar(args.scalar)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'type':>10} {'out x in':>12} {'thr':>3} {'us':>9} {'us min':>9} {'GB/s':>6} {'vs q8':>6}")
+    print(f"{'type':>11} {'out x in':>12} {'thr':>3} {'us':>9} {'us min':>9} {'GB/s':>6} {'vs x16':>7}")
     for out, inp in shapes:
         for threads in [int(v) for v in args.threads.split(",")]:
             for row in bench_shape(out, inp, types, threads, args.rounds, int(args.min_mib * 2**20), rng):
                 rows.append(row)
-                print(f"{row['type']:>10} {f'{out}x{inp}':>12} {threads:>3} {row['us']:9.0f} {row['us_min']:9.0f} "
-                      f"{row['gbps']:6.1f} {row['vs_q8']:6.2f}")
+                print(f"{row['type']:>11} {f'{out}x{inp}':>12} {threads:>3} {row['us']:9.0f} {row['us_min']:9.0f} "
+                      f"{row['gbps']:6.1f} {row['vs_x16']:7.2f}")
     _C.set_force_scalar(False)
     if args.json:
         write_json(args.json, rows)

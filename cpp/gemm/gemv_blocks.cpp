@@ -17,17 +17,19 @@ struct Kernels {
   RowDot* scalar;
   RowDot* avx2;
   RowDot* avx2_stream;  // avx2 with the weight prefetch of long rows
-  int group;            // values per activation scale (0: the kernels read fp32 x)
+  int group;            // values per activation scale (0: the kernels read fp32 x; kX16: int16 x per 32)
 };
 
-// The weight-only kernels of the 32-value block types (fp32 x); {} for the others.
-Kernels fx_kernels(GgmlType t) {
+// The int16-activation kernels of the 32-value block types (group kX16); {} for the others.
+constexpr int kX16 = -32;  // Kernels::group of the x16 kernels: int16 x in groups of 32
+
+Kernels x16_kernels(GgmlType t) {
   switch (t) {
-    case GgmlType::Q8_0: return {scalar_fx::dot_q8_0, avx2_fx::dot_q8_0, avx2_fx::dot_q8_0, 0};
-    case GgmlType::Q4_0: return {scalar_fx::dot_q4_0, avx2_fx::dot_q4_0, avx2_fx::dot_q4_0, 0};
-    case GgmlType::Q4_1: return {scalar_fx::dot_q4_1, avx2_fx::dot_q4_1, avx2_fx::dot_q4_1, 0};
-    case GgmlType::Q5_0: return {scalar_fx::dot_q5_0, avx2_fx::dot_q5_0, avx2_fx::dot_q5_0, 0};
-    case GgmlType::Q5_1: return {scalar_fx::dot_q5_1, avx2_fx::dot_q5_1, avx2_fx::dot_q5_1, 0};
+    case GgmlType::Q8_0: return {scalar_x16::dot_q8_0, avx2_x16::dot_q8_0, avx2_x16::dot_q8_0, kX16};
+    case GgmlType::Q4_0: return {scalar_x16::dot_q4_0, avx2_x16::dot_q4_0, avx2_x16::dot_q4_0, kX16};
+    case GgmlType::Q4_1: return {scalar_x16::dot_q4_1, avx2_x16::dot_q4_1, avx2_x16::dot_q4_1, kX16};
+    case GgmlType::Q5_0: return {scalar_x16::dot_q5_0, avx2_x16::dot_q5_0, avx2_x16::dot_q5_0, kX16};
+    case GgmlType::Q5_1: return {scalar_x16::dot_q5_1, avx2_x16::dot_q5_1, avx2_x16::dot_q5_1, kX16};
     default: return {nullptr, nullptr, nullptr, 0};
   }
 }
@@ -50,12 +52,18 @@ Kernels kernels(GgmlType t) {
 }
 
 // The quantized activations of the calling thread, grown once: q [T, in], d [T, in / group], sum16 [T, in / 16],
-// sum32 [T, in / 32].
+// sum32 [T, in / 32] (int8), or q16 [T, in], d [T, in / 32], isum32 [T, in / 32] (int16).
 struct ActScratch {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int16_t> sum16, sum32;
+  std::vector<int16_t> sum16, sum32, q16;
+  std::vector<int32_t> isum32;
 };
+
+template <class V>
+void grow(V& v, int64_t n) {
+  if (int64_t(v.size()) < n) v.resize(size_t(n));
+}
 
 }  // namespace
 
@@ -63,19 +71,40 @@ bool gemv_quant_supported(GgmlType t) { return kernels(t).scalar != nullptr; }
 
 namespace {
 
-// x quantized for one activation group (32 or 256): the calling thread's scratch, grown once.
+// x quantized for one activation group (32 or 256, or kX16): the calling thread's scratch, grown once.
+// slot: 0 (32), 1 (256), 2 (kX16).
 ActScratch& quantized_act(int slot, int group, const float* x, int64_t T, int64_t in) {
-  thread_local ActScratch scratch[2];
+  thread_local ActScratch scratch[3];
   ActScratch& s = scratch[slot];
-  if (int64_t(s.q.size()) < T * in) s.q.resize(size_t(T * in));
-  if (int64_t(s.d.size()) < T * in / group) s.d.resize(size_t(T * in / group));
-  if (int64_t(s.sum16.size()) < T * in / 16) s.sum16.resize(size_t(T * in / 16));
-  if (int64_t(s.sum32.size()) < T * in / 32) s.sum32.resize(size_t(T * in / 32));
+  if (group == kX16) {
+    grow(s.q16, T * in), grow(s.d, T * in / 32), grow(s.isum32, T * in / 32);
+    for (int64_t r = 0; r < T; ++r)
+      quantize_act16(x + r * in, in, s.q16.data() + r * in, s.d.data() + r * (in / 32), s.isum32.data() + r * (in / 32));
+    return s;
+  }
+  grow(s.q, T * in), grow(s.d, T * in / group), grow(s.sum16, T * in / 16), grow(s.sum32, T * in / 32);
   for (int64_t r = 0; r < T; ++r)
     quantize_act(x + r * in, in, group, s.q.data() + r * in, s.d.data() + r * (in / group),
                  s.sum16.data() + r * (in / 16));
   for (int64_t j = 0; j < T * in / 32; ++j) s.sum32[j] = int16_t(s.sum16[2 * j] + s.sum16[2 * j + 1]);
   return s;
+}
+
+// Activation row r of a scratch as the kernels read it.
+ActRow act_row(const ActScratch* s, int group, const float* x, int64_t r, int64_t in) {
+  ActRow a{x + r * in, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (s == nullptr) return a;
+  if (group == kX16) {
+    a.q16 = s->q16.data() + r * in;
+    a.d16 = s->d.data() + r * (in / 32);
+    a.isum32 = s->isum32.data() + r * (in / 32);
+    return a;
+  }
+  a.q = s->q.data() + r * in;
+  a.d = s->d.data() + r * (in / group);
+  a.sum16 = s->sum16.data() + r * (in / 16);
+  a.sum32 = s->sum32.data() + r * (in / 32);
+  return a;
 }
 
 // One part as the row loop reads it: its first row, its kernel and where its activation rows are.
@@ -92,18 +121,18 @@ struct PartPlan {
 void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
   const bool use_avx = use_avx2();
   const int64_t in = m.in, out = m.out;
-  // x quantized once per group the parts need (slot 0: 32 values, slot 1: 256), before the threads start.
-  const ActScratch* acts[2] = {nullptr, nullptr};
+  // x quantized once per group the parts need (slot 0: 32 values, 1: 256, 2: int16), before the threads start.
+  const ActScratch* acts[3] = {nullptr, nullptr, nullptr};
   std::vector<PartPlan> plan;
   plan.reserve(m.parts.size());
   int64_t row = 0;
   for (const QuantPart& p : m.parts) {
-    const Kernels fx = m.fp32_x ? fx_kernels(p.type) : Kernels{nullptr, nullptr, nullptr, 0};
-    const Kernels k = fx.scalar ? fx : kernels(p.type);
-    const int slot = k.group == kQK ? 1 : 0;
-    if (k.group > 0 && acts[slot] == nullptr) acts[slot] = &quantized_act(slot, k.group, x, T, in);
+    const Kernels k16 = m.x16 ? x16_kernels(p.type) : Kernels{nullptr, nullptr, nullptr, 0};
+    const Kernels k = k16.scalar ? k16 : kernels(p.type);
+    const int slot = k.group == kX16 ? 2 : k.group == kQK ? 1 : 0;
+    if (k.group != 0 && acts[slot] == nullptr) acts[slot] = &quantized_act(slot, k.group, x, T, in);
     RowDot* dot = !use_avx ? k.scalar : in >= kGemvStreamIn ? k.avx2_stream : k.avx2;
-    plan.push_back({p.w, row, row + p.rows, ggml_row_bytes(p.type, in), dot, k.group > 0 ? acts[slot] : nullptr,
+    plan.push_back({p.w, row, row + p.rows, ggml_row_bytes(p.type, in), dot, k.group != 0 ? acts[slot] : nullptr,
                     k.group});
     row += p.rows;
   }
@@ -113,29 +142,32 @@ void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int 
     for (const PartPlan& p : plan) {
       const int64_t a0 = std::max(r0, p.row0), a1 = std::min(r1, p.row1);
       if (a0 >= a1) continue;
-      ActRow a{x + r * in, nullptr, nullptr, nullptr, nullptr};
-      if (p.act) {
-        const ActScratch& s = *p.act;
-        a = {x + r * in, s.q.data() + r * in, s.d.data() + r * (in / p.group), s.sum16.data() + r * (in / 16),
-             s.sum32.data() + r * (in / 32)};
-      }
+      const ActRow a = act_row(p.act, p.group, x, r, in);
       for (int64_t o = a0; o < a1; ++o)
         yr[o] = p.dot(p.w + (o - p.row0) * p.row_bytes, a, in) + (m.bias ? m.bias[o] : 0.f);
     }
   });
 }
 
-void dequantize_matrix_rows(const QuantMatrix& m, int64_t r0, int64_t r1, float* out, int n_threads) {
+void dequantize_matrix_rows(const QuantMatrix& m, int64_t r0, int64_t r1, float* out, int n_threads,
+                            const int32_t* order) {
   const int64_t n = r1 - r0, in = m.in;
+  struct Row {
+    GgmlType type;
+    const uint8_t* w;
+  };
+  auto row = [&](int64_t o) -> Row {  // matrix row o: its part's type and bytes
+    for (const QuantPart& p : m.parts) {
+      if (o < p.rows) return {p.type, p.w + o * ggml_row_bytes(p.type, in)};
+      o -= p.rows;
+    }
+    return {GgmlType::F32, nullptr};  // not reached: o < m.out
+  };
   const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_threads, n / 8));
   ThreadPool::global().parallel_for(n_tasks, n_threads, [&](int64_t c) {
-    const int64_t a = r0 + n * c / n_tasks, b = r0 + n * (c + 1) / n_tasks;
-    int64_t row0 = 0;
-    for (const QuantPart& p : m.parts) {
-      const int64_t row_bytes = ggml_row_bytes(p.type, in);
-      for (int64_t o = std::max(a, row0); o < std::min(b, row0 + p.rows); ++o)
-        dequantize_row(p.type, p.w + (o - row0) * row_bytes, in, out + (o - r0) * in);
-      row0 += p.rows;
+    for (int64_t i = n * c / n_tasks; i < n * (c + 1) / n_tasks; ++i) {
+      const Row r = row(order ? order[r0 + i] : r0 + i);
+      dequantize_row(r.type, r.w, in, out + i * in);
     }
   });
 }

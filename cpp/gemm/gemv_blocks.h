@@ -39,9 +39,9 @@ struct QuantMatrix {
   std::vector<QuantPart> parts;
   const float* bias = nullptr;
   int64_t out = 0, in = 0;  // out = the parts' rows
-  // Multiply fp32 x (weight-only kernels, no activation rounding) where the part's type has them: the 32-value
-  // block types. The K-quants always take the int8 route. Why a choice: ktquest/config.py (activations).
-  bool fp32_x = false;
+  // Round x to int16 (quant/q8_act.h: quantize_act16) instead of int8 where the part's type has such kernels:
+  // the 32-value block types. The K-quants and the float types are unchanged. Why: ktquest/config.py.
+  bool x16 = false;
 };
 
 // y[T, out] = x[T, in] @ dequant(m)^T (+ bias): gemv_quant over every part in one threaded pass (x quantized
@@ -49,8 +49,10 @@ struct QuantMatrix {
 void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
 
 // out[r1 - r0, in] = dequant(rows [r0, r1) of m) in fp32 (as gguf's dequantizer), rows split across threads:
-// the panel a prefill chunk multiplies (ktquest/layers/linear.py). 0 <= r0 <= r1 <= m.out.
-void dequantize_matrix_rows(const QuantMatrix& m, int64_t r0, int64_t r1, float* out, int n_threads);
+// the panel a prefill chunk multiplies (ktquest/layers/linear.py). 0 <= r0 <= r1 <= m.out. With `order`
+// ([m.out], a permutation), out row i is matrix row order[r0 + i] (a llama file's q/k rows gathered).
+void dequantize_matrix_rows(const QuantMatrix& m, int64_t r0, int64_t r1, float* out, int n_threads,
+                            const int32_t* order = nullptr);
 
 // W: [out, ggml_row_bytes(t, in)] bytes, x: [T, in] fp32, bias: [out] or nullptr, y: [T, out] fp32.
 // in % block_values(t) == 0; W's rows aligned to ggml_type_info(t).align (the binding checks both).
@@ -72,6 +74,9 @@ struct ActRow {
   const float* d;        // [in / group] its scales
   const int16_t* sum16;  // [in / 16] sums of q over 16 values
   const int16_t* sum32;  // [in / 32] and over 32 (|sum| <= 32 * 127)
+  const int16_t* q16;    // [in] x quantized to int16 per 32 values (the x16 kernels read these three)
+  const float* d16;      // [in / 32] its scales
+  const int32_t* isum32;  // [in / 32] sums of q16 over 32
 };
 
 using RowDot = float(const uint8_t* row, const ActRow& a, int64_t in);
@@ -86,12 +91,12 @@ RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;  // gemv_q32_avx2.cpp
 RowDot dot_f32, dot_f16, dot_bf16;                        // gemv_float_avx2.cpp (they always prefetch)
 }  // namespace avx2
 
-namespace scalar_fx {  // weight-only: fp32 x (gemv_blocks_scalar.cpp; AVX2: gemv_q32_fx_avx2.cpp)
+namespace scalar_x16 {  // int16 x (gemv_blocks_scalar.cpp; AVX2: gemv_q32_x16_avx2.cpp)
 RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
-}  // namespace scalar_fx
-namespace avx2_fx {
+}  // namespace scalar_x16
+namespace avx2_x16 {
 RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
-}  // namespace avx2_fx
+}  // namespace avx2_x16
 
 namespace avx2_stream {  // the same with a software prefetch of every weight line, for long rows (avx2_blocks.h)
 RowDot dot_q4_k, dot_q5_k, dot_q6_k;

@@ -185,30 +185,65 @@ float dot_bf16(const uint8_t* row, const ActRow& a, int64_t in) {
 
 }  // namespace ktq::scalar
 
-// ---- weight-only twins (fp32 x) of the 32-value block types: each block dequantized (as gguf does) and
-//      multiplied with x, the block's sum added to the row's (the AVX2 kernels: gemv_q32_fx_avx2.cpp) ----
+// ---- int16-activation twins of the 32-value block types (`activations: int16`): each block's codes times x's
+//      int16 codes summed exactly in integers, scaled by d_w * d_x (m * d_x * sum(x codes) added for Q4_1 /
+//      Q5_1); the AVX2 kernels: gemv_q32_x16_avx2.cpp ----
 
-namespace ktq::scalar_fx {
+namespace ktq::scalar_x16 {
 
 namespace {
-template <GgmlType kType>
+inline float h2f(uint16_t h) { return f16_to_f32(h); }
+
+// Block i's 32 codes (the AVX2 kernels' bytes) into c.
+inline void codes(const BlockQ8_0& b, int32_t* c) { for (int j = 0; j < 32; ++j) c[j] = b.qs[j]; }
+inline void codes(const BlockQ4_0& b, int32_t* c) {
+  for (int j = 0; j < 16; ++j) c[j] = (b.qs[j] & 15) - 8, c[j + 16] = (b.qs[j] >> 4) - 8;
+}
+inline void codes(const BlockQ4_1& b, int32_t* c) {
+  for (int j = 0; j < 16; ++j) c[j] = b.qs[j] & 15, c[j + 16] = b.qs[j] >> 4;
+}
+inline uint32_t high_bits(const uint8_t* qh) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  return h;
+}
+inline void codes(const BlockQ5_0& b, int32_t* c) {
+  const uint32_t h = high_bits(b.qh);
+  for (int j = 0; j < 16; ++j) {
+    c[j] = ((b.qs[j] & 15) | ((h >> j) & 1) << 4) - 16;
+    c[j + 16] = ((b.qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16;
+  }
+}
+inline void codes(const BlockQ5_1& b, int32_t* c) {
+  const uint32_t h = high_bits(b.qh);
+  for (int j = 0; j < 16; ++j) {
+    c[j] = (b.qs[j] & 15) | ((h >> j) & 1) << 4;
+    c[j + 16] = (b.qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4;
+  }
+}
+inline float offset(const BlockQ4_1& b) { return h2f(b.m); }
+inline float offset(const BlockQ5_1& b) { return h2f(b.m); }
+template <class B>
+inline float offset(const B&) { return 0.f; }
+
+template <class Block>
 float dot(const uint8_t* row, const ActRow& a, int64_t in) {
-  const int bytes = ggml_type_info(kType).block_bytes;
-  float acc = 0.f, w[kQ32];
+  const Block* b = reinterpret_cast<const Block*>(row);
+  float acc = 0.f;
   for (int64_t i = 0; i < in / kQ32; ++i) {
-    dequantize_row(kType, row + i * bytes, kQ32, w);
-    float s = 0.f;
-    for (int j = 0; j < kQ32; ++j) s += w[j] * a.x[i * kQ32 + j];
-    acc += s;
+    int32_t c[32], s = 0;
+    codes(b[i], c);
+    for (int j = 0; j < 32; ++j) s += c[j] * a.q16[i * kQ32 + j];
+    acc += h2f(b[i].d) * a.d16[i] * float(s) + offset(b[i]) * a.d16[i] * float(a.isum32[i]);
   }
   return acc;
 }
 }  // namespace
 
-float dot_q8_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q8_0>(row, a, in); }
-float dot_q4_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q4_0>(row, a, in); }
-float dot_q4_1(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q4_1>(row, a, in); }
-float dot_q5_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q5_0>(row, a, in); }
-float dot_q5_1(const uint8_t* row, const ActRow& a, int64_t in) { return dot<GgmlType::Q5_1>(row, a, in); }
+float dot_q8_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<BlockQ8_0>(row, a, in); }
+float dot_q4_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<BlockQ4_0>(row, a, in); }
+float dot_q4_1(const uint8_t* row, const ActRow& a, int64_t in) { return dot<BlockQ4_1>(row, a, in); }
+float dot_q5_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<BlockQ5_0>(row, a, in); }
+float dot_q5_1(const uint8_t* row, const ActRow& a, int64_t in) { return dot<BlockQ5_1>(row, a, in); }
 
-}  // namespace ktq::scalar_fx
+}  // namespace ktq::scalar_x16

@@ -7,7 +7,6 @@
 namespace ktq::python {
 
 void bind_cpu(pybind11::module_& m);         // bind_cpu.cpp: CPU features, forced scalar kernels
-void bind_gemv(pybind11::module_& m);        // bind_gemv.cpp: Q8_0 weights and their GEMV
 void bind_gemv_quant(pybind11::module_& m);  // bind_gemv_quant.cpp: GGUF-encoded weights and their GEMV
 void bind_kv_store(pybind11::module_& m);    // bind_kv_store.cpp: the store, its layout, its decode step
 void bind_store_plan(pybind11::module_& m);  // step_args.cpp: a layer's store part, planned once

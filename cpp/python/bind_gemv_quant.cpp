@@ -26,10 +26,10 @@ void check_aligned(const void* p, GgmlType t, const char* name) {
 
 // parts: a list of (type, uint8 [rows, row_bytes]) stacked in order; the input dimension is the first part's
 // and every part must agree with it.
-std::unique_ptr<PyQuantMatrix> quant_matrix(const py::list& parts, const py::handle& bias_obj, bool fp32_x) {
+std::unique_ptr<PyQuantMatrix> quant_matrix(const py::list& parts, const py::handle& bias_obj, bool x16) {
   if (py::len(parts) == 0) throw py::value_error("parts: a matrix needs at least one part");
   auto M = std::make_unique<PyQuantMatrix>();
-  M->m.fp32_x = fp32_x;
+  M->m.x16 = x16;
   for (size_t i = 0; i < py::len(parts); ++i) {
     const std::string what = "parts[" + std::to_string(i) + "]";
     if (!py::isinstance<py::tuple>(parts[i]) || py::len(parts[i]) != 2)
@@ -65,10 +65,10 @@ std::unique_ptr<PyQuantMatrix> quant_matrix(const py::list& parts, const py::han
 void bind_gemv_quant(py::module_& m) {
   py::class_<PyQuantMatrix>(m, "QuantMatrix",
                             "A weight [out, in] in its GGUF encoding, read in place: parts of whole rows stacked in "
-                            "order, each (type, uint8 [rows, row_bytes]), and a bias [out] or None; fp32_x: the 32-value block types "
-                            "multiply unrounded x (weight-only kernels), the others int8 x.")
-      .def(py::init(&quant_matrix), py::arg("parts"), py::arg("bias") = py::none(), py::arg("fp32_x") = false)
-      .def_property_readonly("fp32_x", [](const PyQuantMatrix& M) { return M.m.fp32_x; })
+                            "order, each (type, uint8 [rows, row_bytes]), and a bias [out] or None; x16: the 32-value block types "
+                            "round x to int16 (per 32 values), not int8; the other types are unchanged.")
+      .def(py::init(&quant_matrix), py::arg("parts"), py::arg("bias") = py::none(), py::arg("x16") = false)
+      .def_property_readonly("x16", [](const PyQuantMatrix& M) { return M.m.x16; })
       .def_property_readonly("out_features", [](const PyQuantMatrix& M) { return M.m.out; })
       .def_property_readonly("in_features", [](const PyQuantMatrix& M) { return M.m.in; })
       .def_property_readonly("types", [](const PyQuantMatrix& M) {
@@ -93,7 +93,7 @@ void bind_gemv_quant(py::module_& m) {
      "y[T, out] = x[T, in] @ dequant(m)^T (+ bias), every part in one threaded pass.");
 
   m.def("dequantize_matrix", [](const PyQuantMatrix& M, int64_t r0, int64_t r1, const py::handle& out_obj,
-                                int n_threads) {
+                                int n_threads, const py::handle& order_obj) {
     if (r0 < 0 || r1 < r0 || r1 > M.m.out)
       throw py::index_error("rows [" + std::to_string(r0) + ", " + std::to_string(r1) + ") are outside the " +
                             std::to_string(M.m.out) + " rows of the matrix");
@@ -102,11 +102,22 @@ void bind_gemv_quant(py::module_& m) {
       throw py::value_error("out: expected at least [" + std::to_string(r1 - r0) + ", " + std::to_string(M.m.in) +
                             "], got [" + std::to_string(out.shape(0)) + ", " + std::to_string(out.shape(1)) + "]");
     check_threads(n_threads);
+    const int32_t* order = nullptr;
+    py::array_t<int32_t> order_arr;
+    if (!order_obj.is_none()) {
+      order_arr = array_arg<int32_t>(order_obj, "order", {M.m.out});
+      for (int64_t i = r0; i < r1; ++i)
+        if (order_arr.data()[i] < 0 || order_arr.data()[i] >= M.m.out)
+          throw py::index_error("order[" + std::to_string(i) + "] = " + std::to_string(order_arr.data()[i]) +
+                                " is not a row of the matrix (" + std::to_string(M.m.out) + " rows)");
+      order = order_arr.data();
+    }
     float* op = out.mutable_data();
     py::gil_scoped_release nogil;
-    dequantize_matrix_rows(M.m, r0, r1, op, n_threads);
-  }, py::arg("m"), py::arg("r0"), py::arg("r1"), py::arg("out"), py::arg("n_threads"),
-     "out[:r1 - r0] = rows [r0, r1) of m dequantized to fp32 (the bias is not added).");
+    dequantize_matrix_rows(M.m, r0, r1, op, n_threads, order);
+  }, py::arg("m"), py::arg("r0"), py::arg("r1"), py::arg("out"), py::arg("n_threads"), py::arg("order") = py::none(),
+     "out[:r1 - r0] = rows [r0, r1) of m dequantized to fp32 (the bias is not added); with order (int32 [out]), "
+     "out row i is matrix row order[r0 + i].");
 
   m.attr("GGML_TYPES") = names_tuple(kGgmlTypeNames);  // the weight encodings read in place (gguf's names)
   m.attr("GEMV_STREAM_IN") = kGemvStreamIn;             // rows this long take the prefetching AVX2 kernels

@@ -11,6 +11,7 @@
 #include "python/args.h"
 #include "python/bind.h"
 #include "python/step_args.h"
+#include "quant/qgroup.h"
 
 namespace ktq::python {
 
@@ -231,6 +232,7 @@ void bind_kv_store(py::module_& m) {
 
   // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);
+  m.attr("Q8_GROUP") = kQGroup;  // values per fp32 scale in the store's Q8_0/Q4_0 rows
   m.attr("ANCHOR_TYPES") = names_tuple(kAnchorTypeNames);
   m.attr("HEAD_MODES") = names_tuple(kHeadModeNames);
   py::list linear;  // the anchor types whose block score is one dot product with an anchor row

@@ -9,7 +9,6 @@
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ktquest native operators (KV store, sparse attention, quantized GEMV)";
   ktq::python::bind_cpu(m);
-  ktq::python::bind_gemv(m);
   ktq::python::bind_gemv_quant(m);
   ktq::python::bind_kv_store(m);
   ktq::python::bind_store_plan(m);

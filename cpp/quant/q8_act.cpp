@@ -26,6 +26,28 @@ void quantize_act_scalar(const float* x, int64_t n, int group, int8_t* q, float*
   }
 }
 
+void quantize_act16_scalar(const float* x, int64_t n, int16_t* q, float* d, int32_t* sum32) {
+  for (int64_t g = 0; g < n / 32; ++g) {
+    const float* s = x + g * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(s[i]));
+    const float dg = amax >= kActTiny ? amax / 32767.f : 0.f;
+    const float inv = dg != 0.f ? 1.f / dg : 0.f;
+    d[g] = dg;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      q[g * 32 + i] = static_cast<int16_t>(std::nearbyint(s[i] * inv));
+      sum += q[g * 32 + i];
+    }
+    sum32[g] = sum;
+  }
+}
+
+void quantize_act16(const float* x, int64_t n, int16_t* q, float* d, int32_t* sum32) {
+  if (use_avx2()) quantize_act16_avx2(x, n, q, d, sum32);
+  else quantize_act16_scalar(x, n, q, d, sum32);
+}
+
 void quantize_act(const float* x, int64_t n, int group, int8_t* q, float* d, int16_t* sum16) {
   if (use_avx2()) quantize_act_avx2(x, n, group, q, d, sum16);
   else quantize_act_scalar(x, n, group, q, d, sum16);

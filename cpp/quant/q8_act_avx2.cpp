@@ -40,4 +40,34 @@ void quantize_act_avx2(const float* x, int64_t n, int group, int8_t* q, float* d
   }
 }
 
+void quantize_act16_avx2(const float* x, int64_t n, int16_t* q, float* d, int32_t* sum32) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t g = 0; g < n / 32; ++g) {
+    const float* s = x + g * 32;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(s + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float dg = amax >= kActTiny ? amax / 32767.f : 0.f;
+    const float inv = dg != 0.f ? 1.f / dg : 0.f;
+    d[g] = dg;
+    const __m256 vi = _mm256_set1_ps(inv);
+    __m256i acc = _mm256_setzero_si256();
+    for (int i = 0; i < 32; i += 16) {
+      const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + i), vi));
+      const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + i + 8), vi));
+      acc = _mm256_add_epi32(acc, _mm256_add_epi32(i0, i1));
+      // packs works within 128-bit lanes: (i0 lo, i1 lo, i0 hi, i1 hi) -> fix the order with a permute.
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32 + i), p);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    sum32[g] = _mm_cvtsi128_si32(s4);
+  }
+}
+
 }  // namespace ktq

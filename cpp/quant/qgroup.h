@@ -1,5 +1,5 @@
 // The quantisation group of every Q format here (ggml's): kQGroup consecutive values share one fp32 scale,
-// along head_dim in the KV store's Q8_0/Q4_0 rows (kv_codec.h) and along the input dim in Q8_0 weights (q8_0.h).
+// along head_dim in the KV store's Q8_0/Q4_0 rows (kv_codec.h).
 #pragma once
 
 namespace ktq {

@@ -5,8 +5,8 @@ A weight is either a torch tensor (``weights: dequantize``: the reference path, 
 read in place, never copied to fp32. On a ``QuantWeight``:
 
 - a few tokens (decode) take ``_C.gemv_matrix``: AVX2 integer dot products on the encoded rows, x quantized
-  to int8 per 32 or 256 values as ggml does (``cpp/gemm/gemv_blocks.h``), or, with ``activations: fp32``,
-  weight-only kernels that multiply the unrounded x (the 32-value block types);
+  to int8 per 32 or 256 values as ggml does (``cpp/gemm/gemv_blocks.h``), or to int16 (``activations:
+  int16``, the 32-value block types: 258 times less rounding);
 - a prefill chunk dequantizes a panel of rows at a time (``_C.dequantize_matrix``, about 8 MB of fp32) and
   multiplies it with torch's fp32 GEMM: the transient panel is all the fp32 a layer ever holds.
 
@@ -78,22 +78,25 @@ class Linear(torch.nn.Module):
         super().__init__()
         self.quant: QuantWeight | None = weight if isinstance(weight, QuantWeight) else None
         self.qm = None  # the native matrix of a QuantWeight (_C.QuantMatrix)
+        self.register_buffer("out_perm", out_perm, persistent=False)
         if self.quant is not None:
             self.weight = None
             b = None if bias is None else bias.detach().to(torch.float32).contiguous()
             self.bias = None if b is None else torch.nn.Parameter(b, requires_grad=False)
-            self.use_fp32_x(False)
+            self.use_x16(False)
         else:
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
             self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.register_buffer("out_perm", out_perm, persistent=False)
         self.threads = max(1, torch.get_num_threads())
 
-    def use_fp32_x(self, fp32_x: bool) -> None:
-        """How the decode GEMV multiplies x (a QuantWeight only): rounded to int8 as ggml does (False), or
-        unrounded through weight-only kernels where the type has them (True; Config.activations)."""
+    def use_x16(self, x16: bool) -> None:
+        """How the decode GEMV rounds x (a QuantWeight only): to int8 as ggml does (False), or to int16 where
+        the type has such kernels, the 32-value block types (True; Config.activations)."""
         b = None if self.bias is None else self.bias.detach().numpy()
-        self.qm = _C.QuantMatrix(list(self.quant.parts), b, fp32_x=fp32_x)
+        self.qm = _C.QuantMatrix(list(self.quant.parts), b, x16=x16)
+        perm = self.out_perm
+        self._order = None if perm is None else perm.to(torch.int32).numpy()  # the prefill panel's row order
+        self._bias_in_order = self.bias if perm is None or self.bias is None else self.bias[perm]
 
     @property
     def in_features(self) -> int:
@@ -108,23 +111,40 @@ class Linear(torch.nn.Module):
             y = F.linear(x, self.weight, self.bias)
         else:
             x = x.to(torch.float32).contiguous()
-            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             if x.shape[0] <= GEMV_MAX_TOKENS:
+                y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
                 _C.gemv_matrix(self.qm, x.numpy(), y.numpy(), self.threads)
-            else:
-                self._gemm(x, y)
+                return y if self.out_perm is None else y.index_select(1, self.out_perm)
+            return self._gemm(x)  # out_perm applied
         return y if self.out_perm is None else y.index_select(1, self.out_perm)
 
-    def _gemm(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[T, out] = x @ W.T (+ b), W dequantized a panel of rows at a time."""
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ b) [T, out], W dequantized a panel of rows at a time into the shared scratch panel."""
         n, k = self.out_features, self.in_features
         step = max(16, min(n, PANEL_VALUES // k))
-        panel = torch.empty(step, k, dtype=torch.float32)
+        panel = _panel(step * k).view(step, k)
+        if step == n:  # the whole matrix in one panel, its rows in out_perm's order: no gather of y after
+            _C.dequantize_matrix(self.qm, 0, n, panel.numpy(), 1, self._order)
+            return F.linear(x, panel, self._bias_in_order)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             _C.dequantize_matrix(self.qm, r0, r1, panel.numpy(), self.threads)
             b = None if self.bias is None else self.bias[r0:r1]
             y[:, r0:r1] = F.linear(x, panel[: r1 - r0], b)
+        return y if self.out_perm is None else y.index_select(1, self.out_perm)
+
+
+_scratch = torch.empty(0)
+
+
+def _panel(values: int) -> torch.Tensor:
+    """The prefill GEMM's dequantized panel: one fp32 scratch buffer shared by every Linear, grown once (a fresh
+    8 MB buffer a call cost more in page faults than its dequantization)."""
+    global _scratch
+    if _scratch.numel() < values:
+        _scratch = torch.empty(values, dtype=torch.float32)
+    return _scratch[:values]
 
 
 def set_threads(model: torch.nn.Module, threads: int) -> None:
@@ -134,11 +154,11 @@ def set_threads(model: torch.nn.Module, threads: int) -> None:
             m.threads = max(1, threads)
 
 
-def set_fp32_x(model: torch.nn.Module, fp32_x: bool) -> None:
-    """``Linear.use_fp32_x`` on every encoded Linear of ``model`` (before its native decoder is built)."""
+def set_x16(model: torch.nn.Module, x16: bool) -> None:
+    """``Linear.use_x16`` on every encoded Linear of ``model`` (before its native decoder is built)."""
     for m in model.modules():
         if isinstance(m, Linear) and m.quant is not None:
-            m.use_fp32_x(fp32_x)
+            m.use_x16(x16)
 
 
 class Embedding(torch.nn.Module):
