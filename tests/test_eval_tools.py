@@ -242,3 +242,17 @@ def test_bench_gemv_quant_smoke(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tool.main(["--types", "Q3_K"])
     assert "Q3_K" in capsys.readouterr().err
+
+
+def test_bench_load_smoke(tiny_llama, tmp_path, capsys):
+    tool = _tool("bench_load")
+    out_json = tmp_path / "l.json"
+    assert tool.main(["--model", str(tiny_llama.path), "--peer", "none", "--new-tokens", "4", "--threads", "1",
+                      "--json", str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())
+    assert row["engine"] == "ktquest" and row["weights"] == "gguf" and 0 < row["new_tokens"] <= 4
+    assert row["load_s"] > 0 and row["peak_rss_mib"] > 10 and row["kv_mib"] > 0
+    assert row["budget_mib"] == pytest.approx((row["file_bytes"] + row["kv"]) / 2**20 + 600)
+    assert "| ktquest |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tool.main(["--model", str(tmp_path / "missing.gguf")])
