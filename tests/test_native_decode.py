@@ -228,3 +228,60 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
     assert all(st.length(i) == 0 for i in range(L))  # nothing ran
     call()  # the same call with good arguments: one token in every layer's store
     assert all(st.length(i) == 1 for i in range(L))
+
+
+def test_dense_token_in_one_call_matches_the_block_by_block_path(tiny_model):
+    """A dense cache's token in one native call (DenseKVCache.plan_decode -> _C.decode_token_dense) gives the
+    logits and the cache of the block-by-block path (qkv stage, cache.attend, out stage), across a growth of
+    the cache's capacity (GROW_TOKENS)."""
+    from ktquest.kv import dense
+    from ktquest.kv.dense import DenseKVCache
+
+    path, _ = tiny_model
+    model, _ = load_model(path, encoded=True)
+    native = NativeDecoder.build(model, threads=2)
+    a = model.args
+    prompt = torch.arange(3, 40) * 7 % a.vocab_size
+    runs = []
+    for planned in (False, True):
+        cache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, threads=2)
+        with torch.inference_mode():
+            logits = [prefill(model, cache, prompt, 16)]
+            for tok in (5, 9, 11, 200, 7, 31):
+                logits.append(native.decode(tok % a.vocab_size, cache, planned=planned))
+        assert cache.pos == len(prompt) + 6
+        runs.append((torch.stack(logits), [cache.layer_kv(i)[0][:, : cache.pos].clone() for i in range(a.n_layers)]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-5)
+    for k1, k0 in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(k1, k0, rtol=1e-6, atol=1e-6)
+    # the plan grows every layer to hold its token first
+    old = dense.GROW_TOKENS
+    try:
+        dense.GROW_TOKENS = 16
+        cache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, threads=1)
+        with torch.inference_mode():
+            prefill(model, cache, prompt[:16], 16)
+            assert cache.capacity == 16
+            native.decode(3, cache)
+        assert cache.capacity == 32 and cache.pos == 17
+    finally:
+        dense.GROW_TOKENS = old
+
+
+def test_decode_token_dense_checks_its_arguments(tiny_llama):
+    model, _ = load_model(tiny_llama.path, encoded=True)
+    layers = NativeDecoder.build(model, threads=1).blocks
+    a = model.args
+    caches = [(np.zeros((a.n_kv_heads, 8, a.head_dim), np.float32),) * 2 for _ in layers]
+    x, cs = np.zeros(a.dim, np.float32), np.zeros(a.head_dim, np.float32)
+    with pytest.raises(ValueError, match="one cache per layer"):
+        _C.decode_token_dense(layers, x, cs, cs, caches[:-1], 0, 0.125, 1)
+    with pytest.raises(ValueError, match=r"caches\[0\]: 8 rows, pos 8 is past them"):
+        _C.decode_token_dense(layers, x, cs, cs, caches, 8, 0.125, 1)
+    bad = [(np.zeros((a.n_kv_heads, 8, a.head_dim + 1), np.float32),) * 2] + caches[1:]
+    with pytest.raises(ValueError, match=r"caches\[0\].k: expected shape"):
+        _C.decode_token_dense(layers, x, cs, cs, bad, 0, 0.125, 1)
+    with pytest.raises(ValueError, match="scale"):
+        _C.decode_token_dense(layers, x, cs, cs, caches, 0, float("nan"), 1)
+    _C.decode_token_dense(layers, x, cs, cs, caches, 7, 0.125, 1)
+    assert np.isfinite(x).all()

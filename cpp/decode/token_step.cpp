@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/dense_attn.h"
 #include "common/finite.h"
 
 namespace ktq {
@@ -55,6 +56,35 @@ void decode_token(DecodeLayer* const* blocks, const LayerStep* steps, KVStore& s
       for (int which = 0; which < 2; ++which)
         for (int h = 0; h < KVH; ++h) std::memcpy(rows(j, which, h), saved(j, which, h), sizeof(float) * D);
     }
+    std::memcpy(x, kept.data(), sizeof(float) * dim);
+    throw;
+  }
+}
+
+void decode_token_dense(DecodeLayer* const* blocks, const DenseKV* kv, int n_layers, int64_t pos, float* x,
+                        const float* cos, const float* sin, float scale, int n_threads) {
+  const int64_t dim = n_layers > 0 ? blocks[0]->dim() : 0;
+  thread_local std::vector<float> buf, kept;
+  kept.assign(x, x + dim);
+  try {
+    for (int i = 0; i < n_layers; ++i) {
+      DecodeLayer& block = *blocks[i];
+      const DecodeLayerWeights& w = block.weights();
+      const int H = w.n_heads, KVH = w.n_kv_heads, D = w.head_dim;
+      buf.resize(size_t(block.qkv_size() + block.attn_size() + H));
+      float *qkv = buf.data(), *attn = qkv + block.qkv_size(), *lse = attn + block.attn_size();
+      block.qkv(x, cos, sin, qkv, n_threads);
+      if (first_non_finite(qkv, int64_t(H) * D) >= 0)
+        throw std::invalid_argument("layer " + std::to_string(i) + ": q is not finite (the layer's input overflowed?)");
+      const DenseKV& c = kv[i];
+      for (int h = 0; h < KVH; ++h) {  // k, v of KV head h at row pos
+        std::memcpy(c.k + (h * c.cap + pos) * D, qkv + int64_t(H + h) * D, sizeof(float) * D);
+        std::memcpy(c.v + (h * c.cap + pos) * D, qkv + int64_t(H + KVH + h) * D, sizeof(float) * D);
+      }
+      dense_decode_attention(qkv, H, KVH, D, c.k, c.v, c.cap * D, pos + 1, scale, attn, lse, n_threads);
+      block.out(attn, x, n_threads);
+    }
+  } catch (...) {
     std::memcpy(x, kept.data(), sizeof(float) * dim);
     throw;
   }

@@ -174,6 +174,58 @@ void bind_decode(py::module_& m) {
         "attends its window windows[i] = (win_k, win_v) and the store part steps[i] (a StorePlan), and the "
         "block's out stage updates x in place; all arguments are checked first. A step's blocks may be an "
         "earlier step's out_ids (read after that step wrote them).");
+
+  m.def("decode_token_dense", [](const py::list& layers, const py::handle& x_obj, const py::handle& cos_obj,
+                                 const py::handle& sin_obj, const py::list& caches, int64_t pos, float scale,
+                                 int n_threads) {
+          const int n = int(py::len(layers));
+          if (n < 1 || int(py::len(caches)) != n)
+            throw py::value_error("layers and caches: expected one cache per layer (at least one), got " +
+                                  std::to_string(n) + " and " + std::to_string(py::len(caches)));
+          check_threads(n_threads);
+          check_finite(scale, "scale");
+          if (pos < 0) throw py::value_error("pos: must be >= 0, got " + std::to_string(pos));
+          // Every argument of every layer is checked before the first layer runs.
+          std::vector<DecodeLayer*> blocks(n);
+          std::vector<DenseKV> kv(n);
+          std::vector<py::array_t<float>> keep;
+          for (int i = 0; i < n; ++i) {
+            const std::string at = "[" + std::to_string(i) + "]";
+            if (!py::isinstance<PyDecodeLayer>(layers[i]))
+              throw py::type_error("layers" + at + ": expected a DecodeLayer, got " +
+                                   py::str(py::type::of(layers[i])).cast<std::string>());
+            blocks[i] = layers[i].cast<PyDecodeLayer&>().layer.get();
+            const DecodeLayerWeights& w = blocks[i]->weights();
+            if (blocks[i]->dim() != blocks[0]->dim())
+              throw py::value_error("layers" + at + ": dim " + std::to_string(blocks[i]->dim()) + ", layer 0 has " +
+                                    std::to_string(blocks[0]->dim()));
+            const py::handle c = caches[i];
+            if (!py::isinstance<py::tuple>(c) || py::len(c) != 2)
+              throw py::value_error("caches" + at + ": expected a tuple (k, v)");
+            auto k = array_arg<float>(c[py::int_(0)], ("caches" + at + ".k").c_str(), {w.n_kv_heads, -1, w.head_dim});
+            auto v = array_arg<float>(c[py::int_(1)], ("caches" + at + ".v").c_str(),
+                                      {w.n_kv_heads, k.shape(1), w.head_dim});
+            if (!k.writeable() || !v.writeable()) throw py::value_error("caches" + at + ": must be writeable");
+            if (pos >= k.shape(1))
+              throw py::value_error("caches" + at + ": " + std::to_string(k.shape(1)) + " rows, pos " +
+                                    std::to_string(pos) + " is past them");
+            kv[i] = {k.mutable_data(), v.mutable_data(), k.shape(1)};
+            keep.push_back(k), keep.push_back(v);
+          }
+          const int D = blocks[0]->weights().head_dim;
+          auto x = array_arg<float>(x_obj, "x", {blocks[0]->dim()});
+          auto c = array_arg<float>(cos_obj, "cos", {D});
+          auto s = array_arg<float>(sin_obj, "sin", {D});
+          if (!x.writeable()) throw py::value_error("x: must be writeable");
+          float* xp = x.mutable_data();
+          const float *cp = c.data(), *sp = s.data();
+          py::gil_scoped_release nogil;
+          decode_token_dense(blocks.data(), kv.data(), n, pos, xp, cp, sp, scale, n_threads);
+        }, py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("pos"),
+        py::arg("scale"), py::arg("n_threads"),
+        "A whole token's dense decode through every block in one call (cpp/decode/token_step.h): layer i makes "
+        "q/k/v from x, writes k/v at row pos of caches[i] = (k, v) [KVH, cap, D], attends rows [0, pos] and "
+        "updates x in place; all arguments are checked first.");
 }
 
 }  // namespace ktq::python

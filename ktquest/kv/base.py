@@ -13,6 +13,22 @@ from typing import Protocol
 
 import torch
 
+from ktquest import _C
+
+
+@dataclass(slots=True)
+class DenseTokenPlan:
+    """One decode token through a dense cache (``DenseKVCache.plan_decode``): every layer writes its k/v at row
+    ``pos`` of ``caches[i]`` = (k, v) [KVH, capacity, D] and attends rows [0, pos] (softmax scale ``scale``)."""
+
+    pos: int
+    caches: list  # [n_layers] (k, v) numpy views
+    scale: float
+
+    def run(self, blocks: list, x, cos, sin, threads: int) -> None:
+        """Every block of the token in one native call (blocks: the model's _C.DecodeLayer; x [dim] in place)."""
+        _C.decode_token_dense(blocks, x, cos, sin, self.caches, self.pos, self.scale, threads)
+
 
 @dataclass(slots=True)
 class TokenPlan:
@@ -35,6 +51,11 @@ class TokenPlan:
     steps: list  # [n_layers] _C.StorePlan
     state: object = None  # the cache's own bookkeeping for commit_decode
 
+    def run(self, blocks: list, x, cos, sin, threads: int) -> None:
+        """Every block of the token in one native call (blocks: the model's _C.DecodeLayer; x [dim] in place)."""
+        _C.decode_token_long_context(blocks, x, cos, sin, self.store, self.windows, self.w0, self.width,
+                                     self.skip[0], self.skip[1], self.scale, threads, self.steps)
+
 
 class KVCache(Protocol):
     pos: int  # positions 0..pos-1 hold valid k/v in every layer
@@ -50,18 +71,18 @@ class KVCache(Protocol):
         """
         ...
 
-    def plan_decode(self, pos: int) -> TokenPlan | None:
+    def plan_decode(self, pos: int) -> TokenPlan | DenseTokenPlan | None:
         """The native plan of one decode token at ``pos``, or None when this cache cannot plan it ahead (its
         attention needs the token's query first: the decode step then goes block by block through
         ``attend``). A plan begins the token's pass in the cache (window geometry, the planner's counters),
         so each plan is followed by exactly one ``commit_decode`` or ``abort_decode``."""
         ...
 
-    def commit_decode(self, plan: TokenPlan) -> None:
+    def commit_decode(self, plan: TokenPlan | DenseTokenPlan) -> None:
         """The planned token ran in every layer."""
         ...
 
-    def abort_decode(self, plan: TokenPlan) -> None:
+    def abort_decode(self, plan: TokenPlan | DenseTokenPlan) -> None:
         """The planned token raised part-way (some layers may hold it)."""
         ...
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ktquest.kv.attention import dense_decode_attention
+from ktquest.kv.base import DenseTokenPlan
 from ktquest.kv.memory import check_dense_fits
 
 GROW_TOKENS = 1024  # a layer's first capacity, and the multiple its capacities are rounded up to
@@ -39,6 +40,7 @@ class DenseKVCache:
         self._k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]  # [1, KVH, cap, D]
         self._v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]  # [1, KVH, cap, D]
         self.pos = 0
+        self._np: list | None = None  # numpy views of the layers for the native decode plan
         # CPU fp32 decode goes to the C++ split-K kernel (kv/attention.dense_decode_attention): SDPA read a decode
         # step's K/V at a fraction of the DRAM bandwidth the kernel streams them at.
         self._native_decode = self.device.type == "cpu" and dtype == torch.float32
@@ -90,6 +92,7 @@ class DenseKVCache:
             new = bufs[layer_idx].new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
             new[:, :, : self.pos] = bufs[layer_idx][:, :, : self.pos]
             bufs[layer_idx] = new
+        self._np = None
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_idx``'s K and V, [KVH, capacity, D] each (positions 0..pos-1 valid)."""
@@ -118,13 +121,27 @@ class DenseKVCache:
         raise ValueError(f"KV cache: cannot write positions {start_pos}..{end - 1}: the cache holds "
                          f"{self.pos} tokens, so a chunk must start at 0..{self.pos}")
 
-    def plan_decode(self, pos: int) -> None:
-        """The decode step goes block by block through ``attend`` (``KVCache.plan_decode``)."""
+    def plan_decode(self, pos: int) -> DenseTokenPlan | None:
+        """The whole decode token at ``pos`` in one native call (``KVCache.plan_decode``), every layer grown to
+        hold it first; None off the CPU in fp32 (the token then goes block by block through ``attend``)."""
+        if not self._native_decode:
+            return None
+        if not 0 <= pos <= self.pos or pos >= self.max_seq_len:
+            self._raise_bad_positions(pos, pos + 1)
+        for i in range(self.n_layers):
+            if pos >= self._k[i].shape[2]:
+                self._grow(i, pos + 1)
+        if self._np is None:  # numpy views of every layer, made again only when a layer grew
+            self._np = [(k[0].numpy(), v[0].numpy()) for k, v in zip(self._k, self._v)]
+        return DenseTokenPlan(pos, self._np, self.scale)
 
-    def commit_decode(self, plan) -> None:  # never planned
-        raise AssertionError("DenseKVCache makes no decode plans")
+    def commit_decode(self, plan: DenseTokenPlan) -> None:
+        """The token of ``plan`` is in every layer."""
+        self.pos = plan.pos + 1
 
-    abort_decode = commit_decode
+    def abort_decode(self, plan: DenseTokenPlan) -> None:
+        """The token of ``plan`` raised part-way: rows at ``plan.pos`` may be written, past ``pos``: nothing to
+        undo."""
 
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""

@@ -8,8 +8,8 @@
 
 The same math as ``ktquest.models.llama`` on the layers' ``QuantWeight`` matrices (``layers/linear.py``), with
 no torch op on the way: between tokens the caches are cold (the weights streamed through them) and a torch
-op then costs 100-200 us. Where the cache can plan the token ahead (``KVCache.plan_decode``: dense
-windows, fixed block lists, fresh selections), every block runs in one native call; where the attention
+op then costs 100-200 us. Where the cache can plan the token ahead (``KVCache.plan_decode``: a
+dense cache; dense windows with fixed block lists or fresh selections), every block runs in one native call; where the attention
 needs the token's query before it can be planned (Ada-KV decode budgets, DYNAMIC anchors), the blocks run
 one by one around ``cache.attend``.
 """
@@ -63,9 +63,7 @@ class NativeDecoder:
         plan = cache.plan_decode(pos) if planned else None
         if plan is not None:  # every block in one native call
             try:
-                _C.decode_token_long_context(self.blocks, x, cos, sin, plan.store, plan.windows, plan.w0,
-                                             plan.width, plan.skip[0], plan.skip[1], plan.scale, self.threads,
-                                             plan.steps)
+                plan.run(self.blocks, x, cos, sin, self.threads)
             except BaseException:
                 cache.abort_decode(plan)
                 raise
