@@ -26,8 +26,11 @@ from ktquest import _C
 
 # Rows up to this many tokens take the GEMV path; longer chunks are compute-bound and take the GEMM.
 GEMV_MAX_TOKENS = 4
-# fp32 values in one dequantized panel of a prefill chunk's GEMM (8 MB).
-PANEL_VALUES = 1 << 21
+# fp32 values in one dequantized panel of a prefill chunk's GEMM (128 MB): a 1.5B model's matrices fit in one,
+# so the GEMM writes y directly; larger ones are cut, and each panel's columns of y copied into place.
+PANEL_VALUES = 1 << 25
+# Panels of at least this many values are dequantized on every thread, smaller ones on one.
+DEQUANT_THREADS_FROM = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +127,20 @@ class Linear(torch.nn.Module):
         step = max(16, min(n, PANEL_VALUES // k))
         panel = _panel(step * k).view(step, k)
         if step == n:  # the whole matrix in one panel, its rows in out_perm's order: no gather of y after
-            _C.dequantize_matrix(self.qm, 0, n, panel.numpy(), 1, self._order)
+            _C.dequantize_matrix(self.qm, 0, n, panel.numpy(), self._dequant_threads(n * k), self._order)
             return F.linear(x, panel, self._bias_in_order)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            _C.dequantize_matrix(self.qm, r0, r1, panel.numpy(), self.threads)
+            _C.dequantize_matrix(self.qm, r0, r1, panel.numpy(), self._dequant_threads((r1 - r0) * k))
             b = None if self.bias is None else self.bias[r0:r1]
             y[:, r0:r1] = F.linear(x, panel[: r1 - r0], b)
         return y if self.out_perm is None else y.index_select(1, self.out_perm)
+
+    def _dequant_threads(self, values: int) -> int:
+        """Threads for dequantizing a panel: one below DEQUANT_THREADS_FROM values, where starting the pool's
+        workers (and sharing the cores with torch's spinning OpenMP threads) costs more than it saves."""
+        return self.threads if values >= DEQUANT_THREADS_FROM else 1
 
 
 _scratch = torch.empty(0)
