@@ -129,6 +129,24 @@ def test_bad_block_data_names_the_tensor(shaped_tiny, tmp_path):
         load_model(cut, encoded=True)
 
 
+def test_a_type_neither_kernels_nor_gguf_can_read_names_the_tensor(shaped_tiny, tmp_path):
+    """Q8_1 (an activation format, no dequantizer in the gguf package) as a weight: GGUFError naming the tensor
+    and its type, before the model is built."""
+    Q = gguf.GGMLQuantizationType
+    path = tmp_path / "q8_1.gguf"
+
+    def rewrite(name, data, qtype):
+        if name == "blk.0.ffn_gate.weight":
+            cols = data.shape[1] // gguf.GGML_QUANT_SIZES[qtype][1] * gguf.GGML_QUANT_SIZES[qtype][0]
+            bv, bb = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+            return np.zeros((data.shape[0], cols // bv * bb), np.uint8), Q.Q8_1
+        return data, qtype
+
+    _copy_with(shaped_tiny, path, rewrite)
+    with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_gate.weight' has type Q8_1, which cannot be dequantized"):
+        load_model(path, encoded=True)
+
+
 def test_gguf_weights_need_the_cpu_in_float32(shaped_tiny):
     with pytest.raises(ConfigError, match="weights: gguf runs on the CPU in float32"):
         ktquest.load(shaped_tiny, weights="gguf", dtype="bfloat16")
