@@ -26,15 +26,22 @@ def dequant(raw: np.ndarray, qtype: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_gemm_matches_dequantize_and_matmul(force_scalar, qtype, monkeypatch):
-    """A prefill chunk (T > GEMV_MAX_TOKENS) through panels of rows: dequantize + fp32 matmul, the bias added;
+@pytest.mark.parametrize("x16", [False, True])
+def test_gemm_matches_dequantize_and_matmul(force_scalar, qtype, x16, monkeypatch):
+    """A prefill chunk (T > GEMV_MAX_TOKENS): the K-quants on int8 activations take the K-quant GEMM (q8(x) per
+    256 values, as decode); everything else dequantized panels of rows and an fp32 matmul, the bias added, with
     panels small enough that the rows take several (a last, partial one included)."""
     monkeypatch.setattr(linear, "PANEL_VALUES", 16 * IN[qtype])
     raw, x, b = case(qtype, 37, IN[qtype], 9, True)
     lin = Linear(QuantWeight(parts=((qtype, raw),), in_features=IN[qtype]), b)
+    lin.use_x16(x16)
+    assert lin._kquant_gemm == (qtype in linear.KQUANT_GEMM_TYPES and not x16)
     y = lin(x)
-    ref = x.double() @ dequant(raw, qtype).T + b.double()
-    tol = 1e-5 * (x.double().abs() @ dequant(raw, qtype).abs().T + b.double().abs()) + 1e-6
+    if lin._kquant_gemm:
+        ref, tol = reference(qtype, raw, x, b)
+    else:
+        ref = x.double() @ dequant(raw, qtype).T + b.double()
+        tol = 1e-5 * (x.double().abs() @ dequant(raw, qtype).abs().T + b.double().abs()) + 1e-6
     assert y.shape == (9, 37) and ((y.double() - ref).abs() <= tol).all()
 
 
@@ -178,3 +185,37 @@ print(threads() - before, bool((y == y1).all()))
     assert r.returncode == 0, r.stderr[-2000:]
     started, same = r.stdout.split()
     assert 0 < int(started) <= 255 and same == "True", r.stdout
+
+
+@pytest.mark.parametrize("T,threads", [(1, 1), (5, 2), (9, 3)])
+def test_kquant_gemm_matches_the_int8_reference(force_scalar, T, threads):
+    """The prefill GEMM on K-quant parts (one of each type, odd row counts, a bias): q8(x) per 256 values times
+    the dequantized rows, as the decode GEMV computes each row; bitwise the same at 1 and 3 threads."""
+    inp = 512
+    parts = [("Q4_K", random_rows("Q4_K", 37, inp, 11)), ("Q6_K", random_rows("Q6_K", 21, inp, 12)),
+             ("Q5_K", random_rows("Q5_K", 19, inp, 13))]
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, inp, generator=g) * 2.0
+    b = torch.randn(77, generator=g)
+    m = _C.QuantMatrix(parts, b.numpy())
+    y = np.full((T, 77), np.nan, np.float32)
+    _C.gemm_kquant(m, x.numpy(), y, threads)
+    y1 = np.full((T, 77), np.nan, np.float32)
+    _C.gemm_kquant(m, x.numpy(), y1, 1)
+    np.testing.assert_array_equal(y, y1)
+    row = 0
+    for t, raw in parts:
+        n = raw.shape[0]
+        ref, tol = reference(t, raw, x, b[row:row + n])
+        got = torch.from_numpy(y[:, row:row + n]).double()
+        assert ((got - ref).abs() <= tol).all(), f"{t}: max excess {((got - ref).abs() - tol).max():.3g}"
+        row += n
+
+
+def test_kquant_gemm_refuses_other_types():
+    m = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q8_0", random_rows("Q8_0", 4, 256, 0))])
+    with pytest.raises(ValueError, match="Q4_K, Q5_K and Q6_K parts only, got Q4_K, Q8_0"):
+        _C.gemm_kquant(m, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
+    k = _C.QuantMatrix([("Q6_K", random_rows("Q6_K", 4, 256, 0))])
+    with pytest.raises(ValueError, match=r"y: expected shape \[2, 4\]"):
+        _C.gemm_kquant(k, np.zeros((2, 256), np.float32), np.zeros((2, 5), np.float32), 1)

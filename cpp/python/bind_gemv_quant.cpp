@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/checked.h"
+#include "gemm/gemm_kquant.h"
 #include "gemm/gemv_blocks.h"
 #include "python/args.h"
 #include "python/bind.h"
@@ -91,6 +92,28 @@ void bind_gemv_quant(py::module_& m) {
     gemv_matrix(M.m, xp, T, yp, n_threads);
   }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
      "y[T, out] = x[T, in] @ dequant(m)^T (+ bias), every part in one threaded pass.");
+
+  m.def("gemm_kquant", [](const PyQuantMatrix& M, const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
+    if (!gemm_kquant_supported(M.m))
+      throw py::value_error("m: the K-quant GEMM takes Q4_K, Q5_K and Q6_K parts only, got " + [&] {
+        std::string s;
+        for (const QuantPart& p : M.m.parts) s += (s.empty() ? "" : ", ") + std::string(ggml_type_name(p.type));
+        return s;
+      }());
+    auto x = ndim_arg<float>(x_obj, "x", 2);
+    const int64_t T = x.shape(0);
+    if (x.shape(1) != M.m.in)
+      throw py::value_error("x: expected [T, " + std::to_string(M.m.in) + "], got [" + std::to_string(T) + ", " +
+                            std::to_string(x.shape(1)) + "]");
+    auto y = array_arg<float>(y_obj, "y", {T, M.m.out});
+    check_threads(n_threads);
+    const float* xp = x.data();
+    float* yp = y.mutable_data();
+    py::gil_scoped_release nogil;
+    gemm_kquant(M.m, xp, T, yp, n_threads);
+  }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
+     "y[T, out] = q8(x)[T, in] @ dequant(m)^T (+ bias) for K-quant parts (Q4_K, Q5_K, Q6_K): the prefill GEMM, x "
+     "rounded to int8 per 256 values as the decode GEMV rounds it.");
 
   m.def("dequantize_matrix", [](const PyQuantMatrix& M, int64_t r0, int64_t r1, const py::handle& out_obj,
                                 int n_threads, const py::handle& order_obj) {

@@ -29,6 +29,8 @@ GEMV_MAX_TOKENS = 4
 # fp32 values in one dequantized panel of a prefill chunk's GEMM (128 MB): a 1.5B model's matrices fit in one,
 # so the GEMM writes y directly; larger ones are cut, and each panel's columns of y copied into place.
 PANEL_VALUES = 1 << 25
+# The types of the int8 prefill GEMM (cpp/gemm/gemm_kquant.h): what Q4_K_M and Q5_K_M files' matrices are.
+KQUANT_GEMM_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 # Panels of at least this many values are dequantized on every thread, smaller ones on one.
 DEQUANT_THREADS_FROM = 1 << 22
 
@@ -97,6 +99,9 @@ class Linear(torch.nn.Module):
         the type has such kernels, the 32-value block types (True; Config.activations)."""
         b = None if self.bias is None else self.bias.detach().numpy()
         self.qm = _C.QuantMatrix(list(self.quant.parts), b, x16=x16)
+        # Prefill on int8 x: the K-quant GEMM (every part Q4_K / Q5_K / Q6_K); otherwise dequantized panels.
+        self._kquant_gemm = not x16 and all(t in KQUANT_GEMM_TYPES for t, _ in self.quant.parts) \
+            and self.in_features % 256 == 0
         perm = self.out_perm
         self._order = None if perm is None else perm.to(torch.int32).numpy()  # the prefill panel's row order
         self._bias_in_order = self.bias if perm is None or self.bias is None else self.bias[perm]
@@ -122,8 +127,13 @@ class Linear(torch.nn.Module):
         return y if self.out_perm is None else y.index_select(1, self.out_perm)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T (+ b) [T, out], W dequantized a panel of rows at a time into the shared scratch panel."""
+        """x @ W.T (+ b) [T, out] with out_perm applied: the K-quant GEMM, or W dequantized a panel of rows at a
+        time into the shared scratch panel and multiplied in fp32."""
         n, k = self.out_features, self.in_features
+        if self._kquant_gemm:
+            y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            _C.gemm_kquant(self.qm, x.numpy(), y.numpy(), self.threads)
+            return y if self.out_perm is None else y.index_select(1, self.out_perm)
         step = max(16, min(n, PANEL_VALUES // k))
         panel = _panel(step * k).view(step, k)
         if step == n:  # the whole matrix in one panel, its rows in out_perm's order: no gather of y after
