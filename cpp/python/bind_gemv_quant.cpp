@@ -61,6 +61,22 @@ std::unique_ptr<PyQuantMatrix> quant_matrix(const py::list& parts, const py::han
   return M;
 }
 
+// y[T, out] = f(m, x[T, in]): the arguments checked, then f without the GIL (gemv_matrix, gemm_kquant).
+void run_matrix(void (*f)(const QuantMatrix&, const float*, int64_t, float*, int), const PyQuantMatrix& M,
+                const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
+  auto x = ndim_arg<float>(x_obj, "x", 2);
+  const int64_t T = x.shape(0);
+  if (x.shape(1) != M.m.in)
+    throw py::value_error("x: expected [T, " + std::to_string(M.m.in) + "], got [" + std::to_string(T) + ", " +
+                          std::to_string(x.shape(1)) + "]");
+  auto y = array_arg<float>(y_obj, "y", {T, M.m.out});
+  check_threads(n_threads);
+  const float* xp = x.data();
+  float* yp = y.mutable_data();
+  py::gil_scoped_release nogil;
+  f(M.m, xp, T, yp, n_threads);
+}
+
 }  // namespace
 
 void bind_gemv_quant(py::module_& m) {
@@ -79,17 +95,7 @@ void bind_gemv_quant(py::module_& m) {
       });
 
   m.def("gemv_matrix", [](const PyQuantMatrix& M, const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
-    auto x = ndim_arg<float>(x_obj, "x", 2);
-    const int64_t T = x.shape(0);
-    if (x.shape(1) != M.m.in)
-      throw py::value_error("x: expected [T, " + std::to_string(M.m.in) + "], got [" + std::to_string(T) + ", " +
-                            std::to_string(x.shape(1)) + "]");
-    auto y = array_arg<float>(y_obj, "y", {T, M.m.out});
-    check_threads(n_threads);
-    const float* xp = x.data();
-    float* yp = y.mutable_data();
-    py::gil_scoped_release nogil;
-    gemv_matrix(M.m, xp, T, yp, n_threads);
+    run_matrix(gemv_matrix, M, x_obj, y_obj, n_threads);
   }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
      "y[T, out] = x[T, in] @ dequant(m)^T (+ bias), every part in one threaded pass.");
 
@@ -100,17 +106,7 @@ void bind_gemv_quant(py::module_& m) {
         for (const QuantPart& p : M.m.parts) s += (s.empty() ? "" : ", ") + std::string(ggml_type_name(p.type));
         return s;
       }());
-    auto x = ndim_arg<float>(x_obj, "x", 2);
-    const int64_t T = x.shape(0);
-    if (x.shape(1) != M.m.in)
-      throw py::value_error("x: expected [T, " + std::to_string(M.m.in) + "], got [" + std::to_string(T) + ", " +
-                            std::to_string(x.shape(1)) + "]");
-    auto y = array_arg<float>(y_obj, "y", {T, M.m.out});
-    check_threads(n_threads);
-    const float* xp = x.data();
-    float* yp = y.mutable_data();
-    py::gil_scoped_release nogil;
-    gemm_kquant(M.m, xp, T, yp, n_threads);
+    run_matrix(gemm_kquant, M, x_obj, y_obj, n_threads);
   }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
      "y[T, out] = q8(x)[T, in] @ dequant(m)^T (+ bias) for K-quant parts (Q4_K, Q5_K, Q6_K): the prefill GEMM, x "
      "rounded to int8 per 256 values as the decode GEMV rounds it.");

@@ -5,16 +5,25 @@
 
 namespace ktq {
 
-void quantize_act_avx2(const float* x, int64_t n, int group, int8_t* q, float* d, int16_t* sum16) {
+namespace {
+
+// max |s[i]| over n values (n % 8 == 0).
+inline float absmax(const float* s, int n) {
   const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(s + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+}
+
+}  // namespace
+
+void quantize_act_avx2(const float* x, int64_t n, int group, int8_t* q, float* d, int16_t* sum16) {
   for (int64_t g = 0; g < n / group; ++g) {
     const float* s = x + g * group;
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < group; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(s + i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = absmax(s, group);
     const float dg = amax >= kActTiny ? amax / 127.f : 0.f;
     const float inv = dg != 0.f ? 1.f / dg : 0.f;
     d[g] = dg;
@@ -41,15 +50,9 @@ void quantize_act_avx2(const float* x, int64_t n, int group, int8_t* q, float* d
 }
 
 void quantize_act16_avx2(const float* x, int64_t n, int16_t* q, float* d, int32_t* sum32) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t g = 0; g < n / 32; ++g) {
     const float* s = x + g * 32;
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(s + i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = absmax(s, 32);
     const float dg = amax >= kActTiny ? amax / 32767.f : 0.f;
     const float inv = dg != 0.f ? 1.f / dg : 0.f;
     d[g] = dg;
