@@ -260,6 +260,14 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
     return md
 
 
+def finish_gguf(w: gguf.GGUFWriter) -> None:
+    """Write out a GGUFWriter whose keys and tensors are added: header, key/values, tensor data, close."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
                bpe: TinyBPE | None, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32)."""
@@ -290,10 +298,7 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
         w.add_chat_template(chat_template)
     for name, t in tensors.items():
         w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

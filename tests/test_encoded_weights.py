@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import finish_gguf
 from test_make_shaped_gguf import _tool, tokenizer_gguf  # noqa: F401 (a fixture)
 
 import ktquest
@@ -77,10 +78,7 @@ def _copy_with(src, dst, rewrite):
         data, qtype = rewrite(t.name, np.array(t.data), t.tensor_type)
         w.add_tensor(t.name, data, raw_shape=data.shape if qtype == gguf.GGMLQuantizationType.F32 else None,
                      raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def test_a_type_without_kernels_is_converted_to_q8_0(shaped_tiny, tmp_path, capsys):

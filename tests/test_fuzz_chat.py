@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from ktquest.formats.chat_template import ChatTemplate, ChatTemplateError, TemplateLimits
 
-resource = pytest.importorskip("resource")  # POSIX
+resource = pytest.importorskip("resource", reason="the bounded child processes set POSIX resource limits")
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = TemplateLimits(max_chars=2**14, max_seconds=0.1)

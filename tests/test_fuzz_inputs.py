@@ -38,7 +38,7 @@ from ktquest.formats.gguf import GGUFError, open_gguf
 from ktquest.formats.tokenizer import TokenizerError
 from ktquest.models.loader import read_gguf
 
-resource = pytest.importorskip("resource")  # POSIX
+resource = pytest.importorskip("resource", reason="the bounded child processes set POSIX resource limits")
 
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = settings(derandomize=True, database=None, deadline=None,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import gguf
 import numpy as np
 import pytest
-from conftest import TINY_SPECS, gguf_metadata, hf_to_gguf_tensors, permute_qk, write_gguf
+from conftest import TINY_SPECS, finish_gguf, gguf_metadata, hf_to_gguf_tensors, permute_qk, write_gguf
 
 from ktquest.formats.gguf import GGUFError, dequantize_tensor, open_gguf
 from ktquest.models.loader import qk_perm, read_gguf
@@ -130,10 +130,7 @@ def test_every_type_through_a_file(tmp_path):
         else:  # F16 and BF16 come back from quantize() as 2-byte elements
             w.add_tensor(name, raw.view(np.uint8) if qtype == Q.BF16 else raw,
                          raw_dtype=Q.BF16 if qtype == Q.BF16 else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
     c = read_gguf(path)
     for (name, raw), qtype in zip(extras.items(), QUANTIZABLE + RAW_ONLY, strict=True):
@@ -277,10 +274,7 @@ def test_unreadable_tensor_type_fails_on_access(tmp_path):
     for name, t in tensors.items():
         w.add_tensor(name, t)
     w.add_tensor("odd.weight", np.zeros((2, 40), dtype=np.uint8), raw_shape=(2, 40), raw_dtype=Q.Q8_1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     c = read_gguf(path)
     with pytest.raises(GGUFError, match=r"'odd.weight' has type Q8_1"):
         c.tensors["odd.weight"]
@@ -307,10 +301,7 @@ def _write_small(path: Path, metadata: dict, endianess=gguf.GGUFEndian.LITTLE,
         getattr(w, method)(key, value)
     for name, t in (tensors if tensors is not None else {"w": np.ones((2, 32), np.float32)}).items():
         w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import finish_gguf
 
 from ktquest.formats.gguf import open_gguf
 
@@ -50,10 +51,7 @@ def tokenizer_gguf(tmp_path_factory, tiny_bpe) -> Path:
     w.add_token_merges(tiny_bpe.merges)
     w.add_bos_token_id(tiny_bpe.bos_id)
     w.add_eos_token_id(tiny_bpe.eos_id)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_SPECS, build_hf_model, gguf_metadata, hf_to_gguf_tensors
+from conftest import TINY_SPECS, build_hf_model, finish_gguf, gguf_metadata, hf_to_gguf_tensors
 
 from ktquest.formats.gguf import GGUFError
 from ktquest.models.args import DEFAULT_MAX_SEQ_LEN, resolve_max_seq_len
@@ -62,10 +62,7 @@ def write_model(path: Path, md: dict, tensors: dict, changes: dict | None = None
             _add(w, key, value)
     for name, t in tensors.items():
         w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

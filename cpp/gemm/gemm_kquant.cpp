@@ -33,25 +33,13 @@ struct PanelBuf {
 };
 
 // Super-block b of a row into the panel fields of that super-block (codes [256], sv [8][16], mi [16]).
-void unpack(const BlockQ4_K& b, uint8_t* codes, int16_t* sv, int16_t* mi, float& d, float& dm) {
+// Q4_K / Q5_K: their codes (k_code), each sub-block's 6-bit scale and min.
+template <class Block>
+void unpack(const Block& b, uint8_t* codes, int16_t* sv, int16_t* mi, float& d, float& dm) {
   uint8_t sc[16];
   unpack_k_scales(b.scales, sc);
   for (int s = 0; s < 8; ++s) {
-    const uint8_t* q = b.qs + 32 * (s / 2);
-    for (int l = 0; l < 32; ++l) codes[32 * s + l] = (q[l] >> (4 * (s % 2))) & 15;
-    std::fill(sv + 16 * s, sv + 16 * s + 16, int16_t(sc[s]));
-    mi[2 * s] = mi[2 * s + 1] = sc[8 + s];
-  }
-  d = h2f(b.d), dm = h2f(b.dmin);
-}
-
-void unpack(const BlockQ5_K& b, uint8_t* codes, int16_t* sv, int16_t* mi, float& d, float& dm) {
-  uint8_t sc[16];
-  unpack_k_scales(b.scales, sc);
-  for (int s = 0; s < 8; ++s) {
-    const uint8_t* q = b.qs + 32 * (s / 2);
-    for (int l = 0; l < 32; ++l)
-      codes[32 * s + l] = uint8_t(((q[l] >> (4 * (s % 2))) & 15) | ((b.qh[l] >> s) & 1) << 4);
+    for (int l = 0; l < 32; ++l) codes[32 * s + l] = uint8_t(k_code(b, s, l));
     std::fill(sv + 16 * s, sv + 16 * s + 16, int16_t(sc[s]));
     mi[2 * s] = mi[2 * s + 1] = sc[8 + s];
   }

@@ -4,6 +4,7 @@
 // (int32), summed over the super-block and converted to fp32 once. Compiled with -mavx2 -mfma -mf16c, called
 // only when use_avx2().
 #include <cstring>
+#include <type_traits>
 
 #include "gemm/avx2_blocks.h"
 #include "gemm/gemv_blocks.h"
@@ -50,43 +51,14 @@ inline float hsum128(__m128 v) {
 
 }  // namespace
 
-// ---- Q4_K ----
+// ---- Q4_K / Q5_K ----
 
-template <bool kStream>
-float q4_k(const uint8_t* row, const ActRow& a, int64_t in) {
-  const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(row);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  __m256 acc = _mm256_setzero_ps();
-  __m128 acc_m = _mm_setzero_ps();
-  for (int64_t i = 0; i < in / kQK; ++i) {
-    if constexpr (kStream) prefetch_block<sizeof(*b)>(b + i);
-    const __m128 dd = scales_d_dmin(&b[i].d, a.d[i]);
-    const __m256i sc_mn = scales_mins(b[i].scales);
-    const __m128 mins = _mm_cvtepi32_ps(mins_dot(sc_mn, a.sum32 + i * (kQK / 32)));
-    acc_m = _mm_fnmadd_ps(_mm_shuffle_ps(dd, dd, 0x55), mins, acc_m);  // - dmin * dx * sum_s mn[s] * sum(q8)
-
-    const __m128i sc128 = _mm256_castsi256_si128(sc_mn);
-    const __m256i scales = _mm256_set_m128i(sc128, sc128);
-    const uint8_t* q4 = b[i].qs;
-    const int8_t* q8 = a.q + i * kQK;
-    __m256i sumi = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j, q4 += 32, q8 += 64) {  // 64 values: sub-blocks 2j (low nibbles), 2j+1 (high)
-      const __m256i bits = loadu256(q4);
-      const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-      const __m256i pl = _mm256_madd_epi16(bcast_i16(scales, 2 * j), _mm256_maddubs_epi16(lo, loadu256(q8)));
-      const __m256i ph = _mm256_madd_epi16(bcast_i16(scales, 2 * j + 1), _mm256_maddubs_epi16(hi, loadu256(q8 + 32)));
-      sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
-    }
-    acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(sumi), acc);
-  }
-  return hsum(acc) + hsum128(acc_m);
-}
-
-// ---- Q5_K ----
-
-template <bool kStream>
-float q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
-  const BlockQ5_K* b = reinterpret_cast<const BlockQ5_K*>(row);
+// Q5_K adds a fifth bit from qh: bit s of qh[l] is that of element l of sub-block s, shifted down two places per
+// 64 values. A 16-bit shift moves each byte's own bits (bit 0 of either byte after `& 1` comes from that byte).
+template <bool kStream, class Block>
+float q45_k(const uint8_t* row, const ActRow& a, int64_t in) {
+  constexpr bool kQ5 = std::is_same_v<Block, BlockQ5_K>;
+  const Block* b = reinterpret_cast<const Block*>(row);
   const __m256i m4 = _mm256_set1_epi8(0xF), m1 = _mm256_set1_epi8(1);
   __m256 acc = _mm256_setzero_ps();
   __m128 acc_m = _mm_setzero_ps();
@@ -99,18 +71,19 @@ float q5_k(const uint8_t* row, const ActRow& a, int64_t in) {
 
     const __m128i sc128 = _mm256_castsi256_si128(sc_mn);
     const __m256i scales = _mm256_set_m128i(sc128, sc128);
-    // Bit s of qh[l] is the fifth bit of element l of sub-block s: shifted down two places per 64 values. A
-    // 16-bit shift moves each byte's own bits (bit 0 of either byte after `& 1` comes from that byte).
-    __m256i hbits = loadu256(b[i].qh);
-    const uint8_t* q5 = b[i].qs;
+    __m256i hbits = _mm256_setzero_si256();
+    if constexpr (kQ5) hbits = loadu256(b[i].qh);
+    const uint8_t* q = b[i].qs;
     const int8_t* q8 = a.q + i * kQK;
     __m256i sumi = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j, q5 += 32, q8 += 64, hbits = _mm256_srli_epi16(hbits, 2)) {
-      const __m256i bits = loadu256(q5);
-      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hbits, m1), 4);
-      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), m1), 4);
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, m4), h0);
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h1);
+    for (int j = 0; j < 4; ++j, q += 32, q8 += 64) {  // 64 values: sub-blocks 2j (low nibbles), 2j+1 (high)
+      const __m256i bits = loadu256(q);
+      __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+      if constexpr (kQ5) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hbits, m1), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), m1), 4));
+        hbits = _mm256_srli_epi16(hbits, 2);
+      }
       const __m256i pl = _mm256_madd_epi16(bcast_i16(scales, 2 * j), _mm256_maddubs_epi16(lo, loadu256(q8)));
       const __m256i ph = _mm256_madd_epi16(bcast_i16(scales, 2 * j + 1), _mm256_maddubs_epi16(hi, loadu256(q8 + 32)));
       sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
@@ -166,16 +139,16 @@ float q6_k(const uint8_t* row, const ActRow& a, int64_t in) {
 
 // ---- the kernels without and with the weight prefetch of long rows ----
 
-float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) { return q4_k<false>(row, a, in); }
-float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) { return q5_k<false>(row, a, in); }
+float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) { return q45_k<false, BlockQ4_K>(row, a, in); }
+float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) { return q45_k<false, BlockQ5_K>(row, a, in); }
 float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) { return q6_k<false>(row, a, in); }
 
 }  // namespace ktq::avx2
 
 namespace ktq::avx2_stream {
 
-float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q4_k<true>(row, a, in); }
-float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q5_k<true>(row, a, in); }
+float dot_q4_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q45_k<true, BlockQ4_K>(row, a, in); }
+float dot_q5_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q45_k<true, BlockQ5_K>(row, a, in); }
 float dot_q6_k(const uint8_t* row, const ActRow& a, int64_t in) { return avx2::q6_k<true>(row, a, in); }
 
 }  // namespace ktq::avx2_stream

@@ -89,6 +89,13 @@ inline void unpack_k_scales(const uint8_t* b, uint8_t sc[16]) {
   }
 }
 
+// Q4_K / Q5_K: the code of element l (0..31) of sub-block s (0..7): its nibble, and for Q5_K the fifth bit from
+// qh (the dequantizer, the scalar dot products and the prefill GEMM's unpacking read codes through these).
+inline int k_code(const BlockQ4_K& b, int s, int l) { return (b.qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 15; }
+inline int k_code(const BlockQ5_K& b, int s, int l) {
+  return ((b.qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 15) | ((b.qh[l] >> s) & 1) << 4;
+}
+
 // One row of `in` values -> y [in] fp32 (scalar: load-time conversion and the tests' exact path).
 void dequantize_row(GgmlType t, const uint8_t* row, int64_t in, float* y);
 

@@ -71,30 +71,16 @@ void deq_q5_1(const BlockQ5_1* b, int64_t nb, float* y) {
 
 // ---- K-quants ----
 
-void deq_q4_k(const BlockQ4_K* b, int64_t nb, float* y) {
+// Q4_K / Q5_K: w = d * sc[s] * code - dmin * mn[s] per sub-block s of 32 (k_code).
+template <class Block>
+void deq_q45_k(const Block* b, int64_t nb, float* y) {
   for (int64_t i = 0; i < nb; ++i) {
     const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
     uint8_t sc[16];
     unpack_k_scales(b[i].scales, sc);
     for (int s = 0; s < 8; ++s, y += 32) {
       const float dl = d * float(sc[s]), ml = dmin * float(sc[8 + s]);
-      const uint8_t* q = b[i].qs + 32 * (s / 2);
-      const int shift = 4 * (s % 2);
-      for (int l = 0; l < 32; ++l) y[l] = dl * float((q[l] >> shift) & 15) - ml;
-    }
-  }
-}
-
-void deq_q5_k(const BlockQ5_K* b, int64_t nb, float* y) {
-  for (int64_t i = 0; i < nb; ++i) {
-    const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
-    uint8_t sc[16];
-    unpack_k_scales(b[i].scales, sc);
-    for (int s = 0; s < 8; ++s, y += 32) {
-      const float dl = d * float(sc[s]), ml = dmin * float(sc[8 + s]);
-      const uint8_t* q = b[i].qs + 32 * (s / 2);
-      const int shift = 4 * (s % 2);
-      for (int l = 0; l < 32; ++l) y[l] = dl * float(((q[l] >> shift) & 15) | ((b[i].qh[l] >> s) & 1) << 4) - ml;
+      for (int l = 0; l < 32; ++l) y[l] = dl * float(k_code(b[i], s, l)) - ml;
     }
   }
 }
@@ -136,8 +122,8 @@ void dequantize_row(GgmlType t, const uint8_t* row, int64_t in, float* y) {
     case GgmlType::Q4_1: deq_q4_1(reinterpret_cast<const BlockQ4_1*>(row), nb, y); break;
     case GgmlType::Q5_0: deq_q5_0(reinterpret_cast<const BlockQ5_0*>(row), nb, y); break;
     case GgmlType::Q5_1: deq_q5_1(reinterpret_cast<const BlockQ5_1*>(row), nb, y); break;
-    case GgmlType::Q4_K: deq_q4_k(reinterpret_cast<const BlockQ4_K*>(row), nb, y); break;
-    case GgmlType::Q5_K: deq_q5_k(reinterpret_cast<const BlockQ5_K*>(row), nb, y); break;
+    case GgmlType::Q4_K: deq_q45_k(reinterpret_cast<const BlockQ4_K*>(row), nb, y); break;
+    case GgmlType::Q5_K: deq_q45_k(reinterpret_cast<const BlockQ5_K*>(row), nb, y); break;
     case GgmlType::Q6_K: deq_q6_k(reinterpret_cast<const BlockQ6_K*>(row), nb, y); break;
   }
 }

@@ -88,6 +88,9 @@ class Linear(torch.nn.Module):
             self.weight = None
             b = None if bias is None else bias.detach().to(torch.float32).contiguous()
             self.bias = None if b is None else torch.nn.Parameter(b, requires_grad=False)
+            # A prefill panel's rows in out_perm's order (then y needs no gather), and the bias in that order.
+            self._order = None if out_perm is None else out_perm.to(torch.int32).numpy()
+            self._bias_in_order = self.bias if out_perm is None or b is None else self.bias[out_perm]
             self.use_x16(False)
         else:
             self.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -102,9 +105,6 @@ class Linear(torch.nn.Module):
         # Prefill on int8 x: the K-quant GEMM (every part Q4_K / Q5_K / Q6_K); otherwise dequantized panels.
         self._kquant_gemm = not x16 and all(t in KQUANT_GEMM_TYPES for t, _ in self.quant.parts) \
             and self.in_features % 256 == 0
-        perm = self.out_perm
-        self._order = None if perm is None else perm.to(torch.int32).numpy()  # the prefill panel's row order
-        self._bias_in_order = self.bias if perm is None or self.bias is None else self.bias[perm]
 
     @property
     def in_features(self) -> int:
