@@ -212,6 +212,28 @@ def test_kquant_gemm_matches_the_int8_reference(force_scalar, T, threads):
         row += n
 
 
+def test_kquant_gemm_paths_agree_bitwise():
+    """The AVX2 tile and its scalar twin take the same integer sums and the same fp32 operations per row and
+    super-block: the same bits, with padding rows (37 + 21 + 19 rows is not a multiple of the panel's 16) and
+    a token count that is not a multiple of the tile's."""
+    inp = 768
+    parts = [("Q4_K", random_rows("Q4_K", 37, inp, 21)), ("Q6_K", random_rows("Q6_K", 21, inp, 22)),
+             ("Q5_K", random_rows("Q5_K", 19, inp, 23))]
+    m = _C.QuantMatrix(parts)
+    x = (torch.randn(7, inp, generator=torch.Generator().manual_seed(5)) * 3.0).numpy()
+    ys = []
+    for scalar in (False, True):
+        _C.set_force_scalar(scalar)
+        try:
+            y = np.full((7, 77), np.nan, np.float32)
+            _C.gemm_kquant(m, x, y, 2)
+            ys.append(y)
+        finally:
+            _C.set_force_scalar(False)
+    assert np.isfinite(ys[0]).all()
+    np.testing.assert_array_equal(ys[0], ys[1])
+
+
 def test_kquant_gemm_refuses_other_types():
     m = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q8_0", random_rows("Q8_0", 4, 256, 0))])
     with pytest.raises(ValueError, match="Q4_K, Q5_K and Q6_K parts only, got Q4_K, Q8_0"):

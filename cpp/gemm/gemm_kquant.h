@@ -3,15 +3,18 @@
 // token:
 //   y[T, out] = q8(x)[T, in] @ dequant(W)^T (+ bias),  x quantized to int8 per 256 values (quant/q8_act.h)
 //
-// A panel of rows is unpacked into one form for the three types. For the 32 values of sub-block j of a row:
-//   codes  u8 [32]   the type's unsigned codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63)
-//   sv     i16 [16]  the integer scale of each of maddubs' 16 pair sums: 8 lanes of one 16-value group's scale,
-//                    8 of the next's (Q4_K / Q5_K: the sub-block's 6-bit scale twice; Q6_K: its two int8 scales)
-// and per super-block of 256: mi i16 [16] (each 16-value group's integer min: Q4_K / Q5_K the sub-block's 6-bit
-// min, Q6_K 32 x its scale), d and dm fp32 (Q4_K / Q5_K: d, dmin; Q6_K: d, d). Then a row's super-block is
-//   d * dx * sum_j madd(maddubs(codes_j, xq_j), sv_j)  -  dm * dx * madd(mi, sum16(xq))
-// exactly the type's dequant(w) . (dx * xq), summed in int32 within the super-block (|lane| < 2^25).
-// The kernels take one row against up to four tokens per pass: the row's codes are read once per four tokens.
+// Rows are unpacked sixteen at a time into a panel, one form for the three types, interleaved so that one int32
+// lane of a 256-bit register is one row: four consecutive values of row r sit at bytes 4r..4r+3 of a 64-byte
+// step (rows 0-7 in its first 32 bytes, 8-15 in the next). A token's four int8 x values, broadcast to every
+// lane, then feed eight rows at once:
+//   maddubs(codes of 8 rows x 4 values, x broadcast)  -> 16 int16 pair sums (two per row)
+// and the pair sums of W steps add up in int16 before one madd with the rows' scales widens them to int32
+// (W = 8 for Q4_K, 4 for Q5_K, 2 for Q6_K: the most steps whose sum cannot leave int16, codes < 16 / 32 / 64
+// against |x| <= 127). Per super-block of 256 values each row's sum is then
+//   d * dx * sum_g scale_g * dot_g(codes, xq)  -  dm * dx * sum_g min_g * sum16_g(xq)
+// over its 16-value groups g, exactly the type's dequant(w) . (dx * xq) (Q4_K / Q5_K: each sub-block's 6-bit
+// scale and min on both its groups, d and dmin; Q6_K: codes 0..63, the int8 group scale, min 32 x the scale,
+// d twice). One panel runs against up to three tokens per pass (kTileTokens).
 #pragma once
 
 #include <cstdint>
@@ -25,18 +28,22 @@ bool gemm_kquant_supported(const QuantMatrix& m);
 
 // x: [T, in] fp32, y: [T, out] fp32. m's parts all K-quants (gemm_kquant_supported); in % 256 == 0.
 // Rows split across threads; every output is one row's super-blocks summed in a fixed order (the thread count
-// does not change the result).
+// and the kernel path do not change the result).
 void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
 
 // ---- what the kernels read ----
 
-struct KPanel {  // rows unpacked (see above); row r's data at r * the per-row stride of each field
-  const uint8_t* codes;  // [rows, in]
-  const int16_t* sv;     // [rows, in / 32, 16]
-  const int16_t* mi;     // [rows, in / 256, 16]
-  const float* d;        // [rows, in / 256]
-  const float* dm;       // [rows, in / 256]
+constexpr int kPanelRows = 16;  // rows of a panel: the int32 lanes of two 256-bit registers
+constexpr int kTileTokens = 3;  // tokens a tile takes at most
+
+struct KPanel {  // 16 rows unpacked (see above)
+  const uint8_t* codes;  // [in / 4][16 rows][4]: value 4q + b of row r at (16q + r) * 4 + b
+  const int16_t* sv;     // [in / 16][16 rows][2]: row r's scale of 16-value group g, twice (madd's pair)
+  const int16_t* mi;     // [in / 32][16 rows][2]: row r's integer mins of groups 2p and 2p + 1
+  const float* d;        // [in / 256][16 rows]
+  const float* dm;       // [in / 256][16 rows]
   int64_t in;
+  int steps;             // W above: 8, 4 or 2 (the least over the panel's rows' types)
 };
 
 struct KAct {  // x quantized per 256 (quant/q8_act.h): token t's data at t * the per-token stride
@@ -45,9 +52,10 @@ struct KAct {  // x quantized per 256 (quant/q8_act.h): token t's data at t * th
   const int16_t* sum16;  // [T, in / 16]
 };
 
-// y[c * ldy] = row r of the panel . token (t0 + c), for c in [0, nt), nt <= 4 (no bias).
-using KTile = void(const KPanel& p, int64_t r, const KAct& a, int64_t t0, int nt, float* y, int64_t ldy);
-void gemm_kquant_tile_scalar(const KPanel& p, int64_t r, const KAct& a, int64_t t0, int nt, float* y, int64_t ldy);
-void gemm_kquant_tile_avx2(const KPanel& p, int64_t r, const KAct& a, int64_t t0, int nt, float* y, int64_t ldy);
+// y[c * ldy + r] = row r of the panel . token (t0 + c), for r in [0, nr), c in [0, nt); nr <= kPanelRows,
+// nt <= kTileTokens (no bias). Rows past nr are padding (all-zero codes and scales).
+using KTile = void(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
+void gemm_kquant_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
+void gemm_kquant_tile_avx2(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
 
 }  // namespace ktq
