@@ -13,6 +13,7 @@ a reply (the logits of the last token are not used) keeps the cache a faithful t
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from ktquest import _C
 from ktquest.config import GenerationConfig
 from ktquest.sampling import Sampler
 
@@ -68,11 +70,23 @@ def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
         raise ValueError(f"KV cache overflow: {n} prompt tokens after the {cache.pos} held do not fit in "
                          f"max_seq_len={cache.max_seq_len}")
     logits = None
-    for done in range(0, n, chunk_size):
-        logits = prefill_chunk(model, cache, tokens[done: done + chunk_size])
-        if on_progress is not None:
-            on_progress(min(done + chunk_size, n), n)
+    with prefill_heap():
+        for done in range(0, n, chunk_size):
+            logits = prefill_chunk(model, cache, tokens[done: done + chunk_size])
+            if on_progress is not None:
+                on_progress(min(done + chunk_size, n), n)
     return logits
+
+
+@contextlib.contextmanager
+def prefill_heap():
+    """The C heap's prefill settings while the block runs (its temporaries reused, not mapped afresh each
+    chunk), the decode settings after it and the heap trimmed (cpp/common/heap.h)."""
+    _C.prefill_heap(True)
+    try:
+        yield
+    finally:
+        _C.prefill_heap(False)
 
 
 def prefill_chunk(model, cache, chunk: torch.Tensor) -> torch.Tensor:

@@ -59,3 +59,35 @@ def test_heap_threshold_fixed_at_import():
     out = subprocess.run([sys.executable, "-c", HEAP_PROBE], env=env, capture_output=True, text=True, check=True)
     threshold, mmapped = map(int, out.stdout.split())
     assert threshold == 0 and mmapped == 0
+
+
+PREFILL_HEAP_PROBE = """
+import ctypes, numpy as np
+from ktquest.generate import prefill_heap
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def mapped(n):  # bytes of an n-byte buffer that came by mmap (mallinfo2.hblkhd grows by them)
+    before = libc.mallinfo2().hblkhd
+    buf = np.ones(n, np.uint8)
+    return libc.mallinfo2().hblkhd - before
+with prefill_heap():
+    inside = mapped(4 << 20)
+    arena = libc.mallinfo2().arena
+after = mapped(4 << 20)
+print(inside, after, arena - libc.mallinfo2().arena)
+"""
+
+
+def test_prefill_heap_serves_temporaries_from_the_heap_then_trims():
+    """Inside a prefill a 4 MiB temporary comes from the heap (no fresh mapping to fault in every chunk);
+    after it, the decode threshold is back (a 4 MiB buffer is mapped) and the heap was trimmed."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", PREFILL_HEAP_PROBE], env=env, capture_output=True, text=True,
+                         check=True)
+    inside, after, trimmed = map(int, out.stdout.split())
+    assert inside == 0
+    assert after >= 4 << 20
+    assert trimmed >= 4 << 20

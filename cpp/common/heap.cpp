@@ -20,4 +20,18 @@ std::size_t fix_mmap_threshold() {
 #endif
 }
 
+bool prefill_heap(bool on) {
+#if defined(__GLIBC__)
+  if (fix_mmap_threshold() == 0) return false;
+  constexpr int kDefaultTrim = 128 * 1024;  // glibc's M_TRIM_THRESHOLD at start
+  mallopt(M_TRIM_THRESHOLD, on ? int(kPrefillTrimThreshold) : kDefaultTrim);
+  mallopt(M_MMAP_THRESHOLD, int(on ? kPrefillMmapThreshold : kMmapThreshold));
+  if (!on) malloc_trim(0);
+  return true;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace ktq

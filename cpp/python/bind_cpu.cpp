@@ -20,6 +20,9 @@ void bind_cpu(py::module_& m) {
   m.def("set_force_scalar", &set_force_scalar, py::arg("force"),
         "Force the scalar kernels (process-wide); the env var KTQUEST_FORCE_SCALAR=1 does the same at start.");
   m.attr("MMAP_THRESHOLD") = fix_mmap_threshold();  // at import: see common/heap.h
+  m.def("prefill_heap", &prefill_heap, py::arg("on"),
+        "The C heap's prefill settings (on) or decode settings (off, then malloc_trim): common/heap.h. "
+        "False where the user's MALLOC_MMAP_THRESHOLD_ (or a non-glibc C library) leaves the heap alone.");
 }
 
 }  // namespace ktq::python
