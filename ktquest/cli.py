@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import signal
 import sys
 import typing
@@ -82,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code. The one place errors become ``ktquest: error: ...``."""
+    if "torch" not in sys.modules:
+        # ktquest's kernels run on its own thread pool between torch ops; by default torch's idle OpenMP threads
+        # spin for a while after each op on the very cores the pool then needs (the shaped 1.5B model's
+        # prefill ran 6-7% slower). libgomp reads this when torch loads; a user's own setting stands. Set
+        # here, in ktquest's own process, not on import: the runtime is shared with any other OpenMP library
+        # in a process (llama.cpp's decode, one libgomp with torch's, ran 30% slower under it).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = Console(stderr=True, highlight=False)
     try:
         return _chat(build_parser().parse_args(argv), err)

@@ -280,3 +280,24 @@ def test_argument_errors_are_one_line(monkeypatch, capsys, argv, needles):
     code, out, err = _main(monkeypatch, capsys, argv)
     assert code == 2 and out == ""
     _one_error_line(err, *needles)
+
+
+OMP_PROBE = """
+import os, sys
+from ktquest.cli import main
+main(["chat", "--model", sys.argv[1], "--message", "hi"])
+import torch  # the model failed to load; torch loads here if it did not
+print(os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize("user_setting", [None, "ACTIVE"])
+def test_cli_makes_torchs_idle_threads_sleep(tmp_path, user_setting):
+    """The CLI's own process gets torch's OpenMP threads sleeping when idle (they would spin on the cores
+    ktquest's pool needs); a user's OMP_WAIT_POLICY stands."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if user_setting:
+        env["OMP_WAIT_POLICY"] = user_setting
+    out = subprocess.run([sys.executable, "-c", OMP_PROBE, str(tmp_path / "missing.gguf")], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == (user_setting or "PASSIVE"), out.stderr
