@@ -31,7 +31,7 @@ def test_env_var_forces_scalar_at_import():
     assert out.stdout.strip() == "False"
 
 
-HEAP_PROBE = """
+MALLINFO = """
 import ctypes, numpy as np
 from ktquest import _C
 class MallInfo2(ctypes.Structure):
@@ -39,6 +39,9 @@ class MallInfo2(ctypes.Structure):
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
+"""
+
+HEAP_PROBE = MALLINFO + """
 big = np.ones(8 << 20, np.uint8)  # mmapped; freeing it would raise glibc's dynamic threshold to 8 MiB
 del big
 before = libc.mallinfo2().hblkhd
@@ -61,14 +64,8 @@ def test_heap_threshold_fixed_at_import():
     assert threshold == 0 and mmapped == 0
 
 
-PREFILL_HEAP_PROBE = """
-import ctypes, numpy as np
+PREFILL_HEAP_PROBE = MALLINFO + """
 from ktquest.generate import prefill_heap
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 def mapped(n):  # bytes of an n-byte buffer that came by mmap (mallinfo2.hblkhd grows by them)
     before = libc.mallinfo2().hblkhd
     buf = np.ones(n, np.uint8)
