@@ -55,6 +55,13 @@ void unpack(const BlockQ6_K& b, SuperBlock& u) {
   u.d = u.dm = f16_to_f32(b.d);
 }
 
+// Super-block s of a row of type t.
+void unpack_any(GgmlType t, const uint8_t* row, int64_t s, SuperBlock& u) {
+  if (t == GgmlType::Q4_K) unpack(reinterpret_cast<const BlockQ4_K*>(row)[s], u);
+  else if (t == GgmlType::Q5_K) unpack(reinterpret_cast<const BlockQ5_K*>(row)[s], u);
+  else unpack(reinterpret_cast<const BlockQ6_K*>(row)[s], u);
+}
+
 int steps_of(GgmlType t) { return t == GgmlType::Q4_K ? 8 : t == GgmlType::Q5_K ? 4 : 2; }
 
 // A task's panels, each laid out as KPanel says (the fields of panel p start at p * kPanelRows rows).
@@ -88,10 +95,7 @@ struct PanelBuf {
     float* dm_ = dm.data() + base * size_t(in / kQK);
     SuperBlock u{};
     for (int64_t s = 0; s < in / kQK; ++s) {
-      if (row == nullptr) {}  // u stays all zeros
-      else if (t == GgmlType::Q4_K) unpack(reinterpret_cast<const BlockQ4_K*>(row)[s], u);
-      else if (t == GgmlType::Q5_K) unpack(reinterpret_cast<const BlockQ5_K*>(row)[s], u);
-      else unpack(reinterpret_cast<const BlockQ6_K*>(row)[s], u);
+      if (row != nullptr) unpack_any(t, row, s, u);  // a padding row keeps u all zeros
       for (int q = 0; q < kQK / 4; ++q)
         std::memcpy(c + ((s * kQK / 4 + q) * kPanelRows + r) * 4, u.codes + 4 * q, 4);
       for (int g = 0; g < 16; ++g) {
