@@ -104,7 +104,7 @@ class ChatSession:
             eng.cache_owner = self
         # Keep the longest prefix the cache already holds; at least one token must be fed for logits.
         keep = min(_common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
-        cache.truncate(keep)
+        cache.truncate(cache.rewind_point(keep))
         self._fed = list(tokens)  # from here on, cache position i holds self._fed[i] for i < cache.pos
         text, stats = eng.run(tokens, eng.config.generation, on_text, on_progress, should_stop,
                                on_token=self._fed.append)

@@ -20,6 +20,7 @@ from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import check_cache_fits, check_weights_fit
+from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
 from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
@@ -44,7 +45,7 @@ class Engine:
         self.args = contents.args
         self.max_seq_len = resolve_max_seq_len(self.args, config.max_seq_len)
         # refuse before any allocation (the weights included), with the figure
-        check_cache_fits(config, self.args, self.max_seq_len, self.device, self.dtype)
+        check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)
         self.weights = _pick_weights(config.weights, self.device, self.dtype)
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf")
@@ -170,11 +171,17 @@ def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dtype: torch.dtype):
     """The KV cache of ``config.mode``: dense (every token on the device) or long_context (DRAM store +
-    device windows, ``ktquest.kv.long_context``)."""
+    device windows, ``ktquest.kv.long_context``); for a model with sliding-window layers (gemma3), that cache
+    holds its global layers and a ``HybridCache`` the sliding layers' windows (``ktquest.kv.sliding``)."""
+    threads = config.resolved_threads()
+    g = global_args(args)
     if config.mode == "long_context":
-        return LongContextCache(args, config, max_seq_len, device, dtype)
-    return DenseKVCache(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype,
-                        threads=config.resolved_threads())
+        cache = LongContextCache(g, config, max_seq_len, device, dtype)
+    else:
+        cache = DenseKVCache(g.n_layers, g.n_kv_heads, g.head_dim, max_seq_len, device, dtype, threads=threads)
+    if g.n_layers == args.n_layers:
+        return cache
+    return HybridCache(args, cache, device, dtype, config.chunk_size, threads)
 
 
 def _pick_device(name: str) -> torch.device:

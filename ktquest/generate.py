@@ -5,7 +5,8 @@ tokens at ``cache.pos`` and decodes after them. Invariant on return (also after 
 
     cache.pos == pos_before + result.n_prompt + len(result.tokens)
 
-i.e. every token in the cache was either given as a prompt or generated *and returned*. A generated
+i.e. every token in the cache was either given as a prompt or generated *and returned* (after Ctrl-C in
+prefill, a cache that cannot rewind that far exactly holds fewer: ``KVCache.rewind_point``). A generated
 token is fed to the model (so it is in the cache) before it is handed to ``on_token``; this includes the
 stop token, so the next turn can continue right after it. The extra forward pass this costs at the end of
 a reply (the logits of the last token are not used) keeps the cache a faithful transcript.
@@ -165,6 +166,6 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
             prefill_s, n_prompt = time.perf_counter() - t0, 0
         else:
             decode_s = time.perf_counter() - t0
-        cache.truncate(min(cache.pos, pos0 + n_prompt + len(tokens)))
+        cache.truncate(cache.rewind_point(min(cache.pos, pos0 + n_prompt + len(tokens))))
     return GenerationResult(tokens=tokens, n_prompt=n_prompt, prefill_s=prefill_s, decode_s=decode_s,
                             stopped_by=stopped_by)

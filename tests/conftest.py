@@ -127,7 +127,7 @@ def tiny_bpe() -> TinyBPE:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str  # "llama" | "qwen2"
+    arch: str  # "llama" | "qwen2" | "gemma3"
     tied: bool
     rope: dict | None = None  # HF rope_parameters beyond the default
     dim: int = 64
@@ -138,6 +138,8 @@ class TinySpec:
     ctx: int = 256
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    window: int = 0  # gemma3: the sliding window ...
+    swa_pattern: int = 0  # ... on all layers but every swa_pattern-th (0: llama.cpp's 6, no metadata key)
 
 
 TINY_SPECS = {
@@ -154,19 +156,46 @@ TINY_SPECS = {
 }
 
 
+# gemma3 (tests/test_gemma3.py): the default pattern (layers 0-4 slide, 5 is global), and a pattern of 3 whose
+# last layer slides; windows shorter than the test prompts
+GEMMA3_SPECS = {
+    "gemma3": TinySpec("gemma3", tied=True, n_layers=6, n_kv_heads=1, ctx=512, rope_theta=1e6, eps=1e-6, window=8),
+    "gemma3_p3": TinySpec("gemma3", tied=True, n_layers=4, ctx=512, rope_theta=1e6, eps=1e-6, window=5,
+                          swa_pattern=3),
+}
+
+
+def _gemma3_config(spec: TinySpec, vocab_size: int):
+    from transformers import Gemma3TextConfig
+
+    pattern = spec.swa_pattern or 6
+    return Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn, num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads, head_dim=spec.dim // spec.n_heads,
+        max_position_embeddings=spec.ctx, rms_norm_eps=spec.eps, query_pre_attn_scalar=spec.dim // spec.n_heads,
+        sliding_window=spec.window, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                     for i in range(spec.n_layers)],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
 def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     """A random HF model; every parameter (norms and biases too) is random so each one is tested."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
-    cfg = config_cls(
-        vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
-        num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
-        rms_norm_eps=spec.eps, tie_word_embeddings=spec.tied,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope or {})},
-    )
+    if spec.arch == "gemma3":
+        cfg, model_cls = _gemma3_config(spec, vocab_size), Gemma3ForCausalLM
+    else:
+        config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
+        cfg = config_cls(
+            vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
+            num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+            num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
+            rms_norm_eps=spec.eps, tie_word_embeddings=spec.tied,
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope or {})},
+        )
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -216,6 +245,12 @@ def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.n
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
              "post_attention_layernorm": "ffn_norm"}
+    if spec.arch == "gemma3":  # the sandwich norms; every norm stored as 1 + w (Gemma's RMSNorm scales by 1 + w)
+        names |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm"}
+        sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
+        out["output_norm.weight"] = sd["model.norm.weight"]
     for i in range(spec.n_layers):
         for hf_name, g_name in names.items():
             for kind in ("weight", "bias"):
@@ -249,6 +284,11 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
     if a == "llama":
         md[f"{a}.vocab_size"] = vocab_size
         md[f"{a}.rope.dimension_count"] = spec.dim // spec.n_heads
+    if a == "gemma3":
+        md[f"{a}.attention.key_length"] = md[f"{a}.attention.value_length"] = spec.dim // spec.n_heads
+        md[f"{a}.attention.sliding_window"] = spec.window
+        if spec.swa_pattern:
+            md[f"{a}.attention.sliding_window_pattern"] = spec.swa_pattern
     rope = spec.rope or {}
     if rope.get("rope_type") == "linear":
         md[f"{a}.rope.scaling.type"] = "linear"
@@ -309,7 +349,7 @@ class TinyModel(NamedTuple):
 
 def make_tiny_model(directory: Path, name: str, bpe: TinyBPE,
                     chat_template: str = CHAT_TEMPLATE) -> TinyModel:
-    spec = TINY_SPECS[name]
+    spec = TINY_SPECS.get(name) or GEMMA3_SPECS[name]
     vocab = len(bpe.tokens)
     hf = build_hf_model(spec, vocab)
     path = write_gguf(directory / f"{name}.gguf", spec.arch, gguf_metadata(spec, vocab),
@@ -352,6 +392,12 @@ BOOM_TEMPLATE = ("{% for message in messages %}{% if 'boom' in message['content'
 def tiny_llama_boom(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE) -> TinyModel:
     """The tiny llama whose chat template fails on a message that contains "boom"."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny_boom"), "llama", tiny_bpe, BOOM_TEMPLATE)
+
+
+@pytest.fixture(scope="session", params=sorted(GEMMA3_SPECS))
+def tiny_gemma3(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
+    """Each tiny gemma3 (sliding windows shorter than the test prompts) in turn."""
+    return tiny_models(request.param)
 
 
 @pytest.fixture(scope="session")

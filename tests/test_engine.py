@@ -286,7 +286,7 @@ def test_a_million_token_context_is_not_the_default_reservation(tmp_path, tiny_b
     path = write_model(tmp_path / "1m.gguf", *tiny_model_parts(tiny_bpe), {"llama.context_length": 1 << 20})
     e = ktquest.load(path, device="cpu", max_new_tokens=2)
     assert e.args.context_length == 1 << 20
-    assert e.max_seq_len == e.cache.max_seq_len == e.model.max_seq_len == e.model.rope_cos.shape[0] == 32768
+    assert e.max_seq_len == e.cache.max_seq_len == e.model.max_seq_len == e.model.rope_cos.shape[1] == 32768
     assert isinstance(e.generate("the cat"), str)
 
 

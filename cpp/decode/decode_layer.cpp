@@ -62,8 +62,13 @@ void DecodeLayer::qkv(const float* x, const float* cos, const float* sin, float*
     gemv_matrix(m, xn_.data(), 1, proj_.data(), n_threads);
     for (int64_t i = 0; i < m.out; ++i) qkv[i] = proj_[size_t(w_.qkv_perm[size_t(i)])];
   }
-  // RoPE, rotate-half: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i] on each q and k head (v untouched).
   const int D = w_.head_dim, half = D / 2;
+  if (w_.q_norm != nullptr)  // QK-norm: each head normed over its D values, before RoPE
+    for (int h = 0; h < w_.n_heads; ++h) rms_norm(qkv + int64_t(h) * D, w_.q_norm, D, w_.eps, qkv + int64_t(h) * D);
+  if (w_.k_norm != nullptr)
+    for (int h = w_.n_heads; h < w_.n_heads + w_.n_kv_heads; ++h)
+      rms_norm(qkv + int64_t(h) * D, w_.k_norm, D, w_.eps, qkv + int64_t(h) * D);
+  // RoPE, rotate-half: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i] on each q and k head (v untouched).
   float* tmp = rope_.data();  // one head
   for (int h = 0; h < w_.n_heads + w_.n_kv_heads; ++h) {
     float* v = qkv + int64_t(h) * D;
@@ -76,14 +81,24 @@ void DecodeLayer::out(const float* attn, float* x, int n_threads) {
   const int64_t dim = w_.wo.out, ffn = w_.w_down.in;
   // x += Wo attn (xn_ holds the projection, then the normed residual)
   gemv_matrix(w_.wo, attn, 1, xn_.data(), n_threads);
+  if (w_.post_attn_norm != nullptr) rms_norm(xn_.data(), w_.post_attn_norm, dim, w_.eps, xn_.data());
   for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
   rms_norm(x, w_.ffn_norm, dim, w_.eps, xn_.data());
   gemv_matrix(w_.w_gate_up, xn_.data(), 1, h_.data(), n_threads);
-  for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = silu(gate) * up
-    const float g = h_[i];
-    h_[i] = g / (1.f + std::exp(-g)) * h_[ffn + i];
+  if (w_.act == Activation::SILU) {
+    for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = silu(gate) * up
+      const float g = h_[i];
+      h_[i] = g / (1.f + std::exp(-g)) * h_[ffn + i];
+    }
+  } else {
+    for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = gelu_tanh(gate) * up (torch's approximate="tanh")
+      const float g = h_[i];
+      const float t = std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g));  // sqrt(2/pi)
+      h_[i] = 0.5f * g * (1.f + t) * h_[ffn + i];
+    }
   }
   gemv_matrix(w_.w_down, h_.data(), 1, xn_.data(), n_threads);
+  if (w_.post_ffn_norm != nullptr) rms_norm(xn_.data(), w_.post_ffn_norm, dim, w_.eps, xn_.data());
   for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
 }
 

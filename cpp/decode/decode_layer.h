@@ -2,12 +2,15 @@
 // in their GGUF encoding: ~25 small torch ops a layer, whose per-op cost outweighed the layer's GEMVs on the
 // bundled model, become two native calls.
 //
-//   qkv stage:  xn = rmsnorm(x) * attn_norm;  qkv = Wqkv xn (+ b);  RoPE on the q and k heads
+//   qkv stage:  xn = rmsnorm(x) * attn_norm;  qkv = Wqkv xn (+ b);  [q, k heads: rmsnorm * q_norm / k_norm];
+//               RoPE on the q and k heads
 //   (attention: the cache's, between the stages: dense or long-context)
-//   out stage:  x += Wo attn;  xn = rmsnorm(x) * ffn_norm;  [g | u] = Wgu xn;  x += Wdown (silu(g) * u)
+//   out stage:  a = Wo attn [; a = rmsnorm(a) * post_attn_norm];  x += a;  xn = rmsnorm(x) * ffn_norm;
+//               [g | u] = Wgu xn;  f = Wdown (act(g) * u) [; f = rmsnorm(f) * post_ffn_norm];  x += f
 //
 // The same math as ktquest/models/llama.py (pre-norm residual block, SwiGLU, rotate-half RoPE whose sin
-// table carries the rotate-half sign), in fp32; the GEMVs are gemv_matrix's (gemm/gemv_blocks.h: deterministic,
+// table carries the rotate-half sign) and, with the bracketed parts and act = tanh-GELU, as
+// ktquest/models/gemma3.py (QK-norm, post-norms, GeGLU), in fp32; the GEMVs are gemv_matrix's (gemm/gemv_blocks.h: deterministic,
 // threaded). llama files store each q/k head's rows interleaved (ggml's RoPE); qkv_perm then gathers the
 // projection into the rotate-half order before RoPE, as the model's Linear does.
 #pragma once
@@ -19,9 +22,18 @@
 
 namespace ktq {
 
+enum class Activation : int { SILU = 0, GELU_TANH = 1 };  // the gate's: SwiGLU (llama) or GeGLU (gemma)
+
 struct DecodeLayerWeights {
   const float* attn_norm = nullptr;  // [dim]
   const float* ffn_norm = nullptr;   // [dim]
+  // Optional (nullptr: absent): per-head RMSNorm of q and k before RoPE [D]; norms of the attention's and
+  // the FFN's outputs before they join the residual [dim] (gemma3).
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  const float* post_attn_norm = nullptr;
+  const float* post_ffn_norm = nullptr;
+  Activation act = Activation::SILU;
   float eps = 1e-5f;
   QuantMatrix wqkv;       // [(H + 2 KVH) * D, dim]: rows q | k | v
   std::vector<int32_t> qkv_perm;  // empty, or [(H + 2 KVH) * D]: qkv[i] = projection[qkv_perm[i]]
@@ -60,7 +72,7 @@ class DecodeLayer {
   std::vector<float> proj_;    // the qkv projection before qkv_perm [(H + 2 KVH) * D] (llama files)
 };
 
-// y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], n values (mean accumulated in double).
+// y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], n values (mean accumulated in double). y may be x.
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y);
 
 }  // namespace ktq

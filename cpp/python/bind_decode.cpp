@@ -52,7 +52,9 @@ void bind_decode(py::module_& m) {
                             "One block's decode step around attention, on GGUF-encoded weights (cpp/decode/decode_layer.h).")
       .def(py::init([](const py::handle& attn_norm, const py::handle& ffn_norm, float eps, const py::handle& wqkv,
                        const py::handle& wo, const py::handle& w_gate_up, const py::handle& w_down, int n_heads,
-                       int n_kv_heads, int head_dim, const py::handle& qkv_perm) {
+                       int n_kv_heads, int head_dim, const py::handle& qkv_perm, const py::handle& q_norm,
+                       const py::handle& k_norm, const py::handle& post_attn_norm, const py::handle& post_ffn_norm,
+                       const std::string& activation) {
              const HeadShape hs = head_shape(n_heads, n_kv_heads, head_dim);  // ValueError / OverflowError
              auto L = std::make_unique<PyDecodeLayer>();
              auto an = array_arg<float>(attn_norm, "attn_norm", {-1});
@@ -75,6 +77,23 @@ void bind_decode(py::module_& m) {
                auto p = array_arg<int32_t>(qkv_perm, "qkv_perm", {hs.qkv});
                w.qkv_perm.assign(p.data(), p.data() + hs.qkv);
              }
+             // the optional norms: [D] for q/k heads, [dim] for the two outputs (None: absent)
+             auto optional_norm = [&](const py::handle& obj, const char* name, int64_t n) -> const float* {
+               if (obj.is_none()) return nullptr;
+               auto a = array_arg<float>(obj, name, {n});
+               L->keep.push_back(a);
+               return a.data();
+             };
+             w.q_norm = optional_norm(q_norm, "q_norm", head_dim);
+             w.k_norm = optional_norm(k_norm, "k_norm", head_dim);
+             w.post_attn_norm = optional_norm(post_attn_norm, "post_attn_norm", dim);
+             w.post_ffn_norm = optional_norm(post_ffn_norm, "post_ffn_norm", dim);
+             if (activation == "silu")
+               w.act = Activation::SILU;
+             else if (activation == "gelu_tanh")
+               w.act = Activation::GELU_TANH;
+             else
+               throw py::value_error("activation='" + activation + "' is not allowed: 'silu' or 'gelu_tanh'");
              w.n_heads = n_heads;
              w.n_kv_heads = n_kv_heads;
              w.head_dim = head_dim;
@@ -83,7 +102,9 @@ void bind_decode(py::module_& m) {
            }),
            py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("eps"), py::arg("wqkv"), py::arg("wo"),
            py::arg("w_gate_up"), py::arg("w_down"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
-           py::arg("qkv_perm") = py::none())
+           py::arg("qkv_perm") = py::none(), py::kw_only(), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none(), py::arg("post_attn_norm") = py::none(),
+           py::arg("post_ffn_norm") = py::none(), py::arg("activation") = "silu")
       .def("qkv", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj, const py::handle& sin_obj,
                      const py::handle& out_obj, int n_threads) {
              const int64_t D = L.layer->weights().head_dim;

@@ -147,6 +147,10 @@ class DenseKVCache:
         """Forget every token (the memory is kept)."""
         self.pos = 0
 
+    def rewind_point(self, n: int) -> int:
+        """``KVCache.rewind_point``: every prefix is kept exactly."""
+        return n
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens (0 <= n <= pos)."""
         if not 0 <= n <= self.pos:

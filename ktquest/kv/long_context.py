@@ -116,6 +116,10 @@ class LongContextCache:
         self.geo = _Geometry()
         self.planner.reset()
 
+    def rewind_point(self, n: int) -> int:
+        """``KVCache.rewind_point``: every prefix is kept exactly."""
+        return n
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens (0 <= n <= pos); the device windows are refilled from the store."""
         if not 0 <= n <= self.pos:

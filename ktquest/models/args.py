@@ -15,14 +15,21 @@ import numpy as np
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFFile, GGUFTensors
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
-# llama.cpp's tensor names, shared by llama and qwen2: model field -> GGUF name (blocks under "blk.{i}.").
+# llama.cpp's tensor names, shared by the archs: model field -> GGUF name (blocks under "blk.{i}.").
 MODEL_TENSORS = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
 BLOCK_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                  "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
                  "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
 BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+# gemma3's extra norms: QK-norm ([head_dim], before RoPE) and the post-attention / post-FFN norms ([dim])
+GEMMA3_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+                  "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
+# gemma3: one global-attention layer in every GEMMA3_SWA_PATTERN (the rest slide over a window), and the
+# local layers' RoPE base (llama.cpp's defaults; the file names neither)
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +67,20 @@ class ModelArgs:
     rope_scaling: RopeScaling | None
     qkv_bias: bool
     tie_embeddings: bool
+    # gemma3 (defaults: llama / qwen2). sliding_window > 0: the layers flagged in swa_layers attend only the
+    # last sliding_window positions (the query's own included), with RoPE of base rope_theta_local, unscaled.
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_theta_local: float = 10000.0
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    post_norms: bool = False  # RMSNorm of the attention's and the FFN's outputs before the residual adds
+    activation: Literal["silu", "gelu_tanh"] = "silu"  # the FFN's gate: SwiGLU or GeGLU
+    emb_scale: float = 1.0  # the embeddings' multiplier (gemma: sqrt(dim))
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers that attend every position (all of them but the sliding-window ones)."""
+        return tuple(i for i in range(self.n_layers) if not (self.swa_layers and self.swa_layers[i]))
 
     @property
     def n_params(self) -> int:
@@ -273,4 +294,14 @@ def model_args(f: GGUFFile) -> ModelArgs:
         # qwen2 always has Q/K/V biases; a llama file may carry them too.
         qkv_bias=arch == "qwen2" or f"blk.0.{BIAS_TENSORS['bq']}" in tensors,
         tie_embeddings=MODEL_TENSORS["output"] not in tensors,
+        **(_gemma3_args(m, n_layers, dim) if arch == "gemma3" else {}),
     )
+
+
+def _gemma3_args(m: _Metadata, n_layers: int, dim: int) -> dict[str, Any]:
+    """gemma3's fields of ModelArgs: its sliding window and which layers use it, and the block's extras."""
+    window = m.integer("gemma3.attention.sliding_window", 1)
+    pattern = m.integer("gemma3.attention.sliding_window_pattern", 1, default=GEMMA3_SWA_PATTERN)
+    return dict(sliding_window=window, swa_layers=tuple((i + 1) % pattern != 0 for i in range(n_layers)),
+                rope_theta_local=GEMMA3_LOCAL_ROPE_THETA, qk_norm=True, post_norms=True,
+                activation="gelu_tanh", emb_scale=math.sqrt(dim))

@@ -1,4 +1,5 @@
-"""The llama family (``llama``, ``qwen2``): Transformer -> Block -> Attention / FeedForward / RMSNorm.
+"""The llama family (``llama``, ``qwen2``): Transformer -> Block -> Attention / FeedForward / RMSNorm, and
+the skeleton other families build on (``models/gemma3.py``).
 
 Batch size is always 1, so activations are [T, ...] with no batch dimension. Weights arrive in the
 Hugging Face layout under the model's own names (``models/loader.py`` maps GGUF names and un-permutes
@@ -21,7 +22,7 @@ from torch import nn
 from ktquest.kv.base import KVCache
 from ktquest.layers.linear import Embedding, Linear, QuantWeight, stack_rows
 from ktquest.models.args import ModelArgs, resolve_max_seq_len
-from ktquest.models.rope import apply_rope, rope_tables
+from ktquest.models.rope import apply_rope, rope_tables, rope_variants
 
 Matrix = torch.Tensor | QuantWeight  # a dequantized tensor, or the file's encoding read in place
 
@@ -42,6 +43,10 @@ class BlockWeights:
     bq: torch.Tensor | None = None  # [H*D] (qwen2)
     bk: torch.Tensor | None = None  # [KVH*D]
     bv: torch.Tensor | None = None  # [KVH*D]
+    q_norm: torch.Tensor | None = None  # [D] (gemma3: models/gemma3.py)
+    k_norm: torch.Tensor | None = None  # [D]
+    post_attn_norm: torch.Tensor | None = None  # [dim]
+    post_ffn_norm: torch.Tensor | None = None  # [dim]
 
 
 @dataclass(slots=True)
@@ -90,16 +95,19 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """Gated: down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act = silu (SwiGLU) or
+    tanh-GELU (GeGLU, gemma)."""
 
-    def __init__(self, w_gate: Matrix, w_up: Matrix, w_down: Matrix):
+    def __init__(self, w_gate: Matrix, w_up: Matrix, w_down: Matrix, activation: str = "silu"):
         super().__init__()
         self.w_gate_up = Linear(stack_rows(w_gate, w_up))  # [2*ffn, dim]
         self.w_down = Linear(w_down)  # [dim, ffn]
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, ffn] each
-        return self.w_down(F.silu(gate).mul_(up))
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.w_down(act.mul_(up))
 
 
 class Block(nn.Module):
@@ -118,12 +126,17 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids -> logits.  Built by ``models/loader.py`` from a GGUF file."""
+    """Token ids -> logits.  Built by ``models/loader.py`` from a GGUF file.
+
+    The skeleton every family shares (embedding, blocks, final norm, head, RoPE tables); a family's file
+    subclasses it with its own ``block`` (``models/gemma3.py``)."""
+
+    block = Block  # the family's block: (args, layer_idx, BlockWeights, qkv_perm) -> nn.Module
 
     def __init__(self, args: ModelArgs, weights: TransformerWeights, max_seq_len: int = 0):
         super().__init__()
         self.args = args
-        self.layers = nn.ModuleList(Block(args, i, w, weights.qkv_perm) for i, w in enumerate(weights.layers))
+        self.layers = nn.ModuleList(self.block(args, i, w, weights.qkv_perm) for i, w in enumerate(weights.layers))
         self.norm = RMSNorm(weights.norm, args.norm_eps)
         tied = weights.output is None
         table = weights.tok_embeddings
@@ -133,9 +146,13 @@ class Transformer(nn.Module):
         self.max_seq_len = resolve_max_seq_len(args, max_seq_len)
         # The activations' dtype and device (fp32 on the CPU where the weights are encoded).
         self.dtype, self.device = weights.norm.dtype, weights.norm.device
-        cos, sin = rope_tables(args, self.max_seq_len, self.dtype, self.device)
-        self.register_buffer("rope_cos", cos, persistent=False)  # [S, D]
-        self.register_buffer("rope_sin", sin, persistent=False)  # [S, D]
+        # RoPE tables [n_tables, S, D]: one, or (gemma3) the global layers' and the sliding layers'
+        # (layer_rope[i]: layer i's table)
+        tables = [rope_tables(a, self.max_seq_len, self.dtype, self.device) for a in rope_variants(args)]
+        self.register_buffer("rope_cos", torch.stack([c for c, _ in tables]), persistent=False)
+        self.register_buffer("rope_sin", torch.stack([s for _, s in tables]), persistent=False)
+        self.layer_rope = [1 if args.swa_layers and args.swa_layers[i] else 0 for i in range(args.n_layers)]
+        self.emb_scale = args.emb_scale
         # The CPU decode step's native stages (ktquest.native.decode.NativeDecoder), or None: the engine
         # sets it when the weights are in their GGUF encoding; ``generate.decode_one_token`` then uses it.
         self.native = None
@@ -151,11 +168,13 @@ class Transformer(nn.Module):
         """tokens: [T] at positions start_pos..start_pos+T-1 -> logits [T, V] ([1, V] with last_only)."""
         t = tokens.shape[0]
         self.check_positions(start_pos, t)
-        cos = self.rope_cos[start_pos: start_pos + t, None]  # [T, 1, D]
-        sin = self.rope_sin[start_pos: start_pos + t, None]  # [T, 1, D]
+        cos = self.rope_cos[:, start_pos: start_pos + t, None]  # [n_tables, T, 1, D]
+        sin = self.rope_sin[:, start_pos: start_pos + t, None]  # [n_tables, T, 1, D]
         x = self.tok_embeddings(tokens)  # [T, dim]
-        for layer in self.layers:
-            x = layer(x, start_pos, cos, sin, cache)
+        if self.emb_scale != 1.0:
+            x = x * self.emb_scale
+        for layer, r in zip(self.layers, self.layer_rope):
+            x = layer(x, start_pos, cos[r], sin[r], cache)
         if last_only:
             x = x[-1:]  # [1, dim]: prefill only needs the next-token logits
         return self.output(self.norm(x))  # [T, V]

@@ -25,7 +25,15 @@ from ktquest import _C
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.layers.linear import QuantWeight
-from ktquest.models.args import BIAS_TENSORS, BLOCK_TENSORS, MODEL_TENSORS, ModelArgs, model_args
+from ktquest.models.args import (
+    BIAS_TENSORS,
+    BLOCK_TENSORS,
+    GEMMA3_TENSORS,
+    MODEL_TENSORS,
+    ModelArgs,
+    model_args,
+)
+from ktquest.models.gemma3 import Gemma3Transformer
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
 
 
@@ -43,8 +51,9 @@ class GGUFContents:
 
 
 def _block_tensors(a: ModelArgs) -> dict[str, str]:
-    """A block's tensors: model field -> GGUF name under "blk.{i}." (the biases only when the file has them)."""
-    return BLOCK_TENSORS | (BIAS_TENSORS if a.qkv_bias else {})
+    """A block's tensors: model field -> GGUF name under "blk.{i}." (the biases only when the file has them,
+    gemma3's norms for gemma3)."""
+    return BLOCK_TENSORS | (BIAS_TENSORS if a.qkv_bias else {}) | (GEMMA3_TENSORS if a.arch == "gemma3" else {})
 
 
 def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -53,7 +62,8 @@ def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
     model = {"tok_embeddings": (a.vocab_size, a.dim), "norm": (a.dim,), "output": (a.vocab_size, a.dim)}
     block = {"attn_norm": (a.dim,), "wq": (q, a.dim), "wk": (kv, a.dim), "wv": (kv, a.dim), "wo": (a.dim, q),
              "ffn_norm": (a.dim,), "w_gate": (a.ffn_dim, a.dim), "w_up": (a.ffn_dim, a.dim),
-             "w_down": (a.dim, a.ffn_dim), "bq": (q,), "bk": (kv,), "bv": (kv,)}
+             "w_down": (a.dim, a.ffn_dim), "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (a.head_dim,),
+             "k_norm": (a.head_dim,), "post_attn_norm": (a.dim,), "post_ffn_norm": (a.dim,)}
     shapes = {n: model[f] for f, n in MODEL_TENSORS.items() if f != "output" or not a.tie_embeddings}
     for i in range(a.n_layers):
         shapes |= {f"blk.{i}.{n}": block[f] for f, n in _block_tensors(a).items()}
@@ -131,7 +141,7 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
     def matrix(name: str) -> torch.Tensor | QuantWeight:
         return encoded_weight(contents, name, converted) if encoded else tensor(name)
 
-    small = {"attn_norm", "ffn_norm", "bq", "bk", "bv"}  # the vectors: dequantized in both cases (fp32 encoded)
+    small = {"attn_norm", "ffn_norm", "bq", "bk", "bv", *GEMMA3_TENSORS}  # the vectors: dequantized in both cases (fp32 encoded)
     vector = (lambda n: tensor(n, torch.float32, "cpu")) if encoded else tensor
     layers = [BlockWeights(**{f: (vector if f in small else matrix)(f"blk.{i}.{n}")
                               for f, n in _block_tensors(a).items()})
@@ -212,4 +222,5 @@ def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtyp
     if encoded and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"weights in their GGUF encoding run on the CPU in float32, not {device}/{dtype}")
     weights = model_weights(contents, dtype, device, encoded)
-    return Transformer(contents.args, weights, max_seq_len=max_seq_len).eval()
+    family = Gemma3Transformer if contents.args.arch == "gemma3" else Transformer
+    return family(contents.args, weights, max_seq_len=max_seq_len).eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -36,6 +37,14 @@ def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
         mscale = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
         return inv_freq, mscale * s.attn_factor
     return inv_freq, 1.0  # llama3: the freq factors above are all of it
+
+
+def rope_variants(args: ModelArgs) -> list[ModelArgs]:
+    """The RoPE each table is made for: the model's, and for sliding-window layers (gemma3) a second of base
+    ``rope_theta_local`` without scaling (the file's scaling stretches the global layers only)."""
+    if not any(args.swa_layers):
+        return [args]
+    return [args, dataclasses.replace(args, rope_theta=args.rope_theta_local, rope_scaling=None)]
 
 
 def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,

@@ -32,11 +32,13 @@ class NativeDecoder:
 
     def __init__(self, model, threads: int):
         self.threads = max(1, threads)
-        self.blocks = [_decode_layer(b) for b in model.layers]  # [n_layers] _C.DecodeLayer
+        self.blocks = [_decode_layer(b, model.args) for b in model.layers]  # [n_layers] _C.DecodeLayer
         a = model.args
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.emb = model.tok_embeddings  # Embedding of a QuantWeight [V, dim]
-        self.cos, self.sin = model.rope_cos.numpy(), model.rope_sin.numpy()  # [S, D]
+        self.emb_scale = model.emb_scale
+        self.cos, self.sin = model.rope_cos.numpy(), model.rope_sin.numpy()  # [n_tables, S, D]
+        self.layer_rope = model.layer_rope  # [n_layers]: each layer's table
         self.norm_w, self.eps = model.norm.weight.detach().numpy(), model.norm.eps  # [dim]
         self.head = model.output.qm  # _C.QuantMatrix [V, dim]
         self.check_positions = model.check_positions
@@ -59,11 +61,13 @@ class NativeDecoder:
         if not 0 <= token < vocab:
             raise IndexError(f"token id {token} is outside the vocabulary (0..{vocab - 1})")
         x = self.emb.quant.rows(np.array([token]))[0]  # [dim]
-        cos, sin = self.cos[pos], self.sin[pos]  # [D]: the token's RoPE rows
+        if self.emb_scale != 1.0:
+            x *= np.float32(self.emb_scale)
+        cos, sin = self.cos[:, pos], self.sin[:, pos]  # [n_tables, D]: the token's RoPE rows
         plan = cache.plan_decode(pos) if planned else None
-        if plan is not None:  # every block in one native call
+        if plan is not None:  # every block in one native call (one RoPE table: caches with several never plan)
             try:
-                plan.run(self.blocks, x, cos, sin, self.threads)
+                plan.run(self.blocks, x, cos[0], sin[0], self.threads)
             except BaseException:
                 cache.abort_decode(plan)
                 raise
@@ -77,12 +81,13 @@ class NativeDecoder:
         return torch.from_numpy(logits[0])  # [V]
 
     def decode_blocks(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, cache: KVCache) -> None:
-        """Every block of one token, each as qkv stage -> ``cache.attend`` -> out stage; x [dim] in place."""
+        """Every block of one token, each as qkv stage -> ``cache.attend`` -> out stage; x [dim] in place,
+        cos/sin [n_tables, D]."""
         h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = torch.from_numpy(self._qkv).view(1, h + 2 * kvh, d)  # [1, H + 2*KVH, D], q and k rotated
         q, k, v = qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]  # [1, H, D], [1, KVH, D], [1, KVH, D]
-        for i, block in enumerate(self.blocks):
-            block.qkv(x, cos, sin, self._qkv, self.threads)
+        for i, (block, r) in enumerate(zip(self.blocks, self.layer_rope)):
+            block.qkv(x, cos[r], sin[r], self._qkv, self.threads)
             out = cache.attend(i, q, k, v, pos)  # [1, H, D]
             block.out(out.reshape(-1).contiguous().numpy(), x, self.threads)
 
@@ -99,10 +104,20 @@ def _linears(block) -> list:
     return [block.attn.wqkv, block.attn.wo, block.ffn.w_gate_up, block.ffn.w_down]
 
 
-def _decode_layer(block) -> object:
-    """A block's native decode stages (cpp/decode/): its norms and its Linear layers' matrices."""
+def _decode_layer(block, args) -> object:
+    """A block's native decode stages (cpp/decode/): its norms and its Linear layers' matrices (and gemma3's
+    QK-norms, post-norms and GeGLU)."""
     a = block.attn
     perm = a.wqkv.out_perm
-    return _C.DecodeLayer(block.attn_norm.weight.detach().numpy(), block.ffn_norm.weight.detach().numpy(),
-                          block.attn_norm.eps, *(m.qm for m in _linears(block)), a.n_heads, a.n_kv_heads, a.head_dim,
-                          None if perm is None else perm.to(torch.int32).numpy())
+
+    def w(norm) -> np.ndarray:
+        return norm.weight.detach().numpy()
+
+    extras = {}
+    if args.qk_norm:
+        extras |= dict(q_norm=w(a.q_norm), k_norm=w(a.k_norm))
+    if args.post_norms:
+        extras |= dict(post_attn_norm=w(block.post_attn_norm), post_ffn_norm=w(block.post_ffn_norm))
+    return _C.DecodeLayer(w(block.attn_norm), w(block.ffn_norm), block.attn_norm.eps, *(m.qm for m in _linears(block)),
+                          a.n_heads, a.n_kv_heads, a.head_dim, None if perm is None else perm.to(torch.int32).numpy(),
+                          activation=args.activation, **extras)

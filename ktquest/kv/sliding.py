@@ -1,0 +1,169 @@
+"""The cache of a model whose layers mix sliding-window and global attention (gemma3: five of every six
+layers attend only the last ``window`` positions).
+
+``HybridCache`` is the model's ``KVCache``: it sends each sliding layer to ``WindowKV`` (its last positions
+on the device, never in the DRAM store) and each global layer, renumbered 0..n_global-1, to the configured
+cache (dense, or long_context with its store, selection and sparse operator: presets and knobs apply to the
+global layers alone, ``dense_layer_num`` counts them).
+
+WindowKV keeps each layer's positions [base, hi) in rows [0, hi - base) of a [KVH, rows, D] buffer: a
+window that slides by compaction (the newest positions moved to the front every ``COMPACT_TOKENS``), so
+the positions a query attends are always contiguous rows. Beyond the window it keeps ``REWIND_TOKENS`` (at
+least a chunk) more, so a conversation can rewind that far exactly (a chat turn that re-tokenizes the end of
+the last reply) and an interrupted chunk leaves the window it started from. A rewind further back cannot be
+served from the buffer: ``rewind_point`` then says 0 and the caller feeds the conversation again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ktquest.kv.attention import dense_decode_attention
+
+REWIND_TOKENS = 1024  # positions kept past the window, at least (a rewind this far back is exact)
+COMPACT_TOKENS = 256  # the buffer's slack: rows moved to the front once every this many tokens
+
+
+def global_args(args):
+    """``args`` as the global layers' cache sees them: ``n_layers`` = the global layers."""
+    return dataclasses.replace(args, n_layers=len(args.global_layers))
+
+
+class WindowKV:
+    """The sliding layers' k/v: each layer's last positions, at least ``window - 1 + keep`` of them."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int, keep: int,
+                 device: torch.device, dtype: torch.dtype, threads: int = 1):
+        self.window, self.keep = window, max(keep, REWIND_TOKENS)
+        self.rows = window - 1 + self.keep + COMPACT_TOKENS
+        shape = (n_layers, n_kv_heads, self.rows, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, rows, D]
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, rows, D]
+        self.base = [0] * n_layers  # layer l holds positions [base[l], hi[l]) in rows [0, hi - base)
+        self.hi = [0] * n_layers
+        self.scale = head_dim ** -0.5
+        self.threads = threads
+        self._native_decode = torch.device(device).type == "cpu" and dtype == torch.float32
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KVH, D] at positions start..start+T-1 -> out [T, H, D]: each query attends the
+        ``window`` positions ending at its own. Stores k/v (positions from ``start`` on are replaced)."""
+        t, end = q.shape[0], start + q.shape[0]
+        lo = max(0, start - self.window + 1)  # the first position a query of the chunk sees
+        if start > self.hi[layer] or lo < self.base[layer]:
+            raise ValueError(f"sliding window of layer {layer}: cannot attend from position {start}: it holds "
+                             f"positions {self.base[layer]}..{self.hi[layer] - 1}")
+        if t == 1 and self._native_decode:  # decode: the window is rows [end - window, end) - base
+            self._store(layer, k, v, start)
+            b = self.base[layer]
+            out, _ = dense_decode_attention(q[0], self.k[layer], self.v[layer], end - b, self.scale,
+                                            self.threads, skip=(0, max(0, end - self.window - b)))
+            return out[None]  # [1, H, D]
+        b = self.base[layer]
+        keys = torch.cat([self.k[layer][:, lo - b: start - b], k.transpose(0, 1)], dim=1)  # [KVH, end - lo, D]
+        values = torch.cat([self.v[layer][:, lo - b: start - b], v.transpose(0, 1)], dim=1)
+        qpos = torch.arange(start, end, device=q.device)[:, None]  # [T, 1]
+        kpos = torch.arange(lo, end, device=q.device)[None, :]  # [1, end - lo]
+        mask = (kpos <= qpos) & (kpos > qpos - self.window)  # [T, end - lo]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                             enable_gqa=True)  # [1, H, T, D]
+        self._store(layer, k, v, start)
+        return out[0].transpose(0, 1)  # [T, H, D]
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Positions start..end-1 into the layer's rows; past ``rows``, the oldest positions make way (the
+        newest ``rows - COMPACT_TOKENS`` are kept, moved to the front)."""
+        end, b = start + k.shape[0], self.base[layer]
+        if end - b > self.rows:
+            nb = end - (self.rows - COMPACT_TOKENS)  # the new base
+            if nb < start:  # positions [nb, start) stay: to the front
+                for buf in (self.k, self.v):
+                    buf[layer, :, : start - nb] = buf[layer, :, nb - b: start - b].clone()
+            b = self.base[layer] = nb
+        first = max(start, b)  # a chunk longer than the buffer keeps its newest positions
+        self.k[layer, :, first - b: end - b] = k[first - start:].transpose(0, 1)
+        self.v[layer, :, first - b: end - b] = v[first - start:].transpose(0, 1)
+        self.hi[layer] = end
+
+    def can_rewind(self, n: int) -> bool:
+        """Whether every layer still holds the window of a query at position n (positions n-window+1..n-1)."""
+        lo = max(0, n - self.window + 1)
+        return n == 0 or all(b <= lo and n <= h for b, h in zip(self.base, self.hi))
+
+    def truncate(self, n: int) -> None:
+        if not self.can_rewind(n):
+            raise ValueError(f"truncate({n}): the sliding-window layers no longer hold positions "
+                             f"{max(0, n - self.window + 1)}..{n - 1}")
+        if n == 0:
+            self.reset()
+        self.hi = [n] * len(self.hi)
+
+    def reset(self) -> None:
+        self.base = [0] * len(self.base)
+        self.hi = [0] * len(self.hi)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class HybridCache:
+    """A ``KVCache`` (kv/base.py) for sliding-window + global layers: see the module docstring.
+
+    ``main``: the global layers' cache (made for ``global_args(args)``); ``windows``: the sliding layers'."""
+
+    def __init__(self, args, main, device: torch.device, dtype: torch.dtype, chunk_size: int, threads: int = 1):
+        self.main = main
+        self.max_seq_len = main.max_seq_len
+        swa = [i for i in range(args.n_layers) if args.swa_layers[i]]
+        # model layer -> (is sliding, index in its cache)
+        self.route = {layer: (False, j) for j, layer in enumerate(args.global_layers)}
+        self.route |= {layer: (True, j) for j, layer in enumerate(swa)}
+        self.windows = WindowKV(len(swa), args.n_kv_heads, args.head_dim, args.sliding_window,
+                                min(chunk_size, self.max_seq_len), device, dtype, threads)
+        self.last_layer = args.n_layers - 1
+        self.pos = 0
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> torch.Tensor:
+        """``KVCache.attend``: the layer's window or the global cache."""
+        sliding, j = self.route[layer_idx]
+        if start_pos > self.pos or start_pos + q.shape[0] > self.max_seq_len:
+            raise ValueError(f"KV cache: cannot write positions {start_pos}..{start_pos + q.shape[0] - 1}: the "
+                             f"cache holds {self.pos} tokens of at most {self.max_seq_len} (max_seq_len)")
+        out = (self.windows if sliding else self.main).attend(j, q, k, v, start_pos)
+        if layer_idx == self.last_layer:
+            self.pos = start_pos + q.shape[0]
+        return out
+
+    def plan_decode(self, pos: int) -> None:
+        """None: a decode token goes block by block through ``attend`` (each layer has its own RoPE table)."""
+        return None
+
+    def commit_decode(self, plan) -> None:
+        raise AssertionError("HybridCache plans no decode token")
+
+    abort_decode = commit_decode
+
+    def rewind_point(self, n: int) -> int:
+        """The longest prefix of at most ``n`` tokens the cache can be truncated to exactly: n, or 0 when
+        the sliding layers no longer hold the window before position n."""
+        return n if self.windows.can_rewind(n) else 0
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens (0 <= n <= pos, and ``rewind_point(n) == n``)."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
+        self.windows.truncate(n)
+        self.main.truncate(n)
+        self.pos = n
+
+    def reset(self) -> None:
+        self.windows.reset()
+        self.main.reset()
+        self.pos = 0
+
+    def nbytes(self) -> int:
+        return self.main.nbytes() + self.windows.nbytes()

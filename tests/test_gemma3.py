@@ -1,0 +1,131 @@
+"""gemma3 against Hugging Face's Gemma3ForCausalLM on the same weights (QK-norm, sandwich norms, GeGLU, scaled
+embeddings, sliding-window layers with their own RoPE), its cache (sliding windows + the global layers' dense
+or long_context cache: ``ktquest/kv/sliding.py``), and the native decode step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_long_context import full_budget
+from test_model import FP32_ATOL, FP32_RTOL, prompt_ids
+
+import ktquest
+from ktquest.config import Config
+from ktquest.engine import make_cache
+from ktquest.generate import decode_one_token, prefill
+from ktquest.kv import sliding
+from ktquest.kv.sliding import HybridCache
+from ktquest.models.loader import load_model
+from ktquest.native.decode import NativeDecoder
+
+
+def cache_for(model, cfg: Config = Config(chunk_size=16), max_seq_len: int = 128):
+    return make_cache(cfg, model.args, max_seq_len, torch.device("cpu"), torch.float32)
+
+
+def test_args_from_the_file(tiny_gemma3):
+    model, _ = load_model(tiny_gemma3.path)
+    a, cfg = model.args, tiny_gemma3.hf_model.config
+    assert a.arch == "gemma3" and a.qk_norm and a.post_norms and a.activation == "gelu_tanh"
+    assert a.swa_layers == tuple(t == "sliding_attention" for t in cfg.layer_types)
+    assert a.sliding_window == cfg.sliding_window and a.emb_scale == cfg.hidden_size ** 0.5
+    assert (a.rope_theta, a.rope_theta_local) == (1e6, 10000.0)
+    assert isinstance(cache_for(model), HybridCache)
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["fp32", "gguf"])
+def test_logits_match_hf(tiny_gemma3, encoded):
+    """Uneven prefill chunks longer and shorter than the window, then decode steps, vs one HF forward: every
+    position's logits (the sliding layers' windows and RoPE, the global layers' whole past)."""
+    path, hf = tiny_gemma3
+    model, _ = load_model(path, encoded=encoded)
+    model.native = NativeDecoder.build(model, threads=2)  # the decode steps' native path when encoded
+    tokens = prompt_ids(60, model.args.vocab_size)
+    with torch.inference_mode():
+        expected = hf(tokens[None]).logits[0]  # [60, V]
+        cache = cache_for(model)
+        got = [model(tokens[0:17], 0, cache), model(tokens[17:20], 17, cache), model(tokens[20:44], 20, cache)]
+        got += [decode_one_token(model, cache, int(tokens[i]))[None] for i in range(44, 60)]
+    tol = FP32_ATOL if not encoded else 2e-2  # encoded: the activations quantized for the GEMVs
+    torch.testing.assert_close(torch.cat(got), expected, atol=tol, rtol=tol)
+
+
+def test_native_decode_matches_the_torch_block(tiny_gemma3):
+    """The native decode step (QK-norm, post-norms, GeGLU and each layer's RoPE table in cpp/decode/) gives
+    the torch blocks' logits on the same encoded weights."""
+    model, _ = load_model(tiny_gemma3.path, encoded=True)
+    tokens = prompt_ids(50, model.args.vocab_size)
+    runs = []
+    for native in (None, NativeDecoder.build(model, threads=2)):
+        model.native = native
+        cache = cache_for(model)
+        with torch.inference_mode():
+            prefill(model, cache, tokens[:30], chunk_size=16)
+            runs.append(torch.stack([decode_one_token(model, cache, int(tokens[i])) for i in range(30, 50)]))
+    torch.testing.assert_close(runs[1], runs[0], atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("name", ["quest", "snapkv"])
+def test_long_context_full_budget_equals_dense(tiny_gemma3, name):
+    """long_context on the global layers with a budget covering every block = dense, past the windows."""
+    model, _ = load_model(tiny_gemma3.path)
+    cfg = dataclasses.replace(full_budget(name, block_size=4, kv_type="FP32"), max_seq_len=128)
+    lcache, dcache = cache_for(model, cfg), cache_for(model)
+    assert lcache.main.n_layers == len(model.args.global_layers)  # the store holds the global layers only
+    prompt = prompt_ids(70, model.args.vocab_size, seed=2)
+    torch.testing.assert_close(prefill(model, lcache, prompt, 16), prefill(model, dcache, prompt, 16),
+                               atol=1e-4, rtol=1e-4)
+    for tok in (5, 9, 11, 200, 7):
+        torch.testing.assert_close(decode_one_token(model, lcache, tok), decode_one_token(model, dcache, tok),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_window_buffer_slides_and_rewinds(tiny_models, monkeypatch):
+    """Past the buffer's rows the oldest positions make way; a rewind within the kept positions is exact (the
+    logits of the same tokens again), one further back is refused and ``rewind_point`` says 0."""
+    monkeypatch.setattr(sliding, "REWIND_TOKENS", 8)
+    monkeypatch.setattr(sliding, "COMPACT_TOKENS", 4)
+    model, _ = load_model(tiny_models("gemma3").path)
+    tokens = prompt_ids(100, model.args.vocab_size, seed=4)
+    cache = cache_for(model, Config(chunk_size=8))
+    w = cache.windows
+    assert w.rows == model.args.sliding_window - 1 + 8 + 4  # a buffer of 19 rows for 100 positions
+    with torch.inference_mode():
+        ref = [model(tokens[:1], 0, cache)] + [decode_one_token(model, cache, int(t))[None] for t in tokens[1:]]
+    assert w.base[0] > 0 and cache.pos == 100
+    assert cache.rewind_point(95) == 95 and cache.rewind_point(80) == 0
+    cache.truncate(95)
+    with torch.inference_mode():
+        again = [model(tokens[95:97], 95, cache)] + [decode_one_token(model, cache, int(t))[None]
+                                                     for t in tokens[97:]]
+    torch.testing.assert_close(torch.cat(again), torch.cat(ref)[95:], atol=FP32_ATOL, rtol=FP32_RTOL)
+    with pytest.raises(ValueError, match="no longer hold positions"):
+        cache.truncate(80)
+    assert cache.pos == 100  # refused: nothing changed
+
+
+@pytest.mark.parametrize("rewind", [8, sliding.REWIND_TOKENS])
+def test_chat_turns_equal_fresh_reads(tiny_models, monkeypatch, rewind):
+    """A second chat turn keeps the common prefix (or starts over where the windows no longer reach back to
+    it) and answers as a cache that reads the whole conversation afresh does."""
+    monkeypatch.setattr(sliding, "REWIND_TOKENS", rewind)
+    monkeypatch.setattr(sliding, "COMPACT_TOKENS", 4)
+    path = tiny_models("gemma3").path
+    sets = dict(threads=1, max_new_tokens=12, temperature=0.0, max_seq_len=256, chunk_size=8)
+    kept, fresh = ktquest.load(path, **sets), ktquest.load(path, **sets)
+    turns = ["the cat sat on the mat; the dog sat on the log.", "Hello world! The capital", "Once upon a time"]
+    a, b = kept.chat_session(), fresh.chat_session()
+    for text in turns:
+        fresh.cache.reset()  # b reads the whole conversation again each turn
+        assert a.send(text).text == b.send(text).text
+        assert kept.cache.pos == fresh.cache.pos
+    # a new conversation: its first turn shares only the template's opening with the cache
+    a.reset(keep_cache=True)
+    fresh.cache.reset()
+    b.reset()
+    ra, rb = a.send(turns[0]), b.send(turns[0])
+    assert ra.text == rb.text
+    # the windows reached back to the opening only with the longer buffer; otherwise all was read again
+    assert (ra.stats.prompt_tokens < rb.stats.prompt_tokens) == (rewind > 8)
