@@ -129,3 +129,35 @@ def test_chat_turns_equal_fresh_reads(tiny_models, monkeypatch, rewind):
     assert ra.text == rb.text
     # the windows reached back to the opening only with the longer buffer; otherwise all was read again
     assert (ra.stats.prompt_tokens < rb.stats.prompt_tokens) == (rewind > 8)
+
+
+def test_bad_files_and_layers_are_refused(tiny_models, tiny_bpe, tmp_path):
+    """A gemma3 file without its sliding window or a sandwich norm is a GGUFError naming it; the native layer
+    checks the shapes of its optional norms and its activation at the C++ boundary."""
+    import numpy as np
+    from conftest import GEMMA3_SPECS, gguf_metadata, hf_to_gguf_tensors, write_gguf
+
+    from ktquest import _C
+    from ktquest.formats.gguf import GGUFError
+
+    spec, hf = GEMMA3_SPECS["gemma3"], tiny_models("gemma3").hf_model
+    md, tensors = gguf_metadata(spec, len(tiny_bpe.tokens)), hf_to_gguf_tensors(hf, spec)
+    del md["gemma3.attention.sliding_window"]
+    with pytest.raises(GGUFError, match="gemma3.attention.sliding_window"):
+        load_model(write_gguf(tmp_path / "a.gguf", "gemma3", md, tensors, tiny_bpe))
+    md, tensors = gguf_metadata(spec, len(tiny_bpe.tokens)), hf_to_gguf_tensors(hf, spec)
+    del tensors["blk.3.post_ffw_norm.weight"]
+    with pytest.raises(GGUFError, match="missing tensor 'blk.3.post_ffw_norm.weight'"):
+        load_model(write_gguf(tmp_path / "b.gguf", "gemma3", md, tensors, tiny_bpe))
+
+    model, _ = load_model(tiny_models("gemma3").path, encoded=True)
+    b, a = model.layers[0], model.args
+    packs = [m.qm for m in (b.attn.wqkv, b.attn.wo, b.ffn.w_gate_up, b.ffn.w_down)]
+    norm = b.attn_norm.weight.numpy()
+    args = (norm, norm, 1e-6, *packs, a.n_heads, a.n_kv_heads, a.head_dim)
+    with pytest.raises(ValueError, match=rf"q_norm: expected shape \[{a.head_dim}\]"):
+        _C.DecodeLayer(*args, q_norm=norm)
+    with pytest.raises(ValueError, match=rf"post_ffn_norm: expected shape \[{a.dim}\]"):
+        _C.DecodeLayer(*args, post_ffn_norm=np.ones(a.head_dim, np.float32))
+    with pytest.raises(ValueError, match="activation='relu' is not allowed"):
+        _C.DecodeLayer(*args, activation="relu")
