@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,8 @@ from ktquest.layers.linear import set_x16
 from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
 from ktquest.native.decode import use_native_decode
+
+PLAIN_CHAT_NOTICE = "ktquest: the model has no chat template: chatting as plain text continuation"
 
 
 class PromptTooLongError(ValueError):
@@ -55,6 +58,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
         self.cache_owner: ChatSession | None = None  # the conversation whose tokens the cache holds
+        self._said_plain_chat = False  # PLAIN_CHAT_NOTICE is said once, with the first chat session
         self.load_s = time.perf_counter() - t0  # reading, building and caching: what a user waits for
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
@@ -82,9 +86,13 @@ class Engine:
 
     def chat_session(self, system: str | None = None, document: str | None = None) -> ChatSession:
         """A multi-turn conversation; ``document`` is put before the first user message. ``TypeError``
-        unless each is a str or None."""
+        unless each is a str or None. A model without a chat template chats as plain text (said once on
+        stderr; ``ktquest.formats.chat_template.PlainText``)."""
         check_arg("system", system, (str, type(None)))
         check_arg("document", document, (str, type(None)))
+        if self.tokenizer.chat_template is None and not self._said_plain_chat:
+            print(PLAIN_CHAT_NOTICE, file=sys.stderr)
+            self._said_plain_chat = True
         return ChatSession(self, system=system, document=document)
 
     # ---- internals ----

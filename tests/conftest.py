@@ -269,8 +269,9 @@ def finish_gguf(w: gguf.GGUFWriter) -> None:
 
 
 def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
-               bpe: TinyBPE | None, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32)."""
+               bpe: TinyBPE | None, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32);
+    ``chat_template`` None: none in the file (a base model)."""
     w = gguf.GGUFWriter(path, arch)
     w.add_name("ktquest tiny test model")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -295,7 +296,8 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
         w.add_unk_token_id(bpe.unk_id)
         w.add_pad_token_id(bpe.pad_id)
         w.add_add_bos_token(False)
-        w.add_chat_template(chat_template)
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
     for name, t in tensors.items():
         w.add_tensor(name, t)
     finish_gguf(w)
@@ -308,7 +310,7 @@ class TinyModel(NamedTuple):
 
 
 def make_tiny_model(directory: Path, name: str, bpe: TinyBPE,
-                    chat_template: str = CHAT_TEMPLATE) -> TinyModel:
+                    chat_template: str | None = CHAT_TEMPLATE) -> TinyModel:
     spec = TINY_SPECS[name]
     vocab = len(bpe.tokens)
     hf = build_hf_model(spec, vocab)
@@ -352,6 +354,12 @@ BOOM_TEMPLATE = ("{% for message in messages %}{% if 'boom' in message['content'
 def tiny_llama_boom(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE) -> TinyModel:
     """The tiny llama whose chat template fails on a message that contains "boom"."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny_boom"), "llama", tiny_bpe, BOOM_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_base(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE) -> TinyModel:
+    """The tiny llama without a chat template, as a base (pretrained only) model's file."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_base"), "llama", tiny_bpe, chat_template=None)
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,27 @@ def test_prompt_file(tiny_llama, tmp_path, monkeypatch, capsys):
     assert n_prompt > int(err2.split()[0]) + 30  # the document went in with the message
 
 
+def test_base_model_chats_as_plain_text(tiny_llama_base, tmp_path, monkeypatch, capsys):
+    """A model without a chat template: the reply continues the plain text (the document, then the message,
+    each followed by a newline), and a line on stderr says so, once."""
+    import ktquest
+    from ktquest.engine import PLAIN_CHAT_NOTICE
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Once upon a time")
+    greedy = ["--temperature", "0", "--repeat-penalty", "1", "--max-new-tokens", "6"]
+    code, out, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama_base.path), "--prompt-file", str(doc),
+                                                  "--message", "the cat", *greedy])
+    assert code == 0, err
+    expected = ktquest.load(tiny_llama_base.path, max_new_tokens=6).generate("Once upon a time\n\nthe cat\n")
+    assert out == expected + "\n" and expected
+    assert re.fullmatch(re.escape(PLAIN_CHAT_NOTICE) + "\n" + STATS + "\n", err), err
+    code, out, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama_base.path), *greedy],
+                           "hello\nthe cat\n/stats\n/exit\n")
+    assert code == 0 and err.count(PLAIN_CHAT_NOTICE) == 1
+    assert out.split("turns")[1].split()[0] == "2"
+
+
 @pytest.mark.parametrize("parse_special", [False, True])
 def test_prompt_file_tokens_counted_as_sent(tiny_llama, tmp_path, monkeypatch, capsys, parse_special):
     """The document's token count at the start reads special-token text as the turn will (text by default)."""
