@@ -151,8 +151,8 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
     ``config``: a ``Config``, a YAML path or None (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
     Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
-    schema refuses, a cache that would not fit), ``GGUFError`` (the file), ``OSError`` (reading it;
-    ``ModelNotFound``: neither a file nor a bundled model's name, ``BundledModelNotFound``: not installed).
+    schema refuses, a cache that would not fit), ``GGUFError`` (the file, or a model that is neither a file
+    nor a bundled model's name), ``OSError`` (reading it; ``BundledModelNotFound``: not installed).
     """
     check_arg("model", model, (str, os.PathLike, type(None)))
     check_arg("config", config, (Config, str, os.PathLike, type(None)))

