@@ -1,9 +1,10 @@
 """Multi-turn chat: a ``ChatSession`` keeps its conversation in the engine's KV cache across turns.
 
-Each turn renders the whole conversation with the model's chat template, tokenizes it, and feeds only what
-the cache does not already hold (the longest common token prefix is kept), so the cache always holds
-exactly the tokens a fresh engine would prefill for the same conversation, and earlier turns are never
-prefilled again.
+Each turn renders the whole conversation with the model's chat template (a model without one, a base
+model, gets the plain text: each message followed by a newline, its replies as generated; ``PlainText``),
+tokenizes it, and feeds only what the cache does not already hold (the longest common token prefix is
+kept), so the cache always holds exactly the tokens a fresh engine would prefill for the same conversation,
+and earlier turns are never prefilled again.
 
 The messages' text (the user's, the system prompt, the document) is text: special-token strings in it are
 characters, not control tokens, unless the config's ``parse_special`` is on.

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ktquest.config import CHAT_GENERATION, load_config
+from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -63,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ktquest", description="Local LLM inference from a GGUF file.")
     sub = parser.add_subparsers(dest="command", required=True)
     chat = sub.add_parser("chat", help="chat with a model in the terminal",
-                          description="Chat with a GGUF model (default: the bundled SmolLM2-135M-Instruct).")
-    chat.add_argument("--model", metavar="PATH", help="GGUF file (default: config 'model', else the bundled one)")
+                          description=f"Chat with a GGUF model (default: the bundled {DEFAULT_MODEL}).")
+    chat.add_argument("--model", metavar="PATH|NAME",
+                      help=f"a GGUF file or a bundled model: {', '.join(BUNDLED_MODELS)} (default: config "
+                           f"'model', else {DEFAULT_MODEL})")
     chat.add_argument("--config", metavar="FILE", help="YAML config (see configs/default.yaml)")
     chat.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
                       help="override a config key, e.g. --set threads=2 --set generation.top_k=40 (repeatable)")

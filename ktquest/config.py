@@ -179,7 +179,7 @@ class LongContextConfig:
 class Config:
     """The whole runtime configuration (``configs/default.yaml`` shows every key)."""
 
-    model: str = ""  # GGUF path; "" = the bundled SmolLM2-135M-Instruct
+    model: str = ""  # GGUF path or a bundled model's name (formats/bundled.py); "" = smollm2-135m
     mode: Literal["dense", "long_context"] = "dense"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: fp16 on CUDA, fp32 on CPU

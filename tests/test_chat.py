@@ -90,3 +90,44 @@ def test_a_document_past_the_template_bound_is_too_long(tiny):
                                                  r"context of 256 tokens \(max_seq_len\) can hold"):
         session.send("x " * 2_200_000)
     assert _state(session) == before
+
+
+# ---- a base model (no chat template): the conversation is one plain text the model continues ----
+
+
+@pytest.fixture(scope="module")
+def base_and_reference(tiny_llama_base):
+    """The tiny base model twice: one chats, the other completes the same text afresh each time."""
+    return [ktquest.load(tiny_llama_base.path, max_new_tokens=6, threads=1) for _ in range(2)]
+
+
+def test_base_model_chats_as_plain_text_continuation(base_and_reference):
+    base, ref = base_and_reference
+    session = base.chat_session(system="The quick brown fox", document="Once upon a time")
+    text = "The quick brown fox\nOnce upon a time\n\nthe cat\n"  # system, document, message: each then "\n"
+    replies = []
+    for k, message in enumerate(["the cat", "the dog sat", "hello"]):
+        if k:
+            text += f"{replies[-1].text}\n{message}\n"  # the reply as generated, then the next message
+        reply = session.send(message)
+        assert reply.text == ref.generate(text)  # the greedy continuation of the whole text
+        if k == 0:
+            assert reply.stats.prompt_tokens == len(base.tokenizer.encode(text))
+        else:  # only what the cache did not hold was read
+            assert reply.stats.prompt_tokens < len(base.tokenizer.encode(text)) - 10
+        replies.append(reply)
+    assert all(r.text for r in replies)
+    assert base.tokenizer.apply_chat_template(session.messages) == text + replies[-1].text + "\n"
+
+
+def test_base_model_notice_said_once(base_and_reference, tiny_llama, capsys):
+    from ktquest.engine import PLAIN_CHAT_NOTICE
+
+    base, _ = ktquest.load(base_and_reference[0].model_path, max_new_tokens=2, threads=1), capsys.readouterr()
+    base.generate("hello")
+    assert capsys.readouterr().err == ""  # completion is what it always was
+    base.chat_session().send("hello")
+    base.chat_session().send("the cat")
+    assert capsys.readouterr().err == PLAIN_CHAT_NOTICE + "\n"
+    ktquest.load(tiny_llama.path, max_new_tokens=2, threads=1).chat_session().send("hello")
+    assert capsys.readouterr().err == ""  # a model with a chat template uses it

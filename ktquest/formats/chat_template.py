@@ -1,4 +1,5 @@
 """Chat templates: a model's jinja2 template rendered within bounds; every failure is one ChatTemplateError.
+A model without one (a base model) chats as plain text (``PlainText``).
 
 A chat template is code that comes with the model file. It runs in jinja2's ImmutableSandboxedEnvironment (no
 private attributes, no changes to lists and dicts: what HF transformers uses too), within ``TemplateLimits``:
@@ -109,6 +110,17 @@ class ChatTemplate:
         if not text.strip():
             raise ChatTemplateError("chat template: it rendered an empty prompt")
         return text
+
+
+class PlainText:
+    """What a model without a chat template (a base model) chats with: the conversation as one plain text,
+    each message's content followed by a newline (the system prompt first, the document at the head of the
+    first user message), which the model continues; its reply joins the text as generated."""
+
+    def render(self, limits: TemplateLimits = DEFAULT_LIMITS, /, *, messages: list[dict[str, Any]],
+               **variables: Any) -> str:
+        """The messages' text; ``limits`` and the template variables do not apply (no code runs)."""
+        return "".join(f"{m['content']}\n" for m in messages)
 
 
 # ---- the environment ----

@@ -24,7 +24,7 @@ import sentencepiece
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ktquest.formats.chat_template import DEFAULT_LIMITS, ChatTemplate, TemplateLimits
+from ktquest.formats.chat_template import DEFAULT_LIMITS, ChatTemplate, PlainText, TemplateLimits
 
 # GGUF token types (gguf.TokenType); SentencePiece's piece types use the same numbers.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -55,10 +55,6 @@ _IGNORE_MERGES = {"llama3"}  # llama.cpp looks whole pieces up in the vocab firs
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
               "<|eom_id|>", "<｜end▁of▁sentence｜>")
 
-_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-           " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
-           "{{ '<|im_start|>assistant\n' }}{% endif %}")
-
 # Put between the characters of special-token text inside message contents (before it, for a one-character
 # token), so that the text no longer matches a control token when the rendered chat is split; taken out
 # before the text is encoded. A Unicode noncharacter ("for internal use"): one a message brings is dropped.
@@ -86,7 +82,7 @@ class Tokenizer:
         self.bos_id: int | None = md.get("tokenizer.ggml.bos_token_id", 1 if spm else None)
         self.eos_id: int | None = md.get("tokenizer.ggml.eos_token_id", 2 if spm else None)
         self.add_bos: bool = bool(md.get("tokenizer.ggml.add_bos_token", spm)) and self.bos_id is not None
-        self.chat_template: str = md.get("tokenizer.chat_template") or _CHATML
+        self.chat_template: str | None = md.get("tokenizer.chat_template") or None  # None: a base model
         self.eot_ids: frozenset[int] = _find_eot_ids(md, self.tokens)
         self.stop_ids: frozenset[int] = self.eot_ids | ({self.eos_id} if self.eos_id is not None else set())
         if self.kind == "gpt2":
@@ -95,7 +91,9 @@ class Tokenizer:
             self._backend = _SentencePiece(md, self.tokens, self.token_types)
         else:
             raise TokenizerError(f"tokenizer.ggml.model={self.kind!r} is not supported: expected 'gpt2' or 'llama'")
-        self._template = ChatTemplate(self.chat_template)  # a ChatTemplateError here if it does not compile
+        # a ChatTemplateError here if it does not compile
+        self._template: ChatTemplate | PlainText = ChatTemplate(self.chat_template) if self.chat_template \
+            else PlainText()
         specials = sorted(self._backend.special_ids, key=len, reverse=True)  # longest first: it wins
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         # special-token text that is whole (one character: no _TEXT_MARK before it) is the template's own
@@ -134,7 +132,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             limits: TemplateLimits = DEFAULT_LIMITS) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template (ChatML if none).
+        """Render ``messages`` ([{"role", "content"}, ...]) with the model's template; without one (a base
+        model) the plain text of ``PlainText``: each message's content followed by a newline.
 
         Bounded by ``limits``; any failure of the template is a ``ChatTemplateError`` (one line)."""
         bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
