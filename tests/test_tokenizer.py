@@ -155,10 +155,12 @@ _SP_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "▁h", "▁he", "
               "▁wor", "▁world"]
 
 
-def _sp_md(**extra) -> dict:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SP_PIECES + ["<tool>", "<|eot|>"]
-    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(_SP_PIECES) + [USER_DEFINED, CONTROL]
-    scores = [0.0] * 259 + [-float(i) for i in range(len(_SP_PIECES))] + [0.0, 0.0]
+def _sp_md(whitespace_tokens: bool = False, **extra) -> dict:
+    # user-defined: "<tool>", and (gemma) runs of whitespace; the padding keeps the ids of the rest
+    user = ["<tool>"] + (["  ", "\n\n"] if whitespace_tokens else ["<pad1>", "<pad2>"])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SP_PIECES + user + ["<|eot|>"]
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(_SP_PIECES) + [USER_DEFINED] * 3 + [CONTROL]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(_SP_PIECES))] + [0.0] * 4
     md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
           "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
           "tokenizer.ggml.eot_token_id": len(tokens) - 1}
@@ -203,6 +205,16 @@ def test_sentencepiece_round_trip(sp, text):
 def test_sentencepiece_without_space_prefix():
     sp = Tokenizer.from_gguf_metadata(_sp_md(**{"tokenizer.ggml.add_space_prefix": False}))
     assert sp.encode("hello", add_bos=False) == _ids(sp, "h", "e", "llo")
+
+
+def test_sentencepiece_whitespace_tokens():
+    """gemma's vocabulary: user-defined runs of spaces and newlines, no space prefix. They are matched as
+    llama.cpp matches them (SentencePiece alone never would: it escapes spaces before matching)."""
+    sp = Tokenizer.from_gguf_metadata(_sp_md(True, **{"tokenizer.ggml.add_space_prefix": False}))
+    text = "hello  world\n\nhello"
+    assert sp.encode(text, add_bos=False, parse_special=False) == \
+        _ids(sp, "h", "e", "llo", "  ", "w", "or", "ld", "\n\n", "h", "e", "llo")
+    assert sp.decode(sp.encode(text, add_bos=False)) == text
 
 
 def test_bad_metadata():

@@ -264,18 +264,22 @@ class _SentencePiece(_Backend):
         self.sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
         self.tokens = tokens
         self.special = {i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)}
-        # Control tokens never come out of SentencePiece's own encoder: split the text on them first.
-        # Longest first so that a token containing another one wins.
-        texts = sorted({tokens[i] for i in self.special if tokens[i]}, key=len, reverse=True)
-        self.split_re = re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+        # Control and user-defined tokens never come out of SentencePiece's own encoder (it escapes spaces
+        # before it matches, so a user-defined run of spaces or newlines, as gemma's, would never match):
+        # the text is split on them first, control tokens with parse_special only. Longest first, so that
+        # a token containing another one wins.
+        user = {i for i, t in enumerate(types) if t == USER_DEFINED}
+        self.split_re = {parse: _split_re(tokens, user | (self.special if parse else set())) for parse in (False, True)}
         self.special_ids = {tokens[i]: i for i in self.special if tokens[i]}
+        self._split_ids = {tokens[i]: i for i in self.special | user if tokens[i]}
 
     def encode(self, text: str, parse_special: bool) -> list[int]:
-        parts = self.split_re.split(text) if (parse_special and self.split_re) else [text]
+        split = self.split_re[parse_special]
+        parts = split.split(text) if split else [text]
         ids: list[int] = []
         for k, part in enumerate(parts):
-            if k % 2:  # odd parts are the separators, i.e. special tokens
-                ids.append(self.special_ids[part])
+            if k % 2:  # odd parts are the separators, i.e. control or user-defined tokens
+                ids.append(self._split_ids[part])
             elif part:
                 # Each text run follows the start or a special token: SentencePiece's dummy-prefix
                 # space goes in front of each, as llama.cpp does.
@@ -297,6 +301,12 @@ class _SentencePiece(_Backend):
 
 
 # ---- helpers ----
+
+
+def _split_re(tokens: Sequence[str], ids: set[int]) -> re.Pattern | None:
+    """A regex whose split keeps the texts of tokens ``ids`` as separators (longest first), or None."""
+    texts = sorted({tokens[i] for i in ids if tokens[i]}, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
 
 
 def _find_eot_ids(md: dict[str, Any], tokens: list[str]) -> frozenset[int]:
