@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny random llama / qwen2 models written to GGUF the way llama.cpp's converter does.
+"""Shared fixtures: tiny random llama / qwen2 / internlm2 models written to GGUF the way llama.cpp's
+converter does.
 
-Each model is a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights (the
-independent reference); its tensors go into a GGUF file with the converter's names, metadata and, for
-llama, its Q/K row permutation. The tokenizer is a real little byte-level BPE (GPT-2 style) trained with
-``tokenizers`` on a few sentences: 3 specials + 256 byte symbols + 61 merges = 320 tokens.
+Each model is a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (InternLM2: the torch model of
+``tiny_internlm2``) with seeded random weights (the independent reference); its tensors go into a GGUF file
+with the converter's names, metadata and, for llama and internlm2, its Q/K row permutation. The tokenizer
+is a real little byte-level BPE (GPT-2 style) trained with ``tokenizers`` on a few sentences: 3 specials +
+256 byte symbols + 61 merges = 320 tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tiny_internlm2 import InternLM2ForCausalLM, as_llama_tensors
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (as in SmolLM2)
 BPE_VOCAB_SIZE = 320
@@ -127,7 +130,7 @@ def tiny_bpe() -> TinyBPE:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str  # "llama" | "qwen2"
+    arch: str  # "llama" | "qwen2" | "internlm2"
     tied: bool
     rope: dict | None = None  # HF rope_parameters beyond the default
     dim: int = 64
@@ -151,24 +154,29 @@ TINY_SPECS = {
     "qwen2_untied": TinySpec("qwen2", tied=False, rope_theta=1e6),
     "qwen2_yarn": TinySpec("qwen2", tied=True, rope={"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64}),
+    "internlm2": TinySpec("internlm2", tied=False),
 }
 
 
 def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A random HF model; every parameter (norms and biases too) is random so each one is tested."""
+    """A random HF model (InternLM2: ``tiny_internlm2``'s); every parameter (norms and biases too) is random
+    so each one is tested. The weights depend on the architecture and sizes only, not on ``spec.rope``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
-    cfg = config_cls(
-        vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
-        num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
-        rms_norm_eps=spec.eps, tie_word_embeddings=spec.tied,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope or {})},
-    )
     torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
+    if spec.arch == "internlm2":
+        model = InternLM2ForCausalLM(spec, vocab_size).eval()
+    else:
+        config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
+        cfg = config_cls(
+            vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
+            num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+            num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
+            rms_norm_eps=spec.eps, tie_word_embeddings=spec.tied,
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope or {})},
+        )
+        model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -206,8 +214,13 @@ def llama3_rope_freqs(spec: TinySpec) -> np.ndarray:
 
 
 def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 array [rows, cols], llama Q/K permuted like the converter does."""
-    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    """GGUF name -> float32 array [rows, cols], llama/internlm2 Q/K permuted like the converter does
+    (internlm2's fused wqkv split first: ``tiny_internlm2.as_llama_tensors``)."""
+    if spec.arch == "internlm2":
+        sd = as_llama_tensors(model)
+    else:
+        sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    permuted = spec.arch in ("llama", "internlm2")
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"]}
     if not spec.tied:
@@ -223,9 +236,9 @@ def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.n
                 if key not in sd:
                     continue
                 w = sd[key]
-                if spec.arch == "llama" and g_name == "attn_q":
+                if permuted and g_name == "attn_q":
                     w = permute_qk(w, spec.n_heads)
-                elif spec.arch == "llama" and g_name == "attn_k":
+                elif permuted and g_name == "attn_k":
                     w = permute_qk(w, spec.n_kv_heads)
                 out[f"blk.{i}.{g_name}.{kind}"] = w
     if spec.rope and spec.rope["rope_type"] == "llama3":

@@ -104,7 +104,7 @@ def test_half_precision_close_to_hf(tiny_models, name, dtype):
     torch.testing.assert_close(torch.cat(got).float(), expected, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "internlm2"])
 def test_long_positions_match_hf(tiny_models, name):
     """Positions near the end of the trained context (RoPE tables far out), prefill chunk after a past."""
     path, hf = tiny_models(name)

@@ -15,9 +15,10 @@ import numpy as np
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFFile, GGUFTensors
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "internlm2")
 
-# llama.cpp's tensor names, shared by llama and qwen2: model field -> GGUF name (blocks under "blk.{i}.").
+# llama.cpp's tensor names, shared by llama, qwen2 and internlm2 (whose converter splits the fused wqkv into
+# attn_q/attn_k/attn_v): model field -> GGUF name (blocks under "blk.{i}.").
 MODEL_TENSORS = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
 BLOCK_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                  "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",

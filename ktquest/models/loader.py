@@ -3,10 +3,10 @@ shapes, and the conversion to the layout the model code uses.
 
 Q/K layout. llama.cpp's converter permutes the rows of llama's ``attn_q``/``attn_k`` (within each head,
 row ``2i`` and ``2i+1`` hold the two halves of rotary pair ``i``) so that ggml can rotate adjacent pairs
-("interleaved" RoPE). qwen2 files are not permuted (ggml's NEOX RoPE). The weights keep the file's rows (they
-are read in place); ``qk_perm`` is the gather the model applies to the q | k | v projection, so both archs
-reach attention in the Hugging Face layout and the model has one RoPE style: rotate-half (pair ``i`` = dims
-``i`` and ``i + D/2``).
+("interleaved" RoPE); internlm2's too, once it has split InternLM2's fused ``wqkv``. qwen2 files are not
+permuted (ggml's NEOX RoPE). The weights keep the file's rows (they are read in place); ``qk_perm`` is the
+gather the model applies to the q | k | v projection, so every arch reaches attention in the Hugging Face
+layout and the model has one RoPE style: rotate-half (pair ``i`` = dims ``i`` and ``i + D/2``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class GGUFContents:
 
     path: Path
     args: ModelArgs
-    tensors: GGUFTensors  # raw file layout (llama Q/K permuted); see qk_perm
+    tensors: GGUFTensors  # raw file layout (llama/internlm2 Q/K permuted); see qk_perm
     metadata: dict[str, Any]
 
 
@@ -81,14 +81,18 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
 # ---- model weights ----
 
 
+PERMUTED_QK_ARCHS = ("llama", "internlm2")  # converters that interleave q/k rows (ggml's NORM RoPE)
+
+
 def qk_perm(a: ModelArgs) -> torch.Tensor | None:
-    """The gather that takes a llama file's q | k | v projection to the Hugging Face order, or None (qwen2).
+    """The gather that takes a llama or internlm2 file's q | k | v projection to the Hugging Face order, or
+    None (qwen2).
 
     llama.cpp's converter stores head h's rows as (x0, y0, x1, y1, ...): rotary pair i in rows 2i and 2i + 1,
     for ggml's interleaved RoPE. The model rotates halves (pair i = dims i and i + D/2), so output j of a
     head is read from row 2 (j % (D/2)) + j // (D/2) of the file's; v is in order. int64 [(H + 2 KVH) * D].
     """
-    if a.arch != "llama":
+    if a.arch not in PERMUTED_QK_ARCHS:
         return None
     d = a.head_dim
     j = torch.arange(d)
