@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import resource
 import signal
@@ -154,6 +155,10 @@ TINY_SPECS = {
     "qwen2_untied": TinySpec("qwen2", tied=False, rope_theta=1e6),
     "qwen2_yarn": TinySpec("qwen2", tied=True, rope={"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64}),
+    # Phi-3's LongRoPE on llama: factor = ctx / original context, as Phi-3's configs imply it
+    "llama_longrope": TinySpec("llama", tied=False, rope={
+        "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 1.5 * i for i in range(8)]}),
     "internlm2": TinySpec("internlm2", tied=False),
 }
 
@@ -243,6 +248,9 @@ def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.n
                 out[f"blk.{i}.{g_name}.{kind}"] = w
     if spec.rope and spec.rope["rope_type"] == "llama3":
         out["rope_freqs.weight"] = llama3_rope_freqs(spec)
+    if spec.rope and spec.rope["rope_type"] == "longrope":  # as Phi-3's converter writes them
+        out["rope_factors_long.weight"] = np.asarray(spec.rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.asarray(spec.rope["short_factor"], dtype=np.float32)
     return out
 
 
@@ -270,6 +278,11 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
         md[f"{a}.rope.scaling.type"] = "yarn"
         md[f"{a}.rope.scaling.factor"] = rope["factor"]
         md[f"{a}.rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    elif rope.get("rope_type") == "longrope":  # Phi-3's converter: attn_factor from the context's growth
+        orig = rope["original_max_position_embeddings"]
+        md[f"{a}.rope.scaling.type"] = "longrope"
+        md[f"{a}.rope.scaling.original_context_length"] = orig
+        md[f"{a}.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(spec.ctx / orig) / math.log(orig))
     return md
 
 
