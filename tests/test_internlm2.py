@@ -1,6 +1,6 @@
 """The internlm2 arch (InternLM2 / InternLM2.5) against its own modeling code (``tiny_internlm2``): the file
 as llama.cpp's converter writes it (fused wqkv split, Q/K rows permuted, llama's tensor names), dense and
-long-context attention.
+long-context attention, and the dynamic NTK RoPE of InternLM2.5's long-context models from the config.
 
 The dense logits of every prefill/decode pattern are in ``test_model.test_logits_match_hf`` (the
 ``internlm2`` tiny model is one of its ``TINY_SPECS``).
@@ -8,12 +8,16 @@ The dense logits of every prefill/decode pattern are in ``test_model.test_logits
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
-from conftest import TINY_SPECS
-from test_model import FP32_ATOL, FP32_RTOL, prompt_ids
+from conftest import TINY_SPECS, build_hf_model
+from test_model import FP32_ATOL, FP32_RTOL, make_cache, prompt_ids
 
 from ktquest.config import Config, LongContextConfig
 from ktquest.kv.long_context import LongContextCache
+from ktquest.models.args import RopeScaling
 from ktquest.models.loader import load_model, qk_perm, read_gguf
 
 
@@ -43,3 +47,21 @@ def test_long_context_full_budget_matches_the_reference(tiny_models):
         got = [model(tokens[a:b], a, cache) for a, b in ((0, 16), (16, 32), (32, 48), (48, 60))]
         got += [model(tokens[i:i + 1], i, cache) for i in range(60, 70)]  # decode: the selection's path
     torch.testing.assert_close(torch.cat(got), expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.5])
+def test_dynamic_ntk_matches_internlm2_rotary(tiny_models, tiny_bpe, factor):
+    """InternLM2.5's long-context models use dynamic NTK (rope_scaling type "dynamic" in their config; not in
+    the GGUF): the config's ``rope_scaling: dynamic`` for a cache of L > the trained context equals
+    InternLM2's DynamicNTKScalingRotaryEmbedding over a sequence of L tokens."""
+    spec = TINY_SPECS["internlm2"]
+    n = spec.ctx + 44
+    ref = build_hf_model(dataclasses.replace(spec, rope={"rope_type": "dynamic", "factor": factor}),
+                         len(tiny_bpe.tokens))  # the file's weights: they do not depend on the rope
+    model, _ = load_model(tiny_models("internlm2").path, max_seq_len=n,
+                          rope_scaling=RopeScaling(type="dynamic", factor=factor))
+    tokens = prompt_ids(n, model.args.vocab_size, seed=6)
+    with torch.inference_mode():
+        expected = ref(tokens[None]).logits[0]
+        got = model(tokens, 0, make_cache(model, n))
+    torch.testing.assert_close(got, expected, atol=FP32_ATOL, rtol=FP32_RTOL)

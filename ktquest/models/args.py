@@ -39,9 +39,11 @@ class RopeScaling:
     longrope: LongRoPE (Phi-3): per-frequency divisors, ``long_factors`` when the cache holds more than
               ``original_context_length`` tokens (llama.cpp's choice by n_ctx), else ``short_factors``
               (tensors ``rope_factors_long/short.weight``); cos/sin times ``attn_factor``.
+    dynamic:  dynamic NTK, never from a file (GGUF cannot say it): the config's ``rope_scaling: dynamic``
+              raises the base for a cache longer than the trained context (``models.rope.rope_frequencies``).
     """
 
-    type: Literal["linear", "yarn", "llama3", "longrope"]
+    type: Literal["linear", "yarn", "llama3", "longrope", "dynamic"]
     factor: float = 1.0
     original_context_length: int = 0  # 0: the file's context_length
     beta_fast: float = 32.0  # yarn

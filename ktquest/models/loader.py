@@ -11,6 +11,7 @@ layout and the model has one RoPE style: rotate-half (pair ``i`` = dims ``i`` an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ktquest import _C
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.layers.linear import QuantWeight
-from ktquest.models.args import BIAS_TENSORS, BLOCK_TENSORS, MODEL_TENSORS, ModelArgs, model_args
+from ktquest.models.args import BIAS_TENSORS, BLOCK_TENSORS, MODEL_TENSORS, ModelArgs, RopeScaling, model_args
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
 
 
@@ -199,21 +200,31 @@ def nonfinite_blocks(t: str, data: np.ndarray) -> int:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int = 0,
-               encoded: bool = False) -> tuple[Transformer, GGUFContents]:
+               encoded: bool = False,
+               rope_scaling: RopeScaling | None = None) -> tuple[Transformer, GGUFContents]:
     """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
 
     max_seq_len: positions the RoPE tables cover; 0 = the trained context length (``resolve_max_seq_len``).
     encoded: the matrices stay in their GGUF encoding (``model_weights``; the CPU in fp32 only).
+    rope_scaling: replaces the file's (``build_model``).
     """
     contents = read_gguf(path)
-    return build_model(contents, device, dtype, max_seq_len, encoded), contents
+    return build_model(contents, device, dtype, max_seq_len, encoded, rope_scaling), contents
 
 
 def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                max_seq_len: int = 0, encoded: bool = False) -> Transformer:
+                max_seq_len: int = 0, encoded: bool = False,
+                rope_scaling: RopeScaling | None = None) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
-    ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``)."""
+    ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``).
+
+    rope_scaling: None = the file's; else it replaces the file's in the model's args (the config's dynamic
+    NTK, which no GGUF file can express: ``Config.rope_scaling``).
+    """
     if encoded and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"weights in their GGUF encoding run on the CPU in float32, not {device}/{dtype}")
     weights = model_weights(contents, dtype, device, encoded)
-    return Transformer(contents.args, weights, max_seq_len=max_seq_len).eval()
+    args = contents.args
+    if rope_scaling is not None:
+        args = dataclasses.replace(args, rope_scaling=rope_scaling)
+    return Transformer(args, weights, max_seq_len=max_seq_len).eval()

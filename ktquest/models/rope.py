@@ -13,11 +13,17 @@ _ROPE_CHUNK = 8192  # positions whose float64 angles are computed at once
 
 def rope_frequencies(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] (float64) after rope scaling, and the cos/sin multiplier (yarn's mscale,
-    LongRoPE's attn_factor), for a model whose cache holds ``max_len`` tokens (LongRoPE picks its factors by
-    it, as llama.cpp picks them by n_ctx: fixed for the session, so every cached key was rotated by the same
-    table)."""
+    LongRoPE's attn_factor), for a model whose cache holds ``max_len`` tokens (LongRoPE picks its factors and
+    dynamic NTK its base by it, as llama.cpp picks LongRoPE's by n_ctx: fixed for the session, so every
+    cached key was rotated by the same table)."""
     d, base, s = args.head_dim, args.rope_theta, args.rope_scaling
     orig = (s.original_context_length if s is not None else 0) or args.context_length  # the trained context
+    if s is not None and s.type == "dynamic" and max_len > orig:
+        # Dynamic NTK (Hugging Face's rope_type "dynamic" for a sequence of max_len tokens): a larger base
+        if d <= 2:
+            raise ValueError(f"rope_scaling dynamic needs head_dim > 2 (the base's exponent is D / (D - 2)); "
+                             f"this model's head_dim is {d}")
+        base = base * (s.factor * max_len / orig - (s.factor - 1)) ** (d / (d - 2))
     inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [D/2]
     if s is None:
         return inv_freq, 1.0
@@ -40,7 +46,7 @@ def rope_frequencies(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, float
         inv_freq = inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
         mscale = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
         return inv_freq, mscale * s.attn_factor
-    return inv_freq, 1.0  # llama3: the freq factors above are all of it
+    return inv_freq, 1.0  # llama3: the freq factors above are all of it; dynamic: the base
 
 
 def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,
