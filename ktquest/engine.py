@@ -23,7 +23,7 @@ from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import check_cache_fits, check_weights_fit
 from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
-from ktquest.models.args import resolve_max_seq_len
+from ktquest.models.args import RopeScaling, resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
 from ktquest.native.decode import use_native_decode
 
@@ -51,7 +51,9 @@ class Engine:
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)
         self.weights = _pick_weights(config.weights, self.device, self.dtype)
-        self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf")
+        self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf",
+                                 _rope_scaling(config))
+        self.args = self.model.args  # the file's, but for the config's RoPE scaling when it sets one
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
         self.activations = _pick_activations(config.activations, self.args)
         set_x16(self.model, self.activations == "int16")
@@ -191,6 +193,13 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
     if g.n_layers == args.n_layers:
         return cache
     return HybridCache(args, cache, device, dtype, config.chunk_size, threads)
+
+
+def _rope_scaling(config: Config) -> RopeScaling | None:
+    """The config's RoPE scaling in place of the file's, or None (``rope_scaling: gguf``)."""
+    if config.rope_scaling == "dynamic":
+        return RopeScaling(type="dynamic", factor=config.rope_scaling_factor)
+    return None
 
 
 def _pick_device(name: str) -> torch.device:

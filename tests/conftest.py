@@ -1,15 +1,18 @@
-"""Shared fixtures: tiny random llama / qwen2 models written to GGUF the way llama.cpp's converter does.
+"""Shared fixtures: tiny random llama / qwen2 / internlm2 models written to GGUF the way llama.cpp's
+converter does.
 
-Each model is a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights (the
-independent reference); its tensors go into a GGUF file with the converter's names, metadata and, for
-llama, its Q/K row permutation. The tokenizer is a real little byte-level BPE (GPT-2 style) trained with
-``tokenizers`` on a few sentences: 3 specials + 256 byte symbols + 61 merges = 320 tokens.
+Each model is a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (InternLM2: the torch model of
+``tiny_internlm2``) with seeded random weights (the independent reference); its tensors go into a GGUF file
+with the converter's names, metadata and, for llama and internlm2, its Q/K row permutation. The tokenizer
+is a real little byte-level BPE (GPT-2 style) trained with ``tokenizers`` on a few sentences: 3 specials +
+256 byte symbols + 61 merges = 320 tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import resource
 import signal
@@ -21,6 +24,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tiny_internlm2 import InternLM2ForCausalLM, as_llama_tensors
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (as in SmolLM2)
 BPE_VOCAB_SIZE = 320
@@ -127,7 +131,7 @@ def tiny_bpe() -> TinyBPE:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str  # "llama" | "qwen2" | "gemma3"
+    arch: str  # "llama" | "qwen2" | "internlm2" | "gemma3"
     tied: bool
     rope: dict | None = None  # HF rope_parameters beyond the default
     dim: int = 64
@@ -153,6 +157,11 @@ TINY_SPECS = {
     "qwen2_untied": TinySpec("qwen2", tied=False, rope_theta=1e6),
     "qwen2_yarn": TinySpec("qwen2", tied=True, rope={"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64}),
+    # Phi-3's LongRoPE on llama: factor = ctx / original context, as Phi-3's configs imply it
+    "llama_longrope": TinySpec("llama", tied=False, rope={
+        "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 1.5 * i for i in range(8)]}),
+    "internlm2": TinySpec("internlm2", tied=False),
 }
 
 
@@ -181,11 +190,15 @@ def _gemma3_config(spec: TinySpec, vocab_size: int):
 
 
 def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A random HF model; every parameter (norms and biases too) is random so each one is tested."""
+    """A random HF model (InternLM2: ``tiny_internlm2``'s); every parameter (norms and biases too) is random
+    so each one is tested. The weights depend on the architecture and sizes only, not on ``spec.rope``."""
     from transformers import Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    if spec.arch == "gemma3":
-        cfg, model_cls = _gemma3_config(spec, vocab_size), Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    if spec.arch == "internlm2":
+        model = InternLM2ForCausalLM(spec, vocab_size).eval()
+    elif spec.arch == "gemma3":
+        model = Gemma3ForCausalLM(_gemma3_config(spec, vocab_size)).eval()
     else:
         config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
@@ -196,8 +209,7 @@ def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.M
             rms_norm_eps=spec.eps, tie_word_embeddings=spec.tied,
             rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope or {})},
         )
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
+        model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -235,8 +247,13 @@ def llama3_rope_freqs(spec: TinySpec) -> np.ndarray:
 
 
 def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 array [rows, cols], llama Q/K permuted like the converter does."""
-    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    """GGUF name -> float32 array [rows, cols], llama/internlm2 Q/K permuted like the converter does
+    (internlm2's fused wqkv split first: ``tiny_internlm2.as_llama_tensors``)."""
+    if spec.arch == "internlm2":
+        sd = as_llama_tensors(model)
+    else:
+        sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    permuted = spec.arch in ("llama", "internlm2")
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"]}
     if not spec.tied:
@@ -258,13 +275,16 @@ def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.n
                 if key not in sd:
                     continue
                 w = sd[key]
-                if spec.arch == "llama" and g_name == "attn_q":
+                if permuted and g_name == "attn_q":
                     w = permute_qk(w, spec.n_heads)
-                elif spec.arch == "llama" and g_name == "attn_k":
+                elif permuted and g_name == "attn_k":
                     w = permute_qk(w, spec.n_kv_heads)
                 out[f"blk.{i}.{g_name}.{kind}"] = w
     if spec.rope and spec.rope["rope_type"] == "llama3":
         out["rope_freqs.weight"] = llama3_rope_freqs(spec)
+    if spec.rope and spec.rope["rope_type"] == "longrope":  # as Phi-3's converter writes them
+        out["rope_factors_long.weight"] = np.asarray(spec.rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.asarray(spec.rope["short_factor"], dtype=np.float32)
     return out
 
 
@@ -297,6 +317,11 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
         md[f"{a}.rope.scaling.type"] = "yarn"
         md[f"{a}.rope.scaling.factor"] = rope["factor"]
         md[f"{a}.rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    elif rope.get("rope_type") == "longrope":  # Phi-3's converter: attn_factor from the context's growth
+        orig = rope["original_max_position_embeddings"]
+        md[f"{a}.rope.scaling.type"] = "longrope"
+        md[f"{a}.rope.scaling.original_context_length"] = orig
+        md[f"{a}.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(spec.ctx / orig) / math.log(orig))
     return md
 
 

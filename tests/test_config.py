@@ -96,6 +96,10 @@ def test_bad_enum(tmp_path):
     ("long_context:\n  int8_candidates: true", "long_context.int8_candidates", "True", "unless preselect_block"),
     ("long_context:\n  int8_candidates: true\n  preselect_block: true\n  anchor_type: DYNAMIC\n  anchor_num: 1",
      "long_context.int8_candidates", "True", "anchor_type DYNAMIC"),
+    ("rope_scaling: dynamic", "rope_scaling_factor", "0.0", "a number >= 1 with rope_scaling: dynamic"),
+    ("rope_scaling: dynamic\nrope_scaling_factor: 0.5", "rope_scaling_factor", "0.5", ">= 1"),
+    ("rope_scaling_factor: 2", "rope_scaling_factor", "2.0", "0 (unset) unless rope_scaling is dynamic"),
+    ("rope_scaling: ntk", "rope_scaling", "'ntk'", "'gguf', 'dynamic'"),
 ])
 def test_out_of_range(tmp_path, text, key, value, allowed):
     p = _write(tmp_path, text + "\n")

@@ -98,6 +98,12 @@ def _assert_error(path: Path, *fragments: str) -> None:
     ({"llama.attention.key_length": 15, "llama.rope.dimension_count": 15}, ["key_length=15", "even"]),
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, ["scaling.factor=0.0", "> 0"]),
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.yarn_beta_fast": NAN}, ["yarn_beta_fast=nan"]),
+    ({"llama.rope.scaling.type": "su"}, ["unsupported llama.rope.scaling.type 'su'", "yarn, longrope"]),
+    ({"llama.rope.scaling.type": ("u32", 3)}, ["llama.rope.scaling.type=3", "a string"]),
+    ({"llama.rope.scaling.type": "longrope"}, ["LongRoPE needs both tensors 'rope_factors_long.weight' and "
+                                               "'rope_factors_short.weight'", "the file has neither"]),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.attn_factor": "big"},
+     ["llama.rope.scaling.attn_factor='big'", "a finite number > 0"]),
     ({"general.architecture": ("i32", 5)}, ["general.architecture=5", "a string"]),
     ({"llama.block_count": 1}, ["llama.block_count=1", "blocks the file has tensors for (2: blk.0 to blk.1)"]),
     ({"llama.block_count": 0}, ["llama.block_count=0", "[1, "]),
@@ -145,6 +151,33 @@ def test_rope_freqs_must_be_finite_and_positive(tmp_path, model_parts):
     freqs[3] = 0.0
     _assert_error(write_model(tmp_path / "bad.gguf", md, tensors | {"rope_freqs.weight": freqs}),
                   "'rope_freqs.weight'", "finite numbers > 0")
+
+
+EIGHT = np.ones(8, np.float32)  # head_dim 16: one RoPE divisor per frequency
+
+
+@pytest.mark.parametrize("changes, extra, fragments", [
+    ({}, {"rope_factors_long.weight": np.ones(7, np.float32), "rope_factors_short.weight": EIGHT},
+     ["'rope_factors_long.weight' has shape [7], expected [head_dim/2] = [8]"]),
+    ({}, {"rope_factors_long.weight": EIGHT, "rope_factors_short.weight": np.ones((2, 4), np.float32)},
+     ["'rope_factors_short.weight' has shape [2, 4], expected [head_dim/2] = [8]"]),
+    ({}, {"rope_factors_long.weight": EIGHT, "rope_factors_short.weight": np.array([1] * 7 + [NAN], "f4")},
+     ["'rope_factors_short.weight' holds", "must be finite numbers > 0"]),
+    ({}, {"rope_factors_long.weight": -EIGHT, "rope_factors_short.weight": EIGHT},
+     ["'rope_factors_long.weight' holds", "must be finite numbers > 0"]),
+    ({}, {"rope_factors_short.weight": EIGHT}, ["LongRoPE needs both tensors", "only one"]),
+    ({"llama.rope.scaling.type": "yarn"}, {"rope_factors_long.weight": EIGHT,
+                                            "rope_factors_short.weight": EIGHT},
+     ["LongRoPE factors", "llama.rope.scaling.type='yarn'", "not supported"]),
+    ({}, {"rope_factors_long.weight": EIGHT, "rope_factors_short.weight": EIGHT, "rope_freqs.weight": EIGHT},
+     ["LongRoPE factors", "and rope_freqs.weight", "not supported"]),
+    ({}, {"rope_freqs.weight": np.ones(16, np.float32)}, ["'rope_freqs.weight' has shape [16], expected"]),
+])
+def test_rope_factor_tensors_are_checked(tmp_path, model_parts, changes, extra, fragments):
+    """LongRoPE's and llama3's per-frequency divisors: [head_dim/2] finite numbers > 0, LongRoPE's two sets
+    together and with no other scaling."""
+    md, tensors = model_parts
+    _assert_error(write_model(tmp_path / "bad.gguf", md, tensors | extra, changes), *fragments)
 
 
 def test_the_unchanged_parts_load(tmp_path, model_parts):

@@ -15,9 +15,10 @@ import numpy as np
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFFile, GGUFTensors
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "internlm2", "gemma3")
 
-# llama.cpp's tensor names, shared by the archs: model field -> GGUF name (blocks under "blk.{i}.").
+# llama.cpp's tensor names, shared by the archs (internlm2's converter splits the fused wqkv into
+# attn_q/attn_k/attn_v): model field -> GGUF name (blocks under "blk.{i}.").
 MODEL_TENSORS = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
 BLOCK_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                  "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
@@ -30,25 +31,34 @@ GEMMA3_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"
 # local layers' RoPE base (llama.cpp's defaults; the file names neither)
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# Per-frequency RoPE divisors [head_dim // 2]: llama3's, and LongRoPE's two sets (Phi-3's converter)
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
     """How RoPE frequencies are stretched beyond the trained context.
 
-    linear: every inverse frequency divided by ``factor``.
-    yarn:   YaRN (per-frequency blend of interpolation and extrapolation, cos/sin scaled by ``attn_factor``).
-    llama3: per-frequency divisors ``freq_factors`` [head_dim // 2], stored by llama.cpp's converter as the
-            ``rope_freqs.weight`` tensor (the low/high frequency factors themselves are not in the file).
+    linear:   every inverse frequency divided by ``factor``.
+    yarn:     YaRN (per-frequency blend of interpolation and extrapolation, cos/sin times ``attn_factor``).
+    llama3:   per-frequency divisors ``freq_factors`` [head_dim // 2], stored by llama.cpp's converter as the
+              ``rope_freqs.weight`` tensor (the low/high frequency factors themselves are not in the file).
+    longrope: LongRoPE (Phi-3): per-frequency divisors, ``long_factors`` when the cache holds more than
+              ``original_context_length`` tokens (llama.cpp's choice by n_ctx), else ``short_factors``
+              (tensors ``rope_factors_long/short.weight``); cos/sin times ``attn_factor``.
+    dynamic:  dynamic NTK, never from a file (GGUF cannot say it): the config's ``rope_scaling: dynamic``
+              raises the base for a cache longer than the trained context (``models.rope.rope_frequencies``).
     """
 
-    type: Literal["linear", "yarn", "llama3"]
+    type: Literal["linear", "yarn", "llama3", "longrope", "dynamic"]
     factor: float = 1.0
-    original_context_length: int = 0
+    original_context_length: int = 0  # 0: the file's context_length
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attn_factor: float = 1.0  # yarn: extra cos/sin multiplier on top of 0.1 * ln(factor) + 1
+    attn_factor: float = 1.0  # cos/sin multiplier (yarn: on top of 0.1 * ln(factor) + 1)
     freq_factors: tuple[float, ...] | None = None  # llama3 (or any file with rope_freqs.weight)
+    long_factors: tuple[float, ...] | None = None  # longrope
+    short_factors: tuple[float, ...] | None = None  # longrope
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,25 +100,42 @@ class ModelArgs:
         return self.n_layers * block + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
 
 
+def _factor_tensor(path: Path, tensors: GGUFTensors, name: str, head_dim: int) -> tuple[float, ...] | None:
+    """The RoPE divisors in tensor ``name`` [head_dim // 2], or None when the file has no such tensor."""
+    if name not in tensors:
+        return None
+    shape = tensors.shape(name)
+    if shape != (head_dim // 2,):
+        raise GGUFError(f"{path}: tensor {name!r} has shape {list(shape)}, expected [head_dim/2] = "
+                        f"[{head_dim // 2}] (one divisor per rotary frequency)")
+    values = tensors[name].reshape(-1)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise GGUFError(f"{path}: tensor {name!r} holds {show(values.tolist())}: its values "
+                        f"divide the RoPE frequencies and must be finite numbers > 0")
+    return tuple(float(x) for x in values)
+
+
 def _rope_scaling(m: _Metadata, arch: str, tensors: GGUFTensors, head_dim: int) -> RopeScaling | None:
     path = m.path
     kind = m.string(f"{arch}.rope.scaling.type", "none")
-    freq_factors = None
-    if "rope_freqs.weight" in tensors:
-        n = math.prod(tensors.shape("rope_freqs.weight"))
-        if n != head_dim // 2:
-            raise GGUFError(f"{path}: tensor 'rope_freqs.weight' has {n} values, "
-                            f"expected head_dim/2 = {head_dim // 2}")
-        freqs = tensors["rope_freqs.weight"].reshape(-1)
-        if not (np.isfinite(freqs).all() and (freqs > 0).all()):
-            raise GGUFError(f"{path}: tensor 'rope_freqs.weight' holds {show(freqs.tolist())}: its values "
-                            f"divide the RoPE frequencies and must be finite numbers > 0")
-        freq_factors = tuple(float(x) for x in freqs)
+    freq_factors, long, short = (_factor_tensor(path, tensors, n, head_dim) for n in ROPE_FACTOR_TENSORS)
+    if kind not in ("none", "linear", "yarn", "longrope"):
+        raise GGUFError(f"{path}: unsupported {arch}.rope.scaling.type {show(kind)} (supported: none, "
+                        f"linear, yarn, longrope, and llama3-style rope_freqs.weight)")
+    if kind == "longrope" or long is not None or short is not None:
+        # Phi-3's converter writes the two tensors (and, lately, the type): both sets, and no other scaling
+        if long is None or short is None:
+            raise GGUFError(f"{path}: LongRoPE needs both tensors 'rope_factors_long.weight' and "
+                            f"'rope_factors_short.weight' [head_dim/2]; the file has "
+                            f"{'neither' if long is None and short is None else 'only one'}")
+        if kind not in ("none", "longrope") or freq_factors is not None:
+            raise GGUFError(f"{path}: LongRoPE factors (rope_factors_long/short.weight) with "
+                            f"{arch}.rope.scaling.type={show(kind)}"
+                            f"{' and rope_freqs.weight' if freq_factors is not None else ''}: not supported "
+                            f"(LongRoPE is the file's only RoPE scaling)")
+        kind = "longrope"
     if kind == "none" and freq_factors is None:
         return None
-    if kind not in ("none", "linear", "yarn"):
-        raise GGUFError(f"{path}: unsupported {arch}.rope.scaling.type {show(kind)} "
-                        f"(supported: none, linear, yarn, and llama3-style rope_freqs.weight)")
     p = f"{arch}.rope.scaling."
     return RopeScaling(
         type="llama3" if kind == "none" else kind,
@@ -118,6 +145,8 @@ def _rope_scaling(m: _Metadata, arch: str, tensors: GGUFTensors, head_dim: int) 
         beta_slow=m.number(p + "yarn_beta_slow", 0.0, default=1.0),
         attn_factor=m.number(p + "attn_factor", 0.0, default=1.0),
         freq_factors=freq_factors,
+        long_factors=long,
+        short_factors=short,
     )
 
 

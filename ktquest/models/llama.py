@@ -1,11 +1,11 @@
-"""The llama family (``llama``, ``qwen2``): Transformer -> Block -> Attention / FeedForward / RMSNorm, and
-the skeleton other families build on (``models/gemma3.py``).
+"""The llama family (``llama``, ``qwen2``, ``internlm2``): Transformer -> Block -> Attention / FeedForward /
+RMSNorm, and the skeleton other families build on (``models/gemma3.py``).
 
 Batch size is always 1, so activations are [T, ...] with no batch dimension. Weights arrive in the
 Hugging Face layout under the model's own names (``models/loader.py`` maps GGUF names and un-permutes
-llama's Q/K), so RoPE is rotate-half for both archs: rotary pair i is (dim i, dim i + D/2). Attention
-itself lives behind ``cache.attend`` (``ktquest.kv.base.KVCache``): the model computes q, k, v and RoPE,
-the cache stores k/v and returns causal attention over everything it holds (dense or sparse).
+llama's and internlm2's Q/K), so RoPE is rotate-half for every arch: rotary pair i is (dim i, dim i + D/2).
+Attention itself lives behind ``cache.attend`` (``ktquest.kv.base.KVCache``): the model computes q, k, v and
+RoPE, the cache stores k/v and returns causal attention over everything it holds (dense or sparse).
 
 This is the reference path (prefill chunks, CUDA, dequantized weights). The CPU decode step on the weights
 in their GGUF encoding runs the same math natively: ``ktquest.native.decode``.

@@ -3,14 +3,15 @@ shapes, and the conversion to the layout the model code uses.
 
 Q/K layout. llama.cpp's converter permutes the rows of llama's ``attn_q``/``attn_k`` (within each head,
 row ``2i`` and ``2i+1`` hold the two halves of rotary pair ``i``) so that ggml can rotate adjacent pairs
-("interleaved" RoPE). qwen2 files are not permuted (ggml's NEOX RoPE). The weights keep the file's rows (they
-are read in place); ``qk_perm`` is the gather the model applies to the q | k | v projection, so both archs
-reach attention in the Hugging Face layout and the model has one RoPE style: rotate-half (pair ``i`` = dims
-``i`` and ``i + D/2``).
+("interleaved" RoPE); internlm2's too, once it has split InternLM2's fused ``wqkv``. qwen2 files are not
+permuted (ggml's NEOX RoPE). The weights keep the file's rows (they are read in place); ``qk_perm`` is the
+gather the model applies to the q | k | v projection, so every arch reaches attention in the Hugging Face
+layout and the model has one RoPE style: rotate-half (pair ``i`` = dims ``i`` and ``i + D/2``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from ktquest.models.args import (
     GEMMA3_TENSORS,
     MODEL_TENSORS,
     ModelArgs,
+    RopeScaling,
     model_args,
 )
 from ktquest.models.gemma3 import Gemma3Transformer
@@ -46,7 +48,7 @@ class GGUFContents:
 
     path: Path
     args: ModelArgs
-    tensors: GGUFTensors  # raw file layout (llama Q/K permuted); see qk_perm
+    tensors: GGUFTensors  # raw file layout (llama/internlm2 Q/K permuted); see qk_perm
     metadata: dict[str, Any]
 
 
@@ -91,14 +93,18 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
 # ---- model weights ----
 
 
+PERMUTED_QK_ARCHS = ("llama", "internlm2")  # converters that interleave q/k rows (ggml's NORM RoPE)
+
+
 def qk_perm(a: ModelArgs) -> torch.Tensor | None:
-    """The gather that takes a llama file's q | k | v projection to the Hugging Face order, or None (qwen2).
+    """The gather that takes a llama or internlm2 file's q | k | v projection to the Hugging Face order, or
+    None (qwen2).
 
     llama.cpp's converter stores head h's rows as (x0, y0, x1, y1, ...): rotary pair i in rows 2i and 2i + 1,
     for ggml's interleaved RoPE. The model rotates halves (pair i = dims i and i + D/2), so output j of a
     head is read from row 2 (j % (D/2)) + j // (D/2) of the file's; v is in order. int64 [(H + 2 KVH) * D].
     """
-    if a.arch != "llama":
+    if a.arch not in PERMUTED_QK_ARCHS:
         return None
     d = a.head_dim
     j = torch.arange(d)
@@ -205,22 +211,32 @@ def nonfinite_blocks(t: str, data: np.ndarray) -> int:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int = 0,
-               encoded: bool = False) -> tuple[Transformer, GGUFContents]:
+               encoded: bool = False,
+               rope_scaling: RopeScaling | None = None) -> tuple[Transformer, GGUFContents]:
     """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
 
     max_seq_len: positions the RoPE tables cover; 0 = the trained context length (``resolve_max_seq_len``).
     encoded: the matrices stay in their GGUF encoding (``model_weights``; the CPU in fp32 only).
+    rope_scaling: replaces the file's (``build_model``).
     """
     contents = read_gguf(path)
-    return build_model(contents, device, dtype, max_seq_len, encoded), contents
+    return build_model(contents, device, dtype, max_seq_len, encoded, rope_scaling), contents
 
 
 def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                max_seq_len: int = 0, encoded: bool = False) -> Transformer:
+                max_seq_len: int = 0, encoded: bool = False,
+                rope_scaling: RopeScaling | None = None) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
-    ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``)."""
+    ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``).
+
+    rope_scaling: None = the file's; else it replaces the file's in the model's args (the config's dynamic
+    NTK, which no GGUF file can express: ``Config.rope_scaling``).
+    """
     if encoded and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"weights in their GGUF encoding run on the CPU in float32, not {device}/{dtype}")
     weights = model_weights(contents, dtype, device, encoded)
-    family = Gemma3Transformer if contents.args.arch == "gemma3" else Transformer
-    return family(contents.args, weights, max_seq_len=max_seq_len).eval()
+    args = contents.args
+    if rope_scaling is not None:
+        args = dataclasses.replace(args, rope_scaling=rope_scaling)
+    family = Gemma3Transformer if args.arch == "gemma3" else Transformer
+    return family(args, weights, max_seq_len=max_seq_len).eval()

@@ -12,21 +12,32 @@ from ktquest.models.args import ModelArgs
 _ROPE_CHUNK = 8192  # positions whose float64 angles are computed at once
 
 
-def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [D/2] (float64) after rope scaling, and the cos/sin multiplier (yarn's mscale)."""
+def rope_frequencies(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] (float64) after rope scaling, and the cos/sin multiplier (yarn's mscale,
+    LongRoPE's attn_factor), for a model whose cache holds ``max_len`` tokens (LongRoPE picks its factors and
+    dynamic NTK its base by it, as llama.cpp picks LongRoPE's by n_ctx: fixed for the session, so every
+    cached key was rotated by the same table)."""
     d, base, s = args.head_dim, args.rope_theta, args.rope_scaling
+    orig = (s.original_context_length if s is not None else 0) or args.context_length  # the trained context
+    if s is not None and s.type == "dynamic" and max_len > orig:
+        # Dynamic NTK (Hugging Face's rope_type "dynamic" for a sequence of max_len tokens): a larger base
+        if d <= 2:
+            raise ValueError(f"rope_scaling dynamic needs head_dim > 2 (the base's exponent is D / (D - 2)); "
+                             f"this model's head_dim is {d}")
+        base = base * (s.factor * max_len / orig - (s.factor - 1)) ** (d / (d - 2))
     inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [D/2]
     if s is None:
         return inv_freq, 1.0
     if s.freq_factors is not None:  # llama3 (llama.cpp's rope_freqs.weight): theta_i / factor_i
         inv_freq = inv_freq / torch.tensor(s.freq_factors, dtype=torch.float64)
+    if s.type == "longrope":  # the long factors once the cache outgrows the trained context
+        factors = s.long_factors if max_len > orig else s.short_factors
+        return inv_freq / torch.tensor(factors, dtype=torch.float64), s.attn_factor
     if s.type == "linear":
         return inv_freq / s.factor, 1.0
     if s.type == "yarn":
         # YaRN: extrapolate (keep) the fast-rotating dims, interpolate (divide by factor) the slow ones,
         # with a linear ramp between the dims turning beta_fast and beta_slow times over the trained context.
-        orig = s.original_context_length or args.context_length
-
         def correction_dim(n_rot: float) -> float:
             return d * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
@@ -36,7 +47,7 @@ def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
         inv_freq = inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
         mscale = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
         return inv_freq, mscale * s.attn_factor
-    return inv_freq, 1.0  # llama3: the freq factors above are all of it
+    return inv_freq, 1.0  # llama3: the freq factors above are all of it; dynamic: the base
 
 
 def rope_variants(args: ModelArgs) -> list[ModelArgs]:
@@ -49,12 +60,13 @@ def rope_variants(args: ModelArgs) -> list[ModelArgs]:
 
 def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,
                 device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_len, D], angles computed in float64 (fp32 angles drift by ~1e-3 rad at 8K positions).
+    """cos, sin: [max_len, D] for a cache of ``max_len`` tokens, angles computed in float64 (fp32 angles drift
+    by ~1e-3 rad at 8K positions).
 
     sin carries rotate-half's sign: ``rotate_half(x) * sin_full == roll(x, D/2) * sin``. The float64 angles
     are made ``_ROPE_CHUNK`` positions at a time, so the tables are all the memory a long context costs here.
     """
-    inv_freq, mscale = rope_frequencies(args)
+    inv_freq, mscale = rope_frequencies(args, max_len)
     half = inv_freq.shape[0]
     cos = torch.empty(max_len, 2 * half, dtype=dtype, device=device)  # [S, D]
     sin = torch.empty(max_len, 2 * half, dtype=dtype, device=device)  # [S, D]
