@@ -73,6 +73,21 @@ def test_sample_length_depth_and_single_needle(tok, task, length, depth):
 
 
 @pytest.mark.parametrize("task", TASKS)
+def test_base_model_is_asked_completion_style(tiny_llama_base, task):
+    """A model without a chat template: the question ends with the answer's first words, and the prompt is
+    the plain text a base-model chat renders."""
+    from ktquest.formats.tokenizer import Tokenizer
+    from ktquest.models.loader import read_gguf
+
+    base = Tokenizer.from_gguf_metadata(read_gguf(tiny_llama_base.path).metadata)
+    s = make_sample(base, task, 600, 0.5, seed=3, trial=1)
+    cue = {"passkey": "The pass key is", "needle": "is", "kvretrieval": f'The value of the key "{s.key}" is "'}
+    assert s.question.endswith(cue[task]) and "Answer" not in s.question
+    assert s.tokens == base.encode_chat(base.apply_chat_template([{"role": "user", "content": s.user_text}]))
+    assert len(s.tokens) <= 600
+
+
+@pytest.mark.parametrize("task", TASKS)
 def test_samples_are_deterministic_per_seed(tok, task):
     a = make_sample(tok, task, 400, 0.5, seed=7, trial=2)
     b = make_sample(tok, task, 400, 0.5, seed=7, trial=2)

@@ -161,3 +161,27 @@ def test_bad_files_and_layers_are_refused(tiny_models, tiny_bpe, tmp_path):
         _C.DecodeLayer(*args, post_ffn_norm=np.ones(a.head_dim, np.float32))
     with pytest.raises(ValueError, match="activation='relu' is not allowed"):
         _C.DecodeLayer(*args, activation="relu")
+
+
+# ---- the bundled Gemma 3 270M ----
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dense", "long_context"])
+def test_bundled_gemma3_golden(bundled_gemma3, mode):
+    """The bundled Gemma 3 270M base: its shape from the file, a fixed greedy completion, and a pass key ~1,000
+    tokens before the question (twice the sliding window back: only the global layers reach it)."""
+    from ktquest.eval.tasks import FILLER
+
+    eng = ktquest.load(bundled_gemma3, threads=2, max_new_tokens=12, temperature=0.0, max_seq_len=2048, mode=mode)
+    a = eng.args
+    assert (a.arch, a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim, a.vocab_size) == \
+        ("gemma3", 18, 640, 4, 1, 256, 2048, 262144)
+    assert (a.sliding_window, a.global_layers, a.rope_theta, a.context_length) == (512, (5, 11, 17), 1e6, 32768)
+    assert eng.tokenizer.chat_template is None
+    assert eng.generate("The capital of France is") == " the capital of the country of France. It is the largest"
+    units = [FILLER[i % len(FILLER)] for i in range(260)]
+    doc = " ".join(units[:40] + ["The pass key is 748213. Remember it. 748213 is the pass key."] + units[40:])
+    prompt = doc + "\n\nWhat is the pass key? The pass key is"
+    assert 1200 < len(eng.tokenizer.encode(prompt)) < 1400
+    assert eng.generate(prompt).startswith(" 748213.")

@@ -10,7 +10,9 @@ Three tasks, each a document with one piece of information at a given depth, and
   the first UUID of the reply.
 
 The document and question form one user message (``document + "\\n\\n" + question``, the way
-``ChatSession(document=...)`` sends it), rendered with the model's chat template. ``length`` counts the
+``ChatSession(document=...)`` sends it), rendered with the model's chat template. A base model (no chat
+template) is asked completion style: the question ends with the start of its answer ("... What is the pass
+key? The pass key is"), and the text is continued. ``length`` counts the
 tokens of that whole rendered prompt in the model's tokenizer: a sample has between
 ``length - LENGTH_TOLERANCE[task]`` and ``length`` tokens (the document grows by whole units: a filler
 sentence, a source line, a key-value pair). ``depth`` in [0, 1] places the information after that fraction
@@ -111,7 +113,9 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed: int = 0, 
         raise ValueError(f"depth={depth} is not allowed: a number in [0, 1]")
     rng = random.Random(f"{task}:{seed}:{length}:{depth!r}:{trial}")
     build = {"passkey": _passkey, "needle": _needle, "kvretrieval": _kvretrieval}[task]
-    needle, question, answer, key, units, join, place = build(rng, length)
+    needle, (question, completion), answer, key, units, join, place = build(rng, length)
+    if tokenizer.chat_template is None:  # a base model: the answer's first words end the prompt
+        question = completion
 
     def document(n: int) -> tuple[str, int]:
         if place == "insert":  # the needle goes between units: n haystack units + the needle
@@ -192,7 +196,7 @@ def _passkey(rng: random.Random, length: int):
     n_digits = rng.randint(5, 7)
     key = str(rng.randint(10 ** (n_digits - 1), 10**n_digits - 1))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    question = "What is the pass key? Answer with the number only."
+    question = ("What is the pass key? Answer with the number only.", "What is the pass key? The pass key is")
 
     def units(n: int) -> list[str]:
         return [FILLER[i % len(FILLER)] for i in range(n)]
@@ -204,7 +208,8 @@ def _needle(rng: random.Random, length: int):
     city = rng.choice(CITIES)
     activity, key_phrase = rng.choice(ACTIVITIES)
     needle = f"The best thing to do in {city} is {activity}."
-    question = f"What is the best thing to do in {city}? Answer in one short sentence."
+    question = (f"What is the best thing to do in {city}? Answer in one short sentence.",
+                f"What is the best thing to do in {city}? The best thing to do in {city} is")
     lines = _source_lines()
     start = rng.randrange(len(lines) // 2)  # a different stretch of source for each trial
 
@@ -248,7 +253,8 @@ def _kvretrieval(rng: random.Random, length: int):
 
     key, value = _uuid(rng), _uuid(rng)
     needle = f"{json.dumps(key)}: {json.dumps(value)}"
-    question = f'What is the value of the key "{key}" in the JSON object above? Answer with the value only.'
+    asked = f'What is the value of the key "{key}" in the JSON object above?'
+    question = (f"{asked} Answer with the value only.", f'{asked} The value of the key "{key}" is "')
     units(1 + length // 60)  # draw the pool now: the pairs do not depend on how many are used
 
     def join(parts: list[str]) -> str:
