@@ -205,6 +205,9 @@ class Config:
     # base * (factor * L / C - (factor - 1)) ** (D / (D - 2)); unscaled for L <= C.
     rope_scaling: Literal["gguf", "dynamic"] = "gguf"
     rope_scaling_factor: float = 0.0  # dynamic NTK's factor (>= 1); 0 = unset (rope_scaling: gguf)
+    # Positions the sliding-window layers (gemma3) keep past their window, on the device (at least chunk_size):
+    # a chat rewinds that far back exactly; further back it reads the conversation again (kv/sliding.py)
+    sliding_window_keep: int = field(default=1024, metadata={"max": SEQ_LEN_MAX})
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
 
@@ -215,6 +218,8 @@ class Config:
                f"an integer in [1, {MAX_CHUNK_SIZE}]")
         _check(self.max_seq_len >= 0, "max_seq_len", self.max_seq_len,
                f"an integer in [0, {SEQ_LEN_MAX}] (0 = the model's context)")
+        _check(self.sliding_window_keep >= 0, "sliding_window_keep", self.sliding_window_keep,
+               f"an integer in [0, {SEQ_LEN_MAX}]")
         if self.rope_scaling == "dynamic":
             _check(self.rope_scaling_factor >= 1.0, "rope_scaling_factor", self.rope_scaling_factor,
                    "a number >= 1 with rope_scaling: dynamic (the model's dynamic NTK factor, e.g. 2.0)")

@@ -192,7 +192,8 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
         cache = DenseKVCache(g.n_layers, g.n_kv_heads, g.head_dim, max_seq_len, device, dtype, threads=threads)
     if g.n_layers == args.n_layers:
         return cache
-    return HybridCache(args, cache, device, dtype, config.chunk_size, threads)
+    keep = max(config.sliding_window_keep, config.chunk_size)  # an interrupted chunk must not lose the window
+    return HybridCache(args, cache, device, dtype, keep, threads)
 
 
 def _rope_scaling(config: Config) -> RopeScaling | None:

@@ -85,11 +85,10 @@ def test_long_context_full_budget_equals_dense(tiny_gemma3, name):
 def test_window_buffer_slides_and_rewinds(tiny_models, monkeypatch):
     """Past the buffer's rows the oldest positions make way; a rewind within the kept positions is exact (the
     logits of the same tokens again), one further back is refused and ``rewind_point`` says 0."""
-    monkeypatch.setattr(sliding, "REWIND_TOKENS", 8)
     monkeypatch.setattr(sliding, "COMPACT_TOKENS", 4)
     model, _ = load_model(tiny_models("gemma3").path)
     tokens = prompt_ids(100, model.args.vocab_size, seed=4)
-    cache = cache_for(model, Config(chunk_size=8))
+    cache = cache_for(model, Config(chunk_size=8, sliding_window_keep=8))
     w = cache.windows
     assert w.rows == model.args.sliding_window - 1 + 8 + 4  # a buffer of 19 rows for 100 positions
     with torch.inference_mode():
@@ -106,14 +105,14 @@ def test_window_buffer_slides_and_rewinds(tiny_models, monkeypatch):
     assert cache.pos == 100  # refused: nothing changed
 
 
-@pytest.mark.parametrize("rewind", [8, sliding.REWIND_TOKENS])
+@pytest.mark.parametrize("rewind", [8, 1024])
 def test_chat_turns_equal_fresh_reads(tiny_models, monkeypatch, rewind):
     """A second chat turn keeps the common prefix (or starts over where the windows no longer reach back to
     it) and answers as a cache that reads the whole conversation afresh does."""
-    monkeypatch.setattr(sliding, "REWIND_TOKENS", rewind)
     monkeypatch.setattr(sliding, "COMPACT_TOKENS", 4)
     path = tiny_models("gemma3").path
-    sets = dict(threads=1, max_new_tokens=12, temperature=0.0, max_seq_len=256, chunk_size=8)
+    sets = dict(threads=1, max_new_tokens=12, temperature=0.0, max_seq_len=256, chunk_size=8,
+                sliding_window_keep=rewind)
     kept, fresh = ktquest.load(path, **sets), ktquest.load(path, **sets)
     turns = ["the cat sat on the mat; the dog sat on the log.", "Hello world! The capital", "Once upon a time"]
     a, b = kept.chat_session(), fresh.chat_session()

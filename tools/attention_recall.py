@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget", type=int, default=0, help="blocks selected per KV head (0 = second_select_num)"
     )
     ap.add_argument(
-        "--model", default=None, help="GGUF path (default: the config's, else the bundled SmolLM2)"
+        "--model", default=None, help="GGUF path or bundled model name (default: the config's, else smollm2-135m)"
     )
     ap.add_argument("--queries", type=int, default=16, help="last prompt tokens whose queries are measured")
     ap.add_argument("--max-tokens", type=int, default=0, help="keep the last N prompt tokens (0 = all)")

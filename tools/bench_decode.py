@@ -37,7 +37,7 @@ from ktquest.config import (  # noqa: E402
     load_config,  # noqa: E402
 )
 from ktquest.engine import make_cache  # noqa: E402
-from ktquest.formats.bundled import bundled_model_path  # noqa: E402
+from ktquest.formats.bundled import bundled_model_path, resolve_model  # noqa: E402
 from ktquest.generate import decode_one_token, prefill  # noqa: E402
 from ktquest.sampling import Sampler  # noqa: E402
 
@@ -169,7 +169,7 @@ def _last_argmax(llm) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="GGUF path or bundled model name (default: smollm2-135m)")
     ap.add_argument("--contexts", default="1024,4096,8192", help="comma-separated context lengths, tokens")
     ap.add_argument("--modes", default="dense",
                     help="comma-separated: dense, long_context, or preset names from configs/ (quest, snapkv, ...)")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
 
-    model_path = a.model or bundled_model_path()
+    model_path = resolve_model(a.model) if a.model else bundled_model_path()
     contexts = [int(c) for c in a.contexts.split(",") if c]
     modes = [m for m in a.modes.split(",") if m]
     configs = dict(MODE_CONFIGS)

@@ -101,7 +101,7 @@ def measure(model: str | None, mode: str, config: str | None, context: int, max_
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="GGUF path or bundled model name (default: smollm2-135m)")
     ap.add_argument("--contexts", default="1024,4096,8192", help="comma-separated prompt lengths, tokens")
     ap.add_argument("--modes", default="dense,long_context",
                     help="dense, long_context (configs/snapkv.yaml) or preset names in configs/")

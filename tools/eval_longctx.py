@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=3, help="prompts per (length, depth)")
     ap.add_argument("--configs", default="dense", help="comma-separated YAML presets; 'dense' = defaults")
     ap.add_argument(
-        "--model", default=None, help="GGUF path (default: the config's, else the bundled SmolLM2)"
+        "--model", default=None, help="GGUF path or bundled model name (default: the config's, else smollm2-135m)"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="0 = the config's")

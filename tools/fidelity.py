@@ -85,7 +85,7 @@ def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="GGUF path or bundled model name (default: smollm2-135m)")
     ap.add_argument("--length", type=int, default=8192, help="text length, tokens (prompt + decode steps)")
     ap.add_argument("--positions", type=int, default=256, help="teacher-forced decode steps compared")
     ap.add_argument("--budget", type=int, default=1024, help="context-block tokens selected per step")
@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.budget < 1:
         ap.error(f"--budget={a.budget} must be >= 1")
 
-    from ktquest.formats.bundled import bundled_model_path
+    from ktquest.formats.bundled import bundled_model_path, resolve_model
     from ktquest.formats.tokenizer import Tokenizer
     from ktquest.models.loader import read_gguf
 
-    model_path = str(a.model or bundled_model_path())
+    model_path = str(resolve_model(a.model) if a.model else bundled_model_path())
     torch.set_num_threads(a.threads)
     tokens = context_tokens(Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata), a.length)
     targets = torch.tensor(tokens[a.length - a.positions:])

@@ -8,9 +8,10 @@ global layers alone, ``dense_layer_num`` counts them).
 
 WindowKV keeps each layer's positions [base, hi) in rows [0, hi - base) of a [KVH, rows, D] buffer: a
 window that slides by compaction (the newest positions moved to the front every ``COMPACT_TOKENS``), so
-the positions a query attends are always contiguous rows. Beyond the window it keeps ``REWIND_TOKENS`` (at
-least a chunk) more, so a conversation can rewind that far exactly (a chat turn that re-tokenizes the end of
-the last reply) and an interrupted chunk leaves the window it started from. A rewind further back cannot be
+the positions a query attends are always contiguous rows. Beyond the window it keeps ``keep`` positions (the
+config's ``sliding_window_keep``, at least a chunk) more, so a conversation can rewind that far exactly (a
+chat turn that re-tokenizes the end of the last reply) and an interrupted chunk leaves the window it
+started from. A rewind further back cannot be
 served from the buffer: ``rewind_point`` then says 0 and the caller feeds the conversation again.
 """
 
@@ -23,7 +24,6 @@ import torch.nn.functional as F
 
 from ktquest.kv.attention import dense_decode_attention
 
-REWIND_TOKENS = 1024  # positions kept past the window, at least (a rewind this far back is exact)
 COMPACT_TOKENS = 256  # the buffer's slack: rows moved to the front once every this many tokens
 
 
@@ -37,7 +37,7 @@ class WindowKV:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int, keep: int,
                  device: torch.device, dtype: torch.dtype, threads: int = 1):
-        self.window, self.keep = window, max(keep, REWIND_TOKENS)
+        self.window, self.keep = window, keep
         self.rows = window - 1 + self.keep + COMPACT_TOKENS
         shape = (n_layers, n_kv_heads, self.rows, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, KVH, rows, D]
@@ -114,7 +114,8 @@ class HybridCache:
 
     ``main``: the global layers' cache (made for ``global_args(args)``); ``windows``: the sliding layers'."""
 
-    def __init__(self, args, main, device: torch.device, dtype: torch.dtype, chunk_size: int, threads: int = 1):
+    def __init__(self, args, main, device: torch.device, dtype: torch.dtype, keep: int, threads: int = 1):
+        """keep: positions each sliding layer keeps past its window (raised to a chunk by the caller)."""
         self.main = main
         self.max_seq_len = main.max_seq_len
         swa = [i for i in range(args.n_layers) if args.swa_layers[i]]
@@ -122,7 +123,7 @@ class HybridCache:
         self.route = {layer: (False, j) for j, layer in enumerate(args.global_layers)}
         self.route |= {layer: (True, j) for j, layer in enumerate(swa)}
         self.windows = WindowKV(len(swa), args.n_kv_heads, args.head_dim, args.sliding_window,
-                                min(chunk_size, self.max_seq_len), device, dtype, threads)
+                                min(keep, self.max_seq_len), device, dtype, threads)
         self.last_layer = args.n_layers - 1
         self.pos = 0
 
