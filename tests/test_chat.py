@@ -104,11 +104,11 @@ def base_and_reference(tiny_llama_base):
 def test_base_model_chats_as_plain_text_continuation(base_and_reference):
     base, ref = base_and_reference
     session = base.chat_session(system="The quick brown fox", document="Once upon a time")
-    text = "The quick brown fox\nOnce upon a time\n\nthe cat\n"  # system, document, message: each then "\n"
+    text = "The quick brown fox\nOnce upon a time\n\nthe cat"  # system, document + message, each on a new line
     replies = []
     for k, message in enumerate(["the cat", "the dog sat", "hello"]):
         if k:
-            text += f"{replies[-1].text}\n{message}\n"  # the reply as generated, then the next message
+            text += f"{replies[-1].text}\n{message}"  # the reply as generated, then the next message
         reply = session.send(message)
         assert reply.text == ref.generate(text)  # the greedy continuation of the whole text
         if k == 0:
@@ -117,7 +117,7 @@ def test_base_model_chats_as_plain_text_continuation(base_and_reference):
             assert reply.stats.prompt_tokens < len(base.tokenizer.encode(text)) - 10
         replies.append(reply)
     assert all(r.text for r in replies)
-    assert base.tokenizer.apply_chat_template(session.messages) == text + replies[-1].text + "\n"
+    assert base.tokenizer.apply_chat_template(session.messages) == text + replies[-1].text
 
 
 def test_base_model_notice_said_once(base_and_reference, tiny_llama, capsys):

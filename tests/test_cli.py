@@ -94,8 +94,8 @@ def test_prompt_file(tiny_llama, tmp_path, monkeypatch, capsys):
 
 
 def test_base_model_chats_as_plain_text(tiny_llama_base, tmp_path, monkeypatch, capsys):
-    """A model without a chat template: the reply continues the plain text (the document, then the message,
-    each followed by a newline), and a line on stderr says so, once."""
+    """A model without a chat template: the reply continues the plain text (the document, then the message on
+    a new line), and a line on stderr says so, once."""
     import ktquest
     from ktquest.engine import PLAIN_CHAT_NOTICE
 
@@ -105,7 +105,7 @@ def test_base_model_chats_as_plain_text(tiny_llama_base, tmp_path, monkeypatch, 
     code, out, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama_base.path), "--prompt-file", str(doc),
                                                   "--message", "the cat", *greedy])
     assert code == 0, err
-    expected = ktquest.load(tiny_llama_base.path, max_new_tokens=6).generate("Once upon a time\n\nthe cat\n")
+    expected = ktquest.load(tiny_llama_base.path, max_new_tokens=6).generate("Once upon a time\n\nthe cat")
     assert out == expected + "\n" and expected
     assert re.fullmatch(re.escape(PLAIN_CHAT_NOTICE) + "\n" + STATS + "\n", err), err
     code, out, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama_base.path), *greedy],

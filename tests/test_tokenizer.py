@@ -267,13 +267,14 @@ def test_chat_template_helpers():
 
 
 def test_no_chat_template_is_plain_text():
-    """A base model's file has no chat template: the conversation is one plain text, each message followed by
-    a newline; special-token text typed in it stays text unless parse_special."""
+    """A base model's file has no chat template: the conversation is one plain text, each system or user
+    message on a new line and each reply right after what it continues; special-token text typed in it stays
+    text unless parse_special."""
     tok = Tokenizer.from_gguf_metadata(_sp_md())
     assert tok.chat_template is None
     msgs = [{"role": "system", "content": "hello"}, {"role": "user", "content": "world<|eot|>"},
             {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "wor"}]
-    text = "hello\nworld<|eot|>\nhello world\nwor\n"
+    text = "hello\nworld<|eot|>hello world\nwor"
     assert tok.apply_chat_template(msgs) == tok.apply_chat_template(msgs, add_generation_prompt=False) == text
     ids = tok.encode_messages(msgs)
     assert ids == tok.encode(text, parse_special=False) and ids[0] == tok.bos_id

@@ -113,14 +113,21 @@ class ChatTemplate:
 
 
 class PlainText:
-    """What a model without a chat template (a base model) chats with: the conversation as one plain text,
-    each message's content followed by a newline (the system prompt first, the document at the head of the
-    first user message), which the model continues; its reply joins the text as generated."""
+    """What a model without a chat template (a base model) chats with: the conversation as one plain text that
+    the model continues. Each system or user message starts a new line (the system prompt first, the document
+    at the head of the first user message); the model continues the last message's text itself (completion
+    style: "The capital of France is" -> " Paris."), so a reply joins the text as generated, with nothing
+    between."""
 
     def render(self, limits: TemplateLimits = DEFAULT_LIMITS, /, *, messages: list[dict[str, Any]],
                **variables: Any) -> str:
         """The messages' text; ``limits`` and the template variables do not apply (no code runs)."""
-        return "".join(f"{m['content']}\n" for m in messages)
+        out: list[str] = []
+        for m in messages:
+            if out and m["role"] != "assistant":
+                out.append("\n")
+            out.append(m["content"])
+        return "".join(out)
 
 
 # ---- the environment ----
