@@ -1,8 +1,7 @@
 """Runtime configuration: dataclasses are the schema (with defaults), YAML only loads into them.
 
-Model hyper-parameters never live here: they come from the GGUF file (see ``ktquest.models.args``). The one
-exception is ``rope_scaling: dynamic``: dynamic NTK, which a GGUF file cannot express.
-Every error names the source (file or ``--set``), the key, the value and what is allowed.
+Model hyper-parameters never live here: they come from the GGUF file (``ktquest.models.args``), but for
+``rope_scaling: dynamic`` (dynamic NTK, which GGUF cannot express). Every error names the source (file or ``--set``), the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -199,15 +198,11 @@ class Config:
     # KV capacity, tokens; 0 = the model's trained context, at most 32768 (args.resolve_max_seq_len)
     max_seq_len: int = field(default=0, metadata={"max": SEQ_LEN_MAX})
     parse_special: bool = False  # chat: special-token text in messages and documents as control tokens
-    # RoPE scaling: "gguf" = the file's own (none, linear, yarn, llama3 or LongRoPE); "dynamic" = dynamic NTK
-    # with rope_scaling_factor instead (Hugging Face's rope_type "dynamic", e.g. InternLM2.5's), which GGUF
-    # cannot express: for a cache of L = max_seq_len tokens past the trained context C the base becomes
-    # base * (factor * L / C - (factor - 1)) ** (D / (D - 2)); unscaled for L <= C.
+    # RoPE scaling: "gguf" = the file's own (none, linear, yarn, llama3 or LongRoPE); "dynamic" = dynamic NTK with
+    # rope_scaling_factor instead (HF's rope_type "dynamic", which GGUF cannot express; models/rope.py)
     rope_scaling: Literal["gguf", "dynamic"] = "gguf"
     rope_scaling_factor: float = 0.0  # dynamic NTK's factor (>= 1); 0 = unset (rope_scaling: gguf)
-    # Positions the sliding-window layers (gemma3) keep past their window, on the device (at least chunk_size):
-    # a chat rewinds that far back exactly; further back it reads the conversation again (kv/sliding.py)
-    sliding_window_keep: int = field(default=1024, metadata={"max": SEQ_LEN_MAX})
+    sliding_window_keep: int = field(default=1024, metadata={"max": SEQ_LEN_MAX})  # gemma3: kv/sliding.py
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
 
@@ -220,12 +215,10 @@ class Config:
                f"an integer in [0, {SEQ_LEN_MAX}] (0 = the model's context)")
         _check(self.sliding_window_keep >= 0, "sliding_window_keep", self.sliding_window_keep,
                f"an integer in [0, {SEQ_LEN_MAX}]")
-        if self.rope_scaling == "dynamic":
-            _check(self.rope_scaling_factor >= 1.0, "rope_scaling_factor", self.rope_scaling_factor,
-                   "a number >= 1 with rope_scaling: dynamic (the model's dynamic NTK factor, e.g. 2.0)")
-        else:
-            _check(self.rope_scaling_factor == 0.0, "rope_scaling_factor", self.rope_scaling_factor,
-                   "0 (unset) unless rope_scaling is dynamic (the file's own scaling has its own factor)")
+        dynamic, factor = self.rope_scaling == "dynamic", self.rope_scaling_factor
+        _check(factor >= 1.0 if dynamic else factor == 0.0, "rope_scaling_factor", factor,
+               "a number >= 1 with rope_scaling: dynamic (the model's dynamic NTK factor, e.g. 2.0)" if dynamic else
+               "0 (unset) unless rope_scaling is dynamic (the file's own scaling has its own factor)")
         lc = self.long_context
         if self.mode == "long_context" and self.max_seq_len > 0:
             _check(lc.init_windows_len + lc.local_windows_len <= self.max_seq_len, "long_context.local_windows_len",
