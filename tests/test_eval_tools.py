@@ -127,6 +127,39 @@ def test_eval_longctx_smoke(bundled_gguf, tmp_path, capsys):
     assert out_png.stat().st_size > 1000
 
 
+def test_eval_longctx_fillers(capsys):
+    tool = _tool("eval_longctx")
+    assert tool.parse_fillers("held-out,code,prose") == ["prose", "narrative", "json", "code"]
+    assert tool.parse_fillers("tuning") == ["classic", "code"] and len(tool.parse_fillers("all")) == 5
+    with pytest.raises(ValueError, match="'poetry' is not a filler kind"):
+        tool.parse_fillers("prose,poetry")
+    for bad in (["--fillers", "poetry"], ["--task", "kvretrieval", "--fillers", "prose"]):
+        with pytest.raises(SystemExit):
+            tool.main(bad)
+        assert "--fillers" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_longctx_held_out_smoke(bundled_gguf, tmp_path, capsys):
+    """Two filler kinds: one row per filler, the per-filler table with the held-out kind marked, and the
+    two depths of a trial sharing their haystack (the second prompt re-reads only what follows its needle)."""
+    tool = _tool("eval_longctx")
+    out_json = tmp_path / "e.json"
+    rc = tool.main(["--task", "needle", "--lengths", "400", "--depths", "0.2,0.8", "--trials", "1",
+                    "--fillers", "narrative,code", "--model", str(bundled_gguf), "--json", str(out_json),
+                    "--quiet"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| config | narrative (held out) | code | held out, all |" in out
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["fillers"] == ["narrative", "code"] and data["meta"]["held_out_fillers"] == ["narrative"]
+    assert sorted((r["filler"], r["depth"], r["held_out"]) for r in data["rows"]) == [
+        ("code", 0.2, False), ("code", 0.8, False), ("narrative", 0.2, True), ("narrative", 0.8, True)]
+    first, second = data["trials"][:2]  # narrative, depth 0.8 then 0.2
+    assert (first["depth"], second["depth"]) == (0.8, 0.2) and first["phrasing"] >= 1
+    assert second["prefilled_tokens"] < 0.9 * second["prompt_tokens"]
+
+
 @pytest.mark.slow
 def test_attention_recall_smoke(recall_tool, bundled_gguf, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"

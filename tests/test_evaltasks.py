@@ -1,7 +1,7 @@
 """Long-context eval tasks: prompt generators (length in tokens, depth, one needle, seeds) and exact-match scorers.
 
 Generators run on the bundled SmolLM2's tokenizer (from its GGUF metadata only, no weights). Length
-tolerance: a prompt has between ``length - LENGTH_TOLERANCE[task]`` and ``length`` tokens (passkey 16,
+tolerance: a prompt has between ``length - length_tolerance(task, filler)`` and ``length`` tokens (passkey 16,
 needle 64, kvretrieval 96: at most one unit short). Token depth: the needle starts within 0.1 of the asked
 depth, as a fraction of the document's tokens.
 """
@@ -14,12 +14,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ktquest.eval.fillers import KINDS, haystack
 from ktquest.eval.tasks import (
-    LENGTH_TOLERANCE,
+    AVOID,
+    FILLERS,
+    HELD_OUT_FILLERS,
     MAX_NEW_TOKENS,
+    PHRASINGS,
     TASKS,
+    TUNING_FILLERS,
     answer_complete,
     first_number,
+    length_tolerance,
     make_sample,
     score,
     score_kvretrieval,
@@ -48,15 +54,34 @@ def _occurrences(text: str, sub: str) -> int:
 @pytest.mark.parametrize("depth", [0.0, 0.37, 1.0])
 def test_sample_length_depth_and_single_needle(tok, task, length, depth):
     s = make_sample(tok, task, length, depth, seed=3, trial=1)
+    assert s.filler == "classic" and s.phrasing == 0
+    _check_sample(tok, s, task, length, depth)
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+@pytest.mark.parametrize("filler", KINDS)
+@pytest.mark.parametrize("length", [300, 2500])
+@pytest.mark.parametrize("depth", [0.0, 0.37, 1.0])
+def test_filler_kinds(tok, task, filler, length, depth):
+    """Every filler kind: the same contract as the classic haystack, in one of the non-classic phrasings."""
+    s = make_sample(tok, task, length, depth, seed=3, trial=1, filler=filler)
+    assert s.filler == filler and 1 <= s.phrasing < len(PHRASINGS[task])
+    needle, question, _ = PHRASINGS[task][s.phrasing]
+    assert s.question.startswith(question.split("{")[0]) and s.needle.startswith(needle.split("{")[0])
+    _check_sample(tok, s, task, length, depth)
+
+
+def _check_sample(tok, s, task, length, depth):
     # Length: the rendered chat prompt, in the model's tokens.
-    assert length - LENGTH_TOLERANCE[task] <= len(s.tokens) <= length
+    assert length - length_tolerance(task, s.filler) <= len(s.tokens) <= length
     assert s.tokens == tok.encode_chat(tok.apply_chat_template([{"role": "user", "content": s.user_text}]))
     assert s.user_text.endswith(s.question)
     # The needle (and the answer) is in the document exactly once.
     assert s.document.count(s.needle) == 1
     if task == "passkey":
         assert _occurrences(s.document.replace(s.needle, ""), s.answer) == 0
-        assert s.needle.count(s.answer) == 2 and 5 <= len(s.answer) <= 7 and s.answer[0] != "0"
+        assert s.needle.count(s.answer) == (2 if s.phrasing == 0 else 1)
+        assert 5 <= len(s.answer) <= 7 and s.answer[0] != "0"
     elif task == "needle":
         assert score_needle(s.needle, s.answer)
         assert not score_needle(s.document.replace(s.needle, ""), s.answer)
@@ -87,6 +112,31 @@ def test_base_model_is_asked_completion_style(tiny_llama_base, task):
     assert len(s.tokens) <= 600
 
 
+def test_filler_groups_and_haystacks_do_not_depend_on_depth(tok):
+    assert set(TUNING_FILLERS) | set(HELD_OUT_FILLERS) == set(FILLERS)
+    assert not set(TUNING_FILLERS) & set(HELD_OUT_FILLERS) and "classic" in TUNING_FILLERS
+    for filler in KINDS:
+        deep, shallow = (make_sample(tok, "needle", 1500, d, seed=1, trial=4, filler=filler) for d in (0.9, 0.3))
+        cut = shallow.document.index(shallow.needle)
+        assert deep.document[:cut] == shallow.document[:cut]  # one haystack per trial: a shared prefix
+        other = make_sample(tok, "needle", 1500, 0.3, seed=1, trial=5, filler=filler)
+        assert other.document != shallow.document
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_haystack_units_grow_by_prefix_and_avoid_the_answers(kind):
+    import random
+
+    units, join = haystack(kind, random.Random(f"t:{kind}"), AVOID)
+    long, short = units(400), units(150)
+    assert long[:150] == short and len(long) == 400 and all(u.strip() for u in long)
+    text = f" {' '.join(re.findall(r'[a-z0-9]+', join(long).lower()))} "
+    assert not re.search(r"\d{5}", join(long))
+    assert not any(f" {a} " in text for a in AVOID)
+    with pytest.raises(ValueError, match="filler kind 'poetry'"):
+        haystack("poetry", random.Random(0))
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_samples_are_deterministic_per_seed(tok, task):
     a = make_sample(tok, task, 400, 0.5, seed=7, trial=2)
@@ -103,6 +153,10 @@ def test_sample_errors(tok):
         make_sample(tok, "passkey", 400, 1.5)
     with pytest.raises(ValueError, match="too short"):
         make_sample(tok, "kvretrieval", 60, 0.5)
+    with pytest.raises(ValueError, match="filler='poetry'"):
+        make_sample(tok, "passkey", 400, 0.5, filler="poetry")
+    with pytest.raises(ValueError, match="kvretrieval"):
+        make_sample(tok, "kvretrieval", 400, 0.5, filler="prose")
 
 
 def test_reply_budgets_fit_the_answers():

@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""Long-context retrieval accuracy (passkey, needle, kv-retrieval) per config x length x depth.
+"""Long-context retrieval accuracy (passkey, needle, kv-retrieval) per config x length x filler x depth.
 
 Each trial is one prompt from ``ktquest.eval.tasks`` (the answer hidden at a depth of a document of
-``length`` tokens, asked about in a chat turn), answered greedily as the first turn of a conversation on
+``length`` tokens of a filler kind, asked about in a chat turn), answered greedily as the first turn of a conversation on
 one Engine per config, and scored by exact match. Between trials the cache is rewound to the prefix the
-next prompt shares with the last one (``--fresh``: reset). Prints a markdown table (accuracy
-per config x length, then per depth), writes JSON rows and a depth x length heatmap per config. Example:
+next prompt shares with the last one (``--fresh``: reset). Prints markdown tables (accuracy per
+config x length, per filler kind with the held-out kinds apart, per depth), writes JSON rows and a depth x
+length heatmap per config.
+
+``--fillers`` names the haystacks (``classic``: each task's own, the presets' tuning text; ``code``,
+``prose``, ``narrative``, ``json``) or a group: ``tuning`` (classic, code), ``held-out`` (prose, narrative,
+json: report these, never choose settings on them) or ``all``. Example:
 
     python tools/eval_longctx.py --task passkey --lengths 2048,4096,8192 --depths 0,0.25,0.5,0.75,1 \
         --trials 5 --configs dense,configs/quest.yaml --json tools/out/passkey.json --png tools/out/passkey.png
@@ -29,13 +34,39 @@ from common import write_json
 
 import ktquest
 from ktquest.config import ConfigError, load_config
-from ktquest.eval.tasks import MAX_NEW_TOKENS, TASKS, answer_complete, make_sample, score
+from ktquest.eval.tasks import (
+    FILLERS,
+    HELD_OUT_FILLERS,
+    MAX_NEW_TOKENS,
+    TASKS,
+    TUNING_FILLERS,
+    answer_complete,
+    make_sample,
+    score,
+)
 
 BUILTIN = ("dense", "default")
 
 
 def parse_list(text: str, kind=str) -> list:
     return [kind(x) for x in text.split(",") if x.strip()]
+
+
+FILLER_GROUPS = {"tuning": TUNING_FILLERS, "held-out": HELD_OUT_FILLERS, "all": FILLERS}
+
+
+def parse_fillers(text: str) -> list[str]:
+    """Comma-separated filler kinds and groups -> kinds, in order, each once."""
+    out: list[str] = []
+    for name in parse_list(text):
+        kinds = FILLER_GROUPS.get(name, (name,))
+        for kind in kinds:
+            if kind not in FILLERS:
+                raise ValueError(f"--fillers: {name!r} is not a filler kind or group: one of "
+                                 f"{', '.join((*FILLERS, *FILLER_GROUPS))}")
+            if kind not in out:
+                out.append(kind)
+    return out
 
 
 def config_name(path: str) -> str:
@@ -82,8 +113,9 @@ def run(args) -> tuple[list[dict], list[dict]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     lengths, depths = parse_list(args.lengths, int), parse_list(args.depths, float)
-    configs = parse_list(args.configs)
-    total = len(configs) * len(lengths) * len(depths) * args.trials
+    configs, fillers = parse_list(args.configs), parse_fillers(args.fillers)
+    per_config = len(lengths) * len(fillers) * len(depths) * args.trials
+    total = len(configs) * per_config
     trials: list[dict] = []
     samples: dict[tuple, object] = {}  # the prompts do not depend on the config: build them once
     show = total > 1 and not args.quiet
@@ -103,70 +135,72 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 eng = load_engine(args.model, config, args.task, max(lengths), args.threads, args.set)
             except (ConfigError, OSError, ValueError) as e:
                 print(f"skipping {config}: {e}", file=sys.stderr)
-                bar.advance(job, len(lengths) * len(depths) * args.trials)
+                bar.advance(job, per_config)
                 continue
             load_s = time.perf_counter() - t0
             session = eng.chat_session()
             name = config_name(config)
             bar.update(job, description=f"{args.task} {name}")
-            for length in lengths:
-                # Deepest needle first: the prompts of one length share the document up to the needle, so
-                # each prompt re-prefills only what follows its needle (about half the tokens in all).
-                for depth in sorted(depths, reverse=not args.fresh):
-                    for trial in range(args.trials):
-                        key = (length, depth, trial)
-                        if key not in samples:
-                            samples[key] = make_sample(
-                                eng.tokenizer, args.task, length, depth, args.seed, trial
-                            )
-                        s = samples[key]
-                        reply = ask(session, s, args.task, args.fresh)
-                        st = reply.stats
-                        ok = score(args.task, reply.text, s.answer, s.key)
-                        trials.append(
-                            {
-                                "task": args.task,
-                                "config": name,
-                                "config_path": config,
-                                "mode": eng.config.mode,
-                                "length": length,
-                                "depth": depth,
-                                "trial": trial,
-                                "prompt_tokens": len(s.tokens),
-                                "prefilled_tokens": st.prompt_tokens,
-                                "answer": s.answer,
-                                "reply": reply.text,
-                                "correct": ok,
-                                "prefill_s": st.prefill_s,
-                                "decode_s": st.decode_s,
-                                "prefill_tok_s": st.prefill_tok_s,
-                                "decode_tok_s": st.decode_tok_s,
-                                "load_s": load_s,
-                            }
-                        )
-                        bar.update(
-                            job,
-                            advance=1,
-                            info=f"{length} tok, depth {depth:g}: "
-                            f"{st.prefill_tok_s:.0f} tok/s prefill, {'ok' if ok else 'wrong'}",
-                        )
-                        if args.verbose:
-                            print(
-                                f"{name} {length} {depth:g} #{trial}: {'OK ' if ok else 'BAD'} "
-                                f"answer={s.answer!r} reply={reply.text!r}",
-                                flush=True,
-                            )
+            # Deepest needle first: the prompts of one trial share the document up to the needle, so each
+            # prompt re-prefills only what follows its needle (about half the tokens in all).
+            cells = [(length, filler, trial, depth) for length in lengths for filler in fillers
+                     for trial in range(args.trials) for depth in sorted(depths, reverse=not args.fresh)]
+            for length, filler, trial, depth in cells:
+                key = (length, filler, depth, trial)
+                if key not in samples:
+                    samples[key] = make_sample(
+                        eng.tokenizer, args.task, length, depth, args.seed, trial, filler
+                    )
+                s = samples[key]
+                reply = ask(session, s, args.task, args.fresh)
+                st = reply.stats
+                ok = score(args.task, reply.text, s.answer, s.key)
+                trials.append(
+                    {
+                        "task": args.task,
+                        "config": name,
+                        "config_path": config,
+                        "mode": eng.config.mode,
+                        "length": length,
+                        "filler": filler,
+                        "phrasing": s.phrasing,
+                        "depth": depth,
+                        "trial": trial,
+                        "prompt_tokens": len(s.tokens),
+                        "prefilled_tokens": st.prompt_tokens,
+                        "answer": s.answer,
+                        "reply": reply.text,
+                        "correct": ok,
+                        "prefill_s": st.prefill_s,
+                        "decode_s": st.decode_s,
+                        "prefill_tok_s": st.prefill_tok_s,
+                        "decode_tok_s": st.decode_tok_s,
+                        "load_s": load_s,
+                    }
+                )
+                bar.update(
+                    job,
+                    advance=1,
+                    info=f"{length} tok, {filler}, depth {depth:g}: "
+                    f"{st.prefill_tok_s:.0f} tok/s prefill, {'ok' if ok else 'wrong'}",
+                )
+                if args.verbose:
+                    print(
+                        f"{name} {length} {filler} {depth:g} #{trial}: {'OK ' if ok else 'BAD'} "
+                        f"answer={s.answer!r} reply={reply.text!r}",
+                        flush=True,
+                    )
             del eng
     return aggregate(trials), trials
 
 
 def aggregate(trials: list[dict]) -> list[dict]:
-    """One row per (config, length, depth): trials, correct, accuracy and mean times."""
+    """One row per (config, length, filler, depth): trials, correct, accuracy and mean times."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for t in trials:
-        groups[(t["config"], t["length"], t["depth"])].append(t)
+        groups[(t["config"], t["length"], t["filler"], t["depth"])].append(t)
     rows = []
-    for (config, length, depth), ts in groups.items():
+    for (config, length, filler, depth), ts in groups.items():
         n, c = len(ts), sum(t["correct"] for t in ts)
         rows.append(
             {
@@ -174,6 +208,8 @@ def aggregate(trials: list[dict]) -> list[dict]:
                 "config": config,
                 "mode": ts[0]["mode"],
                 "length": length,
+                "filler": filler,
+                "held_out": filler in HELD_OUT_FILLERS,
                 "depth": depth,
                 "trials": n,
                 "correct": c,
@@ -188,9 +224,11 @@ def aggregate(trials: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """Accuracy per config x length (all depths), then per config x depth (all lengths)."""
+    """Accuracy per config x length (all fillers and depths); per config x filler kind (the held-out kinds
+    marked, and their total); per config x depth; seconds per trial."""
     configs = list(dict.fromkeys(r["config"] for r in rows))
     lengths = sorted({r["length"] for r in rows})
+    fillers = list(dict.fromkeys(r["filler"] for r in rows))
     depths = sorted({r["depth"] for r in rows})
 
     def acc(pred) -> str:
@@ -210,6 +248,19 @@ def markdown(rows: list[dict]) -> str:
     for c in configs:
         cells = [acc(lambda r, c=c, n=n: r["config"] == c and r["length"] == n) for n in lengths]
         out.append(f"| {c} | " + " | ".join(cells) + f" | {acc(lambda r, c=c: r['config'] == c)} |")
+    if fillers != ["classic"]:
+        held = [f for f in fillers if f in HELD_OUT_FILLERS]
+        names = [f"{f} (held out)" if f in held else f for f in fillers]
+        out += [
+            "",
+            "| config | " + " | ".join(names) + (" | held out, all |" if held else " |"),
+            "|---" * (len(fillers) + 1 + bool(held)) + "|",
+        ]
+        for c in configs:
+            cells = [acc(lambda r, c=c, f=f: r["config"] == c and r["filler"] == f) for f in fillers]
+            if held:
+                cells.append(acc(lambda r, c=c: r["config"] == c and r["held_out"]))
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
     out += [
         "",
         "| config | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
@@ -229,7 +280,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def heatmap(rows: list[dict], path: str, title: str) -> None:
-    """Depth (rows) x length (columns) accuracy, one panel per config."""
+    """Depth (rows) x length (columns) accuracy over all fillers, one panel per config."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,10 +297,13 @@ def heatmap(rows: list[dict], path: str, title: str) -> None:
         squeeze=False,
     )
     for ax, c in zip(axes[0], configs):
-        grid = np.full((len(depths), len(lengths)), np.nan)
+        correct, n = np.zeros((len(depths), len(lengths))), np.zeros((len(depths), len(lengths)))
         for r in rows:
             if r["config"] == c:
-                grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
+                at = depths.index(r["depth"]), lengths.index(r["length"])
+                correct[at] += r["correct"]
+                n[at] += r["trials"]
+        grid = np.where(n > 0, correct / np.maximum(n, 1), np.nan)
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for (i, j), v in np.ndenumerate(grid):
             if not np.isnan(v):
@@ -275,7 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
         help="comma-separated depths in [0, 1]",
     )
-    ap.add_argument("--trials", type=int, default=3, help="prompts per (length, depth)")
+    ap.add_argument("--trials", type=int, default=3, help="prompts per (length, filler, depth)")
+    ap.add_argument(
+        "--fillers",
+        default="classic",
+        help="comma-separated filler kinds (classic, code, prose, narrative, json) or groups (tuning, "
+        "held-out, all)",
+    )
     ap.add_argument("--configs", default="dense", help="comma-separated YAML presets; 'dense' = defaults")
     ap.add_argument(
         "--model", default=None, help="GGUF path or bundled model name (default: the config's, else smollm2-135m)"
@@ -295,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.trials < 1:
         ap.error("--trials must be >= 1")
+    try:
+        fillers = parse_fillers(args.fillers)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.task == "kvretrieval" and fillers != ["classic"]:
+        ap.error("--fillers: kvretrieval has only its own JSON haystack (classic)")
 
     t0 = time.perf_counter()
     rows, trials = run(args)
@@ -305,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     n_tok = sum(t["prompt_tokens"] for t in trials)
     n_read = sum(t["prefilled_tokens"] for t in trials)
     compute = sum(t["prefill_s"] + t["decode_s"] for t in trials)
-    print(f"## {args.task}: accuracy (seed {args.seed}, {args.trials} trial(s) per cell)\n")
+    print(f"## {args.task}: accuracy (seed {args.seed}, {args.trials} trial(s) per length, filler and depth)\n")
     print(markdown(rows))
     print(
         f"\n{len(trials)} trials, {n_tok} prompt tokens ({n_read} prefilled, the rest a reused prefix) in "
@@ -316,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         "task": args.task,
         "lengths": parse_list(args.lengths, int),
         "depths": parse_list(args.depths, float),
+        "fillers": fillers,
+        "held_out_fillers": [f for f in fillers if f in HELD_OUT_FILLERS],
         "trials": args.trials,
         "configs": parse_list(args.configs),
         "model": args.model,

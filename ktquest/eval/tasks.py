@@ -14,14 +14,21 @@ The document and question form one user message (``document + "\\n\\n" + questio
 template) is asked completion style: the question ends with the start of its answer ("... What is the pass
 key? The pass key is"), and the text is continued. ``length`` counts the
 tokens of that whole rendered prompt in the model's tokenizer: a sample has between
-``length - LENGTH_TOLERANCE[task]`` and ``length`` tokens (the document grows by whole units: a filler
+``length - length_tolerance(task, filler)`` and ``length`` tokens (the document grows by whole units: a filler
 sentence, a source line, a key-value pair). ``depth`` in [0, 1] places the information after that fraction
-of the document's units. Everything is a function of (task, length, depth, seed, trial).
+of the document's units.
+
+``filler`` picks the haystack: ``classic`` is each task's own above, with its original phrasing (what the
+presets were tuned on); ``code``, ``prose``, ``narrative`` and ``json`` (``ktquest.eval.fillers``) hide a
+passkey or needle in that kind of text, phrased by one of the other phrasings of ``PHRASINGS`` drawn from
+the seed. ``TUNING_FILLERS`` are the kinds preset settings may be chosen on, ``HELD_OUT_FILLERS`` the
+kinds to report on. Outside ``classic``, the haystack depends on (task, filler, length, seed, trial) and
+not on depth, so the prompts of one trial share their text up to the shallower needle. Everything is a
+function of (task, filler, length, depth, seed, trial).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import re
@@ -29,7 +36,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ktquest.eval.fillers import KINDS, haystack, source_lines, words_of
+
 TASKS = ("passkey", "needle", "kvretrieval")
+FILLERS = ("classic", *KINDS)
+TUNING_FILLERS = ("classic", "code")  # the presets' settings were chosen on these
+HELD_OUT_FILLERS = ("prose", "narrative", "json")  # never used to choose settings: report on these
 
 # Reply tokens each task needs (greedy decode stops at the first stop token anyway).
 # The bundled SmolLM2 echoes the key before the value ("The value of the key \"<uuid>\" is <uuid>"), 34
@@ -39,6 +51,13 @@ MAX_NEW_TOKENS = {"passkey": 16, "needle": 32, "kvretrieval": 96}
 # A sample's prompt has between length - tolerance and length tokens: at most one unit short
 # (filler sentence ~6 tokens, source line <= 100 characters, one "key": "value" pair ~75 tokens).
 LENGTH_TOLERANCE = {"passkey": 16, "needle": 64, "kvretrieval": 96}
+# ... and with another filler, one unit of it (a line <= 100 characters, a sentence, a JSON record).
+FILLER_TOLERANCE = {"code": 64, "prose": 64, "narrative": 32, "json": 64}
+
+
+def length_tolerance(task: str, filler: str = "classic") -> int:
+    """How many tokens short of ``length`` a sample of ``task`` in ``filler`` text may be."""
+    return LENGTH_TOLERANCE[task] if filler == "classic" else FILLER_TOLERANCE[filler]
 
 FILLER = (
     "The grass is green.",
@@ -76,7 +95,38 @@ ACTIVITIES = (
     ("to read poems in the rose garden", "rose garden"),
 )
 
-_MAX_SOURCE_LINE = 100  # characters; longer standard-library lines are skipped so a unit stays small
+# (needle, question, completion) per task; {k}: the pass key, {city} and {activity}. Index 0 is the
+# classic phrasing; the other fillers draw one of the others.
+PHRASINGS = {
+    "passkey": (
+        ("The pass key is {k}. Remember it. {k} is the pass key.",
+         "What is the pass key? Answer with the number only.",
+         "What is the pass key? The pass key is"),
+        ("The secret access code is {k}.",
+         "What is the secret access code? Answer with the number only.",
+         "What is the secret access code? The secret access code is"),
+        ("Please keep this in mind: the vault combination is {k}.",
+         "What is the vault combination mentioned in the text? Answer with the number only.",
+         "What is the vault combination mentioned in the text? The vault combination is"),
+        ("Note for the warehouse: the order to ship first is number {k}.",
+         "Which order number should the warehouse ship first? Answer with the number only.",
+         "Which order number should the warehouse ship first? The order to ship first is number"),
+    ),
+    "needle": (
+        ("The best thing to do in {city} is {activity}.",
+         "What is the best thing to do in {city}? Answer in one short sentence.",
+         "What is the best thing to do in {city}? The best thing to do in {city} is"),
+        ("Anyone travelling to {city} should plan {activity}.",
+         "What should anyone travelling to {city} plan to do? Answer in one short sentence.",
+         "What should anyone travelling to {city} plan to do? Anyone travelling to {city} should plan"),
+        ("Locals say that the nicest way to spend a day in {city} is {activity}.",
+         "According to locals, what is the nicest way to spend a day in {city}? Answer in one short sentence.",
+         "According to locals, what is the nicest way to spend a day in {city}? The nicest way to spend a day "
+         "in {city} is"),
+    ),
+}
+# Lower-case phrases no haystack unit may hold: a needle's city or answer elsewhere would be a second needle.
+AVOID = tuple(words_of(x) for x in (*CITIES, *(phrase for _, phrase in ACTIVITIES)))
 
 
 @dataclass(slots=True)
@@ -93,6 +143,8 @@ class Sample:
     tokens: list[int]  # the rendered chat prompt, ready to prefill
     needle_unit: int  # index of the needle among the document's units
     n_units: int  # units in the document, the needle included
+    filler: str = "classic"  # the haystack's kind (FILLERS)
+    phrasing: int = 0  # the needle's and question's phrasing: an index into PHRASINGS[task]
 
     @property
     def user_text(self) -> str:
@@ -102,8 +154,10 @@ class Sample:
 # ---- generators ----
 
 
-def make_sample(tokenizer, task: str, length: int, depth: float, seed: int = 0, trial: int = 0) -> Sample:
-    """One prompt of ``task`` with ``length`` tokens (see the module docstring) and its answer.
+def make_sample(tokenizer, task: str, length: int, depth: float, seed: int = 0, trial: int = 0,
+                filler: str = "classic") -> Sample:
+    """One prompt of ``task`` with ``length`` tokens hidden in ``filler`` text (see the module docstring)
+    and its answer.
 
     tokenizer: a ``ktquest.formats.tokenizer.Tokenizer`` (encode, apply_chat_template, encode_chat).
     """
@@ -111,9 +165,20 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed: int = 0, 
         raise ValueError(f"task={task!r} is not allowed: one of {', '.join(TASKS)}")
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth} is not allowed: a number in [0, 1]")
-    rng = random.Random(f"{task}:{seed}:{length}:{depth!r}:{trial}")
-    build = {"passkey": _passkey, "needle": _needle, "kvretrieval": _kvretrieval}[task]
-    needle, (question, completion), answer, key, units, join, place = build(rng, length)
+    if filler not in FILLERS:
+        raise ValueError(f"filler={filler!r} is not allowed: one of {', '.join(FILLERS)}")
+    if filler == "classic":
+        rng, phrasing = random.Random(f"{task}:{seed}:{length}:{depth!r}:{trial}"), 0
+        build = {"passkey": _passkey, "needle": _needle, "kvretrieval": _kvretrieval}[task]
+        needle, (question, completion), answer, key, units, join, place = build(rng, length)
+    elif task == "kvretrieval":
+        raise ValueError(f"filler={filler!r} is not allowed for kvretrieval: its haystack is its JSON (classic)")
+    else:
+        rng = random.Random(f"{task}:{filler}:{seed}:{length}:{depth!r}:{trial}")
+        phrasing = rng.randrange(1, len(PHRASINGS[task]))
+        needle, (question, completion), answer = _NEEDLES[task](rng, phrasing)
+        units, join = haystack(filler, random.Random(f"{task}:{filler}:{seed}:{length}:{trial}"), AVOID)
+        key, place = "", "insert"
     if tokenizer.chat_template is None:  # a base model: the answer's first words end the prompt
         question = completion
 
@@ -153,6 +218,8 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed: int = 0, 
         tokens=tokens,
         needle_unit=i,
         n_units=n + (1 if place == "insert" else 0),
+        filler=filler,
+        phrasing=phrasing,
     )
 
 
@@ -192,11 +259,27 @@ def _fit(count: Callable[[int], int], length: int, n_min: int, estimate: int) ->
     return lo
 
 
-def _passkey(rng: random.Random, length: int):
+def _passkey_needle(rng: random.Random, phrasing: int):
+    """(needle, (question, completion), answer) of a pass key of 5-7 digits."""
     n_digits = rng.randint(5, 7)
     key = str(rng.randint(10 ** (n_digits - 1), 10**n_digits - 1))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    question = ("What is the pass key? Answer with the number only.", "What is the pass key? The pass key is")
+    needle, question, completion = (x.format(k=key) for x in PHRASINGS["passkey"][phrasing])
+    return needle, (question, completion), key
+
+
+def _needle_needle(rng: random.Random, phrasing: int):
+    """(needle, (question, completion), key phrase) of a city's best activity."""
+    city = rng.choice(CITIES)
+    activity, key_phrase = rng.choice(ACTIVITIES)
+    needle, question, completion = (x.format(city=city, activity=activity) for x in PHRASINGS["needle"][phrasing])
+    return needle, (question, completion), key_phrase
+
+
+_NEEDLES = {"passkey": _passkey_needle, "needle": _needle_needle}
+
+
+def _passkey(rng: random.Random, length: int):
+    needle, question, key = _passkey_needle(rng, 0)
 
     def units(n: int) -> list[str]:
         return [FILLER[i % len(FILLER)] for i in range(n)]
@@ -205,12 +288,8 @@ def _passkey(rng: random.Random, length: int):
 
 
 def _needle(rng: random.Random, length: int):
-    city = rng.choice(CITIES)
-    activity, key_phrase = rng.choice(ACTIVITIES)
-    needle = f"The best thing to do in {city} is {activity}."
-    question = (f"What is the best thing to do in {city}? Answer in one short sentence.",
-                f"What is the best thing to do in {city}? The best thing to do in {city} is")
-    lines = _source_lines()
+    needle, question, key_phrase = _needle_needle(rng, 0)
+    lines = source_lines()
     start = rng.randrange(len(lines) // 2)  # a different stretch of source for each trial
 
     def units(n: int) -> list[str]:
@@ -219,28 +298,6 @@ def _needle(rng: random.Random, length: int):
         return list(lines[start : start + n])
 
     return needle, question, key_phrase, "", units, "\n".join, "insert"
-
-
-@functools.lru_cache(maxsize=1)
-def _source_lines() -> tuple[str, ...]:
-    """Non-empty lines (<= 100 characters) of the Python standard-library sources, in a fixed order."""
-    import sysconfig
-    from pathlib import Path
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out: list[str] = []
-    for path in sorted(root.glob("*.py")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            line = line.rstrip()
-            if line and len(line) <= _MAX_SOURCE_LINE and not _has_digit_run(line):
-                out.append(line)
-        if len(out) >= 200_000:  # ~2M tokens; a needle document of length L uses about L / 10 lines
-            break
-    return tuple(out)
-
-
-def _has_digit_run(line: str) -> bool:
-    return re.search(r"\d{5}", line) is not None
 
 
 def _kvretrieval(rng: random.Random, length: int):
@@ -290,11 +347,9 @@ def score_passkey(reply: str, answer: str) -> bool:
 
 def score_needle(reply: str, key_phrase: str) -> bool:
     """The key phrase occurs in the reply as whole words, ignoring case, punctuation and spacing."""
-    return f" {_words(key_phrase)} " in f" {_words(reply)} "
+    return f" {words_of(key_phrase)} " in f" {words_of(reply)} "
 
 
-def _words(text: str) -> str:
-    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
 
 
 def uuids(reply: str) -> list[str]:
