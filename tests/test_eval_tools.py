@@ -155,9 +155,10 @@ def test_eval_longctx_held_out_smoke(bundled_gguf, tmp_path, capsys):
     assert data["meta"]["fillers"] == ["narrative", "code"] and data["meta"]["held_out_fillers"] == ["narrative"]
     assert sorted((r["filler"], r["depth"], r["held_out"]) for r in data["rows"]) == [
         ("code", 0.2, False), ("code", 0.8, False), ("narrative", 0.2, True), ("narrative", 0.8, True)]
-    first, second = data["trials"][:2]  # narrative, depth 0.8 then 0.2
-    assert (first["depth"], second["depth"]) == (0.8, 0.2) and first["phrasing"] >= 1
-    assert second["prefilled_tokens"] < 0.9 * second["prompt_tokens"]
+    for filler in ("narrative", "code"):  # one haystack, two needles: the second prompt re-reads its tail
+        first, second = (t for t in data["trials"] if t["filler"] == filler)
+        assert first["phrasing"] >= 1 and first["prefilled_tokens"] > 0.9 * first["prompt_tokens"]
+        assert second["prefilled_tokens"] < 0.9 * second["prompt_tokens"]
 
 
 @pytest.mark.slow

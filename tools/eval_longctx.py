@@ -141,17 +141,14 @@ def run(args) -> tuple[list[dict], list[dict]]:
             session = eng.chat_session()
             name = config_name(config)
             bar.update(job, description=f"{args.task} {name}")
-            # Deepest needle first: the prompts of one trial share the document up to the needle, so each
-            # prompt re-prefills only what follows its needle (about half the tokens in all).
-            cells = [(length, filler, trial, depth) for length in lengths for filler in fillers
-                     for trial in range(args.trials) for depth in sorted(depths, reverse=not args.fresh)]
-            for length, filler, trial, depth in cells:
-                key = (length, filler, depth, trial)
+            for key in [(n, f, d, t) for n in lengths for f in fillers for d in depths for t in range(args.trials)]:
                 if key not in samples:
-                    samples[key] = make_sample(
-                        eng.tokenizer, args.task, length, depth, args.seed, trial, filler
-                    )
-                s = samples[key]
+                    samples[key] = make_sample(eng.tokenizer, args.task, key[0], key[2], args.seed, key[3], key[1])
+            # In token order: a prompt follows the one it shares the longest prefix with (prompts that share a
+            # haystack differ from the needle on), so each re-prefills only what is new.
+            order = sorted(samples, key=lambda k: (k[0], fillers.index(k[1]), samples[k].tokens)) if not args.fresh else samples
+            for length, filler, depth, trial in order:
+                s = samples[(length, filler, depth, trial)]
                 reply = ask(session, s, args.task, args.fresh)
                 st = reply.stats
                 ok = score(args.task, reply.text, s.answer, s.key)
