@@ -6,6 +6,7 @@ measurement on random keys and queries recorded through the cache wrapper (no mo
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import math
@@ -137,6 +138,20 @@ def test_eval_longctx_fillers(capsys):
         with pytest.raises(SystemExit):
             tool.main(bad)
         assert "--fillers" in capsys.readouterr().err
+
+
+def test_eval_longctx_save_misses(tmp_path):
+    tool = _tool("eval_longctx")
+    Sample = collections.namedtuple("Sample", "user_text answer")
+    samples = {(400, "prose", 0.5, 0): Sample("doc A\n\nq?", "123456"), (400, "json", 0.5, 1): Sample("B", "7")}
+    trials = [{"length": 400, "filler": "prose", "depth": 0.5, "trial": 0, "config": c, "correct": ok}
+              for c, ok in (("dense", True), ("quest", False), ("snapkv", False))]
+    trials.append({"length": 400, "filler": "json", "depth": 0.5, "trial": 1, "config": "dense", "correct": True})
+    tool.save_misses(str(tmp_path / "m"), "passkey", trials, samples)
+    assert (tmp_path / "m" / "passkey_400_prose_d0.5_t0.txt").read_text() == "doc A\n\nq?"
+    assert json.loads((tmp_path / "m" / "misses.json").read_text()) == [
+        {"file": "passkey_400_prose_d0.5_t0.txt", "answer": "123456", "missed_by": ["quest", "snapkv"]}]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["misses.json", "passkey_400_prose_d0.5_t0.txt"]
 
 
 @pytest.mark.slow

@@ -188,7 +188,26 @@ def run(args) -> tuple[list[dict], list[dict]]:
                         flush=True,
                     )
             del eng
+    if args.save_misses:
+        save_misses(args.save_misses, args.task, trials, samples)
     return aggregate(trials), trials
+
+
+def save_misses(folder: str, task: str, trials: list[dict], samples: dict) -> None:
+    """The user message of every prompt some config answered wrong, as ``folder/<name>.txt`` (what
+    ``tools/attention_recall.py --prompt-file`` reads), and ``folder/misses.json``: which configs missed it."""
+    missed: dict[tuple, list[str]] = defaultdict(list)
+    for t in trials:
+        if not t["correct"]:
+            missed[(t["length"], t["filler"], t["depth"], t["trial"])].append(t["config"])
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    index = []
+    for key, configs in missed.items():
+        name = f"{task}_{key[0]}_{key[1]}_d{key[2]:g}_t{key[3]}"
+        (out / f"{name}.txt").write_text(samples[key].user_text, encoding="utf-8")
+        index.append({"file": f"{name}.txt", "answer": samples[key].answer, "missed_by": configs})
+    write_json(str(out / "misses.json"), index)
 
 
 def aggregate(trials: list[dict]) -> list[dict]:
@@ -347,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fresh", action="store_true", help="prefill every prompt in full (default: reuse the shared prefix)"
     )
+    ap.add_argument("--save-misses", default=None, metavar="DIR",
+                    help="write the prompts some config missed here (for tools/attention_recall.py)")
     ap.add_argument("--verbose", action="store_true", help="print every reply")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
