@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Decode fidelity of sparse presets against dense attention: top-1 agreement and KL per decode step.
 
-The model reads the first ``length - positions`` tokens of a natural text (Python standard-library
-sources) as a prompt, then decodes the last ``positions`` tokens teacher-forced (each step is fed the
+The model reads the first ``length - positions`` tokens of a natural text (``--text``: the Python
+standard-library sources the presets were tuned on, or a held-out kind: the library's sub-packages, prose,
+narrative, JSON lines) as a prompt, then decodes the last ``positions`` tokens teacher-forced (each step is fed the
 text's next token, so every config sees the same tokens). At every decode step the next-token
 distribution of each config is compared with dense attention's: top-1 agreement (same argmax), mean
 KL(dense || config) in nats, and each one's top-1 accuracy on the text itself. The weights, threads
@@ -29,7 +30,7 @@ import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktquest package
-from common import context_tokens, write_json
+from common import HELD_OUT_TEXTS, TEXT_KINDS, context_tokens, write_json
 
 import ktquest
 from ktquest.config import load_config
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=8192, help="text length, tokens (prompt + decode steps)")
     ap.add_argument("--positions", type=int, default=256, help="teacher-forced decode steps compared")
     ap.add_argument("--budget", type=int, default=1024, help="context-block tokens selected per step")
+    ap.add_argument("--text", default="stdlib", choices=TEXT_KINDS,
+                    help="the text: stdlib (the presets' tuning text) or a held-out kind")
     ap.add_argument("--configs", default=ALL_PRESETS, help="comma-separated YAML presets compared with dense")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every config")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = str(resolve_model(a.model) if a.model else bundled_model_path())
     torch.set_num_threads(a.threads)
-    tokens = context_tokens(Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata), a.length)
+    tokens = context_tokens(Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata), a.length, a.text)
     targets = torch.tensor(tokens[a.length - a.positions:])
     t_start = time.perf_counter()
     ref, ref_info = teacher_forced(model_path, None, a.set, tokens, a.positions, a.threads)
@@ -119,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['config']}: top-1 agreement {r['top1_agreement']:.3f}, mean KL {r['kl_mean']:.4f} "
               f"(prefill {info['prefill_s']:.1f} s, decode {info['decode_tok_s']:.1f} tok/s)", flush=True)
     for r in rows:
-        r.update(length=a.length, positions=a.positions, threads=a.threads)
+        r.update(length=a.length, positions=a.positions, threads=a.threads, text=a.text,
+                 held_out=a.text in HELD_OUT_TEXTS)
 
     print(f"\n{a.positions} teacher-forced decode steps after {a.length - a.positions} prompt tokens of "
-          f"standard-library source; budget {a.budget} tokens of context blocks per step\n")
+          f"{a.text} text ({'held out' if a.text in HELD_OUT_TEXTS else 'the tuning text'}); budget {a.budget} "
+          "tokens of context blocks per step\n")
     print("| config | blocks x size | top-1 agreement | mean KL (nats) | max KL | top-1 acc. | NLL | decode tok/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
