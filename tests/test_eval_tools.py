@@ -140,6 +140,22 @@ def test_eval_longctx_fillers(capsys):
         assert "--fillers" in capsys.readouterr().err
 
 
+def test_context_tokens_kinds(bundled_gguf):
+    from ktquest.formats.tokenizer import Tokenizer
+    from ktquest.models.loader import read_gguf
+
+    common = _tool("common")
+    tok = Tokenizer.from_gguf_metadata(read_gguf(bundled_gguf).metadata)
+    texts = {k: common.context_tokens(tok, 700, k) for k in common.TEXT_KINDS}
+    assert all(len(ids) == 700 for ids in texts.values())
+    assert texts["stdlib"] == common.context_tokens(tok, 700)  # the default: the presets' tuning text
+    assert common.context_tokens(tok, 700, "prose") == texts["prose"]  # a fixed draw
+    assert len({tuple(ids[:50]) for ids in texts.values()}) == len(common.TEXT_KINDS)
+    assert "stdlib" not in common.HELD_OUT_TEXTS and set(common.HELD_OUT_TEXTS) < set(common.TEXT_KINDS)
+    with pytest.raises(ValueError, match="text kind 'poetry'"):
+        common.context_tokens(tok, 10, "poetry")
+
+
 def test_eval_longctx_save_misses(tmp_path):
     tool = _tool("eval_longctx")
     Sample = collections.namedtuple("Sample", "user_text answer")
