@@ -23,8 +23,16 @@ from typing import TextIO
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 from ktquest.config import CHAT_GENERATION, load_config
 from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
@@ -185,6 +193,13 @@ class _CtrlC:
             self.requested = self._raises = True  # the next one raises
 
 
+class _TokensPerSecond(ProgressColumn):
+    """The prefill's speed over rich's recent samples ("" until there are two)."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:,.0f} tok/s" if task.speed else "", style="progress.data.speed")
+
+
 def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _CtrlC, show_progress: bool):
     """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
     chunk = session.engine.config.chunk_size
@@ -203,7 +218,8 @@ def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _CtrlC, show_p
         if show_progress and total > chunk and done < total:
             if progress is None:
                 progress = Progress(TextColumn("reading the prompt"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("tokens"), TimeRemainingColumn(), console=err, transient=True)
+                                    TextColumn("tokens"), _TokensPerSecond(), TimeRemainingColumn(), console=err,
+                                    transient=True)
                 progress.start()
                 task = progress.add_task("prefill", total=total)
                 progress.update(task, completed=done)

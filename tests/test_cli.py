@@ -336,3 +336,14 @@ def test_cli_makes_torchs_idle_threads_sleep(tmp_path, user_setting):
     out = subprocess.run([sys.executable, "-c", OMP_PROBE, str(tmp_path / "missing.gguf")], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == (user_setting or "PASSIVE"), out.stderr
+
+
+def test_prefill_progress_shows_tokens_per_second():
+    """The prefill bar's speed column: empty until rich has a speed, then the tokens a second."""
+    from types import SimpleNamespace
+
+    from ktquest.cli import _TokensPerSecond
+
+    column = _TokensPerSecond()
+    assert column.render(SimpleNamespace(speed=None)).plain == ""
+    assert column.render(SimpleNamespace(speed=2047.6)).plain == "2,048 tok/s"
