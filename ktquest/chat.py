@@ -79,7 +79,9 @@ class ChatSession:
         no longer fits: in tokens, or in characters past what the template may render). An error while the
         reply is generated leaves the cache consistent (the next turn reads again what differs). Ctrl-C or
         ``should_stop()`` ends the reply early: the partial reply is kept as the assistant's turn
-        (stats.stopped_by == "interrupted"); if that happens before the reply starts, the turn is dropped.
+        (stats.stopped_by == "interrupted"); if that happens before the reply starts, the turn is dropped,
+        and the whole chunks of it already read (stats.prompt_tokens) stay in the cache: sent again, the
+        message is read on from there.
         """
         eng, tok = self.engine, self.engine.tokenizer
         check_arg("user_text", user_text, str)  # TypeError, as for the callbacks
@@ -109,9 +111,11 @@ class ChatSession:
         self._fed = list(tokens)  # from here on, cache position i holds self._fed[i] for i < cache.pos
         text, stats = eng.run(tokens, eng.config.generation, on_text, on_progress, should_stop,
                                on_token=self._fed.append)
-        if stats.prompt_tokens == 0 and stats.stopped_by == "interrupted":
+        if stats.new_tokens == 0 and stats.stopped_by == "interrupted":
+            # interrupted before the reply began: the turn is dropped; what was read of it stays in the cache,
+            # so the same message sent again reads only the rest
             del self._fed[cache.pos:]
-            return Reply(text="", stats=stats)  # interrupted while reading the prompt: turn dropped
+            return Reply(text="", stats=stats)
         self.messages = messages + [{"role": "assistant", "content": text}]
         self._turns.append(stats)
         return Reply(text=text, stats=stats)

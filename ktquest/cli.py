@@ -318,8 +318,10 @@ def _interactive(engine, session, err: Console) -> int:
 def _turn(session, text: str, console: Console, err: Console, ctrl_c: _CtrlC) -> None:
     reply = _reply(session, text, sys.stdout, err, ctrl_c, show_progress=True)
     s = reply.stats
-    if s.stopped_by == "interrupted" and s.prompt_tokens == 0:
-        console.print("[yellow]stopped before the reply began; that message was dropped[/]")
+    if s.stopped_by == "interrupted" and s.new_tokens == 0:
+        kept = (f"; the {s.prompt_tokens:,} tokens of it read stay in the cache: send it again to go on from "
+                "there") if s.prompt_tokens else ""
+        console.print(f"[yellow]stopped before the reply began; that message was dropped{kept}[/]")
         return
     sys.stdout.write("\n")
     ctrl_c.midline = False

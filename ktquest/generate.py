@@ -5,8 +5,9 @@ tokens at ``cache.pos`` and decodes after them. Invariant on return (also after 
 
     cache.pos == pos_before + result.n_prompt + len(result.tokens)
 
-i.e. every token in the cache was either given as a prompt or generated *and returned* (after Ctrl-C in
-prefill, a cache that cannot rewind that far exactly holds fewer: ``KVCache.rewind_point``). A generated
+i.e. every token in the cache was either given as a prompt or generated *and returned*. Ctrl-C while the
+prompt is read keeps the chunks read whole (``n_prompt`` of them: a turn sent again goes on from there; a
+cache that cannot rewind exactly to their end holds fewer: ``KVCache.rewind_point``). A generated
 token is fed to the model (so it is in the cache) before it is handed to ``on_token``; this includes the
 stop token, so the next turn can continue right after it. The extra forward pass this costs at the end of
 a reply (the logits of the last token are not used) keeps the cache a faithful transcript.
@@ -32,7 +33,7 @@ StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
 @dataclass(slots=True)
 class GenerationResult:
     tokens: list[int]  # generated, including the stop token when stopped_by == "eos"
-    n_prompt: int  # prompt tokens added to the cache (0 if prefill was interrupted)
+    n_prompt: int  # prompt tokens added to the cache (interrupted while reading it: the whole chunks read)
     prefill_s: float
     decode_s: float
     stopped_by: StopReason
@@ -162,10 +163,12 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
         decode_s = time.perf_counter() - t0
     except KeyboardInterrupt:
         stopped_by = "interrupted"
-        if prefill_s == 0.0:  # interrupted during prefill: drop the partial prompt
-            prefill_s, n_prompt = time.perf_counter() - t0, 0
+        if prefill_s == 0.0:  # while reading the prompt: the chunks read whole stay, the one cut short goes
+            prefill_s = time.perf_counter() - t0
+            cache.truncate(cache.rewind_point(cache.pos))
+            n_prompt = max(0, cache.pos - pos0)
         else:
             decode_s = time.perf_counter() - t0
-        cache.truncate(cache.rewind_point(min(cache.pos, pos0 + n_prompt + len(tokens))))
+            cache.truncate(cache.rewind_point(min(cache.pos, pos0 + n_prompt + len(tokens))))
     return GenerationResult(tokens=tokens, n_prompt=n_prompt, prefill_s=prefill_s, decode_s=decode_s,
                             stopped_by=stopped_by)

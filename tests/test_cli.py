@@ -347,3 +347,32 @@ def test_prefill_progress_shows_tokens_per_second():
     column = _TokensPerSecond()
     assert column.render(SimpleNamespace(speed=None)).plain == ""
     assert column.render(SimpleNamespace(speed=2047.6)).plain == "2,048 tok/s"
+
+
+def test_ctrl_c_while_reading_the_prompt_keeps_what_was_read(tiny_llama, monkeypatch, capsys):
+    """A real SIGINT in the second prefill chunk: the message is dropped, the chunks read whole stay in the
+    cache and the same message sent again reads only the rest."""
+    import ktquest.generate
+
+    real, calls = ktquest.generate.prefill_chunk, []
+
+    def chunk_then_ctrl_c(model, cache, chunk):
+        calls.append(len(chunk))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # the first of the turn: asks it to stop between chunks
+        return real(model, cache, chunk)
+
+    monkeypatch.setattr(ktquest.generate, "prefill_chunk", chunk_then_ctrl_c)
+    message = "the cat sat on the mat; " * 6
+    code, out, _ = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--max-new-tokens", "2",
+                                               "--set", "chunk_size=8"], f"{message}\n{message}\n/stats\n/exit\n")
+    assert code == 0
+    read = int(re.search(r"the ([\d,]+) tokens of it read stay in the cache", out).group(1))
+    assert read == 16  # the two chunks read whole (the SIGINT lands in the second; it is finished first)
+    assert "that message was dropped" in out and out.split("turns")[1].split()[0] == "1"
+    second = int(re.findall(r"^(\d+) prompt tokens", out, re.MULTILINE)[0])
+    monkeypatch.setattr(ktquest.generate, "prefill_chunk", real)
+    _, fresh, _ = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--max-new-tokens", "2",
+                                              "--set", "chunk_size=8"], f"{message}\n/exit\n")
+    whole = int(re.findall(r"^(\d+) prompt tokens", fresh, re.MULTILINE)[0])
+    assert second == whole - 16  # sent again, the message was read on from the 16 tokens kept

@@ -134,23 +134,28 @@ def test_interrupted_reply_is_kept(smol, how):
     assert nxt.stats.prompt_tokens < fresh.stats.prompt_tokens
 
 
-def test_interrupt_while_reading_the_prompt_drops_the_turn(tiny):
+def test_interrupt_while_reading_the_prompt_drops_the_turn_and_keeps_what_was_read(tiny):
     s = tiny.chat_session()
     s.send("hello there")
     messages, pos = [dict(m) for m in s.messages], tiny.cache.pos
+    seen = []
 
     def on_progress(done: int, total: int) -> None:
-        raise KeyboardInterrupt
+        seen.append(done)
+        if len(seen) == 2:  # after the second chunk (chunk_size 8)
+            raise KeyboardInterrupt
 
     question = "the cat sat on the mat; " * 4
     reply = s.send(question, on_progress=on_progress)
-    assert (reply.text, reply.stats.stopped_by, reply.stats.prompt_tokens) == ("", "interrupted", 0)
-    # the conversation is unchanged; the cache holds a prefix of it (at most what it held)
-    assert s.messages == messages and tiny.cache.pos <= pos
-    again = s.send(question)
+    held = tiny.cache.pos
+    assert (reply.text, reply.stats.stopped_by, reply.stats.new_tokens) == ("", "interrupted", 0)
+    # the conversation is unchanged; the cache holds a prefix of it and the two chunks of the new turn read
+    assert s.messages == messages and reply.stats.prompt_tokens == 16 == seen[1]
+    assert reply.stats.context_tokens == held and held - 16 <= pos
+    again = s.send(question)  # goes on from what was read
     fresh = _fresh_reply(tiny, messages, question)
     assert (again.text, again.stats.context_tokens) == (fresh.text, fresh.stats.context_tokens)
-    assert again.stats.prompt_tokens < fresh.stats.prompt_tokens
+    assert again.stats.prompt_tokens == fresh.stats.prompt_tokens - held
 
 
 def test_reset(smol):

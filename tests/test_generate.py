@@ -123,14 +123,23 @@ def test_ctrl_c_during_decode_leaves_the_cache_consistent(llama, layer):
     assert int(decode_one_token(model, cache, full.tokens[3]).argmax()) == full.tokens[4]
 
 
-def test_ctrl_c_during_prefill_drops_the_partial_prompt(llama):
+# The 2nd chunk of PROMPT is cut in its first layer (its pass unfinished: it goes), or after its last layer
+# stored its k/v (the chunk is whole in the cache: it stays).
+@pytest.mark.parametrize(("layer", "kept"), [(0, 4), (1, 8)])
+def test_ctrl_c_during_prefill_keeps_the_chunks_read(llama, layer, kept):
     model, _ = llama
     a = model.args
-    cache = InterruptingCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, layer=1, at=3)  # 2nd chunk of PROMPT
+    assert a.n_layers == 2
+    cache = InterruptingCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, layer=layer, at=3)
     prefill(model, cache, [1, 2, 3], chunk_size=8)  # an earlier turn: stays
     res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=5), set(), chunk_size=4)
-    assert res.stopped_by == "interrupted" and res.tokens == [] and res.n_prompt == 0
-    assert cache.pos == 3
+    assert res.stopped_by == "interrupted" and res.tokens == [] and res.n_prompt == kept
+    assert cache.pos == 3 + kept
+    # Going on from there gives what an uninterrupted run gives.
+    cache.at = -1
+    rest = generate(model, cache, PROMPT[kept:], GenerationConfig(max_new_tokens=5), set(), chunk_size=4)
+    full = generate(model, make_cache(model), [1, 2, 3, *PROMPT], GenerationConfig(max_new_tokens=5), set(), 4)
+    assert rest.tokens == full.tokens and rest.n_prompt == len(PROMPT) - kept
 
 
 def test_stops_when_the_cache_is_full(llama):

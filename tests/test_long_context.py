@@ -312,6 +312,38 @@ def test_cache_truncate_then_continue_equals_dense(keep):
     torch.testing.assert_close(torch.cat(out), dense_ref(q[:45], k[:45], v[:45])[keep:45], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("layer", [0, 1])  # the cut chunk's pass stops in the first layer, or the last
+def test_ctrl_c_in_prefill_keeps_whole_chunks_and_continues_as_dense(tiny, layer):
+    """Prefill interrupted in its 3rd chunk: the store keeps the chunks read whole (what the cut pass appended
+    to its first layers is dropped), and reading on from there decodes dense's tokens."""
+    from ktquest.config import GenerationConfig
+    from ktquest.generate import generate
+
+    class Interrupting(LongContextCache):
+        calls = 0
+
+        def attend(self, layer_idx, q, k, v, start_pos):
+            out = super().attend(layer_idx, q, k, v, start_pos)
+            if layer_idx == layer and q.shape[0] > 1:
+                Interrupting.calls += 1
+                if Interrupting.calls == 3:
+                    raise KeyboardInterrupt
+            return out
+
+    a = tiny.args
+    assert a.n_layers == 2
+    cache = Interrupting(a, full_budget("quest", block_size=4, kv_type="FP32"), 256)
+    prompt = (torch.arange(3, 60) * 7 % 250).tolist()
+    gen = GenerationConfig(max_new_tokens=6)
+    res = generate(tiny, cache, prompt, gen, set(), chunk_size=16)
+    kept = 32 if layer == 0 else 48
+    assert (res.stopped_by, res.n_prompt, cache.pos) == ("interrupted", kept, kept)
+    assert all(cache.store.length(i) == kept for i in range(a.n_layers))
+    rest = generate(tiny, cache, prompt[kept:], gen, set(), chunk_size=16)
+    full = generate(tiny, DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 256), prompt, gen, set(), 16)
+    assert rest.tokens == full.tokens
+
+
 # ---- chat ----
 
 
