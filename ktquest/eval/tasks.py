@@ -108,9 +108,9 @@ PHRASINGS = {
         ("Please keep this in mind: the vault combination is {k}.",
          "What is the vault combination mentioned in the text? Answer with the number only.",
          "What is the vault combination mentioned in the text? The vault combination is"),
-        ("Note for the warehouse: the order to ship first is number {k}.",
-         "Which order number should the warehouse ship first? Answer with the number only.",
-         "Which order number should the warehouse ship first? The order to ship first is number"),
+        ("Remember this: the magic number is {k}.",
+         "What is the magic number? Answer with the number only.",
+         "What is the magic number? The magic number is"),
     ),
     "needle": (
         ("The best thing to do in {city} is {activity}.",
