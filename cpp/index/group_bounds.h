@@ -22,11 +22,11 @@
 
 namespace ktq {
 
-// Whether appending to a block only widens its anchors' hull (QUEST and BLOCK_MAX min / max, FIXED's
-// anchors only added): then an append merges the block into its group's bounds instead of recomputing them.
-inline bool anchors_only_widen(AnchorType t) {
-  return t == AnchorType::QUEST || t == AnchorType::BLOCK_MAX || t == AnchorType::FIXED;
-}
+// Whether appending to a block only widens the hull of its anchor rows (QUEST's [min, max] box grows, FIXED's
+// anchors are only added): then an append merges the block into its group's bounds instead of recomputing
+// them. BLOCK_MAX's one row rises (the group's min row may rise with it), BLOCK_MEAN's moves and DYNAMIC's
+// anchors are replaced: their groups are recomputed.
+inline bool anchors_only_widen(AnchorType t) { return t == AnchorType::QUEST || t == AnchorType::FIXED; }
 
 // Bring head h's group bounds of layer L up to date for nb blocks, after blocks [b_lo, nb) changed or were
 // added (blocks below b_lo unchanged; old_nb: the blocks the layer had before). widened: each block in
