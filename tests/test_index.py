@@ -234,6 +234,21 @@ def test_indexed_picks_with_per_head_k_and_threads(force_scalar, mode):
             check_picks(flat, idx, q + 0.1 * torch.randn(KVH * qg, D, generator=g), mode, [(0, 2), (2400, 2500)], [ks])
 
 
+@pytest.mark.parametrize("mode", ["SEPARATE", "SHARED"])
+def test_indexed_picks_over_many_blocks(force_scalar, mode):
+    """150,000 one-token blocks: the walk's second phase splits a set into several chunks, each with its own
+    top k, merged at the end; picks still equal the flat scan's (ties included)."""
+    KVH, qg, D, T = 2, 2, 8, 150_000
+    g = torch.Generator().manual_seed(12)
+    for kind in ("random", "ties"):
+        k = keys(kind, T, KVH, D, g)
+        for G in (1, 3):
+            flat, idx = twin_stores(G, KVH, D, T, 1, "FP32", "QUEST", 2)
+            append((flat, idx), k, None)
+            q = keys(kind, KVH * qg, 1, D, g)[:, 0]
+            check_picks(flat, idx, q, mode, [(0, 16), (T - 512, T)], [1, 50, 3000])
+
+
 def test_structured_keys_are_pruned():
     """A query like the keys of one stretch of a context whose stretches line up with the groups: most
     groups' bounds fall below the k-th best score, so far fewer blocks are scored than there are candidates

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "common/cpu_features.h"
+#include "common/scratch.h"
 #include "common/thread_pool.h"
 #include "index/bound_kernels.h"
 #include "select/selector.h"
@@ -30,10 +31,35 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t kBoundGroupsPerTask = 512;  // bound task: this many groups of one KV head
 constexpr double kNoBoundMag = 0x1p100;       // T from here on (or NaN): no bound
 constexpr int64_t kParallelWalk = 512;        // sets walk on threads from this many candidates on (as top-k)
+constexpr int64_t kSeedBlocks = 4;            // phase 1 scores this many times k blocks (then phase 2)
+constexpr int64_t kWalkBlocksPerTask = 1 << 16;  // phase 2 task: the groups of this many blocks of one set
+constexpr size_t kJumpPrefetch = 2048;        // phase 2: bytes of the next run requested ahead
+constexpr int64_t kRunBlocks = 256;           // phase 2: adjacent groups scored in one pass, up to these blocks
 
-inline bool heap_less(const BlockSelector::Cand& a, const BlockSelector::Cand& b) {  // as select_runs'
-  return a.score > b.score || (a.score == b.score && a.id < b.id);
-}
+struct HeapLess {  // select_runs' order: a better block (higher score, then the lower id) sorts below
+  bool operator()(const BlockSelector::Cand& a, const BlockSelector::Cand& b) const {
+    return a.score > b.score || (a.score == b.score && a.id < b.id);
+  }
+};
+
+// A k-heap over h[0, k): the best k offered under HeapLess, h[0] the worst kept (a functor, not a function
+// pointer: the heap's sifts inline their comparisons).
+struct TopK {
+  BlockSelector::Cand* h;
+  int64_t n, k;
+  bool full() const { return n == k; }
+  double kth() const { return h[0].score; }
+  void offer(const BlockSelector::Cand& c) {
+    if (n < k) {
+      h[n++] = c;
+      std::push_heap(h, h + n, HeapLess());
+    } else if (HeapLess()(c, h[0])) {
+      std::pop_heap(h, h + n, HeapLess());
+      h[n - 1] = c;
+      std::push_heap(h, h + n, HeapLess());
+    }
+  }
+};
 
 // Group heap order: the greater bound on top, then the lower group (a fixed visiting order).
 inline bool group_less(const std::pair<double, int32_t>& a, const std::pair<double, int32_t>& b) {
@@ -86,63 +112,132 @@ void BlockSelector::select_pruned(const StoreLayer& L, int H, const SelectReques
   const int64_t nb = lay_.n_blocks(L), G = lay_.cfg.index_group, ng = lay_.n_groups(nb);
   const int n_sets = int(runs_.size());
   const bool shared = req.mode == HeadMode::SHARED;
+  const int64_t kc = std::max<int64_t>(kcap, 1);  // heap room
   gsets_.resize(size_t(n_sets) * ng);
   group_bounds(L, H, req.mode, gsets_.data());
   const auto t1 = Clock::now();
   t.score_s = std::chrono::duration<double>(t1 - t0).count();
 
-  // ---- per set: the walk over its groups ----
+  // Scores the candidate blocks of set s in groups [g0, g1) (runs from the first one that ends after the first
+  // block) and offers them to top; returns how many.
+  auto visit = [&](int s, int64_t g0, int64_t g1, TopK& top) {
+    const Runs& R = runs_[s];
+    const int h0 = shared ? 0 : s, h1 = shared ? KVH : s + 1;
+    const int64_t b0 = g0 * G, b1 = std::min(nb, g1 * G);
+    float* sc = thread_scratch(size_t(b1 - b0));  // [b1 - b0] the blocks' scores
+    int64_t scored = 0;
+    size_t r = std::upper_bound(R.start.begin(), R.start.end(), int32_t(b0)) - R.start.begin();
+    if (r > 0 && R.start[r - 1] + R.len[r - 1] > b0) --r;
+    for (; r < R.start.size() && R.start[r] < b1; ++r) {
+      const int64_t c0 = std::max<int64_t>(b0, R.start[r]), c1 = std::min<int64_t>(b1, R.start[r] + R.len[r]);
+      float* out = sc + (c0 - b0);
+      for (int h = h0; h < h1; ++h) score_blocks(L, H, h, c0, c1 - c0, out, h > h0);
+      for (int64_t b = c0; b < c1; ++b) top.offer({std::isnan(out[b - c0]) ? kNegInf : out[b - c0], int32_t(b)});
+      scored += c1 - c0;
+    }
+    return scored;
+  };
+
+  // ---- phase 1, per set: groups in descending bound until kSeedBlocks x k blocks are scored ----
+  // Enough to find a k-th score near the final one (the threshold of phase 2), or the whole answer when
+  // the next bound falls strictly below the k-th score first (then the set is done).
   gheap_.resize(size_t(n_sets) * ng);
-  gscores_.resize(size_t(n_sets) * G);
-  heap_.resize(size_t(n_sets) * std::max<int64_t>(kcap, 1));
+  seen_.assign(size_t(n_sets) * ng, 0);
+  heap_.resize(size_t(n_sets) * kc);
+  set_n_.assign(n_sets, 0);
   set_scored_.assign(n_sets, 0);
+  set_done_.assign(n_sets, 1);
   const int walk_threads = n_sets > 1 && stats_.candidates >= kParallelWalk ? lay_.cfg.threads_num : 1;
   ThreadPool::global().parallel_for(n_sets, walk_threads, [&](int64_t s) {
-    const Runs& R = runs_[s];
-    const int64_t k = std::min<int64_t>(req.k_per_set[s], R.prefix.back());
-    int32_t* row = out_ids + s * int64_t(out_cols);
-    int64_t n = 0;
-    if (k > 0) {
-      const int h0 = shared ? 0 : int(s), h1 = shared ? KVH : int(s) + 1;
-      std::pair<double, int32_t>* gh = gheap_.data() + s * ng;
-      for (int64_t g = 0; g < ng; ++g) gh[g] = {gsets_[s * ng + g], int32_t(g)};
-      std::make_heap(gh, gh + ng, group_less);
-      Cand* heap = heap_.data() + s * std::max<int64_t>(kcap, 1);
-      float* sc = gscores_.data() + s * G;
-      int64_t left = ng, scored = 0;
-      while (left > 0) {
-        if (n == k && gh[0].first < double(heap[0].score)) break;  // strictly below: nothing left can enter
-        const int64_t b0 = int64_t(gh[0].second) * G, b1 = std::min(nb, b0 + G);
-        std::pop_heap(gh, gh + left, group_less);
-        --left;
-        // The group's candidates: runs from the first one that ends after b0 (runs ascending, disjoint).
-        size_t r = std::upper_bound(R.start.begin(), R.start.end(), int32_t(b0)) - R.start.begin();
-        if (r > 0 && R.start[r - 1] + R.len[r - 1] > b0) --r;
-        for (; r < R.start.size() && R.start[r] < b1; ++r) {
-          const int64_t c0 = std::max<int64_t>(b0, R.start[r]), c1 = std::min<int64_t>(b1, R.start[r] + R.len[r]);
-          for (int h = h0; h < h1; ++h) score_blocks(L, H, h, c0, c1 - c0, sc, h > h0);
-          scored += c1 - c0;
-          for (int64_t b = c0; b < c1; ++b) {
-            const Cand c{std::isnan(sc[b - c0]) ? kNegInf : sc[b - c0], int32_t(b)};
-            if (n < k) {
-              heap[n++] = c;
-              std::push_heap(heap, heap + n, heap_less);
-            } else if (heap_less(c, heap[0])) {
-              std::pop_heap(heap, heap + n, heap_less);
-              heap[n - 1] = c;
-              std::push_heap(heap, heap + n, heap_less);
-            }
-          }
-        }
+    const int64_t k = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
+    if (k == 0) return;
+    std::pair<double, int32_t>* gh = gheap_.data() + s * ng;
+    for (int64_t g = 0; g < ng; ++g) gh[g] = {gsets_[s * ng + g], int32_t(g)};
+    std::make_heap(gh, gh + ng, group_less);
+    TopK top{heap_.data() + s * kc, 0, k};
+    int64_t left = ng, scored = 0;
+    for (; left > 0 && !(top.full() && gh[0].first < top.kth()); --left) {  // strictly below: none can enter
+      if (scored >= kSeedBlocks * k + G) {  // phase 2 takes the rest in memory order
+        set_done_[s] = 0;
+        break;
       }
-      for (int64_t i = 0; i < n; ++i) row[i] = heap[i].id;
-      std::sort(row, row + n);  // ascending, as the flat path
-      set_scored_[s] = scored;
+      const int64_t g = gh[0].second;
+      std::pop_heap(gh, gh + left, group_less);
+      seen_[s * ng + g] = 1;
+      scored += visit(int(s), g, g + 1, top);
     }
-    std::fill(row + n, row + out_cols, -1);
+    set_n_[s] = top.n;
+    set_scored_[s] = scored;
   });
+
+  // ---- phase 2: the unfinished sets' other groups in ascending order, in fixed chunks ----
+  // A chunk keeps its own top k and skips a group whose bound is strictly below the set's phase-1 k-th
+  // score or its own k-th: each skipped block is strictly worse than k blocks of the set, so the union of
+  // phase 1's and the chunks' top k holds the set's top k. Chunks depend on the problem only (determinism).
+  // Few large chunks: each keeps its own top k, and a chunk's k-th rises more slowly than the set's would.
+  const int64_t chunk_groups = std::max<int64_t>(1, kWalkBlocksPerTask / G);
+  const int64_t chunks_per_set = (ng + chunk_groups - 1) / chunk_groups;
+  std::vector<int64_t>& task_set = chunk_task_;  // the unfinished sets' chunks: set * chunks_per_set + chunk
+  task_set.clear();
+  for (int s = 0; s < n_sets; ++s)
+    for (int64_t c = 0; !set_done_[s] && c < chunks_per_set; ++c) task_set.push_back(s * chunks_per_set + c);
+  const int64_t n_tasks = int64_t(task_set.size());
+  chunk_heap_.resize(size_t(n_tasks) * kc);
+  chunk_n_.assign(n_tasks, 0);
+  chunk_scored_.assign(n_tasks, 0);
+  const int chunk_threads = n_tasks > 1 ? lay_.cfg.threads_num : 1;
+  ThreadPool::global().parallel_for(n_tasks, chunk_threads, [&](int64_t i) {
+    const int s = int(task_set[i] / chunks_per_set);
+    const int64_t g0 = (task_set[i] % chunks_per_set) * chunk_groups, g1 = std::min(ng, g0 + chunk_groups);
+    const int64_t k = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
+    const Cand* seed = heap_.data() + s * kc;
+    const double floor = set_n_[s] == k ? double(seed[0].score) : -kInf;  // phase 1's k-th score
+    const double* bound = gsets_.data() + s * ng;
+    const uint8_t* seen = seen_.data() + s * ng;
+    TopK top{chunk_heap_.data() + i * kc, 0, k};
+    auto wanted = [&](int64_t g) {
+      return !seen[g] && !(bound[g] < floor) && !(top.full() && bound[g] < top.kth());
+    };
+    const size_t row_bytes = size_t(lay_.A) * lay_.cfg.head_dim * lay_.anchor_elem_bytes();
+    const int64_t run_groups = std::max<int64_t>(1, kRunBlocks / G);  // groups scored in one pass at most
+    int64_t g = g0, scored = 0;
+    while (g < g1 && !wanted(g)) ++g;
+    while (g < g1) {
+      // A run of adjacent wanted groups is one stream; the next run's first lines are requested while it is
+      // scored (the kernel's own prefetch then runs ahead inside it; a burst over a whole run would stall the
+      // core on its miss buffers).
+      int64_t e = g + 1;
+      while (e < g1 && e - g < run_groups && wanted(e)) ++e;
+      int64_t next = e;
+      while (next < g1 && !wanted(next)) ++next;
+      if (next < g1 && next > e)
+        for (int h = shared ? 0 : s; h < (shared ? KVH : s + 1); ++h)
+          prefetch_l2(lay_.anchor_bytes(L, h, next * G), std::min<size_t>(kJumpPrefetch, row_bytes * G));
+      scored += visit(s, g, e, top);
+      for (g = next; g < g1 && !wanted(g); ++g) {  // the k-th may have risen
+      }
+    }
+    chunk_n_[i] = top.n;
+    chunk_scored_[i] = scored;
+  });
+
+  // ---- per set: the top k of phase 1's and its chunks' picks ----
+  int64_t ti = 0;
+  for (int s = 0; s < n_sets; ++s) {
+    const int64_t k = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
+    TopK top{heap_.data() + s * kc, set_n_[s], k};
+    for (; ti < n_tasks && task_set[ti] / chunks_per_set == s; ++ti) {
+      const Cand* c = chunk_heap_.data() + ti * kc;
+      for (int64_t j = 0; j < chunk_n_[ti]; ++j) top.offer(c[j]);
+      set_scored_[s] += chunk_scored_[ti];
+    }
+    int32_t* row = out_ids + s * int64_t(out_cols);
+    for (int64_t i = 0; i < top.n; ++i) row[i] = top.h[i].id;
+    std::sort(row, row + top.n);  // ascending, as the flat path
+    std::fill(row + top.n, row + out_cols, -1);
+    stats_.blocks_scored += set_scored_[s];
+  }
   stats_.groups = int64_t(n_sets) * ng;
-  for (int s = 0; s < n_sets; ++s) stats_.blocks_scored += set_scored_[s];
   t.topk_s = seconds_since(t1);
 }
 

@@ -90,8 +90,12 @@ class BlockSelector {
   std::vector<float> gbound_, gmag_;               // index: score_bounds' outputs, [KVH, n_groups]
   std::vector<double> gsets_;                      // index: each set's group bounds, [n_sets, n_groups]
   std::vector<std::pair<double, int32_t>> gheap_;  // index: (bound, group) heaps, [n_sets, n_groups]
-  std::vector<float> gscores_;                     // index: a visited group's block scores, [n_sets, index_group]
-  std::vector<int64_t> set_scored_;                // index: blocks scored per set
+  std::vector<uint8_t> seen_;                      // index: groups phase 1 scored, [n_sets, n_groups]
+  std::vector<int64_t> set_n_, set_scored_;        // index: per set, phase 1's kept and scored blocks
+  std::vector<uint8_t> set_done_;                  // index: per set, phase 1 found the top k
+  std::vector<int64_t> chunk_task_;                // index: phase 2 chunks, set * chunks_per_set + chunk
+  std::vector<Cand> chunk_heap_;                   // index: phase 2 chunks' top k, [n_chunks, kcap]
+  std::vector<int64_t> chunk_n_, chunk_scored_;    // index: per chunk, kept and scored blocks
   IndexStats stats_;
 };
 
