@@ -11,6 +11,17 @@ namespace ktq {
 
 namespace {
 
+// x rounded to fp16 toward -inf (down) or +inf (up): the nearest half, stepped once when it lies on the wrong
+// side (fp16 bits are ordered by magnitude within a sign; -0 steps down to the smallest negative subnormal).
+uint16_t f16_directed(float x, bool up) {
+  uint16_t h = f32_to_f16(x);
+  const float v = f16_to_f32(h);
+  if (up ? v >= x : v <= x) return h;
+  const bool neg = h & 0x8000, zero = (h & 0x7fff) == 0;
+  if (zero) return up ? 0x0001 : 0x8001;
+  return (neg == up) ? h - 1 : h + 1;  // toward zero if (negative, up) or (positive, down), else away
+}
+
 // Merge block b's valid anchor rows of head h into the group row g: [2, D] = min row, max row.
 void merge_block(const StoreLayout& lay, const StoreLayer& L, int h, int64_t b, float* g, float* work) {
   const int D = lay.cfg.head_dim, A = lay.A;
@@ -38,19 +49,22 @@ void update_group_bounds(const StoreLayout& lay, const StoreLayer& L, int h, int
   const int64_t G = lay.cfg.index_group;
   if (G == 0 || nb <= b_lo) return;
   const int D = lay.cfg.head_dim;
-  float* work = thread_scratch(size_t(lay.A) * D);  // [A, D] one block's decoded fp16 anchors
+  float* work = thread_scratch(size_t(lay.A + 2) * D);  // [A, D] a block's decoded fp16 anchors, [2, D] a row
+  float* row = work + size_t(lay.A) * D;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int64_t g = b_lo / G; g * G < nb; ++g) {
     const int64_t g0 = g * G, g1 = std::min(nb, g0 + G);
-    float* row = lay.bound_at(L, h, g);  // [2, D]
+    uint16_t* stored = lay.bound_at(L, h, g);  // [2, D] fp16
     int64_t from = g0;
     if (widened && g0 < old_nb) {
       from = std::max(g0, b_lo);  // the group's bounds already hold [g0, from) and the old hull of `from`
+      for (int c = 0; c < 2 * D; ++c) row[c] = f16_to_f32(stored[c]);
     } else {
       std::fill(row, row + D, kInf);
       std::fill(row + D, row + 2 * D, -kInf);
     }
     for (int64_t b = from; b < g1; ++b) merge_block(lay, L, h, b, row, work);
+    for (int d = 0; d < D; ++d) stored[d] = f16_directed(row[d], false), stored[D + d] = f16_directed(row[D + d], true);
   }
 }
 

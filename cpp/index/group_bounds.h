@@ -1,6 +1,8 @@
 // The hierarchical index's bounds: per layer, KV head and group of index_group consecutive blocks, the
 // element-wise min and max over every anchor row of the group's blocks (QUEST: the min of the min rows and
-// the max of the max rows). The store keeps them exact as its anchors change (append, truncate); a
+// the max of the max rows), as fp16 rounded outward (min down, max up: still bounds, half of fp32's bytes to
+// stream; exact for fp16 anchors; past fp16's range a row holds -inf / +inf and its group has no bound). The
+// store keeps them exact as its anchors change (append, truncate); a
 // selection scores them first (index/bound_kernels.h) and scores the blocks of a group only when its bound
 // says it may hold a top-k block (select/pruned_select.cpp).
 //
@@ -13,7 +15,9 @@
 //   FIXED /      sum_g max_j q_g . a_j <= sum_g sum_d max(q_gd gmin_d, q_gd gmax_d) = sum_d (Q-_d gmin_d +
 //   DYNAMIC      Q+_d gmax_d), Q-_d = sum_g min(q_gd, 0), Q+_d = sum_g max(q_gd, 0).
 // So every type's bound is one dot product of [gmin | gmax] with a per-head [Q- | Q+] (BlockSelector builds
-// them, bound_kernels.h computes it); fp32 rounding is covered by a margin (pruned_select.cpp).
+// them, bound_kernels.h computes it); fp32 rounding is covered by a margin (pruned_select.cpp). Rounding
+// outward commutes with min / max (monotone), so merging into rounded rows gives the rows a recomputation
+// gives.
 #pragma once
 
 #include <cstdint>

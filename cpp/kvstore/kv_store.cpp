@@ -42,7 +42,7 @@ KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_
       if (r.sums) L.sums = static_cast<double*>(grab(r.sums));
       if (r.imp) L.imp = static_cast<float*>(grab(r.imp));
       if (r.pos) L.pos = static_cast<int32_t*>(grab(r.pos));
-      if (r.bounds) L.bounds = static_cast<float*>(grab(r.bounds));
+      if (r.bounds) L.bounds = static_cast<uint16_t*>(grab(r.bounds));
     }
   } catch (const std::bad_alloc& e) {  // name the whole store: what the caller asked for
     throw alloc_error("KVStore: reserving " + bytes_str(lay_.bytes()) + " for n_layers=" +
@@ -384,8 +384,9 @@ bool KVStore::read_bounds(int layer, int64_t ng, float* bounds) const {
   const StoreLayer& L = layer_at(layer);
   check_index();
   if (lay_.n_groups(lay_.n_blocks(L)) != ng) return false;
-  for (int h = 0; h < lay_.cfg.n_kv_heads; ++h)
-    std::memcpy(bounds + h * ng * 2 * lay_.cfg.head_dim, lay_.bound_at(L, h, 0), ng * 2 * lay_.cfg.head_dim * 4);
+  for (int h = 0; h < lay_.cfg.n_kv_heads; ++h)  // fp16 -> fp32: exact
+    scalar::input_to_f32(InType::F16, lay_.bound_at(L, h, 0), ng * 2 * lay_.cfg.head_dim,
+                         bounds + h * ng * 2 * lay_.cfg.head_dim);
   return true;
 }
 

@@ -68,7 +68,8 @@ class KVStore {
   void truncate(int layer, int64_t n);
   // anchors: [KVH, nb = n_blocks, A, D], counts: [KVH, nb] (valid anchors per block); as read().
   bool read_anchors(int layer, int64_t nb, float* anchors, int32_t* counts) const;
-  // The hierarchical index's rows: bounds [KVH, ng = n_groups, 2, D] (each group's min row, max row); as read().
+  // The hierarchical index's rows as fp32: bounds [KVH, ng = n_groups, 2, D] (each group's min row, max row);
+  // as read().
   // std::invalid_argument without an index (index_group 0).
   bool read_bounds(int layer, int64_t ng, float* bounds) const;
   int64_t n_groups(int layer) const;  // index groups of the layer's blocks (0 without an index)

@@ -78,7 +78,7 @@ StoreRegions StoreLayout::regions(size_t hb) const {
 
 size_t StoreLayout::group_bytes(int64_t n) const {
   return checked_mul<size_t>(checked_mul<size_t>(size_t(n), cfg.n_kv_heads, "index groups of a layer"),
-                             size_t(2) * cfg.head_dim * 4, "the index's bounds");
+                             size_t(2) * cfg.head_dim * 2, "the index's bounds");
 }
 
 size_t StoreRegions::total() const {

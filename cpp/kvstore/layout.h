@@ -12,9 +12,9 @@
 //   n_anchor: [KVH, max_blocks]         int32 valid anchors (FIXED/DYNAMIC; partial blocks have fewer)
 //   sums:     [KVH, max_blocks, D]      fp64 running key sums (BLOCK_MEAN; exact for FP16/BF16 keys)
 //   imp, pos: [KVH, max_blocks, A]      anchor importance / token position (DYNAMIC)
-//   bounds:   [KVH, max_groups, 2, D]   fp32 (index_group > 0) the hierarchical index: per group of
+//   bounds:   [KVH, max_groups, 2, D]   fp16 (index_group > 0) the hierarchical index: per group of
 //                                        index_group consecutive blocks, the element-wise min then max over
-//                                        the group's anchor rows (index/group_bounds.h)
+//                                        the group's anchor rows, rounded outward (index/group_bounds.h)
 //   candidates (cand_cache.h): for a request that passes preselected candidate lists (SnapKV), their
 //             anchor rows and their K/V tiles copied into one compact region per layer, read by
 //             select_attend instead of the scattered originals
@@ -89,7 +89,7 @@ struct StoreLayer {
   double* sums = nullptr;       // [KVH, max_blocks, D]   BLOCK_MEAN
   float* imp = nullptr;         // [KVH, max_blocks, A]   DYNAMIC
   int32_t* pos = nullptr;       // [KVH, max_blocks, A]   DYNAMIC
-  float* bounds = nullptr;      // [KVH, max_groups, 2, D] group min, max (index_group > 0)
+  uint16_t* bounds = nullptr;   // [KVH, max_groups, 2, D] fp16 group min, max (index_group > 0)
   int64_t len = 0;
   uint64_t gen = 0;             // bumped when truncate drops tokens: full blocks may then be rewritten
 };
@@ -140,7 +140,7 @@ struct StoreLayout {
     if (a16) return reinterpret_cast<const uint8_t*>(anchor16_at(L, h, b));
     return reinterpret_cast<const uint8_t*>(anchor_at(L, h, b));
   }
-  float* bound_at(const StoreLayer& L, int h, int64_t g) const {  // group g's [2, D]: min row, max row
+  uint16_t* bound_at(const StoreLayer& L, int h, int64_t g) const {  // group g's [2, D] fp16: min row, max row
     return L.bounds + (h * max_groups + g) * 2 * int64_t(cfg.head_dim);
   }
   // Row r of a tile: its row_bytes of data and its row_scales scales.

@@ -1,17 +1,20 @@
 // Block selection through the hierarchical index (selector.h, index/group_bounds.h): every group's bound,
-// then per set a walk over the groups in descending bound that scores a group's candidate blocks only while
-// its bound can still reach the k-th best score found. The picks equal the flat scan's (select_runs).
+// then per set a walk that scores a group's candidate blocks only while its bound can still reach the k-th
+// best score: first in descending bound (a few k blocks: the k-th score of the best groups, or the whole
+// answer), then the remaining groups in memory order, skipping each whose bound is below the k-th score
+// known. The picks equal the flat scan's (select_runs).
 //
 // Exactness. A group's fp32 bound B and magnitude T (index/bound_kernels.h) become a bound of every fp32
 // score the flat path computes for its blocks: B + c * T + e in fp64, where c covers the relative rounding
 // of that score, of B and of the query's fold (each a sum of at most n_terms products: |fl(sum) - sum| <=
 // n u sum |terms| <= n u T, u = 2^-24, doubled for slack) and e the absolute error of subnormal products.
 // A T that is not below 2^100 (an overflow, an empty group's +-inf rows) gives no bound: +inf, visited.
-// The walk stops at the first group whose bound is *strictly* below the k-th best score kept: every block
-// left is then strictly worse than k kept blocks, so it is in no top k, whatever the tie rule; a group whose
-// bound equals the k-th score is visited (its blocks could tie and win on a lower id). Within the visited
-// blocks the k-heap keeps the top k under the flat path's strict order (higher score, then the lower id;
-// NaN as -inf), so the set is the same, ascending as the flat path writes it.
+// A group is skipped only when its bound is *strictly* below the k-th best score of k blocks already scored
+// (the set's, or a chunk's own): each of its blocks is then strictly worse than k blocks, so it is in no top
+// k, whatever the tie rule (a group whose bound equals that score is visited: its blocks could tie and win on
+// a lower id). Every block of the top k is thus scored and kept by the heap of its phase or chunk (the best k
+// under the flat path's strict order: higher score, then the lower id; NaN as -inf), and the merge of those
+// heaps keeps the same k, ascending as the flat path writes them.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -33,7 +36,8 @@ constexpr double kNoBoundMag = 0x1p100;       // T from here on (or NaN): no bou
 constexpr int64_t kParallelWalk = 512;        // sets walk on threads from this many candidates on (as top-k)
 constexpr int64_t kSeedBlocks = 4;            // phase 1 scores this many times k blocks (then phase 2)
 constexpr int64_t kWalkBlocksPerTask = 1 << 16;  // phase 2 task: the groups of this many blocks of one set
-constexpr size_t kJumpPrefetch = 2048;        // phase 2: bytes of the next run requested ahead
+constexpr size_t kJumpPrefetch = 2048;        // phase 2: bytes of a group after a gap requested ahead
+constexpr int64_t kJumpsAhead = 4;            // phase 2: groups after a gap requested ahead
 constexpr int64_t kRunBlocks = 256;           // phase 2: adjacent groups scored in one pass, up to these blocks
 
 struct HeapLess {  // select_runs' order: a better block (higher score, then the lower id) sorts below
@@ -61,10 +65,11 @@ struct TopK {
   }
 };
 
-// Group heap order: the greater bound on top, then the lower group (a fixed visiting order).
-inline bool group_less(const std::pair<double, int32_t>& a, const std::pair<double, int32_t>& b) {
-  return a.first < b.first || (a.first == b.first && a.second > b.second);
-}
+struct GroupFirst {  // phase 1's visiting order: the greater bound first, then the lower group
+  bool operator()(const std::pair<double, int32_t>& a, const std::pair<double, int32_t>& b) const {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  }
+};
 
 }  // namespace
 
@@ -75,7 +80,7 @@ void BlockSelector::group_bounds(const StoreLayer& L, int H, HeadMode mode, doub
   gbound_.resize(size_t(KVH) * ng);
   gmag_.resize(size_t(KVH) * ng);
   const int64_t tasks_per_head = (ng + kBoundGroupsPerTask - 1) / kBoundGroupsPerTask;
-  const int64_t bytes = int64_t(KVH) * ng * 2 * D * 4;
+  const int64_t bytes = int64_t(KVH) * ng * 2 * D * 2;
   const bool simd = use_avx2() && D % 8 == 0;
   ThreadPool::global().parallel_for(KVH * tasks_per_head, bytes >= kParallelBytes ? lay_.cfg.threads_num : 1,
                                     [&](int64_t task) {
@@ -140,8 +145,9 @@ void BlockSelector::select_pruned(const StoreLayer& L, int H, const SelectReques
 
   // ---- phase 1, per set: groups in descending bound until kSeedBlocks x k blocks are scored ----
   // Enough to find a k-th score near the final one (the threshold of phase 2), or the whole answer when
-  // the next bound falls strictly below the k-th score first (then the set is done).
-  gheap_.resize(size_t(n_sets) * ng);
+  // the next bound falls strictly below the k-th score first (then the set is done). Only the m best groups
+  // are ordered (a partition, then a sort of those): past them phase 2 takes over.
+  gorder_.resize(size_t(n_sets) * ng);
   seen_.assign(size_t(n_sets) * ng, 0);
   heap_.resize(size_t(n_sets) * kc);
   set_n_.assign(n_sets, 0);
@@ -151,20 +157,20 @@ void BlockSelector::select_pruned(const StoreLayer& L, int H, const SelectReques
   ThreadPool::global().parallel_for(n_sets, walk_threads, [&](int64_t s) {
     const int64_t k = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
     if (k == 0) return;
-    std::pair<double, int32_t>* gh = gheap_.data() + s * ng;
-    for (int64_t g = 0; g < ng; ++g) gh[g] = {gsets_[s * ng + g], int32_t(g)};
-    std::make_heap(gh, gh + ng, group_less);
+    const int64_t budget = kSeedBlocks * k + G, m = std::min(ng, 2 * (budget / G) + 8);
+    std::pair<double, int32_t>* go = gorder_.data() + s * ng;
+    for (int64_t g = 0; g < ng; ++g) go[g] = {gsets_[s * ng + g], int32_t(g)};
+    if (m < ng) std::nth_element(go, go + m, go + ng, GroupFirst());  // go[0, m): the m best, unordered
+    std::sort(go, go + m, GroupFirst());
     TopK top{heap_.data() + s * kc, 0, k};
-    int64_t left = ng, scored = 0;
-    for (; left > 0 && !(top.full() && gh[0].first < top.kth()); --left) {  // strictly below: none can enter
-      if (scored >= kSeedBlocks * k + G) {  // phase 2 takes the rest in memory order
-        set_done_[s] = 0;
+    int64_t scored = 0;
+    for (int64_t i = 0;; ++i) {  // not done: the m best groups ran out with others left, or the budget did
+      if (i == m || scored >= budget || (top.full() && go[i].first < top.kth())) {  // strictly below: done
+        set_done_[s] = i == m ? m == ng : scored < budget || (top.full() && go[i].first < top.kth());
         break;
       }
-      const int64_t g = gh[0].second;
-      std::pop_heap(gh, gh + left, group_less);
-      seen_[s * ng + g] = 1;
-      scored += visit(int(s), g, g + 1, top);
+      seen_[s * ng + go[i].second] = 1;
+      scored += visit(int(s), go[i].second, go[i].second + 1, top);
     }
     set_n_[s] = top.n;
     set_scored_[s] = scored;
@@ -200,21 +206,32 @@ void BlockSelector::select_pruned(const StoreLayer& L, int H, const SelectReques
     };
     const size_t row_bytes = size_t(lay_.A) * lay_.cfg.head_dim * lay_.anchor_elem_bytes();
     const int64_t run_groups = std::max<int64_t>(1, kRunBlocks / G);  // groups scored in one pass at most
+    // Scattered groups are latency-bound: the first lines of the next kJumpsAhead groups that follow a gap
+    // are requested ahead (the kernel's own prefetch then runs ahead inside each). Adjacent groups stream on
+    // their own, and a burst over whole groups would stall the core on its miss buffers.
+    int64_t pf = g0, pf_last = g0 - 2;  // the prefetch cursor: groups below pf examined; the last wanted one
+    int64_t jumps[kJumpsAhead], n_jumps = 0, j0 = 0;  // requested gap targets not reached yet (a ring)
+    auto prefetch_ahead = [&](int64_t from) {
+      if (pf < from) pf = from, pf_last = from - 1;
+      for (; pf < g1 && n_jumps < kJumpsAhead; ++pf) {
+        if (!wanted(pf)) continue;
+        if (pf != pf_last + 1) {
+          for (int h = shared ? 0 : s; h < (shared ? KVH : s + 1); ++h)
+            prefetch_l2(lay_.anchor_bytes(L, h, pf * G), std::min<size_t>(kJumpPrefetch, row_bytes * G));
+          jumps[(j0 + n_jumps++) % kJumpsAhead] = pf;
+        }
+        pf_last = pf;
+      }
+    };
     int64_t g = g0, scored = 0;
     while (g < g1 && !wanted(g)) ++g;
     while (g < g1) {
-      // A run of adjacent wanted groups is one stream; the next run's first lines are requested while it is
-      // scored (the kernel's own prefetch then runs ahead inside it; a burst over a whole run would stall the
-      // core on its miss buffers).
-      int64_t e = g + 1;
+      int64_t e = g + 1;  // a run of adjacent wanted groups: one stream
       while (e < g1 && e - g < run_groups && wanted(e)) ++e;
-      int64_t next = e;
-      while (next < g1 && !wanted(next)) ++next;
-      if (next < g1 && next > e)
-        for (int h = shared ? 0 : s; h < (shared ? KVH : s + 1); ++h)
-          prefetch_l2(lay_.anchor_bytes(L, h, next * G), std::min<size_t>(kJumpPrefetch, row_bytes * G));
+      while (n_jumps > 0 && jumps[j0] < e) j0 = (j0 + 1) % kJumpsAhead, --n_jumps;
+      prefetch_ahead(e);
       scored += visit(s, g, e, top);
-      for (g = next; g < g1 && !wanted(g); ++g) {  // the k-th may have risen
+      for (g = e; g < g1 && !wanted(g); ++g) {  // the k-th may have risen
       }
     }
     chunk_n_[i] = top.n;

@@ -89,7 +89,7 @@ class BlockSelector {
   std::vector<int32_t> topkeys_;                   // top-k: top_k's scratch keys, [n_sets, candidates]
   std::vector<float> gbound_, gmag_;               // index: score_bounds' outputs, [KVH, n_groups]
   std::vector<double> gsets_;                      // index: each set's group bounds, [n_sets, n_groups]
-  std::vector<std::pair<double, int32_t>> gheap_;  // index: (bound, group) heaps, [n_sets, n_groups]
+  std::vector<std::pair<double, int32_t>> gorder_;  // index: (bound, group) in phase 1's order, [n_sets, n_groups]
   std::vector<uint8_t> seen_;                      // index: groups phase 1 scored, [n_sets, n_groups]
   std::vector<int64_t> set_n_, set_scored_;        // index: per set, phase 1's kept and scored blocks
   std::vector<uint8_t> set_done_;                  // index: per set, phase 1 found the top k
