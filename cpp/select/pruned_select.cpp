@@ -51,15 +51,18 @@ struct HeapLess {  // select_runs' order: a better block (higher score, then the
 struct TopK {
   BlockSelector::Cand* h;
   int64_t n, k;
+  float floor = -std::numeric_limits<float>::infinity();  // a score strictly below it is in no top k
   bool full() const { return n == k; }
   double kth() const { return h[0].score; }
   void offer(const BlockSelector::Cand& c) {
-    if (n < k) {
+    if (n == k) {  // full: every kept block is >= floor, so the k-th alone decides (a predictable branch)
+      if (k > 0 && HeapLess()(c, h[0])) {
+        std::pop_heap(h, h + n, HeapLess());
+        h[n - 1] = c;
+        std::push_heap(h, h + n, HeapLess());
+      }
+    } else if (!(c.score < floor)) {
       h[n++] = c;
-      std::push_heap(h, h + n, HeapLess());
-    } else if (HeapLess()(c, h[0])) {
-      std::pop_heap(h, h + n, HeapLess());
-      h[n - 1] = c;
       std::push_heap(h, h + n, HeapLess());
     }
   }
@@ -197,10 +200,10 @@ void BlockSelector::select_pruned(const StoreLayer& L, int H, const SelectReques
     const int64_t g0 = (task_set[i] % chunks_per_set) * chunk_groups, g1 = std::min(ng, g0 + chunk_groups);
     const int64_t k = std::min<int64_t>(req.k_per_set[s], runs_[s].prefix.back());
     const Cand* seed = heap_.data() + s * kc;
-    const double floor = set_n_[s] == k ? double(seed[0].score) : -kInf;  // phase 1's k-th score
+    const float floor = set_n_[s] == k ? seed[0].score : kNegInf;  // phase 1's k-th score
     const double* bound = gsets_.data() + s * ng;
     const uint8_t* seen = seen_.data() + s * ng;
-    TopK top{chunk_heap_.data() + i * kc, 0, k};
+    TopK top{chunk_heap_.data() + i * kc, 0, k, floor};  // blocks below phase 1's k-th never enter
     auto wanted = [&](int64_t g) {
       return !seen[g] && !(bound[g] < floor) && !(top.full() && bound[g] < top.kth());
     };
