@@ -313,6 +313,24 @@ def test_index_group_decodes_the_same_tokens(tiny, tiny_llama, G):
     assert indexed.cache.store.last_index_stats()["groups"] > 0
 
 
+@pytest.mark.slow
+def test_index_group_on_the_bundled_model(bundled_gguf):
+    """quest on SmolLM2 (real keys: a source file's 450 tokens, 8-token blocks, 16 a step past a 64-token local
+    window): the same greedy reply with index_group 1 and 4; with groups of one block (bound = the block's
+    score plus rounding) the last layer's pick skipped blocks."""
+    import ktquest
+
+    sets = {"max_seq_len": 1024, "threads": 2, "long_context.local_windows_len": 64,
+            "long_context.second_select_num": 16}
+    text = (Path(__file__).resolve().parent / "test_config.py").read_text()[:1600]
+    engines = [ktquest.load(bundled_gguf, CONFIGS / "quest.yaml", **sets, **{"long_context.index_group": ig})
+               for ig in (0, 1, 4)]
+    replies = [e.generate(text, max_new_tokens=10) for e in engines]
+    assert replies[1] == replies[0] and replies[2] == replies[0]
+    stats = engines[1].cache.store.last_index_stats()
+    assert stats["groups"] > 0 and stats["blocks_scored"] < stats["candidates"], stats
+
+
 # ---- truncate ----
 
 

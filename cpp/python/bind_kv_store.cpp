@@ -150,7 +150,8 @@ void bind_kv_store(py::module_& m) {
           }
           if (done) return b;
         }
-      }, py::arg("layer"), "The index's group rows [KVH, n_groups, 2, D] fp32: each group's min row, then max row.")
+      }, py::arg("layer"), "The index's group rows [KVH, n_groups, 2, D] as fp32 (kept as fp16 rounded outward): each group's min "
+         "row, then max row.")
       .def("group_bounds", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
         py::array_t<float> q;
         const int H = query_arg(st, q_obj, q);

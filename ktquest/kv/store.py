@@ -179,9 +179,9 @@ class KVStore:
         return self._st.n_groups(layer)
 
     def bounds(self, layer: int) -> torch.Tensor:
-        """The index's group rows [KVH, n_groups, 2, D] fp32: the element-wise min, then max, over the anchor
-        rows of each group's blocks (QUEST: of their min rows, then of their max rows). ValueError without an
-        index."""
+        """The index's group rows [KVH, n_groups, 2, D] as fp32: the element-wise min, then max, over the anchor
+        rows of each group's blocks (QUEST: of their min rows, then of their max rows), kept as fp16 rounded
+        outward (min down, max up). ValueError without an index."""
         return torch.from_numpy(self._st.read_bounds(layer))
 
     # ---- decode ----
