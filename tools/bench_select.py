@@ -139,7 +139,7 @@ def bench(kind: str, N: int, layer, keys_of, qs, shape, args, flush: Flusher) ->
                     scored[i] += store.last_index_stats()["blocks_scored"]
     del stores
     rows = []
-    anchor_bytes = 2 * D * 2  # a (head, block)'s QUEST fp16 anchors
+    anchor_bytes = 2 * D * 2  # a (head, block)'s QUEST fp16 anchors; a (head, group)'s fp16 rows are as many
     for i, G in enumerate(groups):
         frac = scored[i] / (len(qs) * KVH * n_cand)
         ng = -(-nb // G) if G else 0
@@ -149,7 +149,7 @@ def bench(kind: str, N: int, layer, keys_of, qs, shape, args, flush: Flusher) ->
             "walk_ms": round(statistics.median(w for _, w in stage[i]), 3) if G else None,
             "speedup": round(statistics.median(f / x for f, x in zip(wall[0], wall[i])), 2),
             "blocks_scored": round(frac, 4), "groups_per_set": ng,
-            "bytes_vs_flat": round((ng * 2 * D * 4 + frac * n_cand * anchor_bytes) / (n_cand * anchor_bytes), 4),
+            "bytes_vs_flat": round((ng * 2 * D * 2 + frac * n_cand * anchor_bytes) / (n_cand * anchor_bytes), 4),
             "identical": all(torch.equal(a, b) for a, b in zip(ids[i], ids[0])),
         })
         print(fmt(rows[-1]), flush=True)

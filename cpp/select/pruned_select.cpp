@@ -167,9 +167,10 @@ void BlockSelector::select_pruned(const StoreLayer& L, int H, const SelectReques
     std::sort(go, go + m, GroupFirst());
     TopK top{heap_.data() + s * kc, 0, k};
     int64_t scored = 0;
-    for (int64_t i = 0;; ++i) {  // not done: the m best groups ran out with others left, or the budget did
-      if (i == m || scored >= budget || (top.full() && go[i].first < top.kth())) {  // strictly below: done
-        set_done_[s] = i == m ? m == ng : scored < budget || (top.full() && go[i].first < top.kth());
+    for (int64_t i = 0;; ++i) {
+      const bool below = i < m && top.full() && go[i].first < top.kth();  // strictly: no block left can enter
+      if (below || i == m || scored >= budget) {  // else phase 2 takes the groups left
+        set_done_[s] = below || (i == m && m == ng);
         break;
       }
       seen_[s * ng + go[i].second] = 1;
