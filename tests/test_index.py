@@ -18,6 +18,7 @@ from test_kv_store import ANCHOR_CASES
 
 from ktquest import _C
 from ktquest.config import ConfigError, LongContextConfig, load_config
+from ktquest.kv.memory import store_bytes
 from ktquest.kv.store import KVStore
 
 # ---- torch references ----
@@ -324,6 +325,11 @@ def test_bytes_count_the_group_bounds(G):
     for s in (flat, idx):
         s.append(1, torch.randn(1001, KVH, D), torch.randn(1001, KVH, D))
     assert idx.nbytes() - flat.nbytes() == KVH * -(-126 // G) * 2 * D * 2
+    # the long_context cache's fit check counts what a full store of its config holds
+    lc = LongContextConfig(block_size=bs, kv_type="FP16", index_group=G)
+    full = KVStore(1, KVH, D, 1000, block_size=bs, index_group=G)
+    full.append(0, torch.randn(1000, KVH, D), torch.randn(1000, KVH, D))
+    assert store_bytes(lc, 1, KVH, D, 1000) == full.nbytes()
 
 
 def test_bad_index_group_is_a_clear_error():
