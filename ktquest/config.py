@@ -140,6 +140,7 @@ class LongContextConfig:
     ada_gqa_merge: Literal["mean", "max"] = "mean"
     token_step: int = 1  # reselect every N decode tokens
     layer_step: int = 1  # reselect every N layers
+    index_group: int = 0  # blocks per group of the selection's min/max index (cpp/index/); 0 = none
 
     def __post_init__(self) -> None:
         p = "long_context."
@@ -173,6 +174,7 @@ class LongContextConfig:
         _check(0.0 <= self.ada_alpha <= 1.0, p + "ada_alpha", self.ada_alpha, "a number in [0, 1]")
         _check(self.token_step >= 1, p + "token_step", self.token_step, "an integer >= 1")
         _check(self.layer_step >= 1, p + "layer_step", self.layer_step, "an integer >= 1")
+        _check(self.index_group >= 0, p + "index_group", self.index_group, "an integer >= 0 (0 = no index)")
 
 
 @dataclass(slots=True)

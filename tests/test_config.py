@@ -94,6 +94,7 @@ def test_bad_enum(tmp_path):
     ("long_context:\n  preselect_pool_kernel: 4", "long_context.preselect_pool_kernel", "4", "odd"),
     ("mode: long_context\nmax_seq_len: 100", "long_context.local_windows_len", "1024", "<= max_seq_len (100)"),
     ("long_context:\n  int8_candidates: true", "long_context.int8_candidates", "True", "unless preselect_block"),
+    ("long_context:\n  index_group: -1", "long_context.index_group", "-1", "an integer >= 0 (0 = no index)"),
     ("long_context:\n  int8_candidates: true\n  preselect_block: true\n  anchor_type: DYNAMIC\n  anchor_num: 1",
      "long_context.int8_candidates", "True", "anchor_type DYNAMIC"),
     ("rope_scaling: dynamic", "rope_scaling_factor", "0.0", "a number >= 1 with rope_scaling: dynamic"),

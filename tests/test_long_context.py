@@ -274,6 +274,63 @@ def test_invalid_knobs_are_clear_errors(monkeypatch):
         cache.attend(0, q[:20], k[:20], v[:20], 0)
 
 
+# ---- the hierarchical index ----
+
+
+@pytest.mark.parametrize("G", [1, 2, 7])
+def test_index_group_decodes_the_same_tokens(tiny, tiny_llama, G):
+    """quest (4-token blocks, 4 blocks a step, every layer selecting) on the tiny model: with index_group
+    the same greedy tokens and the same logits, bit for bit, as the flat scan, through ktquest.load too. With
+    groups of 1 block the bound is the block's own score (plus rounding): blocks are pruned."""
+    import ktquest
+
+    cfg = preset("quest", block_size=4, init_windows_len=4, local_windows_len=16, second_select_num=4,
+                 dense_layer_num=0)
+    cfg = dataclasses.replace(cfg, chunk_size=32, max_seq_len=256)
+    caches = [LongContextCache(tiny.args, dataclasses.replace(cfg, long_context=dataclasses.replace(
+        cfg.long_context, index_group=ig)), 256) for ig in (0, G)]
+    assert caches[1].store.index_group == G
+    prompt = torch.arange(3, 200) * 7 % 250
+    logits = [prefill(tiny, c, prompt, 32) for c in caches]
+    scored = candidates = 0
+    for _ in range(16):
+        assert torch.equal(logits[0], logits[1])
+        tok = int(logits[0].argmax())
+        logits = [decode_one_token(tiny, c, tok) for c in caches]
+        stats = caches[1].store.last_index_stats()
+        assert stats["groups"] > 0
+        scored, candidates = scored + stats["blocks_scored"], candidates + stats["candidates"]
+    assert torch.equal(logits[0], logits[1])
+    assert scored < candidates if G == 1 else scored <= candidates
+    sets = {"max_seq_len": 256, "chunk_size": 32, "threads": 1, "long_context.block_size": 4,
+            "long_context.init_windows_len": 4, "long_context.local_windows_len": 16,
+            "long_context.second_select_num": 4, "long_context.dense_layer_num": 0}
+    flat, indexed = (ktquest.load(tiny_llama.path, CONFIGS / "quest.yaml", **sets, **{"long_context.index_group": ig})
+                     for ig in (0, G))
+    assert indexed.cache.store.index_group == G
+    text = "the cat sat on the mat and " * 12
+    assert flat.generate(text, max_new_tokens=12) == indexed.generate(text, max_new_tokens=12)
+    assert indexed.cache.store.last_index_stats()["groups"] > 0
+
+
+@pytest.mark.slow
+def test_index_group_on_the_bundled_model(bundled_gguf):
+    """quest on SmolLM2 (real keys: a source file's 450 tokens, 8-token blocks, 16 a step past a 64-token local
+    window): the same greedy reply with index_group 1 and 4; with groups of one block (bound = the block's
+    score plus rounding) the last layer's pick skipped blocks."""
+    import ktquest
+
+    sets = {"max_seq_len": 1024, "threads": 2, "long_context.local_windows_len": 64,
+            "long_context.second_select_num": 16}
+    text = (Path(__file__).resolve().parent / "test_config.py").read_text()[:1600]
+    engines = [ktquest.load(bundled_gguf, CONFIGS / "quest.yaml", **sets, **{"long_context.index_group": ig})
+               for ig in (0, 1, 4)]
+    replies = [e.generate(text, max_new_tokens=10) for e in engines]
+    assert replies[1] == replies[0] and replies[2] == replies[0]
+    stats = engines[1].cache.store.last_index_stats()
+    assert stats["groups"] > 0 and stats["blocks_scored"] < stats["candidates"], stats
+
+
 # ---- truncate ----
 
 

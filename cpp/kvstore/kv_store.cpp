@@ -12,6 +12,7 @@
 #include "common/checked.h"
 #include "common/finite.h"
 #include "common/thread_pool.h"
+#include "index/group_bounds.h"
 
 namespace ktq {
 
@@ -31,7 +32,7 @@ KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_
   // lay_ validated c and computed every size (checked): what is reserved here is what store_bytes says.
   const StoreRegions& r = lay_.layer_regions();
   layers_.resize(c.n_layers);
-  maps_.reserve(size_t(c.n_layers) * 6);
+  maps_.reserve(size_t(c.n_layers) * 7);
   auto grab = [&](size_t bytes) -> void* { return maps_.emplace_back(bytes).data(); };
   try {
     for (StoreLayer& L : layers_) {  // a throw unmaps what was reserved (maps_ is destroyed)
@@ -41,6 +42,7 @@ KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_
       if (r.sums) L.sums = static_cast<double*>(grab(r.sums));
       if (r.imp) L.imp = static_cast<float*>(grab(r.imp));
       if (r.pos) L.pos = static_cast<int32_t*>(grab(r.pos));
+      if (r.bounds) L.bounds = static_cast<uint16_t*>(grab(r.bounds));
     }
   } catch (const std::bad_alloc& e) {  // name the whole store: what the caller asked for
     throw alloc_error("KVStore: reserving " + bytes_str(lay_.bytes()) + " for n_layers=" +
@@ -75,8 +77,11 @@ size_t KVStore::nbytes() const {
   std::lock_guard<std::mutex> lk(mu_);
   const size_t per_block = lay_.regions(1).total();  // one (head, block): K, V, anchors, bookkeeping
   size_t total = 0;
-  for (const StoreLayer& L : layers_) total += size_t(lay_.n_blocks(L)) * per_block;
-  return total * lay_.cfg.n_kv_heads;
+  for (const StoreLayer& L : layers_) {  // plus the index's bounds of the groups in use
+    const int64_t nb = lay_.n_blocks(L);
+    total += size_t(nb) * per_block * lay_.cfg.n_kv_heads + lay_.group_bytes(lay_.n_groups(nb));
+  }
+  return total;
 }
 
 size_t KVStore::reserved_bytes() const {
@@ -93,6 +98,11 @@ size_t KVStore::cand_nbytes() const {
 StageTiming KVStore::last_timing() const {
   std::lock_guard<std::mutex> lk(mu_);
   return timing_;
+}
+
+IndexStats KVStore::last_index_stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return sel_.index_stats();
 }
 
 // ---- append ----
@@ -263,6 +273,14 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
       }
     }
   });
+  // ---- the index's group bounds of the blocks [b0, b1) that changed, one task per KV head ----
+  if (lay_.cfg.index_group > 0) {
+    const int64_t old_nb = lay_.n_blocks(L);
+    const bool widened = anchors_only_widen(lay_.cfg.anchor_type);
+    ThreadPool::global().parallel_for(H, threads, [&](int64_t h) {
+      update_group_bounds(lay_, L, int(h), b0, old_nb, b1, widened);
+    });
+  }
   L.len = p1;
 }
 
@@ -342,9 +360,34 @@ void KVStore::truncate(int layer, int64_t n) {
         }
       }
     }
-    if (n < L.len) ++L.gen;
+    if (n < L.len) {  // the last group (now partial, or with a partial last block) from its blocks
+      const int64_t nb = (n + bs - 1) / bs;
+      for (int h = 0; h < H && nb > 0; ++h) update_group_bounds(lay_, L, h, nb - 1, nb, nb, false);
+      ++L.gen;
+    }
     L.len = std::min(L.len, n);
   }
+}
+
+void KVStore::check_index() const {
+  if (lay_.cfg.index_group == 0)
+    throw std::invalid_argument("the store has no hierarchical index (index_group=0)");
+}
+
+int64_t KVStore::n_groups(int layer) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return lay_.n_groups(lay_.n_blocks(layer_at(layer)));
+}
+
+bool KVStore::read_bounds(int layer, int64_t ng, float* bounds) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  check_index();
+  if (lay_.n_groups(lay_.n_blocks(L)) != ng) return false;
+  for (int h = 0; h < lay_.cfg.n_kv_heads; ++h)  // fp16 -> fp32: exact
+    scalar::input_to_f32(InType::F16, lay_.bound_at(L, h, 0), ng * 2 * lay_.cfg.head_dim,
+                         bounds + h * ng * 2 * lay_.cfg.head_dim);
+  return true;
 }
 
 bool KVStore::read_anchors(int layer, int64_t nb, float* anchors, int32_t* counts) const {

@@ -68,11 +68,19 @@ class KVStore {
   void truncate(int layer, int64_t n);
   // anchors: [KVH, nb = n_blocks, A, D], counts: [KVH, nb] (valid anchors per block); as read().
   bool read_anchors(int layer, int64_t nb, float* anchors, int32_t* counts) const;
+  // The hierarchical index's rows as fp32: bounds [KVH, ng = n_groups, 2, D] (each group's min row, max row);
+  // as read().
+  // std::invalid_argument without an index (index_group 0).
+  bool read_bounds(int layer, int64_t ng, float* bounds) const;
+  int64_t n_groups(int layer) const;  // index groups of the layer's blocks (0 without an index)
 
   // ---- the decode operations (kv_store_decode.cpp) ----
   // q: [H, D] fp32 (H a multiple of KVH). Unscaled block scores, summed over the query heads of each
   // KV head (SEPARATE: out [KVH, nb]) or over all heads (SHARED: out [nb]), nb = n_blocks; as read().
   bool block_scores(int layer, const float* q, int H, HeadMode mode, int64_t nb, float* out);
+  // The index's bound of every group for q (select/selector.h group_bounds): out [n_sets, ng] fp64 (SEPARATE:
+  // n_sets = KVH, SHARED: 1), ng = n_groups; as read(). std::invalid_argument without an index.
+  bool group_bounds(int layer, const float* q, int H, HeadMode mode, int64_t ng, double* out);
   // Top-k blocks per set: out_ids [n_sets, out_cols], ascending, -1 padded. Ties -> lower block id.
   void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
   // softmax(q K^T / sqrt(D)) V over the given blocks. out: [H, D], lse: [H] (natural log, -inf and a
@@ -82,6 +90,8 @@ class KVStore {
   void select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
                      float* out, float* lse);
   StageTiming last_timing() const;
+  // What the last selection that the selector ran (not one served by the candidate copy) scored.
+  IndexStats last_index_stats() const;
 
  private:
   const StoreLayer& layer_at(int layer) const;
@@ -92,6 +102,7 @@ class KVStore {
   void read_locked(const StoreLayer& L, int64_t t0, int64_t t1, float* k, float* v) const;
   // Throws std::invalid_argument unless q [H, D] has a positive multiple of KVH heads, all finite.
   void check_q(const float* q, int H) const;
+  void check_index() const;  // std::invalid_argument unless the store has an index
   void update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance);
   // The selection of select() and select_attend(), with mu_ held and the selector's query set. defer: where
   // the cached candidates' per-set pass is due (scores, then top k), leave it to the caller and return the

@@ -31,6 +31,17 @@ bool KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, int6
   return true;
 }
 
+bool KVStore::group_bounds(int layer, const float* q, int H, HeadMode mode, int64_t ng, double* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  check_index();
+  check_q(q, H);
+  if (lay_.n_groups(lay_.n_blocks(L)) != ng) return false;
+  sel_.set_query(q, H);
+  sel_.group_bounds(L, H, mode, out);
+  return true;
+}
+
 void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);

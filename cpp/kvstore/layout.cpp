@@ -37,6 +37,8 @@ StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
       A = c.anchor_num;
       break;
   }
+  if (c.index_group < 0)
+    bad("index_group must be >= 0 (blocks per index group; 0 = no index), got " + std::to_string(c.index_group));
   if (c.int8_candidates && !linear_anchors(c.anchor_type))
     bad(std::string("int8_candidates needs linear anchors (QUEST, BLOCK_MAX or BLOCK_MEAN), got anchor_type ") +
         anchor_type_name(c.anchor_type));
@@ -57,6 +59,8 @@ StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
       scale_off, checked_mul<size_t>(size_t(c.block_size) * 4, size_t(row_scales), "a tile's scales"), "one K/V tile");
   tile_bytes = checked_add<size_t>(tile_bytes, 63, "one K/V tile") & ~size_t(63);  // every tile on a cache line
   layer_ = regions(checked_mul<size_t>(c.n_kv_heads, size_t(max_blocks), "(head, block) pairs of a layer"));
+  max_groups = n_groups(max_blocks);
+  layer_.bounds = group_bytes(max_groups);
   bytes_ = checked_mul<size_t>(layer_.total(), c.n_layers, "the store's bytes (one layer's x n_layers)");
 }
 
@@ -72,9 +76,14 @@ StoreRegions StoreLayout::regions(size_t hb) const {
   return r;
 }
 
+size_t StoreLayout::group_bytes(int64_t n) const {
+  return checked_mul<size_t>(checked_mul<size_t>(size_t(n), cfg.n_kv_heads, "index groups of a layer"),
+                             size_t(2) * cfg.head_dim * 2, "the index's bounds");
+}
+
 size_t StoreRegions::total() const {
   size_t t = 0;
-  for (size_t b : {kv, anchors, n_anchor, sums, imp, pos}) t = checked_add(t, b, "a KV store layer's bytes");
+  for (size_t b : {kv, anchors, n_anchor, sums, imp, pos, bounds}) t = checked_add(t, b, "a KV store layer's bytes");
   return t;
 }
 

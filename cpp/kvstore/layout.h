@@ -12,6 +12,9 @@
 //   n_anchor: [KVH, max_blocks]         int32 valid anchors (FIXED/DYNAMIC; partial blocks have fewer)
 //   sums:     [KVH, max_blocks, D]      fp64 running key sums (BLOCK_MEAN; exact for FP16/BF16 keys)
 //   imp, pos: [KVH, max_blocks, A]      anchor importance / token position (DYNAMIC)
+//   bounds:   [KVH, max_groups, 2, D]   fp16 (index_group > 0) the hierarchical index: per group of
+//                                        index_group consecutive blocks, the element-wise min then max over
+//                                        the group's anchor rows, rounded outward (index/group_bounds.h)
 //   candidates (cand_cache.h): for a request that passes preselected candidate lists (SnapKV), their
 //             anchor rows and their K/V tiles copied into one compact region per layer, read by
 //             select_attend instead of the scattered originals
@@ -67,6 +70,10 @@ struct StoreConfig {
   // so the scores stay upper bounds of q.k over the block; BLOCK_MAX / BLOCK_MEAN round to nearest. The
   // uncached path (no candidate list) still scores the stored anchors.
   bool int8_candidates = false;
+  // Blocks per super-block of the hierarchical index (index/group_bounds.h): a selection without a candidate
+  // list bounds every group first and scores only the blocks of groups that may hold a top-k block, with the
+  // flat scan's picks. 0 = no index (every candidate block scored).
+  int index_group = 0;
 };
 
 // The store's operations (scoring, the cached candidates' pass, attention) use threads from this many bytes
@@ -82,13 +89,15 @@ struct StoreLayer {
   double* sums = nullptr;       // [KVH, max_blocks, D]   BLOCK_MEAN
   float* imp = nullptr;         // [KVH, max_blocks, A]   DYNAMIC
   int32_t* pos = nullptr;       // [KVH, max_blocks, A]   DYNAMIC
+  uint16_t* bounds = nullptr;   // [KVH, max_groups, 2, D] fp16 group min, max (index_group > 0)
   int64_t len = 0;
   uint64_t gen = 0;             // bumped when truncate drops tokens: full blocks may then be rewritten
 };
 
-// Bytes of each region for some number of (head, block) pairs (0 for a region the anchor type does not use).
+// Bytes of each region for some number of (head, block) pairs (0 for a region the anchor type does not use);
+// bounds, kept per group of blocks, only in a layer's regions (layer_regions()).
 struct StoreRegions {
-  size_t kv = 0, anchors = 0, n_anchor = 0, sums = 0, imp = 0, pos = 0;
+  size_t kv = 0, anchors = 0, n_anchor = 0, sums = 0, imp = 0, pos = 0, bounds = 0;
   size_t total() const;  // checked: std::overflow_error when the sum does not fit
 };
 
@@ -103,6 +112,7 @@ struct StoreLayout {
   int A = 2;              // anchors per (head, block)
   bool a16 = false;       // anchors stored as fp16 (linear anchors over FP16 keys)
   int64_t max_blocks = 0;
+  int64_t max_groups = 0;  // index groups of a full layer (0 without the index)
   size_t row_bytes = 0;   // one stored row
   int row_scales = 0;     // its fp32 scales (Q8_0/Q4_0)
   size_t scale_off = 0;   // offset of the scales inside a tile
@@ -114,6 +124,8 @@ struct StoreLayout {
   size_t layer_bytes() const { return layer_.total(); }
   size_t bytes() const { return bytes_; }  // a full store
   int64_t n_blocks(const StoreLayer& L) const { return (L.len + cfg.block_size - 1) / cfg.block_size; }
+  int64_t n_groups(int64_t nb) const { return cfg.index_group ? (nb + cfg.index_group - 1) / cfg.index_group : 0; }
+  size_t group_bytes(int64_t n_groups) const;  // the bounds of n_groups groups of every KV head
 
   // ---- a (head, block)'s pieces ----
   uint8_t* k_tile(const StoreLayer& L, int h, int64_t b) const { return L.kv + (h * max_blocks + b) * 2 * tile_bytes; }
@@ -127,6 +139,9 @@ struct StoreLayout {
   const uint8_t* anchor_bytes(const StoreLayer& L, int h, int64_t b) const {  // either layout: A*D elements
     if (a16) return reinterpret_cast<const uint8_t*>(anchor16_at(L, h, b));
     return reinterpret_cast<const uint8_t*>(anchor_at(L, h, b));
+  }
+  uint16_t* bound_at(const StoreLayer& L, int h, int64_t g) const {  // group g's [2, D] fp16: min row, max row
+    return L.bounds + (h * max_groups + g) * 2 * int64_t(cfg.head_dim);
   }
   // Row r of a tile: its row_bytes of data and its row_scales scales.
   uint8_t* row_of(uint8_t* tile, int64_t r) const { return tile + r * row_bytes; }

@@ -20,7 +20,7 @@ namespace {
 // A store's config from the constructor's arguments (the names checked against the enums' tables).
 StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                          const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                         bool int8_candidates) {
+                         bool int8_candidates, int index_group) {
   StoreConfig c;
   c.n_layers = n_layers;
   c.n_kv_heads = n_kv_heads;
@@ -32,6 +32,7 @@ StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max
   c.anchor_num = anchor_num;
   c.threads_num = threads_num;
   c.int8_candidates = int8_candidates;
+  c.index_group = index_group;
   return c;
 }
 
@@ -41,13 +42,13 @@ void bind_kv_store(py::module_& m) {
   py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest/kv/store.py).")
       .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                        const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                       bool int8_candidates) {
+                       bool int8_candidates, int index_group) {
              return new KVStore(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type,
-                                             anchor_type, anchor_num, threads_num, int8_candidates));
+                                             anchor_type, anchor_num, threads_num, int8_candidates, index_group));
            }),
            py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
            py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
-           py::arg("threads_num"), py::arg("int8_candidates") = false)
+           py::arg("threads_num"), py::arg("int8_candidates") = false, py::arg("index_group") = 0)
       .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
       .def_property_readonly("anchor_elem_bytes", &KVStore::anchor_elem_bytes, "2 = fp16 anchors, 4 = fp32")
       .def("length", &KVStore::length, py::arg("layer"))
@@ -135,6 +136,40 @@ void bind_kv_store(py::module_& m) {
           if (done) return py::make_tuple(a, c);
         }
       }, py::arg("layer"), "(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32).")
+      .def("n_groups", &KVStore::n_groups, py::arg("layer"))
+      .def("read_bounds", [](const KVStore& st, int layer) {
+        const int64_t H = st.config().n_kv_heads, D = st.config().head_dim;
+        for (;;) {  // as read
+          const int64_t ng = st.n_groups(layer);
+          py::array_t<float> b({H, ng, int64_t(2), D});
+          float* bp = b.mutable_data();
+          bool done;
+          {
+            py::gil_scoped_release nogil;
+            done = st.read_bounds(layer, ng, bp);
+          }
+          if (done) return b;
+        }
+      }, py::arg("layer"), "The index's group rows [KVH, n_groups, 2, D] as fp32 (kept as fp16 rounded outward): each group's min "
+         "row, then max row.")
+      .def("group_bounds", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
+        py::array_t<float> q;
+        const int H = query_arg(st, q_obj, q);
+        const HeadMode hm = head_mode(mode);
+        const float* qp = q.data();
+        for (;;) {  // as read
+          const int64_t ng = st.n_groups(layer);
+          py::array_t<double> out({int64_t(hm == HeadMode::SHARED ? 1 : st.config().n_kv_heads), ng});
+          double* op = out.mutable_data();
+          bool done;
+          {
+            py::gil_scoped_release nogil;
+            done = st.group_bounds(layer, qp, H, hm, ng, op);
+          }
+          if (done) return out;
+        }
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"),
+         "The index's bound of every group [n_sets, n_groups] fp64: at least the fp32 score of any of its blocks.")
       .def("block_scores", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
         py::array_t<float> q;
         const int H = query_arg(st, q_obj, q);
@@ -228,7 +263,12 @@ void bind_kv_store(py::module_& m) {
       .def("last_timing", [](const KVStore& st) {
         const StageTiming t = st.last_timing();
         return py::make_tuple(t.score_s, t.topk_s, t.attend_s);
-      }, "(score_s, topk_s, attend_s) of the last select/attend call.");
+      }, "(score_s, topk_s, attend_s) of the last select/attend call.")
+      .def("last_index_stats", [](const KVStore& st) {
+        const IndexStats s = st.last_index_stats();
+        return py::make_tuple(s.groups, s.blocks_scored, s.candidates);
+      }, "(group bounds, blocks scored, candidate blocks) of the last selection the selector ran, summed over "
+         "its sets (a selection served by the candidate copy is not counted).");
 
   // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);
@@ -240,13 +280,14 @@ void bind_kv_store(py::module_& m) {
     if (linear_anchors(AnchorType(i))) linear.append(py::str(kAnchorTypeNames[i]));
   m.attr("LINEAR_ANCHORS") = py::tuple(linear);
   m.def("store_bytes", [](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
-                          const std::string& kv_type, const std::string& anchor_type, int anchor_num) {
+                          const std::string& kv_type, const std::string& anchor_type, int anchor_num, int index_group) {
     return store_bytes(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type, anchor_type,
-                                    anchor_num, 1, false));
+                                    anchor_num, 1, false, index_group));
   }, py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"), py::arg("block_size"),
-     py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
+     py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"), py::arg("index_group") = 0,
      "Bytes a full KVStore of this config reserves (K, V, scales, anchors, anchor counts, BLOCK_MEAN sums, DYNAMIC "
-     "importances and positions): the layout the store reserves its regions from (cpp/kvstore/layout.h).");
+     "importances and positions, the index's group bounds): the layout the store reserves its regions from "
+     "(cpp/kvstore/layout.h).");
   m.def("candidate_copy_bytes", [](int n_layers, int n_kv_heads, int head_dim, int block_size,
                                    const std::string& kv_type, const std::string& anchor_type, bool int8_candidates,
                                    int64_t n_candidates, const std::string& head_mode_name) {
@@ -254,7 +295,7 @@ void bind_kv_store(py::module_& m) {
     const int64_t room = candidate_room(n_candidates);  // checked: OverflowError past int64
     // The anchor count and the capacity do not change a candidate's bytes: any valid value will do.
     const StoreConfig c = store_config(n_layers, n_kv_heads, head_dim, 1, block_size, kv_type, anchor_type, 1, 1,
-                                       int8_candidates);
+                                       int8_candidates, 0);
     return candidate_copy_bytes(c, head_mode(head_mode_name), room);
   }, py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("kv_type"),
      py::arg("anchor_type"), py::arg("int8_candidates"), py::arg("n_candidates"), py::arg("head_mode") = "SEPARATE",

@@ -35,8 +35,16 @@ struct BlockSets {
 // top-k part of those tasks spread over the threads, score_s the rest of the pass. In select_attend those
 // tasks share the attention's dispatch: score_s and topk_s are their task times over the threads, attend_s
 // the rest of the call.
+// With the hierarchical index (index_group) score_s is the group bounds' pass and topk_s the pruned walk
+// (the visited groups' block scores and the top k).
 struct StageTiming {
   double score_s = 0, topk_s = 0, attend_s = 0;
+};
+
+// What the last selection without a candidate list scored: group bounds (summed over sets; 0 without the
+// index), blocks (anchor rows scored, per set, summed over sets) and candidate blocks (summed over sets).
+struct IndexStats {
+  int64_t groups = 0, blocks_scored = 0, candidates = 0;
 };
 
 using Clock = std::chrono::steady_clock;

@@ -46,6 +46,30 @@ void BlockSelector::set_query(const float* q, int H) {
       else if (lay_.cfg.anchor_type == AnchorType::BLOCK_MAX || lay_.cfg.anchor_type == AnchorType::BLOCK_MEAN)
         for (int d = 0; d < D; ++d) e[d] += qg[d];
     }
+  if (lay_.cfg.index_group == 0) return;
+  // The index's bound vectors (index/group_bounds.h), [Q- | Q+ | W = Q+ - Q-] per KV head: QUEST's are its
+  // scoring vector itself; BLOCK_* split theirs by sign; FIXED/DYNAMIC sum each query head's split.
+  qb_.assign(size_t(KVH) * 3 * D, 0.f);
+  for (int h = 0; h < KVH; ++h) {
+    float *qn = qb_.data() + size_t(h) * 3 * D, *qp = qn + D, *w = qp + D;
+    const float* e = qe_.data() + size_t(h) * L;
+    switch (lay_.cfg.anchor_type) {
+      case AnchorType::QUEST: std::copy(e, e + 2 * D, qn); break;
+      case AnchorType::BLOCK_MAX:
+      case AnchorType::BLOCK_MEAN:
+        for (int d = 0; d < D; ++d) qn[d] = std::min(e[d], 0.f), qp[d] = std::max(e[d], 0.f);
+        break;
+      case AnchorType::FIXED:
+      case AnchorType::DYNAMIC:
+        for (int g = 0; g < G; ++g)
+          for (int d = 0; d < D; ++d) {
+            const float x = q[(size_t(h) * G + g) * D + d];
+            qn[d] += std::min(x, 0.f), qp[d] += std::max(x, 0.f);
+          }
+        break;
+    }
+    for (int d = 0; d < D; ++d) w[d] = qp[d] - qn[d];
+  }
 }
 
 // ---- candidates ----
@@ -131,25 +155,22 @@ void BlockSelector::score_linear_rows(const uint8_t* a, int64_t n, int h, float*
   else scalar::score_linear(a32, n, L, qe, out, accumulate);
 }
 
+void BlockSelector::score_blocks(const StoreLayer& L, int H, int h, int64_t b, int64_t n, float* out,
+                                 bool accumulate) const {
+  if (linear_anchors(lay_.cfg.anchor_type)) return score_linear_rows(lay_.anchor_bytes(L, h, b), n, h, out, accumulate);
+  const int D = lay_.cfg.head_dim, G = H / lay_.cfg.n_kv_heads, A = lay_.A;
+  const float* a = lay_.anchor_at(L, h, b);
+  const int32_t* cnt = L.n_anchor + h * lay_.max_blocks + b;
+  const float* qh = qraw_ + size_t(h) * G * D;
+  float* s = thread_scratch(size_t(G) * ((A + 7) & ~7) + D);
+  if (use_avx2() && D % 8 == 0) avx2::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
+  else scalar::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
+}
+
 void BlockSelector::score_runs(const StoreLayer& L, int H, HeadMode mode, float* scores) {
-  const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, G = H / KVH, A = lay_.A;
+  const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, A = lay_.A;
   const int64_t nb = lay_.n_blocks(L);
   const int n_sets = int(runs_.size());
-  const bool simd = use_avx2() && D % 8 == 0;
-  const bool linear = linear_anchors(lay_.cfg.anchor_type);
-  // out[0, n) (+)= scores of blocks [b, b + n) for KV head h.
-  auto score_run = [&](int h, int64_t b, int64_t n, float* out, bool accumulate) {
-    if (linear) {
-      score_linear_rows(lay_.anchor_bytes(L, h, b), n, h, out, accumulate);
-    } else {
-      const float* a = lay_.anchor_at(L, h, b);
-      const int32_t* cnt = L.n_anchor + h * lay_.max_blocks + b;
-      const float* qh = qraw_ + size_t(h) * G * D;
-      float* s = thread_scratch(size_t(G) * ((A + 7) & ~7) + D);
-      if (simd) avx2::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
-      else scalar::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
-    }
-  };
   // Tasks: kScoreBlocksPerTask candidates of one set each (a fixed split: thread-count independent).
   task_start_.assign(1, 0);
   for (int s = 0; s < n_sets; ++s)
@@ -187,7 +208,7 @@ void BlockSelector::score_runs(const StoreLayer& L, int H, HeadMode mode, float*
       const int64_t b = R.start[r] + off;
       if (j - i < kScorePrefetch) prefetch_to(j + kScorePrefetch);
       else pi = std::max(pi, j);  // a long run: the kernel streams it
-      for (int h = h0; h < h1; ++h) score_run(h, b, j - i, out + b, h > h0);
+      for (int h = h0; h < h1; ++h) score_blocks(L, H, h, b, j - i, out + b, h > h0);
       i = j;
     }
   });
@@ -212,6 +233,8 @@ void BlockSelector::select_runs(const StoreLayer& L, int H, const SelectRequest&
   const auto t0 = Clock::now();
   bool keep_all;  // every set keeps all its candidates (SnapKV: k = the preselected blocks): no scores
   const int64_t kcap = check_k(req, n_sets, out_cols, [&](int s) { return runs_[s].prefix.back(); }, &keep_all);
+  stats_ = IndexStats{};
+  for (int s = 0; s < n_sets; ++s) stats_.candidates += runs_[s].prefix.back();
   if (keep_all) {
     for (int s = 0; s < n_sets; ++s) {
       int32_t* row = out_ids + s * int64_t(out_cols);
@@ -223,6 +246,8 @@ void BlockSelector::select_runs(const StoreLayer& L, int H, const SelectRequest&
     t.topk_s = seconds_since(t0);
     return;
   }
+  if (lay_.cfg.index_group > 0 && !req.allowed) return select_pruned(L, H, req, kcap, out_ids, out_cols, t);
+  stats_.blocks_scored = stats_.candidates;
   scores_.resize(size_t(n_sets) * nb);
   score_runs(L, H, req.mode, scores_.data());
   const auto t1 = Clock::now();

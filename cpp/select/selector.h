@@ -2,6 +2,10 @@
 // the anchors (never K or V), and the top k of each set. The candidate cache (kvstore/cand_cache.h) does the
 // same for preselected candidates from its compact copy, with this selector's scoring vectors.
 //
+// With the hierarchical index (StoreConfig::index_group > 0) a selection without a candidate list scores
+// the group bounds first and then only the blocks of groups that may hold a top-k block
+// (pruned_select.cpp): the same picks as the flat scan. Candidate lists (SnapKV) and block_scores stay flat.
+//
 // Determinism: every scoring task writes only its own blocks' scores, task boundaries depend only on the
 // problem (never on threads_num), and each set's top k is one task; 1, 2 or 8 threads give the same ids.
 #pragma once
@@ -53,13 +57,26 @@ class BlockSelector {
   void score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate,
                          const float* scale8 = nullptr) const;
   // The top k of each set of runs() (built for req) into out_ids [n_sets, out_cols], ascending ids then -1;
-  // t.score_s and t.topk_s.
+  // t.score_s and t.topk_s. Through the hierarchical index when the store has one and req no candidate list.
   void select_runs(const StoreLayer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
                    StageTiming& t);
+  // What the last select_runs scored (IndexStats).
+  const IndexStats& index_stats() const { return stats_; }
+  // The hierarchical index's bound of each group of the layer's blocks for each set of `mode` (n_sets = 1 or
+  // KVH): out [n_sets, n_groups] fp64, at least the fp32 score select_runs computes for any block of the group
+  // (+inf: no bound). Needs index_group > 0 and set_query.
+  void group_bounds(const StoreLayer& L, int H, HeadMode mode, double* out);
 
  private:
+  // out[0, n) (+)= the scores of blocks [b, b + n) for KV head h: the one scoring path of every selection.
+  void score_blocks(const StoreLayer& L, int H, int h, int64_t b, int64_t n, float* out, bool accumulate) const;
+  // select_runs through the index (pruned_select.cpp); kcap: the largest k of a set (check_k).
+  void select_pruned(const StoreLayer& L, int H, const SelectRequest& req, int64_t kcap, int32_t* out_ids,
+                     int out_cols, StageTiming& t);
+
   const StoreLayout& lay_;
   std::vector<float> qe_;                          // [KVH, A*D] per-head scoring vectors (QUEST/BLOCK_*)
+  std::vector<float> qb_;                          // [KVH, 3, D] per-head group bound vectors (Q-, Q+, W)
   const float* qraw_ = nullptr;                    // [H, D] the caller's q (FIXED/DYNAMIC scoring), this call only
   std::vector<std::pair<int64_t, int64_t>> excl_;  // merged exclusion ranges
   std::vector<int32_t> ids_;                       // allowed ids, sorted
@@ -70,6 +87,16 @@ class BlockSelector {
   std::vector<float> topv_;                        // top-k: score copies, [n_sets, candidates]
   std::vector<int32_t> topids_;                    // top-k: their block ids, [n_sets, candidates]
   std::vector<int32_t> topkeys_;                   // top-k: top_k's scratch keys, [n_sets, candidates]
+  std::vector<float> gbound_, gmag_;               // index: score_bounds' outputs, [KVH, n_groups]
+  std::vector<double> gsets_;                      // index: each set's group bounds, [n_sets, n_groups]
+  std::vector<std::pair<double, int32_t>> gorder_;  // index: (bound, group) in phase 1's order, [n_sets, n_groups]
+  std::vector<uint8_t> seen_;                      // index: groups phase 1 scored, [n_sets, n_groups]
+  std::vector<int64_t> set_n_, set_scored_;        // index: per set, phase 1's kept and scored blocks
+  std::vector<uint8_t> set_done_;                  // index: per set, phase 1 found the top k
+  std::vector<int64_t> chunk_task_;                // index: phase 2 chunks, set * chunks_per_set + chunk
+  std::vector<Cand> chunk_heap_;                   // index: phase 2 chunks' top k, [n_chunks, kcap]
+  std::vector<int64_t> chunk_n_, chunk_scored_;    // index: per chunk, kept and scored blocks
+  IndexStats stats_;
 };
 
 // Checks k per set against the output's room (count(s): the set's candidates); returns the largest

@@ -12,9 +12,10 @@ from ktquest.config import Config, ConfigError, LongContextConfig
 
 
 def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int) -> int:
-    """Bytes the DRAM store needs when full (K, V, scales, anchors): the layout the C++ store reserves."""
+    """Bytes the DRAM store needs when full (K, V, scales, anchors, the index's group bounds): the layout the
+    C++ store reserves."""
     return _C.store_bytes(n_layers, n_kv_heads, head_dim, max_seq_len, lc.block_size, lc.kv_type, lc.anchor_type,
-                          lc.anchor_num)
+                          lc.anchor_num, lc.index_group)
 
 
 def candidate_copy_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int,

@@ -53,6 +53,9 @@ class KVStore:
     (the ``anchor_num`` tokens of highest caller-given importance). threads_num: operator threads.
     int8_candidates (linear anchors): selections over a candidate list (``allowed``) score an int8 copy of
     the candidates' anchors, one scale per block and head, QUEST's min rounded down and max up.
+    index_group: blocks per group of the hierarchical index (0 = none): selections without a candidate list
+    score every group's min/max bound and then only the blocks of groups that may hold a top-k block, with
+    the flat scan's picks (cpp/index/group_bounds.h).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class KVStore:
         anchor_num: int = 2,
         threads_num: int = 1,
         int8_candidates: bool = False,
+        index_group: int = 0,
     ):
         self.n_layers = check_int(n_layers, "n_layers", 1)
         self.n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1)
@@ -80,6 +84,7 @@ class KVStore:
         if not isinstance(int8_candidates, bool):
             raise TypeError(f"int8_candidates must be a bool, got {type(int8_candidates).__name__}")
         self.int8_candidates = int8_candidates
+        self.index_group = check_int(index_group, "index_group", 0)
         self._st = _C.KVStore(
             self.n_layers,
             self.n_kv_heads,
@@ -91,6 +96,7 @@ class KVStore:
             self.anchor_num,
             self.threads_num,
             self.int8_candidates,
+            self.index_group,
         )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 
@@ -168,6 +174,16 @@ class KVStore:
         a, c = self._st.read_anchors(layer)
         return torch.from_numpy(a), torch.from_numpy(c)
 
+    def n_groups(self, layer: int) -> int:
+        """Index groups of the layer's blocks: ceil(n_blocks / index_group) (0 without an index)."""
+        return self._st.n_groups(layer)
+
+    def bounds(self, layer: int) -> torch.Tensor:
+        """The index's group rows [KVH, n_groups, 2, D] as fp32: the element-wise min, then max, over the anchor
+        rows of each group's blocks (QUEST: of their min rows, then of their max rows), kept as fp16 rounded
+        outward (min down, max up). ValueError without an index."""
+        return torch.from_numpy(self._st.read_bounds(layer))
+
     # ---- decode ----
 
     def _q(self, q) -> np.ndarray:
@@ -221,6 +237,14 @@ class KVStore:
         mode = check_name(mode, "mode", HEAD_MODES)
         s = torch.from_numpy(self._st.block_scores(layer, self._q(q), mode))
         return s[0] if mode == "SHARED" else s
+
+    def group_bounds(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
+        """The index's bound of every group for q: at least the score block_scores() gives any of its blocks
+        (inf: no bound), fp64 [KVH, n_groups] (SEPARATE) or [n_groups] (SHARED). ValueError without an
+        index."""
+        mode = check_name(mode, "mode", HEAD_MODES)
+        b = torch.from_numpy(self._st.group_bounds(layer, self._q(q), mode))
+        return b[0] if mode == "SHARED" else b
 
     def select(
         self,
@@ -324,6 +348,13 @@ class KVStore:
         """Milliseconds of the stages of the last select/attend call: score, topk, attend."""
         s, t, a = self._st.last_timing()
         return {"score_ms": s * 1e3, "topk_ms": t * 1e3, "attend_ms": a * 1e3}
+
+    def last_index_stats(self) -> dict[str, int]:
+        """What the last selection without a candidate list scored, summed over its sets: ``groups`` (group
+        bounds, 0 without the index), ``blocks_scored`` (blocks whose anchors were scored) and ``candidates``
+        (candidate blocks)."""
+        g, b, c = self._st.last_index_stats()
+        return {"groups": g, "blocks_scored": b, "candidates": c}
 
     def _outputs(self, H: int, out, lse):
         """(out [H, D], lse [H]) tensors and their numpy views; shapes are checked by the binding."""
