@@ -98,11 +98,9 @@ class GenerationConfig:
         _check(self.seed >= 0, p + "seed", self.seed, "an integer in [0, 2**63 - 1]")
 
 
-# What ``ktquest chat`` samples with unless the config or the command line says otherwise: replies that do not
-# loop, from the kind of defaults llama.cpp's and Ollama's chats use. Tried on the bundled SmolLM2 (a poem,
-# tips, a factual question; two seeds): at temperature 0.7 or 0.5 with min-p 0.05 the factual answer drifted
-# into French, at 0.3 with min-p 0.1 it named Paris and no poem line came more than twice. --temperature 0
-# is greedy.
+# ``ktquest chat``'s sampling unless the config or command line says otherwise (llama.cpp/Ollama-like, so replies
+# do not loop). On the bundled SmolLM2 (a poem, tips, a factual question; two seeds) temperature 0.7 or 0.5 with
+# min-p 0.05 drifted into French; 0.3 with min-p 0.1 named Paris, no poem line came more than twice.
 CHAT_GENERATION = {"temperature": 0.3, "top_k": 40, "top_p": 0.95, "min_p": 0.1, "repeat_penalty": 1.1,
                    "repeat_last_n": 64}
 
