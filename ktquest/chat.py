@@ -83,30 +83,20 @@ class ChatSession:
         and the whole chunks of it already read (stats.prompt_tokens) stay in the cache: sent again, the
         message is read on from there.
         """
-        eng, tok = self.engine, self.engine.tokenizer
+        eng = self.engine
         check_arg("user_text", user_text, str)  # TypeError, as for the callbacks
         check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
         first = not any(m["role"] == "user" for m in self.messages)
         content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
         messages = self.messages + [{"role": "user", "content": content}]
-        limits = TemplateLimits.for_context(eng.max_seq_len)
-        chars = sum(len(m["content"]) for m in messages)
-        if chars > limits.max_chars:  # past what the template may render: said as what it is
-            from ktquest.engine import PromptTooLongError  # (ktquest.engine imports this module)
-
-            raise PromptTooLongError(f"prompt too long: {chars:,} characters, more than the context of "
-                                     f"{eng.max_seq_len} tokens (max_seq_len) can hold; shorten the prompt "
-                                     "or raise max_seq_len")
-        tokens = tok.encode_messages(messages, add_generation_prompt=True,
-                                     parse_special=eng.config.parse_special, limits=limits)
-        eng.check_fits(len(tokens))
+        tokens = encode_chat(eng, messages)
 
         cache = eng.cache
         if eng.cache_owner is not self:  # another session or a raw completion used the cache
             cache.reset()
             eng.cache_owner = self
         # Keep the longest prefix the cache already holds; at least one token must be fed for logits.
-        keep = min(_common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
+        keep = min(common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
         cache.truncate(cache.rewind_point(keep))
         self._fed = list(tokens)  # from here on, cache position i holds self._fed[i] for i < cache.pos
         text, stats = eng.run(tokens, eng.config.generation, on_text, on_progress, should_stop,
@@ -149,7 +139,25 @@ class ChatSession:
         return [{"role": "system", "content": self.system}] if self.system else []
 
 
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
+def encode_chat(eng: Engine, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of ``messages`` rendered for a reply (the generation prompt added); before any work on the
+    model: ``ChatTemplateError`` (the template failed) or ``PromptTooLongError`` (past the context in tokens,
+    or in characters past what the template may render)."""
+    limits = TemplateLimits.for_context(eng.max_seq_len)
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > limits.max_chars:  # past what the template may render: said as what it is
+        from ktquest.engine import PromptTooLongError  # (ktquest.engine imports this module)
+
+        raise PromptTooLongError(f"prompt too long: {chars:,} characters, more than the context of "
+                                 f"{eng.max_seq_len} tokens (max_seq_len) can hold; shorten the prompt "
+                                 "or raise max_seq_len")
+    tokens = eng.tokenizer.encode_messages(messages, add_generation_prompt=True,
+                                           parse_special=eng.config.parse_special, limits=limits)
+    eng.check_fits(len(tokens))
+    return tokens
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -73,12 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     chat = sub.add_parser("chat", help="chat with a model in the terminal",
                           description=f"Chat with a GGUF model (default: the bundled {DEFAULT_MODEL}).")
-    chat.add_argument("--model", metavar="PATH|NAME",
-                      help=f"a GGUF file or a bundled model: {', '.join(BUNDLED_MODELS)} (default: config "
-                           f"'model', else {DEFAULT_MODEL})")
-    chat.add_argument("--config", metavar="FILE", help="YAML config (see configs/default.yaml)")
-    chat.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
-                      help="override a config key, e.g. --set threads=2 --set generation.top_k=40 (repeatable)")
+    _model_flags(chat)
     chat.add_argument("--prompt-file", metavar="FILE", help="a document given as context with the first message")
     chat.add_argument("--message", metavar="TEXT", help="answer TEXT once and exit (reply on stdout, stats on stderr)")
     chat.add_argument("--system", metavar="TEXT", help="system prompt")
@@ -89,7 +84,28 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--parse-special", action="store_true", default=None,
                       help="read special-token text (<|im_end|>) in your messages, --system and "
                            "--prompt-file as control tokens; by default it is plain text (parse_special)")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                           description="Serve a GGUF model over an OpenAI-compatible API (/v1/chat/completions, "
+                                       "/v1/completions, /v1/models, /health).")
+    _model_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    serve.add_argument("--slots", type=int, default=2, metavar="N",
+                       help="conversations whose KV stays cached, each a cache of its own (default: 2)")
+    serve.add_argument("--queue", type=int, default=8, metavar="N",
+                       help="requests that may wait behind the running one; more are answered 429 (default: 8)")
+    serve.add_argument("--max-body-mb", type=float, default=64, metavar="MB",
+                       help="largest request body; a larger one is answered 413 (default: 64)")
     return parser
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH|NAME",
+                   help=f"a GGUF file or a bundled model: {', '.join(BUNDLED_MODELS)} (default: config "
+                        f"'model', else {DEFAULT_MODEL})")
+    p.add_argument("--config", metavar="FILE", help="YAML config (see configs/default.yaml)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
+                   help="override a config key, e.g. --set threads=2 --set generation.top_k=40 (repeatable)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = Console(stderr=True, highlight=False)
     try:
-        return _chat(build_parser().parse_args(argv), err)
+        args = build_parser().parse_args(argv)
+        return _serve(args) if args.command == "serve" else _chat(args, err)
     except KeyboardInterrupt:  # while loading, or answering --message
         err.print()
         return EXIT_INTERRUPTED
@@ -135,6 +152,24 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
     if args.message is not None:
         return _answer_once(session, args.message, err)
     return _interactive(engine, session, err)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    for flag, value, low in (("--port", args.port, 1), ("--slots", args.slots, 1), ("--queue", args.queue, 0),
+                             ("--max-body-mb", args.max_body_mb, 0.001)):
+        if value < low or (flag == "--port" and value > 65535):
+            raise UsageError(f"{flag} {value}: must be {'1..65535' if flag == '--port' else f'>= {low}'}")
+    # the server samples as the chat does (CHAT_GENERATION) under the config; requests override their fields
+    cfg = load_config(args.config, args.sets, base={"generation": CHAT_GENERATION})
+
+    from ktquest.engine import load
+    from ktquest.server import serve
+
+    name = args.model or cfg.model or DEFAULT_MODEL  # what clients name the model: as it was given
+    model_id = name if name in BUNDLED_MODELS else Path(name).stem
+    serve(load(args.model, cfg), args.host, args.port, args.slots, args.queue, model_id,
+          int(args.max_body_mb * 2**20))
+    return 0
 
 
 def _read_document(path: str) -> str:

@@ -116,8 +116,10 @@ class Engine:
 
     def run(self, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
              on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,
-             on_token: Callable[[int], None] | None = None) -> tuple[str, TurnStats]:
-        """Feed ``tokens[cache.pos:]`` and generate after them; returns the reply text and its stats."""
+             on_token: Callable[[int], None] | None = None, cache=None) -> tuple[str, TurnStats]:
+        """Feed ``tokens[cache.pos:]`` and generate after them; returns the reply text and its stats.
+        ``cache``: the engine's own (None), or another made by ``make_cache`` (the server's slots)."""
+        cache = self.cache if cache is None else cache
         stop_ids = self.tokenizer.stop_ids
         decoder = self.tokenizer.stream_decoder()
         reply: list[int] = []
@@ -132,12 +134,12 @@ class Engine:
             if piece and on_text is not None:
                 on_text(piece)
 
-        r = generate(self.model, self.cache, tokens[self.cache.pos:], gen, set(stop_ids), self.config.chunk_size,
+        r = generate(self.model, cache, tokens[cache.pos:], gen, set(stop_ids), self.config.chunk_size,
                      on_token=token_arrived, on_progress=on_progress, should_stop=should_stop)
         rest = decoder.flush()
         if rest and on_text is not None:
             on_text(rest)
-        stats = TurnStats(prompt_tokens=r.n_prompt, new_tokens=len(r.tokens), context_tokens=self.cache.pos,
+        stats = TurnStats(prompt_tokens=r.n_prompt, new_tokens=len(r.tokens), context_tokens=cache.pos,
                           max_seq_len=self.max_seq_len, prefill_s=r.prefill_s, decode_s=r.decode_s,
                           prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s, stopped_by=r.stopped_by)
         return self.tokenizer.decode(reply), stats

@@ -1,0 +1,301 @@
+"""``ktquest serve``'s HTTP side: an OpenAI-compatible API (FastAPI) over one ``Worker``.
+
+    POST /v1/chat/completions   chat (the model's template), streamed by SSE when "stream": true
+    POST /v1/completions        raw text completion
+    GET  /v1/models             the one model
+    GET  /health                status, queue and the worker's counters (prefilled vs cached tokens)
+
+One sequence at a time: requests run one by one on a single worker thread, at most ``queue`` waiting behind
+the running one; past that a request is answered 429 at once. Every error is an OpenAI-style JSON body
+(``{"error": {"message", "type", "param", "code"}}``) with a 4xx status naming what is wrong; the server goes
+on serving. A streaming client that disconnects stops its generation at the next token (the cache stays
+consistent: ``generate``'s invariant), and a request still waiting when its client leaves never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from ktquest.chat import encode_chat
+from ktquest.config import GenerationConfig
+from ktquest.server.schema import ChatRequest, CompletionRequest
+from ktquest.server.worker import Result, Worker
+
+log = logging.getLogger("ktquest.serve")
+MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this is refused (413) before it is read whole
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class _Admission:
+    """How many requests are in (running or waiting): at most ``1 + queue``. A ticket is released once,
+    whichever of its holders gets there first."""
+
+    def __init__(self, queue: int):
+        self.limit = 1 + queue
+        self.inside = 0
+        self.refused = 0
+        self.lock = threading.Lock()
+
+    def enter(self) -> _Ticket:
+        with self.lock:
+            if self.inside >= self.limit:
+                self.refused += 1
+                raise APIError(429, f"the server is busy: {self.inside} requests are running or waiting and the "
+                                    f"queue holds {self.limit - 1}; retry later", "rate_limit_error",
+                               code="rate_limit_exceeded")
+            self.inside += 1
+        return _Ticket(self)
+
+
+class _Ticket:
+    def __init__(self, gate: _Admission):
+        self.gate, self.done = gate, False
+
+    def release(self) -> None:
+        with self.gate.lock:
+            if not self.done:
+                self.done = True
+                self.gate.inside -= 1
+
+
+@dataclasses.dataclass(slots=True)
+class _Job:
+    tokens: list[int]
+    gen: GenerationConfig
+    stops: list[str]
+    ticket: _Ticket
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    """The API over ``worker``; ``model_id`` is the name /v1/models reports and requests must give."""
+    if queue < 0:
+        raise ValueError(f"queue={queue} must be >= 0")
+    engine = worker.engine
+    gate = _Admission(queue)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktquest-generate")
+    created = int(time.time())
+    app = FastAPI(title="ktquest", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
+        what = "not_found" if e.status_code == 404 else None
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=what).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:  # a bug: logged here, one line to the client
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
+
+    def run(job: _Job, on_text=None) -> Result | None:
+        """On the worker thread: the request, unless its client left while it waited."""
+        try:
+            if job.cancel.is_set():
+                return None
+            return worker.complete(job.tokens, job.gen, job.stops, on_text, job.cancel.is_set)
+        finally:
+            job.ticket.release()
+
+    async def admit(request: Request, kind: type[BaseModel]) -> tuple[BaseModel, _Job]:
+        """The request's body checked and tokenized, a place in the queue taken: an APIError otherwise."""
+        body = await _read_json(request, max_body)
+        try:
+            req = kind.model_validate(body)
+        except ValidationError as e:
+            raise _invalid(e) from None
+        if req.model != model_id:
+            raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_id!r} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+        ticket = gate.enter()
+        try:
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(None, _tokens, engine, req)  # off the event loop
+            return req, _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, job = await admit(request, ChatRequest)
+        return await respond(req, job, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, job = await admit(request, CompletionRequest)
+        return await respond(req, job, chat=False)
+
+    async def respond(req, job: _Job, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        head = {"id": rid, "created": int(time.time()), "model": model_id}
+        loop = asyncio.get_running_loop()
+        if not req.stream:
+            try:
+                result = await asyncio.wrap_future(executor.submit(run, job))
+            finally:
+                job.cancel.set()  # a client gone before its turn: the job is skipped
+            return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                                 "choices": [_choice(chat, result.text, result.finish_reason)],
+                                 "usage": _usage(result)})
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        def on_text(piece: str) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+        future = asyncio.wrap_future(executor.submit(run, job, on_text))
+        future.add_done_callback(lambda f: pieces.put_nowait(None))
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return _sse({**head, "object": obj, "choices": [choice]})
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    yield chunk(None, first=True)
+                while (piece := await pieces.get()) is not None:
+                    yield chunk(piece)
+                try:
+                    result = future.result()
+                except Exception as e:  # the response has begun: the error goes in the stream
+                    log.exception("error while streaming")
+                    yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
+                                          "param": None, "code": None}})
+                    return
+                yield chunk(None, result.finish_reason)
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield _sse({**head, "object": obj, "choices": [], "usage": _usage(result)})
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel.set()  # the client left (or it is over): the generation stops at the next token
+
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(job.cancel.set))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "ktquest"}]}
+
+    @app.get("/health")
+    async def health():
+        with gate.lock:
+            inside, refused = gate.inside, gate.refused
+        counters = {**worker.snapshot(), "refused": refused}
+        return {"status": "ok", "model": model_id, "mode": engine.config.mode, "max_seq_len": engine.max_seq_len,
+                "running_or_waiting": inside, "queue": gate.limit - 1,
+                "slots": [s.cache.pos for s in worker.slots], **counters}
+    return app
+
+
+async def _read_json(request: Request, max_body: int) -> object:
+    """The body as JSON: 413 past ``max_body`` bytes (said by Content-Length, or found while reading)."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > max_body:
+        raise _too_large(int(size), max_body)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_body:
+            raise _too_large(len(body), max_body)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _invalid(e: ValidationError) -> APIError:
+    """400 naming the first field pydantic refused and why."""
+    err = e.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in err["loc"]) or "body"
+    got = f" (got {json.dumps(err['input'])[:80]})" if err.get("type") != "missing" else ""
+    return APIError(400, f"{where}: {err['msg']}{got}", param=where,
+                    code="missing_field" if err["type"] == "missing" else "invalid_value")
+
+
+def _too_large(n: int, limit: int) -> APIError:
+    return APIError(413, f"the request body is too large: {n:,} bytes, more than the {limit:,} allowed",
+                    code="request_too_large")
+
+
+def _tokens(engine, req: BaseModel) -> list[int]:
+    """The prompt's token ids; APIError 400 for a prompt the model cannot take (too long, a template error)."""
+    try:
+        if isinstance(req, ChatRequest):
+            return encode_chat(engine, req.chat())
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+            tokens = list(req.prompt)
+            if max(tokens) >= engine.tokenizer.vocab_size:
+                raise ValueError(f"prompt: token id {max(tokens)} is not in the vocabulary "
+                                 f"(0..{engine.tokenizer.vocab_size - 1})")
+        else:
+            tokens = engine.tokenizer.encode(req.prompt if isinstance(req.prompt, str) else req.prompt[0])
+        engine.check_fits(len(tokens))
+        return tokens
+    except ValueError as e:  # PromptTooLongError, ChatTemplateError, TokenizerError are ValueErrors
+        code = "context_length_exceeded" if type(e).__name__ == "PromptTooLongError" else None
+        raise APIError(400, str(e), param="messages" if isinstance(req, ChatRequest) else "prompt",
+                       code=code) from None
+
+
+def _generation(base: GenerationConfig, req) -> GenerationConfig:
+    """The server's sampling (the chat's defaults under the config) with the request's fields over it."""
+    over = {}
+    if req.temperature is not None:
+        over["temperature"] = req.temperature if req.temperature >= 1e-6 else 0.0
+    if req.top_p is not None:
+        over["top_p"] = req.top_p
+    if req.seed is not None:
+        over["seed"] = req.seed
+    if req.limit() is not None:
+        over["max_new_tokens"] = req.limit()
+    return dataclasses.replace(base, **over)
+
+
+def _choice(chat: bool, text: str, finish: str) -> dict:
+    if chat:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": None}
+    return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+
+def _usage(r: Result) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,92 @@
+"""The requests ``ktquest serve`` takes, as OpenAI's API defines them (the fields ktquest honours), checked by
+pydantic in strict mode: a wrong type is an error, not a conversion. Fields ktquest does not know are ignored,
+as OpenAI's clients send many; ``n`` other than 1 and content parts other than text are refused."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ktquest.config import SEED_MAX
+
+MAX_STOPS = 4  # OpenAI's limit
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    seed: Annotated[int, Field(ge=0, le=SEED_MAX)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (a developer message is a system message)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class CompletionRequest(_Request):
+    # text, one text in a list, or token ids (as OpenAI's API takes them)
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> CompletionRequest:
+        if self.prompt == "" or self.prompt == [""]:
+            raise ValueError("prompt is empty: there is nothing to continue from")
+        return self
+
+
+_Request.model_rebuild()
+ChatRequest.model_rebuild()
+CompletionRequest.model_rebuild()

@@ -1,0 +1,187 @@
+"""The server's engine side: one model, one sequence at a time, the KV of recent conversations kept in slots.
+
+No HTTP here (``ktquest.server.app`` is the HTTP side). A request is a list of prompt token ids; the
+worker picks the slot whose cached tokens share the longest prefix with it, rewinds that slot's cache to the
+common prefix and prefills only the rest, exactly as ``ChatSession`` does across turns. So a follow-up in a
+conversation, or another question about the same long document, costs its new tokens alone; in
+``long_context`` mode too (its caches rewind exactly, ``KVCache.rewind_point``).
+
+Slots: ``slots`` caches at most, made on demand (a dense cache grows with its tokens; a long-context store
+reserves lazily). A request reuses the slot with the longest common prefix when that prefix holds at least
+half of the slot's tokens (the same document or conversation), else takes an empty slot, else the least
+recently used one. Everything runs on the thread that calls ``complete``: the HTTP side runs requests one by
+one on a single worker thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ktquest.chat import common_prefix_len
+from ktquest.config import GenerationConfig
+from ktquest.engine import Engine, make_cache
+
+SIMILAR = 0.5  # a slot is this conversation's when the common prefix holds at least this share of its tokens
+
+
+@dataclass(slots=True)
+class Slot:
+    cache: object  # a KVCache
+    fed: list[int] = field(default_factory=list)  # token ids at cache positions 0.. (valid up to cache.pos)
+    used: float = 0.0  # time.monotonic() of its last request
+
+    def held(self) -> list[int]:
+        return self.fed[: self.cache.pos]
+
+
+@dataclass(slots=True)
+class Result:
+    text: str
+    finish_reason: str  # "stop" (end of turn or a stop string), "length" or "cancelled" (the client left)
+    prompt_tokens: int  # the whole prompt
+    cached_tokens: int  # of them, already in the slot's cache: not prefilled again
+    completion_tokens: int  # generated, the end-of-turn token included
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(slots=True)
+class Counters:
+    """What the server did since it started (``/health``)."""
+
+    requests: int = 0  # run to their end or cancelled
+    cancelled: int = 0  # ended early: the client disconnected
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in a slot's cache
+    prefilled_tokens: int = 0  # prompt tokens computed
+    completion_tokens: int = 0
+
+
+class StopText:
+    """Holds back streamed text that may be the start of a stop string; ``push`` returns what can be sent,
+    ``hit`` is set once a stop string is complete (the text before it is the whole reply)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        start = max(0, len(self.text) - self.longest + 1)  # a stop string may straddle the previous pieces
+        self.text += piece
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit = True
+            self.text = self.text[:cut]
+            return self._send(cut)
+        return self._send(len(self.text) - self._held())
+
+    def _held(self) -> int:
+        """The longest end of the text that begins a stop string."""
+        for k in range(min(self.longest - 1, len(self.text)), 0, -1):
+            if any(s.startswith(self.text[-k:]) for s in self.stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        return self._send(len(self.text))
+
+    def _send(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent: upto], upto
+        return out
+
+
+class Worker:
+    """The engine and its slots; ``complete`` runs one request. Not thread-safe: one caller thread at a time."""
+
+    def __init__(self, engine: Engine, slots: int = 2):
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be >= 1")
+        self.engine = engine
+        self.n_slots = slots
+        self.slots = [Slot(engine.cache)]
+        engine.cache_owner = None  # chat sessions of this engine start afresh: the server owns the cache
+        self.counters = Counters()
+        self.lock = threading.Lock()  # guards counters read from the HTTP side
+
+    def pick(self, tokens: list[int]) -> tuple[Slot, int]:
+        """The slot for ``tokens`` and the common prefix it holds (see the module docstring)."""
+        def shared(s: Slot) -> int:
+            return common_prefix_len(s.held(), tokens)
+
+        best = max(self.slots, key=lambda s: (shared(s), s.used))
+        n = shared(best)
+        if n and n >= SIMILAR * len(best.held()):
+            return best, n
+        empty = [s for s in self.slots if s.cache.pos == 0]
+        if empty:
+            return empty[0], 0
+        if len(self.slots) < self.n_slots:
+            eng = self.engine
+            self.slots.append(Slot(make_cache(eng.config, eng.args, eng.max_seq_len, eng.device, eng.dtype)))
+            return self.slots[-1], 0
+        lru = min(self.slots, key=lambda s: s.used)
+        return lru, shared(lru)
+
+    def complete(self, tokens: list[int], gen: GenerationConfig, stops: list[str] = (),
+                 on_text: Callable[[str], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Result:
+        """Generate after ``tokens`` (which must fit: ``Engine.check_fits``); ``on_text`` gets the reply as it
+        comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens."""
+        eng = self.engine
+        eng.check_fits(len(tokens))
+        slot, shared = self.pick(tokens)
+        slot.used = time.monotonic()
+        cache = slot.cache
+        cache.truncate(cache.rewind_point(min(shared, len(tokens) - 1)))  # at least one token is fed
+        cached = cache.pos
+        slot.fed = list(tokens)
+        stop = StopText(list(stops))
+        is_cancelled = cancelled or (lambda: False)
+
+        def text_arrived(piece: str) -> None:
+            out = stop.push(piece)
+            if out and on_text is not None:
+                on_text(out)
+
+        def progress(done: int, total: int) -> None:
+            if is_cancelled():
+                raise KeyboardInterrupt  # between chunks: the chunks read stay (generate's invariant)
+
+        _, stats = eng.run(tokens, gen, text_arrived, progress, lambda: stop.hit or is_cancelled(),
+                              on_token=slot.fed.append, cache=cache)
+        del slot.fed[cache.pos:]
+        rest = "" if stop.hit else stop.flush()
+        if rest and on_text is not None:
+            on_text(rest)
+        if is_cancelled():
+            reason = "cancelled"
+        elif stop.hit or stats.stopped_by == "eos":
+            reason = "stop"
+        else:
+            reason = "length"
+        result = Result(text=stop.text, finish_reason=reason, prompt_tokens=len(tokens), cached_tokens=cached,
+                        completion_tokens=stats.new_tokens, prefill_s=stats.prefill_s, decode_s=stats.decode_s)
+        with self.lock:
+            c = self.counters
+            c.requests += 1
+            c.cancelled += reason == "cancelled"
+            c.prompt_tokens += len(tokens)
+            c.cached_tokens += cached
+            c.prefilled_tokens += stats.prompt_tokens
+            c.completion_tokens += stats.new_tokens
+        return result
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return dataclasses.asdict(self.counters)

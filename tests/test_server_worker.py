@@ -1,0 +1,104 @@
+"""The server's worker without HTTP: stop strings, slots, and prefix reuse that answers as a cold cache does,
+dense and long_context (every block, and real selections: Quest, SnapKV preselection), also after a client
+left mid-reply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ktquest
+from ktquest.config import GenerationConfig
+from ktquest.server.worker import StopText, Worker
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GREEDY = GenerationConfig(max_new_tokens=8, temperature=0.0)
+TINY_LC = {"long_context.block_size": 4, "long_context.init_windows_len": 4, "long_context.local_windows_len": 8,
+           "long_context.kv_type": "FP32"}
+MODES = {
+    "dense": {},
+    "every block": {"mode": "long_context", **TINY_LC, "long_context.second_select_num": 1000},
+    "quest": {"config": "quest.yaml", **TINY_LC, "long_context.second_select_num": 3},
+    "snapkv": {"config": "snapkv.yaml", **TINY_LC, "long_context.preselect_block_count": 6,
+               "long_context.second_select_num": 3},
+}
+
+
+def _engine(path, sets):
+    sets = dict(sets)
+    config = sets.pop("config", None)
+    return ktquest.load(path, CONFIGS / config if config else None, max_seq_len=512, chunk_size=16, threads=1,
+                        **sets)
+
+
+def _prompt(engine, doc: str, question: str) -> list[int]:
+    return engine.tokenizer.encode(f"{doc}\nQ: {question}\nA:")
+
+
+DOC = "the cat sat on the mat and the dog sat on the log " * 12
+
+
+def test_stop_text_holds_back_what_may_start_a_stop():
+    s = StopText(["END", "\n\n"])
+    assert s.push("hello E") == "hello "  # "E" may start END: held
+    assert s.push("N") == ""
+    assert s.push("Dx") == "" and s.hit and s.text == "hello " and s.push("more") == ""
+    s = StopText(["stop"])
+    assert s.push("a s") == "a " and s.push("to") == "" and s.push("ry\n") == "story\n"
+    assert s.flush() == "" and not s.hit and s.text == "a story\n"
+    s = StopText(["\n\n"])
+    assert s.push("x\n") == "x" and s.flush() == "\n"  # the end of the reply: what was held goes out
+    s = StopText(["b", "abc"])  # the stop that begins first wins
+    assert s.push("xxabc") == "xx" and s.text == "xx"
+    s = StopText([])
+    assert s.push("anything") == "anything" and s.flush() == ""
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_reuse_answers_as_cold(tiny_llama, mode):
+    warm = Worker(_engine(tiny_llama.path, MODES[mode]))
+    cold = _engine(tiny_llama.path, MODES[mode])
+    first = _prompt(cold, DOC, "where did the cat sit?")
+    r1 = warm.complete(first, GREEDY)
+    assert r1.cached_tokens == 0 and r1.completion_tokens >= 1
+    second = _prompt(cold, DOC, "and the dog?")
+    r2 = warm.complete(second, GREEDY)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert r2.cached_tokens == shared > 100  # the document was not read again
+    assert warm.counters.prefilled_tokens == len(first) + len(second) - shared
+    for prompt, r in ((first, r1), (second, r2)):  # as a fresh cache answers each
+        assert r.text == Worker(cold).complete(prompt, GREEDY).text
+
+
+def test_slots_keep_recent_conversations(tiny_llama):
+    engine = _engine(tiny_llama.path, {})
+    x = _prompt(engine, DOC, "where did the cat sit?")
+    y = _prompt(engine, "a completely different text about birds " * 8, "what about birds?")
+    two = Worker(engine, slots=2)
+    two.complete(x, GREEDY)
+    two.complete(y, GREEDY)
+    assert len(two.slots) == 2
+    assert two.complete(x, GREEDY).cached_tokens == len(x) - 1  # still cached: all but the token fed again
+    one = Worker(_engine(tiny_llama.path, {}), slots=1)
+    one.complete(x, GREEDY)
+    one.complete(y, GREEDY)
+    assert one.complete(x, GREEDY).cached_tokens < 5  # y took the only slot: x is read again
+
+
+@pytest.mark.parametrize("mode", ["dense", "snapkv"])
+def test_cancelled_mid_reply_keeps_the_cache_consistent(tiny_llama, mode):
+    worker = Worker(_engine(tiny_llama.path, MODES[mode]))
+    prompt = _prompt(worker.engine, DOC, "where did the cat sit?")
+    pieces: list[str] = []
+    r = worker.complete(prompt, GenerationConfig(max_new_tokens=50, temperature=0.0), on_text=pieces.append,
+                        cancelled=lambda: len(pieces) >= 2)
+    assert r.finish_reason == "cancelled" and r.completion_tokens < 50
+    assert worker.counters.cancelled == 1
+    again = worker.complete(prompt, GREEDY)
+    assert again.cached_tokens == len(prompt) - 1
+    assert again.text == Worker(_engine(worker.engine.model_path, MODES[mode])).complete(prompt, GREEDY).text
+    # a client gone while its prompt is read: nothing generated, the chunks read stay
+    worker.complete(_prompt(worker.engine, DOC * 2, "x"), GREEDY, cancelled=lambda: True)
+    assert worker.counters.cancelled == 2
+    assert worker.complete(prompt, GREEDY).text == again.text
