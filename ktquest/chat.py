@@ -12,11 +12,14 @@ characters, not control tokens, unless the config's ``parse_special`` is on.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ktquest.formats.chat_template import TemplateLimits
+from ktquest.generate import prefill
 
 if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into the engine it was given
     from ktquest.engine import Engine
@@ -109,6 +112,47 @@ class ChatSession:
         self.messages = messages + [{"role": "assistant", "content": text}]
         self._turns.append(stats)
         return Reply(text=text, stats=stats)
+
+    def read_document(self, on_progress: ProgressCallback | None = None) -> TurnStats:
+        """Read the system prompt and the document (the tokens every first message begins with) into the cache
+        before any message, e.g. to save them (``save``); the first message then reads only itself. Nothing to
+        read (no document, or a conversation under way): stats of an empty read. Ctrl-C (or ``on_progress``
+        raising KeyboardInterrupt) stops it, the chunks read kept (stats.stopped_by == "interrupted")."""
+        eng = self.engine
+        if self.document is None or any(m["role"] == "user" for m in self.messages):
+            return TurnStats(0, 0, eng.cache.pos, eng.max_seq_len, 0.0, 0.0, 0.0, 0.0, "max_new_tokens")
+        # the first message's tokens that do not depend on the message: the common prefix of two renderings
+        a, b = (encode_chat(eng, self.messages + [{"role": "user", "content": f"{self.document}\n\n{x}"}])
+                for x in ("A", "B"))
+        tokens = a[: common_prefix_len(a, b)]
+        if not tokens:
+            return TurnStats(0, 0, eng.cache.pos, eng.max_seq_len, 0.0, 0.0, 0.0, 0.0, "max_new_tokens")
+        if eng.cache_owner is not self:
+            eng.cache.reset()
+            eng.cache_owner = self
+        eng.cache.truncate(eng.cache.rewind_point(min(common_prefix_len(self._fed[: eng.cache.pos], tokens),
+                                                       len(tokens) - 1)))
+        self._fed = list(tokens)
+        cache, n0, stopped_by = eng.cache, eng.cache.pos, "max_new_tokens"
+        t0 = time.perf_counter()
+        try:
+            prefill(eng.model, cache, tokens[n0:], eng.config.chunk_size, on_progress)
+        except KeyboardInterrupt:  # (raised by on_progress too) the chunks read whole stay, as in generate
+            cache.truncate(cache.rewind_point(cache.pos))
+            stopped_by = "interrupted"
+        dt = time.perf_counter() - t0
+        del self._fed[cache.pos:]
+        n = cache.pos - n0
+        return TurnStats(n, 0, cache.pos, eng.max_seq_len, dt, 0.0, n / dt if dt > 0 else 0.0, 0.0, stopped_by)
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the conversation and its KV cache to a KV file (``Engine.load_session`` reads it back);
+        returns the file's bytes. ValueError when the cache holds another conversation."""
+        eng = self.engine
+        if eng.cache_owner is not self:
+            raise ValueError("nothing to save: the KV cache holds no turn of this conversation")
+        chat = {"system": self.system, "document": self.document, "messages": self.messages}
+        return eng.save_kv(path, self._fed[: eng.cache.pos], {"chat": chat})
 
     def reset(self, keep_cache: bool = False) -> None:
         """Forget the conversation (the system prompt and document stay for the next first turn).

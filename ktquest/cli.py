@@ -16,6 +16,7 @@ import io
 import os
 import signal
 import sys
+import time
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +40,8 @@ from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-HELP = "/reset forgets the conversation, /stats shows usage, /exit or Ctrl-D quits; Ctrl-C stops a reply"
+HELP = ("/reset forgets the conversation, /stats shows usage, /save FILE and /load FILE keep it in a KV file, "
+        "/exit or Ctrl-D quits; Ctrl-C stops a reply")
 # What a user can cause and fix, reported as one line: ktquest's own errors are ValueErrors that name the
 # problem (ConfigError, GGUFError, TokenizerError, ChatTemplateError, PromptTooLongError, UsageError), OSError
 # a file. Anything else is a bug and keeps its traceback.
@@ -77,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt-file", metavar="FILE", help="a document given as context with the first message")
     chat.add_argument("--message", metavar="TEXT", help="answer TEXT once and exit (reply on stdout, stats on stderr)")
     chat.add_argument("--system", metavar="TEXT", help="system prompt")
+    chat.add_argument("--save-kv", metavar="FILE",
+                      help="write the KV cache to FILE: once the --prompt-file document is read (before any "
+                           "message), else after --message's answer or when the chat ends")
+    chat.add_argument("--load-kv", metavar="FILE",
+                      help="start from a KV file's conversation (its document and turns): only new text is read")
     chat.add_argument("--max-new-tokens", type=int, metavar="N", help="reply length limit (generation.max_new_tokens)")
     for flag, key, kind, what in _SAMPLING_FLAGS:
         chat.add_argument(flag, type=kind, metavar="X", dest=key, help=f"{what} (generation.{key})")
@@ -88,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve a GGUF model over an OpenAI-compatible API (/v1/chat/completions, "
                                        "/v1/completions, /v1/models, /health).")
     _model_flags(serve)
+    serve.add_argument("--load-kv", metavar="FILE",
+                       help="start with a KV file's tokens cached (a document: questions about it read only themselves)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     serve.add_argument("--slots", type=int, default=2, metavar="N",
@@ -141,6 +150,9 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
         sets.append(("parse_special", True))
     # the chat samples (CHAT_GENERATION) unless the config or these flags say otherwise
     cfg = load_config(args.config, args.sets + sets, base={"generation": CHAT_GENERATION})
+    if args.load_kv and (args.prompt_file or args.system):
+        raise UsageError("--load-kv brings its own conversation (document and system prompt included): drop "
+                         "--prompt-file and --system")
     document = _read_document(args.prompt_file) if args.prompt_file else None
 
     from ktquest.engine import load  # torch loads here, after the arguments are known to be good
@@ -148,10 +160,34 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
     with err.status("loading the model...", spinner="dots") if err.is_terminal and args.message is None \
             else contextlib.nullcontext():
         engine = load(args.model, cfg)
-    session = engine.chat_session(system=args.system, document=document)
+        session = engine.load_session(args.load_kv) if args.load_kv else \
+            engine.chat_session(system=args.system, document=document)
+    save_at_end = args.save_kv
+    if args.save_kv and document is not None:
+        _read_and_save(session, args.save_kv, err)
+        save_at_end = None
     if args.message is not None:
-        return _answer_once(session, args.message, err)
-    return _interactive(engine, session, err)
+        code = _answer_once(session, args.message, err)
+        if save_at_end:
+            _save(session, save_at_end, err)
+        return code
+    return _interactive(engine, session, err, save_at_end)
+
+
+def _read_and_save(session, path: str, err: Console) -> None:
+    """Read the session's document into the cache and save it (Ctrl-C: exit 130, nothing written)."""
+    with err.status("reading the document...", spinner="dots") if err.is_terminal else contextlib.nullcontext():
+        stats = session.read_document()
+    if stats.stopped_by == "interrupted":
+        raise KeyboardInterrupt
+    _save(session, path, err)
+
+
+def _save(session, path: str, err: Console) -> None:
+    t0 = time.perf_counter()
+    n = session.save(path)
+    err.print(f"[dim]saved {session.engine.cache.pos:,} tokens of KV to {escape(path)} ({n / 2**20:,.1f} MiB, "
+              f"{time.perf_counter() - t0:.2f} s)[/]")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -168,7 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.model or cfg.model or DEFAULT_MODEL  # what clients name the model: as it was given
     model_id = name if name in BUNDLED_MODELS else Path(name).stem
     serve(load(args.model, cfg), args.host, args.port, args.slots, args.queue, model_id,
-          int(args.max_body_mb * 2**20))
+          int(args.max_body_mb * 2**20), args.load_kv)
     return 0
 
 
@@ -292,7 +328,7 @@ def _answer_once(session, message: str, err: Console) -> int:
 # ---- interactive ----
 
 
-def _interactive(engine, session, err: Console) -> int:
+def _interactive(engine, session, err: Console, save_at_end: str | None = None) -> int:
     from ktquest.formats.tokenizer import valid_text
 
     console = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns
@@ -322,7 +358,7 @@ def _interactive(engine, session, err: Console) -> int:
                     line = console.input("[bold green]>>> [/]")
             except EOFError:
                 console.print()
-                return 0
+                return _save_at_end(session, save_at_end, err)
             except KeyboardInterrupt:
                 console.print("\n[dim]/exit or Ctrl-D quits[/]")
                 continue
@@ -330,7 +366,19 @@ def _interactive(engine, session, err: Console) -> int:
             if not text:
                 continue
             if text in ("/exit", "/quit"):
-                return 0
+                return _save_at_end(session, save_at_end, err)
+            if text.startswith(("/save ", "/load ")):
+                path = text[6:].strip()
+                try:
+                    if text.startswith("/save"):
+                        _save(session, path, console)
+                    else:
+                        session = engine.load_session(path)
+                        console.print(f"[dim]loaded {escape(path)}: {engine.cache.pos:,} tokens, "
+                                      f"{len(session.messages)} messages[/]")
+                except USER_ERRORS as e:
+                    console.print(f"[red]{escape(_one_line(e))}[/]")
+                continue
             if text.startswith("/") and " " not in text:
                 if text in commands:
                     commands[text]()
@@ -348,6 +396,17 @@ def _interactive(engine, session, err: Console) -> int:
             except USER_ERRORS as e:
                 console.print(("\n" if ctrl_c.midline else "") + f"[red]{escape(_one_line(e))}[/]; that "
                               "message was dropped")
+
+
+def _save_at_end(session, path: str | None, err: Console) -> int:
+    if path is None:
+        return 0
+    try:
+        _save(session, path, err)
+    except USER_ERRORS as e:
+        print(f"ktquest: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
 
 
 def _turn(session, text: str, console: Console, err: Console, ctrl_c: _CtrlC) -> None:

@@ -18,6 +18,7 @@ from ktquest.config import Config, ConfigError, GenerationConfig, load_config, s
 from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate
+from ktquest.kv import files as kv_files
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import check_cache_fits, check_weights_fit
@@ -62,6 +63,7 @@ class Engine:
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
         self.cache_owner: ChatSession | None = None  # the conversation whose tokens the cache holds
         self._said_plain_chat = False  # PLAIN_CHAT_NOTICE is said once, with the first chat session
+        self._model_fingerprint: dict | None = None  # KV files: the model file's (computed at first use)
         self.load_s = time.perf_counter() - t0  # reading, building and caching: what a user waits for
 
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
@@ -97,6 +99,83 @@ class Engine:
             print(PLAIN_CHAT_NOTICE, file=sys.stderr)
             self._said_plain_chat = True
         return ChatSession(self, system=system, document=document)
+
+    def load_session(self, path: str | os.PathLike) -> ChatSession:
+        """The conversation a KV file holds (``ChatSession.save``), its cache loaded: the next message reads
+        only itself. ``KVFileError`` as ``load_kv``, or for a file that holds no conversation."""
+        tokens, extra = self.load_kv(path)
+        chat = extra.get("chat")
+        ok = isinstance(chat, dict) and all(isinstance(chat.get(k), (str, type(None))) for k in ("system", "document"))
+        messages = chat.get("messages") if ok else None
+        if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and
+                                                   isinstance(m.get("content"), str) for m in messages)):
+            self.cache.reset()
+            raise kv_files.KVFileError(f"{path}: holds a KV cache but no conversation (written by save_kv, not "
+                                       "ChatSession.save)")
+        session = self.chat_session(system=chat["system"], document=chat["document"])
+        session.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        session._fed = tokens
+        self.cache_owner = session
+        return session
+
+    # ---- KV files ----
+
+    def save_kv(self, path: str | os.PathLike, tokens: list[int], extra: dict | None = None, cache=None) -> int:
+        """Write ``cache`` (the engine's by default), which holds ``tokens``, to a KV file (``ktquest.kv.files``)
+        with the model's and the config's fingerprints and ``extra`` (JSON-able); returns the file's bytes."""
+        cache = self.cache if cache is None else cache
+        if len(tokens) != cache.pos:
+            raise ValueError(f"save_kv: {len(tokens)} tokens given, the cache holds {cache.pos}")
+        meta, arrays = cache.state()
+        header = {"model": self._fingerprint(), "config": self.cache_config(), "cache": meta, "extra": extra or {}}
+        return kv_files.save(path, header, {**arrays, "tokens": torch.tensor(tokens, dtype=torch.int32)})
+
+    def load_kv(self, path: str | os.PathLike, cache=None) -> tuple[list[int], dict]:
+        """Fill ``cache`` (the engine's by default) from a KV file; returns its tokens and ``extra``. A
+        ``KVFileError`` (a ValueError) names what is wrong: unreadable, truncated, corrupted, or written for
+        another model or a config whose cache differs; the cache is then empty."""
+        cache = self.cache if cache is None else cache
+        header, arrays = kv_files.load(path)
+        model, config = header.get("model"), header.get("config")
+        if model != self._fingerprint():
+            name = model.get("name") if isinstance(model, dict) else None
+            raise kv_files.KVFileError(f"{path} was written for another model ({name!r}); this is "
+                                       f"{self.model_path.name!r} ({self._fingerprint()['bytes']:,} bytes)")
+        if config != self.cache_config():
+            raise kv_files.KVFileError(f"{path} was written with a config whose KV cache differs: "
+                                       f"{_differences(config, self.cache_config())}")
+        tokens = arrays.pop("tokens", None)
+        meta = header.get("cache")
+        shapes = cache.state_shapes(meta, str(path))
+        if tokens is None or tokens.dim() != 1 or tokens.dtype != torch.int32 or len(tokens) != meta["pos"] or \
+                (len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.tokenizer.vocab_size):
+            raise kv_files.KVFileError(f"{path}: its token ids do not match its cache")
+        kv_files.expect(path, arrays, shapes)
+        self.cache_owner = None
+        try:
+            cache.load_state(meta, arrays)
+        except BaseException:
+            cache.reset()
+            raise
+        extra = header.get("extra")
+        return tokens.tolist(), extra if isinstance(extra, dict) else {}
+
+    def cache_config(self) -> dict:
+        """The config keys that shape the KV cache's contents and layout (a KV file must agree on each)."""
+        c = self.config
+        out = {"mode": c.mode, "dtype": str(self.dtype).removeprefix("torch."), "rope_scaling": c.rope_scaling,
+               "rope_scaling_factor": c.rope_scaling_factor}
+        if isinstance(self.cache, HybridCache):
+            out["sliding_window_keep"] = c.sliding_window_keep
+        if c.mode == "long_context":
+            out["chunk_size"] = c.chunk_size
+            out["long_context"] = {k: v for k, v in to_dict(c)["long_context"].items() if k != "threads_num"}
+        return out
+
+    def _fingerprint(self) -> dict:
+        if self._model_fingerprint is None:
+            self._model_fingerprint = {"name": self.model_path.name, **kv_files.model_fingerprint(self.model_path)}
+        return self._model_fingerprint
 
     # ---- internals ----
 
@@ -170,6 +249,24 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
     else:
         cfg = load_config(config, sets)
     return Engine(cfg, resolve_model(model if model is not None else cfg.model or DEFAULT_MODEL))
+
+
+def _differences(a: object, b: dict, prefix: str = "") -> str:
+    """What differs between a file's config fingerprint ``a`` and this engine's ``b``, as one line."""
+    if not isinstance(a, dict):
+        return "the file has none"
+    if a.get("mode", b.get("mode")) != b.get("mode"):  # the rest follows from the mode
+        return f"{prefix}mode is {a.get('mode')!r} in the file, {b.get('mode')!r} here"
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            if x != y:
+                out.append(_differences(x, y, f"{prefix}{key}."))
+        elif x != y:
+            out.append(f"{prefix}{key} is {x!r} in the file, {y!r} here" if key in a and key in b else
+                       f"{prefix}{key} is {'not in the file' if key in b else 'in the file only'}")
+    return "; ".join(out)
 
 
 def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:

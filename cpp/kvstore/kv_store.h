@@ -3,6 +3,7 @@
 // The byte layout and why: layout.h. The parts of a decode step, each owning its workspaces:
 //   selection   select/selector.h     candidates, anchor scores, top k
 //   candidates  kvstore/cand_cache.h  a preselected candidate list's compact copies
+// and a layer's state as bytes for KV files (kv_store_io.cpp).
 //   attention   kvstore/sparse_attn.h split-K attention over the selected blocks
 // The store owns the memory and the lock; its methods are grouped by concept: storage (kv_store.cpp:
 // append, read-back, truncate, incremental anchors) and the decode operations (kv_store_decode.cpp: scores,
@@ -73,6 +74,17 @@ class KVStore {
   // std::invalid_argument without an index (index_group 0).
   bool read_bounds(int layer, int64_t ng, float* bounds) const;
   int64_t n_groups(int layer) const;  // index groups of the layer's blocks (0 without an index)
+
+  // ---- a layer's state as bytes (kv_store_io.cpp; KV files: ktquest/kv/files.py) ----
+  // Every region's entries of the layer's blocks in use (each head's first n_blocks of K/V tiles, anchors,
+  // bookkeeping, then its first n_groups index bounds), in a fixed order: what a store of the same
+  // StoreConfig (max_seq_len aside) needs to hold the layer exactly. layer_bytes(layer, len): their size for
+  // `len` tokens.
+  size_t state_bytes(int64_t len) const;
+  void export_layer(int layer, uint8_t* out, size_t n) const;  // n == state_bytes(length(layer)), else throws
+  // The layer becomes `len` tokens read from `in` (n == state_bytes(len), len <= max_seq_len, else
+  // std::invalid_argument and nothing changed); the candidate copies of the layer are invalidated.
+  void import_layer(int layer, int64_t len, const uint8_t* in, size_t n);
 
   // ---- the decode operations (kv_store_decode.cpp) ----
   // q: [H, D] fp32 (H a multiple of KVH). Unscaled block scores, summed over the query heads of each

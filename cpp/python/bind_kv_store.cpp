@@ -137,6 +137,24 @@ void bind_kv_store(py::module_& m) {
         }
       }, py::arg("layer"), "(anchors [KVH, n_blocks, A, D] fp32, counts [KVH, n_blocks] int32).")
       .def("n_groups", &KVStore::n_groups, py::arg("layer"))
+      .def("state_bytes", &KVStore::state_bytes, py::arg("length"),
+           "Bytes of a layer's state (export_layer) when it holds `length` tokens.")
+      .def("export_layer", [](const KVStore& st, int layer) {
+        py::array_t<uint8_t> out(py::ssize_t(st.state_bytes(st.length(layer))));
+        uint8_t* p = out.mutable_data();
+        const size_t n = size_t(out.size());
+        py::gil_scoped_release nogil;
+        st.export_layer(layer, p, n);
+        return out;
+      }, py::arg("layer"), "The layer's state as bytes, uint8 [state_bytes(length(layer))].")
+      .def("import_layer", [](KVStore& st, int layer, int64_t length, const py::handle& obj) {
+        auto a = ndim_arg<uint8_t>(obj, "state", 1);
+        const uint8_t* p = a.data();
+        const size_t n = size_t(a.size());
+        py::gil_scoped_release nogil;
+        st.import_layer(layer, length, p, n);
+      }, py::arg("layer"), py::arg("length"), py::arg("state"),
+         "The layer becomes `length` tokens read from `state` (uint8 [state_bytes(length)], as export_layer gave).")
       .def("read_bounds", [](const KVStore& st, int layer) {
         const int64_t H = st.config().n_kv_heads, D = st.config().head_dim;
         for (;;) {  // as read

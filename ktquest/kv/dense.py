@@ -157,6 +157,31 @@ class DenseKVCache:
             raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
         self.pos = n
 
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a KV file keeps (``ktquest.kv.files``): the tokens held, each layer's k/v [KVH, pos, D]."""
+        arrays = {}
+        for i in range(self.n_layers):
+            arrays[f"k{i}"], arrays[f"v{i}"] = self._k[i][0, :, : self.pos], self._v[i][0, :, : self.pos]
+        return {"pos": self.pos}, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
+        """The cache becomes what ``state`` gave (shapes checked by the caller, ``files.expect``)."""
+        n = meta["pos"]
+        for i in range(self.n_layers):
+            if n > self._k[i].shape[2]:
+                self.pos = 0  # nothing to copy over
+                self._grow(i, n)
+            self._k[i][0, :, :n] = arrays[f"k{i}"]
+            self._v[i][0, :, :n] = arrays[f"v{i}"]
+        self.pos = n
+
+    def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
+        """The arrays ``load_state`` takes for ``meta``: name -> (shape, dtype); KVFileError for a bad ``meta``."""
+        from ktquest.kv.files import check_meta
+
+        n, (_, kvh, _, d) = check_meta(path, meta, "pos", 0, self.max_seq_len), self._k[0].shape
+        return {f"{kv}{i}": ((kvh, n, d), self._k[0].dtype) for i in range(self.n_layers) for kv in "kv"}
+
     def nbytes(self) -> int:
         """Bytes held now (the capacity grown so far, not max_seq_len's)."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))

@@ -108,6 +108,29 @@ class WindowKV:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a KV file keeps (``ktquest.kv.files``): each layer's positions [base, hi), k/v [KVH, hi - base, D]."""
+        arrays = {}
+        for i, (b, h) in enumerate(zip(self.base, self.hi)):
+            arrays[f"k{i}"], arrays[f"v{i}"] = self.k[i, :, : h - b], self.v[i, :, : h - b]
+        return {"base": list(self.base), "hi": list(self.hi)}, arrays
+
+    def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
+        from ktquest.kv.files import KVFileError
+
+        n = len(self.base)
+        base, hi = (meta.get("base"), meta.get("hi")) if isinstance(meta, dict) else (None, None)
+        if not (isinstance(base, list) and isinstance(hi, list) and len(base) == len(hi) == n and
+                all(type(b) is int and type(h) is int and 0 <= b <= h and h - b <= self.rows for b, h in zip(base, hi))):
+            raise KVFileError(f"{path}: the sliding-window layers' positions are not allowed here")
+        _, kvh, _, d = self.k.shape
+        return {f"{kv}{i}": ((kvh, h - b, d), self.k.dtype) for i, (b, h) in enumerate(zip(base, hi)) for kv in "kv"}
+
+    def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
+        for i, (b, h) in enumerate(zip(meta["base"], meta["hi"])):
+            self.k[i, :, : h - b], self.v[i, :, : h - b] = arrays[f"k{i}"], arrays[f"v{i}"]
+        self.base, self.hi = list(meta["base"]), list(meta["hi"])
+
 
 class HybridCache:
     """A ``KVCache`` (kv/base.py) for sliding-window + global layers: see the module docstring.
@@ -168,3 +191,21 @@ class HybridCache:
 
     def nbytes(self) -> int:
         return self.main.nbytes() + self.windows.nbytes()
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a KV file keeps: the global layers' cache's state and the windows', their arrays prefixed."""
+        (m, ma), (w, wa) = self.main.state(), self.windows.state()
+        return {"pos": self.pos, "main": m, "windows": w}, \
+            {**{f"main.{k}": v for k, v in ma.items()}, **{f"win.{k}": v for k, v in wa.items()}}
+
+    def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
+        from ktquest.kv.files import check_meta
+
+        check_meta(path, meta, "pos", 0, self.max_seq_len)
+        return {**{f"main.{k}": v for k, v in self.main.state_shapes(meta.get("main"), path).items()},
+                **{f"win.{k}": v for k, v in self.windows.state_shapes(meta.get("windows"), path).items()}}
+
+    def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
+        self.main.load_state(meta["main"], {k[5:]: v for k, v in arrays.items() if k.startswith("main.")})
+        self.windows.load_state(meta["windows"], {k[4:]: v for k, v in arrays.items() if k.startswith("win.")})
+        self.pos = meta["pos"]

@@ -114,6 +114,14 @@ class Worker:
         self.counters = Counters()
         self.lock = threading.Lock()  # guards counters read from the HTTP side
 
+    def load_kv(self, path) -> int:
+        """The first slot starts from a KV file's tokens (``Engine.load_kv``: a document read once, by any
+        ktquest); returns how many."""
+        slot = self.slots[0]
+        slot.fed, _ = self.engine.load_kv(path, cache=slot.cache)
+        slot.used = time.monotonic()
+        return len(slot.fed)
+
     def pick(self, tokens: list[int]) -> tuple[Slot, int]:
         """The slot for ``tokens`` and the common prefix it holds (see the module docstring)."""
         def shared(s: Slot) -> int:
