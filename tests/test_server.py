@@ -205,12 +205,24 @@ def test_disconnect_stops_generation(server, client):
         assert line, got
         if line.startswith(b"data:"):
             got.append(line)
+    r.close()
     conn.close()  # the client leaves mid-stream
     deadline = time.monotonic() + 60
     while (h := _health(server))["running_or_waiting"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert h["cancelled"] == before["cancelled"] + 1
     assert h["completion_tokens"] - before["completion_tokens"] < 500  # stopped, not run to max_tokens
+    # not streamed: the client leaving is noticed while it waits for the answer
+    body["stream"] = False
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    time.sleep(1.0)
+    conn.close()
+    deadline = time.monotonic() + 60
+    while (h2 := _health(server))["running_or_waiting"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert h2["cancelled"] == h["cancelled"] + 1
+    assert h2["completion_tokens"] - h["completion_tokens"] < 500
     # the server and its cache go on: the same answer as ever
     r = _chat(client, [{"role": "user", "content": QUESTION}], max_tokens=8)
     assert r.choices[0].message.content == "The capital of France is Paris."

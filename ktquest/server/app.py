@@ -146,22 +146,28 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, job = await admit(request, ChatRequest)
-        return await respond(req, job, chat=True)
+        return await respond(request, req, job, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, job = await admit(request, CompletionRequest)
-        return await respond(req, job, chat=False)
+        return await respond(request, req, job, chat=False)
 
-    async def respond(req, job: _Job, chat: bool):
+    async def respond(request: Request, req, job: _Job, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "created": int(time.time()), "model": model_id}
         loop = asyncio.get_running_loop()
         if not req.stream:
+            future = asyncio.wrap_future(executor.submit(run, job))
             try:
-                result = await asyncio.wrap_future(executor.submit(run, job))
+                while not (await asyncio.wait({future}, timeout=0.25))[0]:
+                    if await request.is_disconnected():  # the client left: its generation stops
+                        job.cancel.set()
+                result = await future
             finally:
-                job.cancel.set()  # a client gone before its turn: the job is skipped
+                job.cancel.set()  # (an error on this side: the job is skipped or stopped)
+            if result is None or result.finish_reason == "cancelled":
+                return JSONResponse({}, status_code=499)  # nobody reads it
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                                  "choices": [_choice(chat, result.text, result.finish_reason)],
                                  "usage": _usage(result)})
