@@ -139,6 +139,19 @@ def test_completion_equals_generate_and_stops(server, client):
     assert "".join(c.choices[0].text for c in s) == expected[: expected.index(word)]
 
 
+def test_sampling_fields_are_honoured(client):
+    def ask(max_tokens=12, **kw):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                           max_tokens=max_tokens, **kw)
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    a, b = ask(temperature=1.5, top_p=1.0, seed=1), ask(temperature=1.5, top_p=1.0, seed=1)
+    assert a == b  # the seed makes sampling repeatable
+    assert len({ask(temperature=1.5, top_p=1.0, seed=s)[0] for s in range(2, 6)} | {a[0]}) > 1  # and it matters
+    assert ask(temperature=1.5, top_p=1e-6, seed=7) == ask(temperature=0)  # top_p tiny: the best token alone
+    assert ask(temperature=0, max_tokens=3)[1] == 3
+
+
 def test_prefix_reuse(server, client):
     before = _health(server)
     q1 = [{"role": "user", "content": f"{DOC}\n\nHow many crates are in record 3?"}]
