@@ -176,6 +176,25 @@ class LongContextConfig:
 
 
 @dataclass(slots=True)
+class PrefillConfig:
+    """How ``mode: long_context`` reads a prompt: ``exact`` (every chunk attends every past token: O(N^2)) or
+    ``sparse`` (past ``exact_tokens``, each chunk attends its windows exactly and, per KV head, the ``blocks``
+    context blocks that ``select_queries`` of its queries score highest, and the stretch just before its
+    local window: O(N); kv/long_context.py ``_prefill_blocks``)."""
+
+    mode: Literal["exact", "sparse"] = "exact"
+    exact_tokens: int = 4096  # positions read exactly before sparse prefill starts
+    blocks: int = 128  # context blocks per KV head a chunk attends beyond its windows
+    select_queries: int = 32  # the chunk's queries (spread over it) whose summed scores choose the blocks
+
+    def __post_init__(self) -> None:
+        _check_types(self, "prefill.")
+        _check(self.exact_tokens >= 0, "prefill.exact_tokens", self.exact_tokens, "an integer >= 0")
+        _check(self.blocks >= 1, "prefill.blocks", self.blocks, "an integer >= 1")
+        _check(self.select_queries >= 1, "prefill.select_queries", self.select_queries, "an integer >= 1")
+
+
+@dataclass(slots=True)
 class Config:
     """The whole runtime configuration (``configs/default.yaml`` shows every key)."""
 
@@ -205,6 +224,7 @@ class Config:
     sliding_window_keep: int = field(default=1024, metadata={"max": SEQ_LEN_MAX})  # gemma3: kv/sliding.py
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
 
     def __post_init__(self) -> None:
         _check_types(self, "")
@@ -220,6 +240,8 @@ class Config:
                "a number >= 1 with rope_scaling: dynamic (the model's dynamic NTK factor, e.g. 2.0)" if dynamic else
                "0 (unset) unless rope_scaling is dynamic (the file's own scaling has its own factor)")
         lc = self.long_context
+        _check(self.prefill.mode == "exact" or self.mode == "long_context", "prefill.mode", self.prefill.mode,
+               "'sparse' only with mode: long_context (a dense cache reads every token)")
         if self.mode == "long_context" and self.max_seq_len > 0:
             _check(lc.init_windows_len + lc.local_windows_len <= self.max_seq_len, "long_context.local_windows_len",
                    lc.local_windows_len,

@@ -338,14 +338,41 @@ class LongContextCache:
         return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), probs
 
     def _prefill_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact attention of every chunk query to the context blocks [ib, lb), read in place from DRAM."""
+        """Attention of every chunk query to the context blocks [ib, lb) (all of them, or with sparse prefill
+        those ``_prefill_blocks`` picks), read in place from DRAM."""
         T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
         # Query "head" (kvh, t, g) reads KV head kvh: the store's grouping h // (H' / KVH) with H' = KVH*T*G.
         qs = q.float().reshape(T, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * T * G, D).cpu().contiguous()
-        out, lse = self.store.attend(layer, qs, self._all_blocks[self.ib: lb])
+        out, lse = self.store.attend(layer, qs, self._prefill_blocks(layer, q, lb))
         out = out.view(KVH, T, G, D).permute(1, 0, 2, 3).reshape(T, self.H, D)
         lse = lse.view(KVH, T, G).permute(1, 0, 2).reshape(T, self.H)
         return out.to(self.device), lse.to(self.device)
+
+    def _prefill_blocks(self, layer: int, q: torch.Tensor, lb: int) -> torch.Tensor:
+        """The context blocks a prefill chunk attends. Exact prefill (and sparse before ``prefill.exact_tokens``
+        or while the context holds at most ``prefill.blocks`` blocks): every block of [ib, lb). Sparse: per KV
+        head the ``prefill.blocks`` blocks whose anchor scores, summed over ``select_queries`` of the chunk's
+        queries (spread over it, its last included) and their query heads, are highest, plus the chunk's length
+        of blocks just before the local window (the local window ends with the chunk, so its first queries
+        would otherwise see no recent token before themselves): [KVH, n] int32, ascending, -1 padded. The
+        choice is the store's selection, pruned by the hierarchical index when ``index_group`` > 0 (a chunk
+        then scores the N / (block_size * index_group) group bounds and the blocks of the groups that may hold
+        a pick, not all N / block_size blocks)."""
+        pf = self.cfg.prefill
+        if pf.mode != "sparse" or self.geo.start < pf.exact_tokens or lb - self.ib <= pf.blocks:
+            return self._all_blocks[self.ib: lb]
+        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
+        R = min(pf.select_queries, T)
+        pick = torch.linspace(0, T - 1, R).round().long()  # [R]
+        qs = q[pick].float().reshape(R, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * R * G, D).cpu().contiguous()
+        picked = self.store.select(layer, qs, pf.blocks, "SEPARATE", [(0, self.ib), (lb, self.store.n_blocks(layer))])
+        recent = torch.arange(max(self.ib, lb - -(-T // self.bs)), lb).expand(KVH, -1)  # [KVH, <= T / bs]
+        blocks = torch.cat([picked.long(), recent], 1)
+        big = torch.iinfo(torch.int64).max  # the -1 padding and the repeats sort last, then become -1
+        blocks = blocks.masked_fill(blocks < 0, big).sort(dim=1).values
+        blocks[:, 1:].masked_fill_(blocks[:, 1:] == blocks[:, :-1], big)
+        blocks = blocks.sort(dim=1).values
+        return blocks.masked_fill_(blocks == big, -1).to(torch.int32).contiguous()
 
     # ---- decode: which context blocks ----
 
