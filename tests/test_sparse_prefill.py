@@ -127,3 +127,18 @@ def test_sparse_prefill_in_a_chat(tiny_llama):
     for text in ("hello there", "and again"):
         ra, rb = a.send(text), b.send(text)
         assert ra.text == rb.text and ra.stats.context_tokens == rb.stats.context_tokens
+
+
+def test_million_preset_is_sized_for_a_24_gib_machine(tiny_llama):
+    import ktquest
+    from ktquest.kv.memory import candidate_copy_bytes, store_bytes
+
+    cfg = load_config(CONFIGS / "million.yaml")
+    lc = cfg.long_context
+    assert cfg.max_seq_len == 1 << 20 and cfg.prefill.mode == "sparse" and lc.dense_layer_num == 0
+    dims = (30, 3, 64, cfg.max_seq_len)  # the bundled SmolLM2's layers, KV heads, head_dim
+    assert store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims) < 16 * 2**30
+    eng = ktquest.load(tiny_llama.path, CONFIGS / "million.yaml", threads=1, max_seq_len=4096, max_new_tokens=4,
+                       **{"prefill.exact_tokens": 600, "long_context.kv_type": "FP16"})  # (head_dim 16: no Q8_0)
+    r = eng.chat_session(document="the cat sat on the mat " * 200).send("hello")
+    assert r.stats.new_tokens == 4 and r.stats.context_tokens > 1000
