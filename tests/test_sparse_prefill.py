@@ -142,3 +142,19 @@ def test_million_preset_is_sized_for_a_24_gib_machine(tiny_llama):
                        **{"prefill.exact_tokens": 600, "long_context.kv_type": "FP16"})  # (head_dim 16: no Q8_0)
     r = eng.chat_session(document="the cat sat on the mat " * 200).send("hello")
     assert r.stats.new_tokens == 4 and r.stats.context_tokens > 1000
+
+
+def test_the_ram_check_counts_huge_pages_and_the_prefill_workspace(monkeypatch):
+    from ktquest.kv import memory
+
+    cfg = load_config(CONFIGS / "million.yaml")
+    lc, n = cfg.long_context, cfg.max_seq_len
+    args = types.SimpleNamespace(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, dim=576, ffn_dim=1536)
+    store = memory.store_bytes(lc, 30, 3, 64, n) + memory.candidate_copy_bytes(lc, 30, 3, 64, n)
+    extra = memory.HUGE_PAGE * memory.store_regions(lc, 30) + memory.prefill_workspace_bytes(lc, args, n, 512)
+    assert 30 * 4 * memory.HUGE_PAGE <= extra - n * 3 * 64 * 4 < 2**30  # 4 regions a layer; SnapKV reads a layer back
+    monkeypatch.setattr(memory, "available_ram", lambda: store + extra // 2)  # the store alone would fit
+    with pytest.raises(ConfigError, match=r"would need 15\.\d\d GiB \(and 1\.\d\d GiB more for huge-page rounding"):
+        memory.check_store_fits(lc, args, n, 512)
+    monkeypatch.setattr(memory, "available_ram", lambda: store + extra)
+    memory.check_store_fits(lc, args, n, 512)

@@ -74,7 +74,7 @@ class LongContextCache:
         if lc.init_windows_len + lc.local_windows_len > max_seq_len:
             raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
                               f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
-        check_store_fits(lc, args, max_seq_len)
+        check_store_fits(lc, args, max_seq_len, cfg.chunk_size)
         self.device, self.dtype = torch.device(device), dtype
         self.bs = lc.block_size
         self.ib = -(-lc.init_windows_len // self.bs)  # init window blocks

@@ -42,18 +42,44 @@ def available_ram() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_store_fits(lc: LongContextConfig, args, max_seq_len: int) -> None:
-    """ConfigError (with the figure) when a full store for ``max_seq_len`` would not fit in available RAM."""
+HUGE_PAGE = 2 << 20  # the store's regions ask for transparent huge pages (cpp/common/mapped_buffer.cpp)
+
+
+def store_regions(lc: LongContextConfig, n_layers: int) -> int:
+    """How many regions the store maps (each rounded up to a huge page when full): K/V tiles, anchors and
+    their counts per layer, BLOCK_MEAN's sums, DYNAMIC's importances and positions, the index's bounds."""
+    per_layer = 3 + (lc.anchor_type == "BLOCK_MEAN") + 2 * (lc.anchor_type == "DYNAMIC") + (lc.index_group > 0)
+    return per_layer * n_layers
+
+
+def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int) -> int:
+    """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its token ids (Python ints, ~64 bytes a
+    token with the tokenizer's work), one chunk's activations in fp32 (hidden state, q/k/v, the FFN's, and
+    the chunk's attention output and LSE), and SnapKV's preselection, which reads one layer's keys back in fp32
+    after prefill."""
+    dim = getattr(args, "dim", args.n_heads * args.head_dim)
+    ffn = getattr(args, "ffn_dim", 4 * dim)
+    chunk = min(chunk_size, max_seq_len) * 4 * (4 * dim + 3 * ffn + 2 * args.n_kv_heads * args.head_dim)
+    preselect = max_seq_len * args.n_kv_heads * args.head_dim * 4 if lc.preselect_block else 0
+    return 64 * max_seq_len + chunk + preselect
+
+
+def check_store_fits(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int = 512) -> None:
+    """ConfigError (with the figure) when a full store for ``max_seq_len`` would not fit in available RAM,
+    with its huge-page rounding and the prefill's workspace (``prefill_workspace_bytes``)."""
     dims = (args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len)
     try:  # the store's layout refuses sizes past its limits (int32 block ids) or that overflow
-        need = store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims)
+        store = store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims)
     except (ValueError, OverflowError) as e:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}") from None
-    have = available_ram()
+    rounding = HUGE_PAGE * store_regions(lc, args.n_layers)
+    work = prefill_workspace_bytes(lc, args, max_seq_len, chunk_size)
+    need, have = store + rounding + work, available_ram()
     if need > have:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the {lc.kv_type} KV store would need "
-                          f"{need / 2**30:.2f} GiB and {have / 2**30:.2f} GiB of RAM is available; lower "
-                          f"max_seq_len or pick a smaller kv_type (Q8_0, Q4_0)")
+                          f"{store / 2**30:.2f} GiB (and {(rounding + work) / 2**30:.2f} GiB more for huge-page "
+                          f"rounding and the prefill's workspace) and {have / 2**30:.2f} GiB of RAM is available; "
+                          f"lower max_seq_len or pick a smaller kv_type (Q8_0, Q4_0)")
 
 
 def dense_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype) -> int:
@@ -110,6 +136,6 @@ def check_cache_fits(config: Config, args, max_seq_len: int, device: torch.devic
     """The fit check of ``config.mode``'s KV cache for ``max_seq_len`` tokens, before anything is allocated."""
     if config.mode == "long_context":
         check_kv_type(config.long_context, args.head_dim)  # (the store's layout needs it to count its bytes)
-        check_store_fits(config.long_context, args, max_seq_len)
+        check_store_fits(config.long_context, args, max_seq_len, config.chunk_size)
     else:
         check_dense_fits(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)
