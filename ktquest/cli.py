@@ -176,8 +176,11 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
 
 def _read_and_save(session, path: str, err: Console) -> None:
     """Read the session's document into the cache and save it (Ctrl-C: exit 130, nothing written)."""
-    with err.status("reading the document...", spinner="dots") if err.is_terminal else contextlib.nullcontext():
-        stats = session.read_document()
+    bar = _PrefillBar(err, session.engine.config.chunk_size, "reading the document")
+    try:
+        stats = session.read_document(on_progress=bar.update if err.is_terminal else None)
+    finally:
+        bar.stop()
     if stats.stopped_by == "interrupted":
         raise KeyboardInterrupt
     _save(session, path, err)
@@ -271,34 +274,41 @@ class _TokensPerSecond(ProgressColumn):
         return Text(f"{task.speed:,.0f} tok/s" if task.speed else "", style="progress.data.speed")
 
 
+class _PrefillBar:
+    """A progress bar on ``err`` while a prompt of more than one chunk is read: tokens, tok/s, time left."""
+
+    def __init__(self, err: Console, chunk: int, what: str = "reading the prompt"):
+        self.err, self.chunk, self.what = err, chunk, what
+        self.progress: Progress | None = None
+
+    def update(self, done: int, total: int) -> None:
+        if total <= self.chunk or done >= total:
+            return
+        if self.progress is None:
+            self.progress = Progress(TextColumn(self.what), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                     _TokensPerSecond(), TimeRemainingColumn(), console=self.err, transient=True)
+            self.progress.start()
+            self.progress.add_task("prefill", total=total)
+        self.progress.update(self.progress.task_ids[0], completed=done)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
 def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _CtrlC, show_progress: bool):
     """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
-    chunk = session.engine.config.chunk_size
-    progress: Progress | None = None
-
-    def stop_progress() -> None:
-        nonlocal progress
-        if progress is not None:
-            progress.stop()
-            progress = None
+    bar = _PrefillBar(err, session.engine.config.chunk_size)
 
     def on_progress(done: int, total: int) -> None:
-        nonlocal progress
         if ctrl_c.requested:
             raise KeyboardInterrupt  # between prefill chunks: the turn is dropped, the cache stays valid
-        if show_progress and total > chunk and done < total:
-            if progress is None:
-                progress = Progress(TextColumn("reading the prompt"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("tokens"), _TokensPerSecond(), TimeRemainingColumn(), console=err,
-                                    transient=True)
-                progress.start()
-                task = progress.add_task("prefill", total=total)
-                progress.update(task, completed=done)
-            else:
-                progress.update(progress.task_ids[0], completed=done)
+        if show_progress:
+            bar.update(done, total)
 
     def on_text(piece: str) -> None:
-        stop_progress()
+        bar.stop()
         out.write(piece)
         out.flush()
         ctrl_c.midline = not piece.endswith("\n")
@@ -307,7 +317,7 @@ def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _CtrlC, show_p
         return session.send(text, on_text=on_text, on_progress=on_progress,
                             should_stop=lambda: ctrl_c.requested)
     finally:
-        stop_progress()
+        bar.stop()
 
 
 def _stats_line(s) -> str:
