@@ -186,12 +186,14 @@ class PrefillConfig:
     exact_tokens: int = 4096  # positions read exactly before sparse prefill starts
     blocks: int = 128  # context blocks per KV head a chunk attends beyond its windows
     select_queries: int = 32  # the chunk's queries (spread over it) whose summed scores choose the blocks
+    exact_tail: int = 512  # the chunks holding a prompt's last exact_tail tokens read every block (the question)
 
     def __post_init__(self) -> None:
         _check_types(self, "prefill.")
         _check(self.exact_tokens >= 0, "prefill.exact_tokens", self.exact_tokens, "an integer >= 0")
         _check(self.blocks >= 1, "prefill.blocks", self.blocks, "an integer >= 1")
         _check(self.select_queries >= 1, "prefill.select_queries", self.select_queries, "an integer >= 1")
+        _check(self.exact_tail >= 0, "prefill.exact_tail", self.exact_tail, "an integer >= 0")
 
 
 @dataclass(slots=True)

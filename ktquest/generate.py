@@ -72,6 +72,7 @@ def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
         raise ValueError(f"KV cache overflow: {n} prompt tokens after the {cache.pos} held do not fit in "
                          f"max_seq_len={cache.max_seq_len}")
     logits = None
+    cache.begin_prompt(cache.pos + n)
     with prefill_heap():
         for done in range(0, n, chunk_size):
             logits = prefill_chunk(model, cache, tokens[done: done + chunk_size])

@@ -67,8 +67,11 @@ def reference_chunk(q, k, v, s: int, T: int) -> torch.Tensor:
     return out
 
 
-def run_prefill(cfg, q, k, v) -> torch.Tensor:
+def run_prefill(cfg, q, k, v, prompt_end: int | None = None) -> torch.Tensor:
+    """The chunks' layer-0 outputs; prompt_end: announced as generate.prefill does (``begin_prompt``)."""
     cache = LongContextCache(ARGS, cfg, cfg.max_seq_len)
+    if prompt_end is not None:
+        cache.begin_prompt(prompt_end)
     outs = []
     for s in range(0, q.shape[0], CHUNK):
         for layer in range(ARGS.n_layers):
@@ -102,6 +105,23 @@ def test_sparse_prefill_reads_less_than_exact_and_a_full_budget_is_exact():
     torch.testing.assert_close(run_prefill(sparse_config(blocks=1000), q, k, v), exact, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("tail", [0, 1, CHUNK, CHUNK + 1])
+def test_the_chunks_holding_the_prompts_tail_are_read_exactly(tail):
+    """prefill.exact_tail: the chunks that hold any of the announced prompt's last ``tail`` tokens attend
+    every block (the question after a document), the chunks before them stay sparse."""
+    q, k, v = qkv()
+    n = q.shape[0]
+    exact = run_prefill(sparse_config(mode="exact"), q, k, v)
+    sparse = run_prefill(sparse_config(), q, k, v)
+    cfg = sparse_config()
+    cfg.prefill.exact_tail = tail
+    got = run_prefill(cfg, q, k, v, prompt_end=n)
+    first_exact = (n - tail) // CHUNK * CHUNK if tail else n  # the chunk holding position n - tail, on
+    assert torch.equal(got[:first_exact], sparse[:first_exact])
+    assert torch.equal(got[first_exact:], exact[first_exact:])
+    assert tail == 0 or not torch.allclose(sparse[first_exact:], exact[first_exact:], atol=1e-3)
+
+
 def test_sparse_prefill_config_errors():
     with pytest.raises(ConfigError, match="prefill.mode='sparse' is not allowed: 'sparse' only with mode: long_context"):
         load_config(None, [("prefill.mode", "sparse")])
@@ -111,7 +131,9 @@ def test_sparse_prefill_config_errors():
         load_config(None, [("prefill.mode", "approximate")])
     cfg = sparse_config()
     assert dataclasses.asdict(cfg.prefill) == {"mode": "sparse", "exact_tokens": EXACT, "blocks": BLOCKS,
-                                               "select_queries": R}
+                                               "select_queries": R, "exact_tail": 512}
+    with pytest.raises(ConfigError, match="prefill.exact_tail=-1"):
+        load_config(None, [("prefill.exact_tail", -1)])
 
 
 def test_sparse_prefill_in_a_chat(tiny_llama):
@@ -119,7 +141,7 @@ def test_sparse_prefill_in_a_chat(tiny_llama):
 
     sets = {"long_context.block_size": 4, "long_context.init_windows_len": 4, "long_context.local_windows_len": 8,
             "long_context.kv_type": "FP32", "chunk_size": 16, "threads": 1, "max_new_tokens": 6,
-            "prefill.exact_tokens": 32, "prefill.blocks": 3}
+            "prefill.exact_tokens": 32, "prefill.blocks": 3, "prefill.exact_tail": 8}
     doc = "the cat sat on the mat and the dog sat on the log " * 10
     flat, pruned = (ktquest.load(tiny_llama.path, CONFIGS / "quest.yaml", **sets, **{"prefill.mode": "sparse",
                     "long_context.index_group": g}) for g in (0, 3))

@@ -71,6 +71,10 @@ class KVCache(Protocol):
         """
         ...
 
+    def begin_prompt(self, end: int) -> None:
+        """A prompt ending at position ``end`` is read next (chunk by chunk through ``attend``)."""
+        ...
+
     def plan_decode(self, pos: int) -> TokenPlan | DenseTokenPlan | None:
         """The native plan of one decode token at ``pos``, or None when this cache cannot plan it ahead (its
         attention needs the token's query first: the decode step then goes block by block through

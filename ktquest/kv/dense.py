@@ -121,6 +121,9 @@ class DenseKVCache:
         raise ValueError(f"KV cache: cannot write positions {start_pos}..{end - 1}: the cache holds "
                          f"{self.pos} tokens, so a chunk must start at 0..{self.pos}")
 
+    def begin_prompt(self, end: int) -> None:
+        """(Every prompt is read exactly.)"""
+
     def plan_decode(self, pos: int) -> DenseTokenPlan | None:
         """The whole decode token at ``pos`` in one native call (``KVCache.plan_decode``), every layer grown to
         hold it first; None off the CPU in fp32 (the token then goes block by block through ``attend``)."""

@@ -108,12 +108,18 @@ class LongContextCache:
 
     # ---- bookkeeping ----
 
+    def begin_prompt(self, end: int) -> None:
+        """The prompt read next ends at position ``end``: sparse prefill reads the chunks that hold its last
+        ``prefill.exact_tail`` tokens exactly (a pass that was not announced has no exact tail)."""
+        self.exact_from = end - self.cfg.prefill.exact_tail
+
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""
         self.store.truncate(-1, 0)
         self.pos = 0
         self.buf0 = self.init_end  # position of window index init_end
         self.geo = _Geometry()
+        self.exact_from = self.max_seq_len  # begin_prompt: chunks ending past it are read exactly
         self.planner.reset()
 
     def rewind_point(self, n: int) -> int:
@@ -349,8 +355,9 @@ class LongContextCache:
         return out.to(self.device), lse.to(self.device)
 
     def _prefill_blocks(self, layer: int, q: torch.Tensor, lb: int) -> torch.Tensor:
-        """The context blocks a prefill chunk attends. Exact prefill (and sparse before ``prefill.exact_tokens``
-        or while the context holds at most ``prefill.blocks`` blocks): every block of [ib, lb). Sparse: per KV
+        """The context blocks a prefill chunk attends. Exact prefill (and sparse before ``prefill.exact_tokens``,
+        while the context holds at most ``prefill.blocks`` blocks, or in a chunk that holds one of the prompt's
+        last ``prefill.exact_tail`` tokens: ``begin_prompt``): every block of [ib, lb). Sparse: per KV
         head the ``prefill.blocks`` blocks whose anchor scores, summed over ``select_queries`` of the chunk's
         queries (spread over it, its last included) and their query heads, are highest, plus the chunk's length
         of blocks just before the local window (the local window ends with the chunk, so its first queries
@@ -359,7 +366,8 @@ class LongContextCache:
         then scores the N / (block_size * index_group) group bounds and the blocks of the groups that may hold
         a pick, not all N / block_size blocks)."""
         pf = self.cfg.prefill
-        if pf.mode != "sparse" or self.geo.start < pf.exact_tokens or lb - self.ib <= pf.blocks:
+        if (pf.mode != "sparse" or self.geo.start < pf.exact_tokens or lb - self.ib <= pf.blocks
+                or self.geo.start + q.shape[0] > self.exact_from):
             return self._all_blocks[self.ib: lb]
         T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
         R = min(pf.select_queries, T)

@@ -171,6 +171,9 @@ class HybridCache:
 
     abort_decode = commit_decode
 
+    def begin_prompt(self, end: int) -> None:
+        self.main.begin_prompt(end)
+
     def rewind_point(self, n: int) -> int:
         """The longest prefix of at most ``n`` tokens the cache can be truncated to exactly: n, or 0 when
         the sliding layers no longer hold the window before position n."""
