@@ -139,6 +139,8 @@ class LongContextConfig:
     token_step: int = 1  # reselect every N decode tokens
     layer_step: int = 1  # reselect every N layers
     index_group: int = 0  # blocks per group of the selection's min/max index (cpp/index/); 0 = none
+    # QUEST: a block scores (1 - c) * its bound of q.k + c * q . its centre (min + max) / 2; 0 = Quest's bound
+    quest_centre: float = 0.0
 
     def __post_init__(self) -> None:
         p = "long_context."
@@ -173,6 +175,10 @@ class LongContextConfig:
         _check(self.token_step >= 1, p + "token_step", self.token_step, "an integer >= 1")
         _check(self.layer_step >= 1, p + "layer_step", self.layer_step, "an integer >= 1")
         _check(self.index_group >= 0, p + "index_group", self.index_group, "an integer >= 0 (0 = no index)")
+        _check(0.0 <= self.quest_centre <= 1.0, p + "quest_centre", self.quest_centre, "a number in [0, 1]")
+        if self.quest_centre:
+            _check(self.anchor_type == "QUEST", p + "quest_centre", self.quest_centre,
+                   f"0 with anchor_type {self.anchor_type} (the centre is of QUEST's min and max keys)")
 
 
 @dataclass(slots=True)

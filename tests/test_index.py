@@ -234,6 +234,30 @@ def test_indexed_picks_equal_flat_picks(force_scalar, anchor_type, anchor_num, m
 
 
 @pytest.mark.parametrize("mode", ["SEPARATE", "SHARED"])
+@pytest.mark.parametrize("centre", [0.5, 1.0])
+def test_indexed_picks_with_quest_centre_equal_flat_picks(force_scalar, mode, centre):
+    """QUEST scored with a centre share (below the bound): the group bounds still bound every score, and the
+    index picks what the flat scan picks."""
+    KVH, qg, D, bs, G = 3, 3, 32, 4, 8
+    g = torch.Generator().manual_seed(7)
+    flat, idx = stores = [KVStore(1, KVH, D, 2048, block_size=bs, kv_type="FP16", threads_num=2, index_group=ig,
+                                  quest_centre=centre) for ig in (0, G)]
+    scored = candidates = 0
+    for kind in ("random", "structured", "ties"):
+        for s in stores:
+            s.truncate(0, 0)
+        append(stores, keys(kind, 1200, KVH, D, g), None)
+        nb = flat.n_blocks(0)
+        for excl in ([], [(0, 2), (nb - 16, nb)]):
+            n_cand = nb - sum(b1 - b0 for b0, b1 in excl)
+            q = keys(kind, KVH * qg, 1, D, g)[:, 0] + 0.1 * torch.randn(KVH * qg, D, generator=g)
+            check_bounds(idx, q, mode, G)
+            scored += check_picks(flat, idx, q, mode, excl, [1, 5, 17, n_cand - 1, n_cand])
+            candidates += 5 * n_cand * (1 if mode == "SHARED" else KVH)
+    assert scored < candidates  # the index pruned somewhere
+
+
+@pytest.mark.parametrize("mode", ["SEPARATE", "SHARED"])
 def test_indexed_picks_with_per_head_k_and_threads(force_scalar, mode):
     """Per-head k (Ada-KV's decode budgets), and 1 or 3 threads: the same ids as the flat scan on 2."""
     KVH, qg, D, bs, G = 3, 3, 64, 8, 16

@@ -47,6 +47,34 @@ def test_block_scores_match_reference(force_scalar, anchor_type, anchor_num, mod
     )
 
 
+@pytest.mark.parametrize("centre", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+@pytest.mark.parametrize("kv_type", ["FP32", "FP16"])
+def test_quest_centre_scores_mix_the_bound_and_the_centre(force_scalar, centre, mode, kv_type):
+    """quest_centre c: a block scores (1 - c) * its QUEST bound + c * q . (min + max) / 2, summed over the
+    group (and the heads in SHARED mode); the picks are the torch top k of those scores."""
+    T, KVH, G, D, bs = 150, 2, 3, 64, 8
+    base, q, *_ = make(T, KVH, G, D, bs, kv_type=kv_type)
+    ks, vs = base.read(0)
+    store = KVStore(1, KVH, D, T, block_size=bs, kv_type=kv_type, threads_num=2, quest_centre=centre)
+    store.append(0, ks, vs)
+    anchors = ref_anchor_lists(ks, bs, "QUEST", 2, None, kv_type)
+    bound = ref_scores(q, anchors, "QUEST", "SEPARATE")  # [KVH, nb]
+    mid = ref_scores(q, [[((a[0] + a[1]) / 2)[None] for a in head] for head in anchors], "BLOCK_MEAN", "SEPARATE")
+    ref = (1 - centre) * bound + centre * mid
+    ref = ref.sum(0, keepdim=True) if mode == "SHARED" else ref
+    got = store.block_scores(0, q, mode)
+    torch.testing.assert_close(got.double(), ref[0] if mode == "SHARED" else ref, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+    assert (got.double() <= (bound.sum(0) if mode == "SHARED" else bound) + SCORE_ATOL).all()  # still <= the bound
+    ids = store.select(0, q, 5, mode=mode).reshape(ref.shape[0], -1)
+    for s in range(ids.shape[0]):
+        assert ids[s].tolist() == ref_topk(ref[s], list(range(ref.shape[1])), 5)
+    with pytest.raises(ValueError, match="quest_centre must be in"):
+        KVStore(1, KVH, D, T, block_size=bs, quest_centre=float("nan"))
+    with pytest.raises(ValueError, match="quest_centre needs anchor_type QUEST, got BLOCK_MEAN"):
+        KVStore(1, KVH, D, T, block_size=bs, anchor_type="BLOCK_MEAN", anchor_num=1, quest_centre=centre)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     KVH=st.integers(1, 2),

@@ -39,6 +39,10 @@ StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
   }
   if (c.index_group < 0)
     bad("index_group must be >= 0 (blocks per index group; 0 = no index), got " + std::to_string(c.index_group));
+  if (!(c.quest_centre >= 0.f && c.quest_centre <= 1.f))
+    bad("quest_centre must be in [0, 1], got " + std::to_string(c.quest_centre));
+  if (c.quest_centre != 0.f && c.anchor_type != AnchorType::QUEST)
+    bad(std::string("quest_centre needs anchor_type QUEST, got ") + anchor_type_name(c.anchor_type));
   if (c.int8_candidates && !linear_anchors(c.anchor_type))
     bad(std::string("int8_candidates needs linear anchors (QUEST, BLOCK_MAX or BLOCK_MEAN), got anchor_type ") +
         anchor_type_name(c.anchor_type));

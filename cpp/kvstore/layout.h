@@ -74,6 +74,11 @@ struct StoreConfig {
   // list bounds every group first and scores only the blocks of groups that may hold a top-k block, with the
   // flat scan's picks. 0 = no index (every candidate block scored).
   int index_group = 0;
+  // QUEST only: a block's score is (1 - quest_centre) * its upper bound of q.k + quest_centre * q . (min + max) / 2,
+  // the query against the block's centre (both folded into one scoring vector: the same cost). The bound
+  // ranks first a block whose keys spread widely, even when none matches; the centre ranks first a block whose
+  // keys all match, as a retrieval head's copied span does. 0 = Quest's bound alone.
+  float quest_centre = 0.f;
 };
 
 // The store's operations (scoring, the cached candidates' pass, attention) use threads from this many bytes

@@ -97,7 +97,8 @@ void BlockSelector::group_bounds(const StoreLayer& L, int H, HeadMode mode, doub
   // ---- per set: B + c T + e summed over the set's heads, in fp64 ----
   // The margin (see the top): the flat score's terms (A*D, or D per FIXED/DYNAMIC dot plus qg maxima), the
   // bound's 2*D, the query fold's qg, SHARED's sum over KVH heads.
-  const int n_terms = lay_.A * D + 3 * D + 2 * qg + KVH + 8;
+  // QUEST's centre share adds three roundings to each element of the query's fold.
+  const int n_terms = lay_.A * D + 3 * D + 2 * qg + KVH + 8 + (lay_.cfg.quest_centre != 0.f ? 3 : 0);
   const double rel = 2.0 * n_terms * 0x1p-24, abs_err = n_terms * 0x1p-140;
   const bool shared = mode == HeadMode::SHARED;
   for (int s = 0; s < (shared ? 1 : KVH); ++s) {

@@ -46,7 +46,24 @@ void BlockSelector::set_query(const float* q, int H) {
       else if (lay_.cfg.anchor_type == AnchorType::BLOCK_MAX || lay_.cfg.anchor_type == AnchorType::BLOCK_MEAN)
         for (int d = 0; d < D; ++d) e[d] += qg[d];
     }
-  if (lay_.cfg.index_group == 0) return;
+  if (lay_.cfg.index_group > 0) set_index_query(q, H);
+  // QUEST's centre share: (1 - c) [Q- | Q+] + c [Q/2 | Q/2], Q = Q- + Q+, scores (1 - c) bound + c q.centre.
+  // It is at most the bound (the centre lies between min and max): the index's bound vectors stay valid.
+  const float c = lay_.cfg.quest_centre;
+  if (lay_.cfg.anchor_type == AnchorType::QUEST && c != 0.f)
+    for (int h = 0; h < KVH; ++h) {
+      float* e = qe_.data() + size_t(h) * L;
+      for (int d = 0; d < D; ++d) {
+        const float half = 0.5f * (e[d] + e[D + d]);
+        e[d] = (1.f - c) * e[d] + c * half;
+        e[D + d] = (1.f - c) * e[D + d] + c * half;
+      }
+    }
+}
+
+void BlockSelector::set_index_query(const float* q, int H) {
+  const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, G = H / KVH;
+  const int L = lay_.A * D;
   // The index's bound vectors (index/group_bounds.h), [Q- | Q+ | W = Q+ - Q-] per KV head: QUEST's are its
   // scoring vector itself; BLOCK_* split theirs by sign; FIXED/DYNAMIC sum each query head's split.
   qb_.assign(size_t(KVH) * 3 * D, 0.f);

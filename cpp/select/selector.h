@@ -45,6 +45,8 @@ class BlockSelector {
   // q: [H, D] unscaled (checked by the caller), borrowed until the call's selection is done: the scoring
   // vectors of the linear anchors, and q itself for FIXED/DYNAMIC.
   void set_query(const float* q, int H);
+  // The index's bound vectors of q (qb_), from the bound's scoring vectors before QUEST's centre share.
+  void set_index_query(const float* q, int H);
   // The candidates of n_sets sets among nb blocks: req's allowed lists (checked) or every block, less req's
   // exclusion ranges (checked; req may be null: every block).
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);

@@ -56,6 +56,8 @@ class KVStore:
     index_group: blocks per group of the hierarchical index (0 = none): selections without a candidate list
     score every group's min/max bound and then only the blocks of groups that may hold a top-k block, with
     the flat scan's picks (cpp/index/group_bounds.h).
+    quest_centre (QUEST, in [0, 1]): a block scores (1 - quest_centre) * its bound + quest_centre * q . its
+    centre (min + max) / 2 (cpp/kvstore/layout.h).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class KVStore:
         threads_num: int = 1,
         int8_candidates: bool = False,
         index_group: int = 0,
+        quest_centre: float = 0.0,
     ):
         self.n_layers = check_int(n_layers, "n_layers", 1)
         self.n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1)
@@ -85,6 +88,9 @@ class KVStore:
             raise TypeError(f"int8_candidates must be a bool, got {type(int8_candidates).__name__}")
         self.int8_candidates = int8_candidates
         self.index_group = check_int(index_group, "index_group", 0)
+        if not isinstance(quest_centre, (int, float)) or isinstance(quest_centre, bool):
+            raise TypeError(f"quest_centre must be a number, got {type(quest_centre).__name__}")
+        self.quest_centre = float(quest_centre)
         self._st = _C.KVStore(
             self.n_layers,
             self.n_kv_heads,
@@ -97,6 +103,7 @@ class KVStore:
             self.threads_num,
             self.int8_candidates,
             self.index_group,
+            self.quest_centre,
         )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 
