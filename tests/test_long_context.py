@@ -429,3 +429,19 @@ def test_prompt_longer_than_max_seq_len_is_refused_before_work(tiny_llama):
     with pytest.raises(PromptTooLongError, match="prompt too long"):
         eng.generate("the cat sat on the mat " * 20)
     assert eng.cache.pos == 0 and eng.cache.store.length(0) == 0
+
+
+def test_a_truncate_inside_the_local_window_keeps_every_position_attended():
+    """Truncated to a point the window buffer still holds, but whose local window starts before the buffer
+    does: a short chunk after it attends every position once (the ones before the buffer come back from the
+    store), as dense attention does."""
+    cfg = full_budget("quest", kv_type="FP32")  # 8-token blocks, init 5, local 20, chunk 16
+    q, k, v = qkv(N=120)
+    cache = LongContextCache(ARGS, cfg, 256)
+    run(cache, q[:100], k[:100], v[:100], 16, 64, n_layers=ARGS.n_layers)  # 64 prefilled, 36 decoded
+    n = cache.buf0 + 1
+    assert cache._local_start(n) < cache.buf0 < n
+    cache.truncate(n)
+    out = [cache.attend(i, q[n: n + 3], k[n: n + 3], v[n: n + 3], n) for i in range(ARGS.n_layers)][0]
+    torch.testing.assert_close(out, dense_ref(q[: n + 3], k[: n + 3], v[: n + 3])[n:], atol=TOL["FP32"],
+                               rtol=TOL["FP32"])

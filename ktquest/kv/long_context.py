@@ -134,13 +134,17 @@ class LongContextCache:
         if n == self.pos:
             return
         self.pos = n
-        if n < self.buf0:  # the local window now starts before the buffer: reload it from the store
-            loc0 = self._local_start(n)  # >= init_end: with n <= init_end the init window holds them all
+        loc0 = self._local_start(n)  # >= init_end: with n <= init_end the init window holds them all
+        if loc0 < self.buf0:  # the local window now starts before the buffer: the rows it still holds move
+            ie, kept = self.init_end, max(0, n - self.buf0)  # right, the positions [loc0, buf0) come from the store
+            shift, m = self.buf0 - loc0, min(n, self.buf0) - loc0
             for layer in range(self.n_layers if loc0 < n else 0):
-                k, v = self.store.read_range(layer, loc0, n)  # [n - loc0, KVH, D] fp32
-                self.win_k[layer, :, self.init_end: self.init_end + n - loc0] = k.transpose(0, 1).to(self.win_k)
-                self.win_v[layer, :, self.init_end: self.init_end + n - loc0] = v.transpose(0, 1).to(self.win_v)
-            self.buf0 = max(loc0, self.init_end)
+                for buf in (self.win_k, self.win_v):
+                    buf[layer, :, ie + shift: ie + shift + kept] = buf[layer, :, ie: ie + kept].clone()
+                k, v = self.store.read_range(layer, loc0, loc0 + m)  # [m, KVH, D] fp32
+                self.win_k[layer, :, ie: ie + m] = k.transpose(0, 1).to(self.win_k)
+                self.win_v[layer, :, ie: ie + m] = v.transpose(0, 1).to(self.win_v)
+            self.buf0 = loc0
         self.planner.truncated()
 
     # ---- KV files (ktquest.kv.files) ----
