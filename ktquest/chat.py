@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ktquest.formats.chat_template import TemplateLimits
-from ktquest.generate import prefill
 
 if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into the engine it was given
     from ktquest.engine import Engine
@@ -136,8 +135,8 @@ class ChatSession:
         cache, n0, stopped_by = eng.cache, eng.cache.pos, "max_new_tokens"
         t0 = time.perf_counter()
         try:
-            prefill(eng.model, cache, tokens[n0:], eng.config.chunk_size, on_progress)
-        except KeyboardInterrupt:  # (raised by on_progress too) the chunks read whole stay, as in generate
+            eng.prefill(tokens[n0:], cache, on_progress)
+        except KeyboardInterrupt:  # (raised by on_progress too) the chunks (slabs) read whole stay, as in generate
             cache.truncate(cache.rewind_point(cache.pos))
             stopped_by = "interrupted"
         dt = time.perf_counter() - t0

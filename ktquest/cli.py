@@ -351,6 +351,9 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None) 
     console.print(f"[bold]ktquest chat[/] - {escape(engine.model_name)} on {engine.device.type} "
                   f"({str(engine.dtype).removeprefix('torch.')}, {engine.config.resolved_threads()} threads, "
                   f"context {engine.max_seq_len} tokens)")
+    if engine.config.prefill.order == "layer":
+        console.print(f"[dim]layer-major prefill: at most {engine.prefill_device_bytes() / 2**20:.1f} MiB of "
+                      f"{engine.device.type} memory beside the weights and the KV cache[/]")
     if session.document is not None:
         n = len(engine.tokenizer.encode(session.document, add_bos=False,
                                         parse_special=engine.config.parse_special))

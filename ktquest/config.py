@@ -183,16 +183,21 @@ class LongContextConfig:
 
 @dataclass(slots=True)
 class PrefillConfig:
-    """How ``mode: long_context`` reads a prompt: ``exact`` (every chunk attends every past token: O(N^2)) or
+    """How a prompt is read. ``mode`` (long_context): ``exact`` (every chunk attends every past token: O(N^2)) or
     ``sparse`` (past ``exact_tokens``, each chunk attends its windows exactly and, per KV head, the ``blocks``
     context blocks that ``select_queries`` of its queries score highest, and the stretch just before its
-    local window: O(N); kv/long_context.py ``_prefill_blocks``)."""
+    local window: O(N); kv/long_context.py ``_prefill_blocks``). ``order`` (either cache): chunk-major or
+    layer-major (``generate.prefill``)."""
 
     mode: Literal["exact", "sparse"] = "exact"
     exact_tokens: int = 4096  # positions read exactly before sparse prefill starts
     blocks: int = 128  # context blocks per KV head a chunk attends beyond its windows
     select_queries: int = 32  # the chunk's queries (spread over it) whose summed scores choose the blocks
     exact_tail: int = 512  # the chunks holding a prompt's last exact_tail tokens read every block (the question)
+    # "chunk": each chunk through every layer; "layer": one layer over every chunk, then the next, its K/V on the
+    # device until it crosses to the store once (kv/layer_prefill.py; exact prefill, not with DYNAMIC anchors)
+    order: Literal["chunk", "layer"] = "chunk"
+    slab_tokens: int = 0  # order layer: a prompt read as slabs of at most this many tokens (0 = whole)
 
     def __post_init__(self) -> None:
         _check_types(self, "prefill.")
@@ -200,6 +205,9 @@ class PrefillConfig:
         _check(self.blocks >= 1, "prefill.blocks", self.blocks, "an integer >= 1")
         _check(self.select_queries >= 1, "prefill.select_queries", self.select_queries, "an integer >= 1")
         _check(self.exact_tail >= 0, "prefill.exact_tail", self.exact_tail, "an integer >= 0")
+        _check(self.slab_tokens >= 0, "prefill.slab_tokens", self.slab_tokens, "an integer >= 0 (0 = the whole prompt)")
+        _check(self.order == "chunk" or self.mode == "exact", "prefill.order", self.order,
+               "'chunk' with prefill.mode: sparse (layer-major prefill reads every block)")
 
 
 @dataclass(slots=True)
@@ -250,6 +258,8 @@ class Config:
         lc = self.long_context
         _check(self.prefill.mode == "exact" or self.mode == "long_context", "prefill.mode", self.prefill.mode,
                "'sparse' only with mode: long_context (a dense cache reads every token)")
+        _check(self.prefill.order == "chunk" or self.mode == "dense" or lc.anchor_type != "DYNAMIC", "prefill.order",
+               self.prefill.order, "'chunk' with anchor_type DYNAMIC (its importances are a chunk's attention)")
         if self.mode == "long_context" and self.max_seq_len > 0:
             _check(lc.init_windows_len + lc.local_windows_len <= self.max_seq_len, "long_context.local_windows_len",
                    lc.local_windows_len,

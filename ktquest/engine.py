@@ -17,11 +17,12 @@ from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats,
 from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
 from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
 from ktquest.formats.tokenizer import Tokenizer
-from ktquest.generate import generate
+from ktquest.generate import generate, prefill
 from ktquest.kv import files as kv_files
+from ktquest.kv.attention import lse_tile_bytes
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
-from ktquest.kv.memory import check_cache_fits, check_weights_fit
+from ktquest.kv.memory import check_cache_fits, check_weights_fit, chunk_activation_bytes, layer_major_tokens
 from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
 from ktquest.models.args import RopeScaling, resolve_max_seq_len
@@ -193,6 +194,25 @@ class Engine:
                 f"prompt too long: {n_tokens} tokens, but the context holds {self.max_seq_len} "
                 f"(max_seq_len) and the reply needs room too; shorten the prompt or raise max_seq_len")
 
+    def prefill(self, tokens, cache=None, on_progress: ProgressCallback | None = None) -> torch.Tensor:
+        """Read ``tokens`` at ``cache.pos`` (the engine's cache, or one made by ``make_cache``) as the config says
+        (chunk_size, prefill.order, prefill.slab_tokens); returns the last token's logits [V]."""
+        p = self.config.prefill
+        return prefill(self.model, self.cache if cache is None else cache, tokens, self.config.chunk_size,
+                       on_progress, p.order, p.slab_tokens)
+
+    def prefill_device_bytes(self) -> int:
+        """The device memory a layer-major prefill (``prefill.order: layer``) holds beside the weights and the
+        cache: one layer's K/V of the longest prompt or slab, one chunk's activations, and off the CPU the
+        attention's score tile (``kv.attention.lse_tile_bytes``); 0 in chunk order."""
+        n = layer_major_tokens(self.config, self.max_seq_len)
+        if n == 0:
+            return 0
+        chunk = min(self.config.chunk_size, n)
+        tile = lse_tile_bytes(self.model.args.n_heads * chunk) if self.device.type != "cpu" else 0
+        return self.cache.prefill_device_bytes(n) + chunk_activation_bytes(self.model.args, chunk,
+                                                                            self.dtype.itemsize) + tile
+
     def run(self, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
              on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,
              on_token: Callable[[int], None] | None = None, cache=None) -> tuple[str, TurnStats]:
@@ -214,7 +234,8 @@ class Engine:
                 on_text(piece)
 
         r = generate(self.model, cache, tokens[cache.pos:], gen, set(stop_ids), self.config.chunk_size,
-                     on_token=token_arrived, on_progress=on_progress, should_stop=should_stop)
+                     on_token=token_arrived, on_progress=on_progress, should_stop=should_stop,
+                     order=self.config.prefill.order, slab_tokens=self.config.prefill.slab_tokens)
         rest = decoder.flush()
         if rest and on_text is not None:
             on_text(rest)

@@ -33,7 +33,7 @@ StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
 @dataclass(slots=True)
 class GenerationResult:
     tokens: list[int]  # generated, including the stop token when stopped_by == "eos"
-    n_prompt: int  # prompt tokens added to the cache (interrupted while reading it: the whole chunks read)
+    n_prompt: int  # prompt tokens added to the cache (interrupted while reading it: the whole chunks or slabs read)
     prefill_s: float
     decode_s: float
     stopped_by: StopReason
@@ -55,12 +55,19 @@ def _device(model: torch.nn.Module) -> torch.device:
     return model.device
 
 
+PrefillOrder = Literal["chunk", "layer"]
+
+
 @torch.inference_mode()
 def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
-            on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+            on_progress: Callable[[int, int], None] | None = None, order: PrefillOrder = "chunk",
+            slab_tokens: int = 0) -> torch.Tensor:
     """Feed ``tokens`` [N] at cache.pos in chunks of ``chunk_size``; returns the last token's logits [V].
 
-    Only the last chunk computes logits (for its last position). on_progress(done, total) after each chunk.
+    order "chunk": each chunk through every layer, then the next chunk. "layer": each slab of ``slab_tokens``
+    tokens (0 = the whole prompt) read layer by layer (``Transformer.prefill_layers``: one layer over all the
+    slab's chunks, its K/V on the device, then the next layer). Only the last position's logits are computed.
+    on_progress(done, total) after each chunk (of each layer: done counts a share of the work in tokens).
     """
     tokens = _as_tokens(tokens, _device(model))
     n = tokens.shape[0]
@@ -73,6 +80,22 @@ def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
                          f"max_seq_len={cache.max_seq_len}")
     logits = None
     cache.begin_prompt(cache.pos + n)
+    if order == "layer" and n > 1:
+        # Chunk order reads a last chunk of one token as a decode step (its selection, not every block):
+        # so does layer order, to read the same prompt the same way.
+        body, slab = n - (n % chunk_size == 1), slab_tokens or n
+        with prefill_heap():
+            for a in range(0, body, slab):
+                def progress(done: int, total: int, a: int = a) -> None:  # slab a's share of the prompt
+                    on_progress(a + done, n)
+
+                logits = model.prefill_layers(tokens[a: min(body, a + slab)], cache.pos, cache, chunk_size,
+                                              None if on_progress is None else progress)
+        if body < n:
+            logits = prefill_chunk(model, cache, tokens[body:])
+            if on_progress is not None:
+                on_progress(n, n)
+        return logits
     with prefill_heap():
         for done in range(0, n, chunk_size):
             logits = prefill_chunk(model, cache, tokens[done: done + chunk_size])
@@ -123,10 +146,12 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
              stop_ids: set[int], chunk_size: int,
              on_token: Callable[[int], None] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+             should_stop: Callable[[], bool] | None = None, order: PrefillOrder = "chunk",
+             slab_tokens: int = 0) -> GenerationResult:
     """Prefill ``prompt_tokens`` at cache.pos, then sample until a stop id, max_new_tokens or a full cache.
 
-    Sampling is seeded from ``gen.seed``. ``should_stop()`` is polled between tokens; it and Ctrl-C
+    ``order`` and ``slab_tokens``: how the prompt is read (``prefill``). Sampling is seeded from
+    ``gen.seed``. ``should_stop()`` is polled between tokens; it and Ctrl-C
     (KeyboardInterrupt) end generation with stopped_by="interrupted" and the cache invariant of the module
     docstring intact. The prompt must fit in the cache (ValueError otherwise, nothing changed).
     """
@@ -142,7 +167,7 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
     stopped_by: StopReason = "max_new_tokens"
     t0 = time.perf_counter()
     try:
-        logits = prefill(model, cache, prompt_tokens, chunk_size, on_progress)
+        logits = prefill(model, cache, prompt_tokens, chunk_size, on_progress, order, slab_tokens)
         prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(gen.max_new_tokens):

@@ -131,7 +131,7 @@ def test_sparse_prefill_config_errors():
         load_config(None, [("prefill.mode", "approximate")])
     cfg = sparse_config()
     assert dataclasses.asdict(cfg.prefill) == {"mode": "sparse", "exact_tokens": EXACT, "blocks": BLOCKS,
-                                               "select_queries": R, "exact_tail": 512}
+                                               "select_queries": R, "exact_tail": 512, "order": "chunk", "slab_tokens": 0}
     with pytest.raises(ConfigError, match="prefill.exact_tail=-1"):
         load_config(None, [("prefill.exact_tail", -1)])
 

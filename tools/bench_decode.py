@@ -38,7 +38,7 @@ from ktquest.config import (  # noqa: E402
 )
 from ktquest.engine import make_cache  # noqa: E402
 from ktquest.formats.bundled import bundled_model_path, resolve_model  # noqa: E402
-from ktquest.generate import decode_one_token, prefill  # noqa: E402
+from ktquest.generate import decode_one_token  # noqa: E402
 from ktquest.sampling import Sampler  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}
@@ -71,7 +71,7 @@ class KtquestRunner:
         tokens = context_tokens(eng.tokenizer, ctx)
         gc.collect()
         t0 = time.perf_counter()
-        logits = prefill(eng.model, cache, tokens, eng.config.chunk_size)
+        logits = eng.prefill(tokens, cache)
         t = time.perf_counter() - t0
         tok = int(decode_one_token(eng.model, cache, int(logits.argmax())).argmax())  # warm-up step, not timed
         self.state[ctx] = [cache, tok, Sampler(self.gen), [int(t) for t in tokens[-64:]] + [tok]]
@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampling", default="greedy",
                     help="comma-separated: greedy, chat (the chat's default sampling, ktquest.config.CHAT_GENERATION);"
                          " each mode runs once per sampling")
+    ap.add_argument("--orders", default="",
+                    help="comma-separated prefill orders (chunk, layer): each mode runs once per order (default: the "
+                         "config's)")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
 
@@ -203,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     samplings = [s for s in a.sampling.split(",") if s]
     if not samplings or any(s not in ("greedy", "chat") for s in samplings):
         ap.error(f"--sampling {a.sampling}: a comma-separated list of greedy, chat")
+    orders = [o for o in a.orders.split(",") if o] or [""]
+    if any(o not in ("", "chunk", "layer") for o in orders):
+        ap.error(f"--orders {a.orders}: a comma-separated list of chunk, layer")
     runners: list = []
     for mode in modes:
         try:
@@ -210,9 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             ap.error(str(e))
         for sampling in samplings:
-            label = mode if len(samplings) == 1 else f"{mode}/{sampling}"
-            runners.append(KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
-                                         configs[mode], max_len, a.threads, a.chunk_size, a.set, sampling))
+            for order in orders:
+                label = mode if len(samplings) == 1 else f"{mode}/{sampling}"
+                label = label if not order else f"{label}/{order}"
+                sets = a.set + ([f"prefill.order={order}"] if order else [])
+                runners.append(KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
+                                             configs[mode], max_len, a.threads, a.chunk_size, sets, sampling))
     if a.peer == "llama.cpp":
         lc = llama_cpp()
         if lc is None:
@@ -249,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
                 if ctx != lo:
                     print(f"{lab}: decode at {ctx} is {paired_ratio(cell, (lab, ctx), (lab, lo)):.0%} of its speed "
                           f"at {lo} (median of per-round ratios)")
+    if sorted(orders) == ["chunk", "layer"] and len(samplings) == 1:  # layer-major against chunk-major prefill
+        for mode in modes:
+            for ctx in contexts:
+                c, lay = cell[(f"{mode}/chunk", ctx)], cell[(f"{mode}/layer", ctx)]
+                print(f"{mode}: layer-major prefill at {ctx} is {lay['prefill_tok_s'] / c['prefill_tok_s']:.2f}x "
+                      f"chunk-major's, decode after it {paired_ratio(cell, (f'{mode}/layer', ctx), (f'{mode}/chunk', ctx)):.2f}x")
     if len(samplings) > 1:  # the sampler's cost: the chat's sampling against greedy, round by round
         for mode in modes:
             for ctx in contexts:

@@ -54,14 +54,13 @@ def measure(model: str | None, mode: str, config: str | None, context: int, max_
     import ktquest
     from ktquest.config import load_config
     from ktquest.engine import make_cache
-    from ktquest.generate import prefill
 
     torch.set_num_threads(threads)
     eng = ktquest.load(model=model, config=load_config(config, [f"threads={threads}", f"max_seq_len={max_len}"]))
     cfg, args = eng.config, eng.model.args
     tokens = context_tokens(eng.tokenizer, context)
     warm = make_cache(cfg, args, max_len, eng.device, eng.dtype)
-    prefill(eng.model, warm, tokens[:128], cfg.chunk_size)  # weights faulted in, threads started
+    eng.prefill(tokens[:128], warm)  # weights faulted in, threads started
     del warm
     gc.collect()
 
@@ -77,7 +76,7 @@ def measure(model: str | None, mode: str, config: str | None, context: int, max_
     cache = make_cache(cfg, args, max_len, eng.device, eng.dtype)  # the cache's own allocation counts too
     store0 = cache.store.nbytes() if long_context else 0
     t0 = time.perf_counter()
-    prefill(eng.model, cache, tokens, cfg.chunk_size)
+    eng.prefill(tokens, cache)
     if cuda:
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0

@@ -34,7 +34,7 @@ from common import HELD_OUT_TEXTS, TEXT_KINDS, context_tokens, write_json
 
 import ktquest
 from ktquest.config import load_config
-from ktquest.generate import decode_one_token, prefill
+from ktquest.generate import decode_one_token
 
 ALL_PRESETS = "configs/quest.yaml,configs/ktransformers.yaml,configs/snapkv.yaml,configs/ada_snapkv.yaml," \
               "configs/ada_quest.yaml"
@@ -59,7 +59,7 @@ def teacher_forced(model_path, config: str | None, sets: list[str], tokens: list
     eng = ktquest.load(model=model_path, config=load_config(config, overrides))
     n_prompt = len(tokens) - positions
     t0 = time.perf_counter()
-    logits = prefill(eng.model, eng.cache, tokens[:n_prompt], eng.config.chunk_size)
+    logits = eng.prefill(tokens[:n_prompt])
     t_prefill = time.perf_counter() - t0
     out = torch.empty(positions, logits.shape[-1])
     out[0] = torch.log_softmax(logits.float(), -1)  # the prompt's last logits predict tokens[n_prompt]

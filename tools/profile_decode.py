@@ -25,7 +25,6 @@ from common import context_tokens  # noqa: E402
 
 import ktquest  # noqa: E402
 from ktquest.config import load_config  # noqa: E402
-from ktquest.generate import prefill  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     cache, store = eng.cache, eng.cache.store
     n_dense = eng.config.long_context.dense_layer_num
-    tok = int(prefill(eng.model, cache, context_tokens(eng.tokenizer, a.context), eng.config.chunk_size).argmax())
+    tok = int(eng.prefill(context_tokens(eng.tokenizer, a.context), cache).argmax())
 
     attn_s: dict[str, float] = collections.defaultdict(float)
     stage_ms: dict[str, float] = collections.defaultdict(float)

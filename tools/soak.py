@@ -30,7 +30,7 @@ from common import CONFIGS, context_tokens, stdlib_text, write_json  # noqa: E40
 import ktquest  # noqa: E402
 from ktquest.config import CHAT_GENERATION, GenerationConfig  # noqa: E402
 from ktquest.formats.bundled import bundled_model_path  # noqa: E402
-from ktquest.generate import decode_one_token, prefill  # noqa: E402
+from ktquest.generate import decode_one_token  # noqa: E402
 from ktquest.sampling import Sampler  # noqa: E402
 
 MB = 1 << 20
@@ -62,7 +62,7 @@ def summary(name: str, xs: list[int], ys: list[float], unit: str) -> dict:
 def soak_decode(eng, context: int, steps: int, every: int) -> dict:
     cache = eng.cache
     tokens = context_tokens(eng.tokenizer, context)
-    logits = prefill(eng.model, cache, tokens, eng.config.chunk_size)
+    logits = eng.prefill(tokens, cache)
     sampler = Sampler(GenerationConfig(**CHAT_GENERATION, seed=1))
     recent: list[int] = []
     xs, total, less_kv = [], [], []

@@ -1,5 +1,6 @@
-"""Attention pieces shared by the caches: the native dense decode attention, and the exact merge of two
-attentions over disjoint key sets by their log-sum-exp."""
+"""Attention pieces shared by the caches: the native dense decode attention, attention that returns its
+log-sum-exp (``attention_lse``), and the exact merge of two attentions over disjoint key sets by their
+log-sum-exp."""
 
 from __future__ import annotations
 
@@ -24,6 +25,49 @@ def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n:
     _C.dense_decode_attention(qn, kn, vn, check_int(n, "n", 1), float(scale), as_numpy(out, "out", (torch.float32,), 2),
                               lse.numpy(), check_int(threads, "threads", 1), skip[0], skip[1])
     return out, lse
+
+
+# torch's CPU flash attention with the log-sum-exp output (a private op: the tiled torch path is the fallback)
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+LSE_TILE = 4096  # keys a tile of the portable path scores at once: its scores are [B, M, LSE_TILE] fp32
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale) v with its log-sum-exp, on q's device.
+
+    q: [B, M, D], k/v: [B, S, D] (B = KV heads; a KV head's query rows share its keys) -> out [B, M, D], lse
+    [B, M], both fp32 (the caller merges parts before rounding). ``causal``: M == S and row i sees keys 0..i.
+    Memory stays O(M x LSE_TILE): the CPU in fp32 runs torch's flash kernel; elsewhere the keys are taken
+    LSE_TILE at a time (``lse_tile_bytes``) and the tiles' partial results merged by their LSE, so no [M, S]
+    matrix is ever made.
+    """
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"attention_lse: causal needs as many queries as keys, got {q.shape[1]} and {k.shape[1]}")
+    if FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32:
+        out, lse = FLASH_CPU(q[None], k[None], v[None], 0.0, causal, scale=scale)[:2]
+        return out[0], lse[0]
+    B, M, S = q.shape[0], q.shape[1], k.shape[1]
+    out = torch.zeros(B, M, v.shape[2], device=q.device, dtype=torch.float32)
+    lse = torch.full((B, M), float("-inf"), device=q.device)
+    qf = q.float()
+    for a in range(0, S, LSE_TILE):
+        b = min(S, a + LSE_TILE)
+        s = torch.bmm(qf, k[:, a:b].float().transpose(1, 2)).mul_(scale)  # [B, M, b - a]
+        if causal and a < M:  # row i sees key j <= i
+            rows = torch.arange(M, device=q.device)[:, None]
+            s.masked_fill_(torch.arange(a, b, device=q.device)[None, :] > rows, float("-inf"))
+        t_lse = torch.logsumexp(s, -1)  # [B, M]; -inf where a row sees no key of the tile
+        p = s.sub_(t_lse.nan_to_num(0.0, neginf=0.0)[..., None]).exp_()  # in place: the tile's probabilities
+        t_out = torch.bmm(p, v[:, a:b].float())  # [B, M, D]
+        out, lse = merge_attention(out, lse, t_out, t_lse)
+    return out, lse
+
+
+def lse_tile_bytes(rows: int) -> int:
+    """Device bytes ``attention_lse``'s tiled path holds beside its inputs for ``rows`` query rows (B x M): a
+    tile's scores and logsumexp's temporary of their size."""
+    return 2 * rows * LSE_TILE * 4
 
 
 def merge_attention(

@@ -57,6 +57,31 @@ class TokenPlan:
                                      self.skip[0], self.skip[1], self.scale, threads, self.steps)
 
 
+class PromptLayers(Protocol):
+    """A prompt read layer by layer (``prefill.order: layer``; ``Transformer.prefill_layers``): layer 0 over
+    every chunk of the prompt in order, then layer 1, ...; made by ``KVCache.prompt_layers``."""
+
+    device_bytes: int  # device memory the read holds beside the cache (its workspace)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> torch.Tensor:
+        """``KVCache.attend`` for the layer being read: its chunk at start_pos attends every position before
+        it (the cache's and the prompt's) and itself causally."""
+        ...
+
+    def layer_done(self, layer_idx: int) -> None:
+        """The layer read the whole prompt."""
+        ...
+
+    def done(self) -> None:
+        """Every layer read the prompt: the cache holds it (``pos`` = its end)."""
+        ...
+
+    def abort(self) -> None:
+        """The read stopped part-way: the cache holds exactly what it held before the prompt."""
+        ...
+
+
 class KVCache(Protocol):
     pos: int  # positions 0..pos-1 hold valid k/v in every layer
     max_seq_len: int  # capacity, tokens
@@ -73,6 +98,14 @@ class KVCache(Protocol):
 
     def begin_prompt(self, end: int) -> None:
         """A prompt ending at position ``end`` is read next (chunk by chunk through ``attend``)."""
+        ...
+
+    def prompt_layers(self, start: int, n: int) -> PromptLayers:
+        """A prompt of ``n`` tokens at ``start`` (<= pos; later tokens are dropped) to be read layer by layer."""
+        ...
+
+    def prefill_device_bytes(self, n: int) -> int:
+        """Device bytes that ``prompt_layers`` for ``n`` tokens holds beside the cache."""
         ...
 
     def plan_decode(self, pos: int) -> TokenPlan | DenseTokenPlan | None:

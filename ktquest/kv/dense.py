@@ -62,11 +62,19 @@ class DenseKVCache:
             self._raise_bad_positions(start_pos, end)
         if end > self._k[layer_idx].shape[2]:
             self._grow(layer_idx, end)
+        out = self._attend(layer_idx, q, k, v, start_pos)
+        if layer_idx == self.n_layers - 1:
+            self.pos = end
+        return out
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                start_pos: int) -> torch.Tensor:
+        """``attend`` without its checks: the layer holds rows up to start_pos + T."""
+        t = q.shape[0]
+        end = start_pos + t
         k_all, v_all = self._k[layer_idx], self._v[layer_idx]  # [1, KVH, cap, D]
         k_all[:, :, start_pos:end] = k.transpose(0, 1)  # [KVH, T, D]
         v_all[:, :, start_pos:end] = v.transpose(0, 1)
-        if layer_idx == self.n_layers - 1:
-            self.pos = end
         if t == 1 and self._native_decode:  # decode: the one query sees every position
             out, _ = dense_decode_attention(q[0], k_all[0], v_all[0], end, self.scale, self.threads)
             return out[None]  # [1, H, D]
@@ -81,6 +89,14 @@ class DenseKVCache:
             mask = self._chunk_mask(start_pos, t)  # [T, end]
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1)  # [T, H, D]
+
+    def prompt_layers(self, start: int, n: int) -> DensePromptLayers:
+        """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``)."""
+        return DensePromptLayers(self, start, n)
+
+    def prefill_device_bytes(self, n: int) -> int:
+        """Device bytes a layer-major prompt of ``n`` tokens adds: none (the cache holds every token)."""
+        return 0
 
     def _grow(self, layer_idx: int, end: int) -> None:
         """Layer ``layer_idx``'s capacity to at least ``end`` tokens (by half again, to a multiple of
@@ -188,3 +204,37 @@ class DenseKVCache:
     def nbytes(self) -> int:
         """Bytes held now (the capacity grown so far, not max_seq_len's)."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))
+
+
+class DensePromptLayers:
+    """A prompt read layer by layer into a dense cache (``KVCache.prompt_layers``): every layer is grown to hold
+    it first, each chunk writes its rows and attends rows [0, its end); ``pos`` moves when every layer is done."""
+
+    def __init__(self, cache: DenseKVCache, start: int, n: int):
+        end = start + n
+        if n < 1 or not 0 <= start <= cache.pos or end > cache.max_seq_len:
+            cache._raise_bad_positions(start, end)
+        for i in range(cache.n_layers):
+            if end > cache._k[i].shape[2]:
+                cache._grow(i, end)
+        self.cache, self.start, self.end = cache, start, end
+        cache.pos = start  # rows past start are overwritten
+        self.device_bytes = 0
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> torch.Tensor:
+        """``KVCache.attend`` for the layer being read (its chunks in order)."""
+        if not (self.start <= start_pos and start_pos + q.shape[0] <= self.end):
+            raise ValueError(f"layer-major prompt: positions {start_pos}..{start_pos + q.shape[0] - 1} are outside "
+                             f"the prompt's {self.start}..{self.end - 1}")
+        return self.cache._attend(layer_idx, q, k, v, start_pos)
+
+    def layer_done(self, layer_idx: int) -> None:
+        """Layer ``layer_idx`` read the whole prompt."""
+
+    def done(self) -> None:
+        """Every layer read the prompt: the cache holds it."""
+        self.cache.pos = self.end
+
+    def abort(self) -> None:
+        """The read stopped part-way: the cache holds what it held before the prompt."""

@@ -34,15 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from ktquest.config import Config, ConfigError
-from ktquest.kv.attention import merge_attention
+from ktquest.kv.attention import FLASH_CPU, merge_attention
 from ktquest.kv.base import TokenPlan
-from ktquest.kv.memory import check_kv_type, check_store_fits
+from ktquest.kv.layer_prefill import LongContextPromptLayers
+from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_tokens
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
 from ktquest.kv.store import KVStore
-
-# torch's CPU flash attention with the log-sum-exp output (a private op: the explicit path is the fallback)
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
 
 # ---- per-step state ----
 
@@ -74,7 +71,7 @@ class LongContextCache:
         if lc.init_windows_len + lc.local_windows_len > max_seq_len:
             raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
                               f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
-        check_store_fits(lc, args, max_seq_len, cfg.chunk_size)
+        check_store_fits(lc, args, max_seq_len, cfg.chunk_size, layer_major_tokens(cfg, max_seq_len))
         self.device, self.dtype = torch.device(device), dtype
         self.bs = lc.block_size
         self.ib = -(-lc.init_windows_len // self.bs)  # init window blocks
@@ -112,6 +109,14 @@ class LongContextCache:
         """The prompt read next ends at position ``end``: sparse prefill reads the chunks that hold its last
         ``prefill.exact_tail`` tokens exactly (a pass that was not announced has no exact tail)."""
         self.exact_from = end - self.cfg.prefill.exact_tail
+
+    def prompt_layers(self, start: int, n: int) -> LongContextPromptLayers:
+        """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``; kv/layer_prefill.py)."""
+        return LongContextPromptLayers(self, start, n)
+
+    def prefill_device_bytes(self, n: int) -> int:
+        """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer (kv/layer_prefill.py)."""
+        return 2 * self.KVH * n * self.D * self.win_k.element_size()
 
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""
@@ -211,6 +216,46 @@ class LongContextCache:
     def device_kv_bytes(self) -> int:
         """Bytes of K/V held on the device (the windows; fixed at construction)."""
         return self.win_k.nbytes + self.win_v.nbytes + self.planner.q_win.nbytes
+
+    def _past(self, start: int) -> tuple[int, tuple[int, int], int]:
+        """Where the keys of the positions before ``start`` (<= pos) lie, disjoint and together all of them: window
+        rows [0, init_rows) and [a, b) on the device, the store's context blocks [ib, lb)."""
+        if start <= self.init_end:
+            return start, (0, 0), self.ib
+        loc0 = max(self.buf0, min(self._local_start(start), start // self.bs * self.bs))
+        return self.init_end, (self._window_row(loc0), self._window_row(start)), loc0 // self.bs
+
+    def _window_rows(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the local-window rows of layer ``layer`` that hold positions [buf0, start): what
+        ``_window_to`` overwrites and ``_window_back`` puts back."""
+        rows = slice(self.init_end, self._window_row(start))
+        return self.win_k[layer, :, rows].clone(), self.win_v[layer, :, rows].clone()
+
+    def _window_to(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``layer``'s windows as they stand after positions [start, start + n) with K/V k, v [KVH, n, D]
+        (the layer held positions [.., start)): the init window's rows, and the local window [buf, start + n)
+        with buf = ``_local_start(start + n)``, from row init_end on. ``buf0`` is the caller's to set once
+        every layer moved."""
+        end, ie = start + k.shape[1], self.init_end
+        wk, wv = self.win_k[layer], self.win_v[layer]  # [KVH, rows, D]
+        if start < ie:  # prompt positions in the init window: rows = positions
+            m = min(end, ie) - start
+            wk[:, start: start + m], wv[:, start: start + m] = k[:, :m], v[:, :m]
+        if end > ie:
+            buf = self._local_start(end)
+            if buf < start:  # its positions before the prompt move to the front (their rows lie further right)
+                src = self._window_row(buf)
+                wk[:, ie: ie + start - buf] = wk[:, src: src + start - buf].clone()
+                wv[:, ie: ie + start - buf] = wv[:, src: src + start - buf].clone()
+            first = max(start, buf)
+            wk[:, ie + first - buf: ie + end - buf] = k[:, first - start:]
+            wv[:, ie + first - buf: ie + end - buf] = v[:, first - start:]
+
+    def _window_back(self, layer: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Undo ``_window_to`` with what ``_window_rows`` copied before it (buf0 unchanged since)."""
+        n = saved[0].shape[1]
+        self.win_k[layer, :, self.init_end: self.init_end + n] = saved[0]
+        self.win_v[layer, :, self.init_end: self.init_end + n] = saved[1]
 
     def _local_start(self, n: int) -> int:
         """First position of the local window when n tokens are held (block aligned, >= init_end)."""
@@ -320,11 +365,11 @@ class LongContextCache:
         keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
         vals = self.win_v[layer, :, : g.width]
         qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]
-        if _FLASH_CPU is not None and self.device.type == "cpu" and self.lc.anchor_type != "DYNAMIC" \
+        if FLASH_CPU is not None and self.device.type == "cpu" and self.lc.anchor_type != "DYNAMIC" \
                 and keys.dtype == torch.float32:
             # torch's fused CPU flash attention returns the LSE too: 2-3x faster than the explicit ops below.
             mask = None if g.mask is None else g.mask_rows  # [T*G, W]
-            out, lse = _FLASH_CPU(qh[None], keys[None], vals[None], 0.0, False, attn_mask=mask, scale=self.scale)
+            out, lse = FLASH_CPU(qh[None], keys[None], vals[None], 0.0, False, attn_mask=mask, scale=self.scale)
             out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
             return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), None
         if keys.dtype != torch.float32:

@@ -52,19 +52,36 @@ def store_regions(lc: LongContextConfig, n_layers: int) -> int:
     return per_layer * n_layers
 
 
-def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int) -> int:
-    """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its token ids (Python ints, ~64 bytes a
-    token with the tokenizer's work), one chunk's activations in fp32 (hidden state, q/k/v, the FFN's, and
-    the chunk's attention output and LSE), and SnapKV's preselection, which reads one layer's keys back in fp32
-    after prefill."""
+def chunk_activation_bytes(args, tokens: int, elem: int = 4) -> int:
+    """A chunk's activations: hidden state, q/k/v, the FFN's, and its attention output and LSE."""
     dim = getattr(args, "dim", args.n_heads * args.head_dim)
     ffn = getattr(args, "ffn_dim", 4 * dim)
-    chunk = min(chunk_size, max_seq_len) * 4 * (4 * dim + 3 * ffn + 2 * args.n_kv_heads * args.head_dim)
+    return tokens * elem * (4 * dim + 3 * ffn + 2 * args.n_kv_heads * args.head_dim)
+
+
+def layer_major_tokens(config: Config, max_seq_len: int) -> int:
+    """Tokens whose hidden states a layer-major prefill holds at once (``prefill.order: layer``): a slab, or
+    the longest prompt; 0 in chunk order."""
+    p = config.prefill
+    return min(p.slab_tokens or max_seq_len, max_seq_len) if p.order == "layer" else 0
+
+
+def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int,
+                            layer_tokens: int = 0) -> int:
+    """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its token ids (Python ints, ~64 bytes a
+    token with the tokenizer's work), one chunk's activations in fp32 (hidden state, q/k/v, the FFN's, and
+    the chunk's attention output and LSE), SnapKV's preselection, which reads one layer's keys back in fp32
+    after prefill, and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens``
+    tokens and, on the CPU, one layer's K/V of them (kv/layer_prefill.py)."""
+    dim = getattr(args, "dim", args.n_heads * args.head_dim)
+    chunk = chunk_activation_bytes(args, min(chunk_size, max_seq_len))
     preselect = max_seq_len * args.n_kv_heads * args.head_dim * 4 if lc.preselect_block else 0
-    return 64 * max_seq_len + chunk + preselect
+    layer = layer_tokens * 4 * (dim + 2 * args.n_kv_heads * args.head_dim)
+    return 64 * max_seq_len + chunk + preselect + layer
 
 
-def check_store_fits(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int = 512) -> None:
+def check_store_fits(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int = 512,
+                     layer_tokens: int = 0) -> None:
     """ConfigError (with the figure) when a full store for ``max_seq_len`` would not fit in available RAM,
     with its huge-page rounding and the prefill's workspace (``prefill_workspace_bytes``)."""
     dims = (args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len)
@@ -73,7 +90,7 @@ def check_store_fits(lc: LongContextConfig, args, max_seq_len: int, chunk_size: 
     except (ValueError, OverflowError) as e:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}") from None
     rounding = HUGE_PAGE * store_regions(lc, args.n_layers)
-    work = prefill_workspace_bytes(lc, args, max_seq_len, chunk_size)
+    work = prefill_workspace_bytes(lc, args, max_seq_len, chunk_size, layer_tokens)
     need, have = store + rounding + work, available_ram()
     if need > have:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the {lc.kv_type} KV store would need "
@@ -136,6 +153,7 @@ def check_cache_fits(config: Config, args, max_seq_len: int, device: torch.devic
     """The fit check of ``config.mode``'s KV cache for ``max_seq_len`` tokens, before anything is allocated."""
     if config.mode == "long_context":
         check_kv_type(config.long_context, args.head_dim)  # (the store's layout needs it to count its bytes)
-        check_store_fits(config.long_context, args, max_seq_len, config.chunk_size)
+        check_store_fits(config.long_context, args, max_seq_len, config.chunk_size,
+                         layer_major_tokens(config, max_seq_len))
     else:
         check_dense_fits(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)

@@ -162,6 +162,15 @@ class HybridCache:
             self.pos = start_pos + q.shape[0]
         return out
 
+    def prompt_layers(self, start: int, n: int) -> HybridPromptLayers:
+        """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``)."""
+        return HybridPromptLayers(self, start, n)
+
+    def prefill_device_bytes(self, n: int) -> int:
+        """Device bytes a layer-major prompt of ``n`` tokens adds: the global layers' workspace and the copy of
+        the sliding layers' windows kept to undo an interrupted prompt."""
+        return self.main.prefill_device_bytes(n) + self.windows.nbytes()
+
     def plan_decode(self, pos: int) -> None:
         """None: a decode token goes block by block through ``attend`` (each layer has its own RoPE table)."""
         return None
@@ -212,3 +221,48 @@ class HybridCache:
         self.main.load_state(meta["main"], {k[5:]: v for k, v in arrays.items() if k.startswith("main.")})
         self.windows.load_state(meta["windows"], {k[4:]: v for k, v in arrays.items() if k.startswith("win.")})
         self.pos = meta["pos"]
+
+
+class HybridPromptLayers:
+    """A prompt read layer by layer into a ``HybridCache``: the sliding layers through their windows (each keeps
+    its own positions, so layer-major order needs nothing more of them), the global layers through the global
+    cache's ``prompt_layers``. The sliding windows are copied first: a prompt stopped part-way puts them back."""
+
+    def __init__(self, cache: HybridCache, start: int, n: int):
+        if n < 1 or not 0 <= start <= cache.pos or start + n > cache.max_seq_len:
+            raise ValueError(f"KV cache: cannot write positions {start}..{start + n - 1}: the cache holds "
+                             f"{cache.pos} tokens of at most {cache.max_seq_len} (max_seq_len)")
+        if cache.rewind_point(start) != start:
+            raise ValueError(f"KV cache: cannot rewind to position {start} (the sliding layers moved past it)")
+        if start < cache.pos:
+            cache.truncate(start)
+        w = cache.windows
+        self._saved = (w.k.clone(), w.v.clone(), list(w.base), list(w.hi))
+        self.cache, self.start, self.end = cache, start, start + n
+        self.main = cache.main.prompt_layers(start, n)
+        self.device_bytes = self.main.device_bytes + w.k.nbytes + w.v.nbytes
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> torch.Tensor:
+        sliding, j = self.cache.route[layer_idx]
+        if sliding:
+            return self.cache.windows.attend(j, q, k, v, start_pos)
+        return self.main.attend(j, q, k, v, start_pos)
+
+    def layer_done(self, layer_idx: int) -> None:
+        sliding, j = self.cache.route[layer_idx]
+        if not sliding:
+            self.main.layer_done(j)
+
+    def done(self) -> None:
+        self.main.done()
+        self.cache.pos = self.end
+        self._saved = None
+
+    def abort(self) -> None:
+        self.main.abort()
+        w = self.cache.windows
+        k, v, w.base, w.hi = self._saved
+        w.k.copy_(k)
+        w.v.copy_(v)
+        self._saved = None

@@ -178,3 +178,35 @@ class Transformer(nn.Module):
         if last_only:
             x = x[-1:]  # [1, dim]: prefill only needs the next-token logits
         return self.output(self.norm(x))  # [T, V]
+
+    def prefill_layers(self, tokens: torch.Tensor, start_pos: int, cache: KVCache, chunk_size: int,
+                       on_progress=None) -> torch.Tensor:
+        """Layer-major prefill: tokens [N] at start_pos.. -> the last token's logits [V].
+
+        Layer 0 reads every chunk of the prompt, then layer 1, ...: the hidden states x [N, dim] wait in host
+        memory in the compute dtype, each layer's K/V of the prompt stay with the cache's ``prompt_layers``
+        (on the device) until the layer is done. on_progress(i, n) after each chunk of each layer (i: the
+        tokens' share of the work done). Anything raised undoes the prompt (``PromptLayers.abort``)."""
+        n = tokens.shape[0]
+        self.check_positions(start_pos, n)
+        pin = self.device.type == "cuda"
+        x = torch.empty(n, self.args.dim, dtype=self.dtype, pin_memory=pin)  # [N, dim] host
+        for a in range(0, n, chunk_size):
+            e = self.tok_embeddings(tokens[a: a + chunk_size])  # [C, dim]
+            x[a: a + chunk_size] = e * self.emb_scale if self.emb_scale != 1.0 else e
+        prompt = cache.prompt_layers(start_pos, n)
+        try:
+            for i, (layer, r) in enumerate(zip(self.layers, self.layer_rope)):
+                for a in range(0, n, chunk_size):
+                    b, s = min(n, a + chunk_size), start_pos + a
+                    cos = self.rope_cos[r, s: s + b - a, None]  # [C, 1, D]
+                    sin = self.rope_sin[r, s: s + b - a, None]
+                    x[a:b] = layer(x[a:b].to(self.device, non_blocking=True), s, cos, sin, prompt)
+                    if on_progress is not None:
+                        on_progress((i * n + b) // len(self.layers), n)
+                prompt.layer_done(i)
+            prompt.done()
+        except BaseException:
+            prompt.abort()
+            raise
+        return self.output(self.norm(x[-1:].to(self.device)))[0]  # [V]
