@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import statistics
 import sys
 import time
@@ -42,6 +43,9 @@ from ktquest.generate import decode_one_token  # noqa: E402
 from ktquest.sampling import Sampler  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}
+
+
+PROGRESS_FROM = 65536  # contexts from this long print their prefill's progress every tenth (stderr)
 
 
 class KtquestRunner:
@@ -71,7 +75,15 @@ class KtquestRunner:
         tokens = context_tokens(eng.tokenizer, ctx)
         gc.collect()
         t0 = time.perf_counter()
-        logits = eng.prefill(tokens, cache)
+        marks = [ctx * (i + 1) // 10 for i in range(10)] if ctx >= PROGRESS_FROM else []
+
+        def progress(done: int, total: int) -> None:  # a long prefill says how far it got (stderr)
+            while marks and done >= marks[0]:
+                dt = time.perf_counter() - t0
+                print(f"  prefill {marks.pop(0):>9} / {total} tokens in {dt:7.0f} s ({done / dt:.1f} tok/s)",
+                      file=sys.stderr, flush=True)
+
+        logits = eng.prefill(tokens, cache, progress)
         t = time.perf_counter() - t0
         tok = int(decode_one_token(eng.model, cache, int(logits.argmax())).argmax())  # warm-up step, not timed
         self.state[ctx] = [cache, tok, Sampler(self.gen), [int(t) for t in tokens[-64:]] + [tok]]
@@ -142,7 +154,8 @@ def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads:
         for ctx in contexts:
             t = r.prefill(ctx)
             cells[(r.label, ctx)] = dict(r.row(), context=ctx, prefill_tok_s=ctx / t, prefill_s=t, threads=threads,
-                                         decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[])
+                                         decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[],
+                                         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
             print(f"{r.engine:>9} {r.label:>13} ctx {ctx:>7}: prefill {ctx / t:8.1f} tok/s", flush=True)
     for i in range(rounds):
         for r in runners:
