@@ -45,16 +45,9 @@ class LongContextPromptLayers:
             raise ValueError("layer-major prefill reads a prompt exactly with linear anchors (prefill.mode: exact, "
                              "anchor_type not DYNAMIC)")
         end = start + n
-        if n < 1 or start < 0 or start > c.pos:
-            raise ValueError(f"KV cache: cannot write positions {start}..{end - 1}: the cache holds "
-                             f"{c.pos} tokens, so a prompt must start at 0..{c.pos}")
-        if end > c.max_seq_len:
-            raise ValueError(f"KV cache overflow: positions {start}..{end - 1} do not fit in "
-                             f"max_seq_len={c.max_seq_len} (the cache holds {c.pos} tokens)")
-        if start < c.pos:
-            c.truncate(start)
-        elif c.store.length(0) != start:  # a pass interrupted half-way: drop its first layers' tokens
-            c.store.truncate(-1, start)
+        if n < 1:
+            raise ValueError(f"layer-major prompt: {n} tokens")
+        c._write_from(start, n)
         if c.buf0 > max(c.init_end, c._local_start(start)):  # every pass and truncate keeps buf0 <= it
             raise ValueError(f"long-context cache: its window buffer starts at {c.buf0}, past the local window "
                              f"of position {start}")

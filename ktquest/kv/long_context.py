@@ -263,8 +263,9 @@ class LongContextCache:
 
     # ---- the pass ----
 
-    def _begin_pass(self, start: int, T: int) -> None:
-        """Geometry for positions [start, start + T), set up once (at layer 0) for every layer."""
+    def _write_from(self, start: int, T: int) -> None:
+        """Positions [start, start + T) are written next (by a pass or a layer-major prompt): the cache drops
+        what it holds from ``start`` on, and what an interrupted pass left; ValueError where they cannot go."""
         if start != self.pos:
             if start > self.pos or start < 0:
                 raise ValueError(f"KV cache: cannot write positions {start}..{start + T - 1}: the cache holds "
@@ -275,6 +276,10 @@ class LongContextCache:
         if start + T > self.max_seq_len:
             raise ValueError(f"KV cache overflow: positions {start}..{start + T - 1} do not fit in "
                              f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
+
+    def _begin_pass(self, start: int, T: int) -> None:
+        """Geometry for positions [start, start + T), set up once (at layer 0) for every layer."""
+        self._write_from(start, T)
         if T > self.chunk_size:
             raise ValueError(f"long-context cache: {T} tokens in one pass exceed chunk_size={self.chunk_size}")
         # The local window of this pass: strictly the last local_windows_len tokens of start + T, but never
