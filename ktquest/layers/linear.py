@@ -83,6 +83,8 @@ class Linear(torch.nn.Module):
         super().__init__()
         self.quant: QuantWeight | None = weight if isinstance(weight, QuantWeight) else None
         self.qm = None  # the native matrix of a QuantWeight (_C.QuantMatrix)
+        if out_perm is not None and self.quant is None:  # gathered where the weight's products are
+            out_perm = out_perm.to(weight.device)
         self.register_buffer("out_perm", out_perm, persistent=False)
         if self.quant is not None:
             self.weight = None
