@@ -19,10 +19,16 @@ from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate, prefill
 from ktquest.kv import files as kv_files
-from ktquest.kv.attention import lse_tile_bytes
+from ktquest.kv.attention import fused_scratch_bytes, lse_tile_bytes, tiled_attention
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
-from ktquest.kv.memory import check_cache_fits, check_weights_fit, chunk_activation_bytes, layer_major_tokens
+from ktquest.kv.memory import (
+    check_cache_fits,
+    check_weights_fit,
+    chunk_activation_bytes,
+    layer_major_tokens,
+    prompt_token_device_bytes,
+)
 from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
 from ktquest.models.args import RopeScaling, resolve_max_seq_len
@@ -203,15 +209,22 @@ class Engine:
 
     def prefill_device_bytes(self) -> int:
         """The device memory a layer-major prefill (``prefill.order: layer``) holds beside the weights and the
-        cache: one layer's K/V of the longest prompt or slab, one chunk's activations, and off the CPU the
-        attention's score tile (``kv.attention.lse_tile_bytes``); 0 in chunk order."""
+        cache: one layer's K/V of the longest prompt or slab, one chunk's activations, the attention's score
+        tile where no fused kernel takes it (``kv.attention.lse_tile_bytes``) or the fused kernel's scratch
+        (``fused_scratch_bytes``), the prompt's last logits, and per token of the prompt its id and the
+        planner's fp32 scores of it for each query head once the prompt is read (kv/selection.py); 0 in chunk
+        order."""
         n = layer_major_tokens(self.config, self.max_seq_len)
         if n == 0:
             return 0
-        chunk = min(self.config.chunk_size, n)
-        tile = lse_tile_bytes(self.model.args.n_heads * chunk) if self.device.type != "cpu" else 0
-        return self.cache.prefill_device_bytes(n) + chunk_activation_bytes(self.model.args, chunk,
-                                                                            self.dtype.itemsize) + tile
+        a, chunk = self.model.args, min(self.config.chunk_size, n)
+        if tiled_attention(self.device, self.dtype, a.head_dim):
+            tile = lse_tile_bytes(a.n_heads * chunk)
+        else:
+            tile = fused_scratch_bytes(self.device, self.dtype, a.head_dim)
+        logits = a.vocab_size * (self.dtype.itemsize + 4)
+        return (self.cache.prefill_device_bytes(n) + chunk_activation_bytes(a, chunk, self.dtype.itemsize)
+                + tile + logits + n * prompt_token_device_bytes(a))
 
     def run(self, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
              on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,

@@ -230,10 +230,11 @@ def test_the_workspace_is_one_layer_of_the_prompt_and_is_freed(tiny_llama, monke
 
     monkeypatch.setattr(cache, "prompt_layers", spy)
     prefill(model, cache, prompt(80), cfg.chunk_size, order="layer", slab_tokens=32)
-    a = model.args
+    a, W = model.args, cache.planner.q_win.shape[1]
     assert [n for n, _, _ in seen] == [32, 32, 16]
-    for n, nbytes, p in seen:
-        assert nbytes == cache.prefill_device_bytes(n) == 2 * a.n_kv_heads * n * a.head_dim * 4
+    for n, nbytes, p in seen:  # one layer's K/V, and each layer's last min(W, n) queries
+        rows = 2 * a.n_kv_heads * (n + cache.win_k.shape[2]) + a.n_layers * min(W, n) * a.n_heads
+        assert nbytes == cache.prefill_device_bytes(n) == rows * a.head_dim * 4
         assert p.k is None and p.v is None  # freed once the slab is in the store
 
 
@@ -353,7 +354,7 @@ def test_a_chat_reads_its_turns_layer_by_layer(tiny_llama, config):
     replies = {}
     for order in ("chunk", "layer"):
         cfg = dense_config(order=order) if config == "dense" else small_long_context("quest", order=order)
-        eng = ktquest.load(tiny_llama.path, cfg, max_new_tokens=8, threads=1)
+        eng = ktquest.load(tiny_llama.path, cfg, max_new_tokens=8, threads=1, device="cpu")  # (fp32: exact)
         layer_reads: list[int] = []
         eng.model.prefill_layers = counting(eng.model.prefill_layers, layer_reads)
         chat = eng.chat_session(system="be brief", document="some words " * 4)
@@ -364,10 +365,15 @@ def test_a_chat_reads_its_turns_layer_by_layer(tiny_llama, config):
 
 def test_the_engine_reports_the_device_bound(tiny_llama):
     import ktquest
-    from ktquest.kv.memory import chunk_activation_bytes
+    from ktquest.kv.memory import chunk_activation_bytes, prompt_token_device_bytes
 
-    eng = ktquest.load(tiny_llama.path, small_long_context("quest", order="layer", slab_tokens=64), threads=1)
+    eng = ktquest.load(tiny_llama.path, small_long_context("quest", order="layer", slab_tokens=64), threads=1,
+                       device="cpu")
     a = eng.model.args
-    assert eng.prefill_device_bytes() == 2 * a.n_kv_heads * 64 * a.head_dim * 4 + chunk_activation_bytes(a, 16)
-    eng = ktquest.load(tiny_llama.path, small_long_context("quest"), threads=1)
+    logits = a.vocab_size * 8  # the prompt's last logits, in the compute dtype (fp32 here) and in fp32
+    tokens = 64 * prompt_token_device_bytes(a)
+    assert eng.prefill_device_bytes() == (eng.cache.prefill_device_bytes(64) + chunk_activation_bytes(a, 16) + logits
+                                          + tokens)
+    assert eng.cache.prefill_device_bytes(64) >= 2 * a.n_kv_heads * 64 * a.head_dim * 4
+    eng = ktquest.load(tiny_llama.path, small_long_context("quest"), threads=1, device="cpu")
     assert eng.prefill_device_bytes() == 0  # chunk order holds no workspace

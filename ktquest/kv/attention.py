@@ -27,8 +27,11 @@ def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n:
     return out, lse
 
 
-# torch's CPU flash attention with the log-sum-exp output (a private op: the tiled torch path is the fallback)
+# torch's fused attentions that return the log-sum-exp (private ops: the tiled torch path is the fallback):
+# the CPU's flash kernel (fp32 here), and on CUDA the flash kernel (fp16/bf16) and the memory-efficient one (fp32)
 FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+EFFICIENT_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
 LSE_TILE = 4096  # keys a tile of the portable path scores at once: its scores are [B, M, LSE_TILE] fp32
 
 
@@ -38,15 +41,18 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     q: [B, M, D], k/v: [B, S, D] (B = KV heads; a KV head's query rows share its keys) -> out [B, M, D], lse
     [B, M], both fp32 (the caller merges parts before rounding). ``causal``: M == S and row i sees keys 0..i.
-    Memory stays O(M x LSE_TILE): the CPU in fp32 runs torch's flash kernel; elsewhere the keys are taken
-    LSE_TILE at a time (``lse_tile_bytes``) and the tiles' partial results merged by their LSE, so no [M, S]
-    matrix is ever made.
+    Memory stays O(M x LSE_TILE): the CPU in fp32 runs torch's flash kernel, CUDA its flash kernel (fp16/bf16)
+    or memory-efficient kernel (fp32); elsewhere the keys are taken LSE_TILE at a time (``lse_tile_bytes``)
+    and the tiles' partial results merged by their LSE, so no [M, S] matrix is ever made.
     """
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"attention_lse: causal needs as many queries as keys, got {q.shape[1]} and {k.shape[1]}")
     if FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32:
         out, lse = FLASH_CPU(q[None], k[None], v[None], 0.0, causal, scale=scale)[:2]
         return out[0], lse[0]
+    fused = _cuda_kernel(q.device, q.dtype, q.shape[-1]) if q.dtype == k.dtype == v.dtype else None
+    if fused is not None:
+        return fused(q, k, v, scale, causal)
     B, M, S = q.shape[0], q.shape[1], k.shape[1]
     out = torch.zeros(B, M, v.shape[2], device=q.device, dtype=torch.float32)
     lse = torch.full((B, M), float("-inf"), device=q.device)
@@ -62,6 +68,49 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         t_out = torch.bmm(p, v[:, a:b].float())  # [B, M, D]
         out, lse = merge_attention(out, lse, t_out, t_lse)
     return out, lse
+
+
+def tiled_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``attention_lse`` on ``device`` in ``dtype`` runs the tiled torch path (no fused kernel)."""
+    if device.type == "cpu":
+        return not (FLASH_CPU is not None and dtype == torch.float32)
+    return _cuda_kernel(device, dtype, head_dim) is None
+
+
+def _cuda_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The fused CUDA attention for these inputs, or None (the tiled path then runs): flash for fp16/bf16,
+    memory-efficient for fp32; both take a head size that is a multiple of 8, at most 256."""
+    if device.type != "cuda" or head_dim % 8 or head_dim > 256:
+        return None
+    if dtype in (torch.float16, torch.bfloat16) and FLASH_CUDA is not None:
+        return _flash_cuda
+    if dtype == torch.float32 and EFFICIENT_CUDA is not None:
+        return _efficient_cuda
+    return None
+
+
+def _flash_cuda(q, k, v, scale, causal):
+    """[B, M, D] x [B, S, D] as one batch of B heads -> out [B, M, D] fp32, lse [B, M] fp32."""
+    out, lse = FLASH_CUDA(q[None], k[None], v[None], 0.0, causal, False, scale=scale)[:2]
+    return out[0].float(), lse[0, :, : q.shape[1]]
+
+
+def _efficient_cuda(q, k, v, scale, causal):
+    """As ``_flash_cuda``, in fp32 (its LSE rows may be padded: the first M are the queries')."""
+    out, lse = EFFICIENT_CUDA(q[None], k[None], v[None], None, True, 0.0, causal, scale=scale)[:2]
+    return out[0], lse[0, :, : q.shape[1]]
+
+
+def fused_scratch_bytes(device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
+    """Device bytes ``attention_lse``'s fused CUDA kernel may allocate beside its inputs and outputs: the flash
+    kernel splits the keys when a call has too few query blocks to fill the GPU and keeps each split's fp32
+    output and LSE (its heuristic takes the fewest splits that fill about one wave of the multiprocessors:
+    splits x heads x 64-row blocks ~ SMs; allowed twice that, with the rows rounded to 128 and the head size to
+    32). The memory-efficient kernel (fp32) writes its output in place: none."""
+    if _cuda_kernel(device, dtype, head_dim) is not _flash_cuda:
+        return 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * sms * 128 * (-(-head_dim // 32) * 32 + 1) * 4
 
 
 def lse_tile_bytes(rows: int) -> int:

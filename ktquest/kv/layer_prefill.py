@@ -56,7 +56,7 @@ class LongContextPromptLayers:
         # The workspace: this layer's prompt K/V, [KVH, n, D] each, on the device
         self.k = torch.empty(c.KVH, n, c.D, device=c.device, dtype=c.dtype)
         self.v = torch.empty_like(self.k)
-        self.device_bytes = self.k.nbytes + self.v.nbytes
+        self.device_bytes = c.prefill_device_bytes(n)  # the workspace and the queries in q_tail
         self._W = c.planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in done())
         self.q_tail: list[torch.Tensor | None] = [None] * c.n_layers
         self._saved: list[tuple] = []  # per layer moved: the window rows it overwrote (abort puts them back)
@@ -78,21 +78,20 @@ class LongContextPromptLayers:
         out, lse = attention_lse(q.transpose(0, 1), kc, vc, c.scale, causal=True)  # [H, T, D], [H, T] fp32
         out = out.view(KVH, G, T, D).transpose(1, 2).reshape(KVH, T * G, D)
         lse = lse.view(KVH, G, T).transpose(1, 2).reshape(KVH, T * G)
-        parts = []
+        # (each part merged as soon as it is made: device memory holds one part beside the union)
         if j > 0:  # ---- the prompt before the chunk ----
-            parts.append(attention_lse(qh, self.k[:, :j], self.v[:, :j], c.scale))
+            out, lse = merge_attention(out, lse, *attention_lse(qh, self.k[:, :j], self.v[:, :j], c.scale))
         a, b = self.local_rows  # ---- the past's windows ----
         if self.init_rows or b > a:
             wk, wv = c.win_k[layer], c.win_v[layer]  # [KVH, rows, D]
             keys = torch.cat([wk[:, : self.init_rows], wk[:, a:b]], 1)  # [KVH, <= init + local, D]
             vals = torch.cat([wv[:, : self.init_rows], wv[:, a:b]], 1)
-            parts.append(attention_lse(qh, keys, vals, c.scale))
+            out, lse = merge_attention(out, lse, *attention_lse(qh, keys, vals, c.scale))
+            del keys, vals
         if self.lb > c.ib:  # ---- the past's context blocks, read in place from DRAM ----
             qs = qh.float().reshape(KVH * T * G, D).cpu().contiguous()
             o, s = c.store.attend(layer, qs, c._all_blocks[c.ib: self.lb])
-            parts.append((o.view(KVH, T * G, D).to(c.device), s.view(KVH, T * G).to(c.device)))
-        for o, s in parts:
-            out, lse = merge_attention(out, lse, o, s)
+            out, lse = merge_attention(out, lse, o.view(KVH, T * G, D).to(c.device), s.view(KVH, T * G).to(c.device))
         tail = q if self.q_tail[layer] is None else torch.cat([self.q_tail[layer], q])
         self.q_tail[layer] = tail[-self._W:].clone()
         return out.view(KVH, T, G, D).transpose(0, 1).reshape(T, c.H, D).to(q.dtype)

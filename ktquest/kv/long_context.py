@@ -115,8 +115,11 @@ class LongContextCache:
         return LongContextPromptLayers(self, start, n)
 
     def prefill_device_bytes(self, n: int) -> int:
-        """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer (kv/layer_prefill.py)."""
-        return 2 * self.KVH * n * self.D * self.win_k.element_size()
+        """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer, each layer's last
+        prompt queries kept for the planner, and the past's windows gathered for a chunk (kv/layer_prefill.py)."""
+        W = min(self.planner.q_win.shape[1], n)
+        rows = 2 * self.KVH * (n + self.win_k.shape[2]) + self.n_layers * W * self.H
+        return rows * self.D * self.win_k.element_size()
 
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""

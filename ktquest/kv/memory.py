@@ -53,10 +53,31 @@ def store_regions(lc: LongContextConfig, n_layers: int) -> int:
 
 
 def chunk_activation_bytes(args, tokens: int, elem: int = 4) -> int:
-    """A chunk's activations: hidden state, q/k/v, the FFN's, and its attention output and LSE."""
+    """A chunk's activations at their peak, ``elem`` bytes a value (the compute dtype): the hidden state in, its
+    norm and the residual out, beside the larger of the two phases of a layer:
+
+    - attention: q/k/v and RoPE's temporaries (fp32 at worst); the queries folded by KV head; the chunk's K/V
+      repeated to the query heads (its causal part); a kernel's output; four outputs in fp32 while parts merge
+      (the union so far, a part, the merged union, its copy in the heads' order) and their LSEs; the output
+      in the compute dtype and its projection;
+    - a sliding-window layer's attention (gemma3): torch's attention with a mask, whose scores, probabilities
+      and mask are [H, T, T + window] (4 + 4 + 4 + 1 bytes an entry at most, the math path's);
+    - the FFN: gate, up and their product, and its projection.
+    """
     dim = getattr(args, "dim", args.n_heads * args.head_dim)
     ffn = getattr(args, "ffn_dim", 4 * dim)
-    return tokens * elem * (4 * dim + 3 * ffn + 2 * args.n_kv_heads * args.head_dim)
+    hd, kvd = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    attn = (6 * hd + 2 * kvd + dim) * elem + (4 * (hd + args.n_heads) + 2 * (hd + kvd)) * 4
+    window = getattr(args, "sliding_window", 0)
+    if window:
+        attn = max(attn, (4 * hd + 2 * kvd + dim) * elem + args.n_heads * (tokens + window) * 13)
+    return tokens * (3 * dim * elem + max(attn, (3 * ffn + dim) * elem))
+
+
+def prompt_token_device_bytes(args) -> int:
+    """Device bytes a prompt holds per token whatever the order: its id (int64), and the planner's fp32 score
+    of it for each query head, made twice, once the prompt is read (kv/selection.py)."""
+    return 8 + 2 * args.n_heads * 4
 
 
 def layer_major_tokens(config: Config, max_seq_len: int) -> int:
