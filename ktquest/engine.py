@@ -211,9 +211,8 @@ class Engine:
         """The device memory a layer-major prefill (``prefill.order: layer``) holds beside the weights and the
         cache: one layer's K/V of the longest prompt or slab, one chunk's activations, the attention's score
         tile where no fused kernel takes it (``kv.attention.lse_tile_bytes``) or the fused kernel's scratch
-        (``fused_scratch_bytes``), the prompt's last logits, and per token of the prompt its id and the
-        planner's fp32 scores of it for each query head once the prompt is read (kv/selection.py); 0 in chunk
-        order."""
+        (``fused_scratch_bytes``), the prompt's last logits, and a few bytes a token of the whole prompt
+        (``prompt_token_device_bytes``); 0 in chunk order."""
         n = layer_major_tokens(self.config, self.max_seq_len)
         if n == 0:
             return 0
@@ -221,10 +220,11 @@ class Engine:
         if tiled_attention(self.device, self.dtype, a.head_dim):
             tile = lse_tile_bytes(a.n_heads * chunk)
         else:
-            tile = fused_scratch_bytes(self.device, self.dtype, a.head_dim)
+            tile = fused_scratch_bytes(self.device, self.dtype, a.n_heads, a.n_kv_heads, a.head_dim, chunk,
+                                       self.max_seq_len)
         logits = a.vocab_size * (self.dtype.itemsize + 4)
         return (self.cache.prefill_device_bytes(n) + chunk_activation_bytes(a, chunk, self.dtype.itemsize)
-                + tile + logits + n * prompt_token_device_bytes(a))
+                + tile + logits + self.max_seq_len * prompt_token_device_bytes(a))
 
     def run(self, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
              on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,

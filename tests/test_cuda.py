@@ -44,21 +44,51 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---- attention_lse: the fused kernels ----
 
 
+CASES = [(1, 1, False), (7, 19, False), (96, 1500, False), (1, 1, True), (19, 19, True), (130, 130, True)]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("D", [16, 64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("M,S", [(1, 1), (7, 19), (19, 19), (130, 130), (96, 1500)])
-def test_fused_attention_lse_matches_float64(dtype, tol, D, causal, M, S):
-    if causal and M != S:
-        pytest.skip("causal attention is square")
+@pytest.mark.parametrize("M,S,causal", CASES)
+def test_fused_attention_lse_matches_float64(dtype, tol, D, M, S, causal):
     assert attention._cuda_kernel(CUDA, dtype, D) is not None  # the fused kernel runs, not the tiles
     g = torch.Generator().manual_seed(M * 1000 + S + D)
     q, k, v = (torch.randn(3, n, D, generator=g).to(CUDA, dtype) for n in (M, S, S))
     out, lse = attention_lse(q, k, v, D ** -0.5, causal=causal)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == (3, M, D) and lse.shape == (3, M)
-    want_out, want_lse = reference(q, k, v, D ** -0.5, causal)
+    want_out, want_lse = reference(q, k, v, D ** -0.5, causal)  # over the rounded inputs
     assert rel(out, want_out) < tol
-    assert (lse.cpu().double() - want_lse).abs().max() < 50 * tol
+    assert (lse.cpu().double() - want_lse).abs().max() < 1e-3  # the kernels' LSE is fp32 in every dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,S", [(5, 0), (0, 5)])
+def test_fused_attention_lse_of_an_empty_set(dtype, M, S):
+    """No keys: a part that weighs nothing in a merge (out 0, lse -inf), as the tiled path gives."""
+    q, k = torch.randn(2, M, 64, device=CUDA, dtype=dtype), torch.randn(2, S, 64, device=CUDA, dtype=dtype)
+    out, lse = attention_lse(q, k, k, 0.125)
+    assert out.shape == (2, M, 64) and lse.shape == (2, M)
+    assert not out.any() and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.parametrize("heads,M,S", [(2, 64, 300), (2, 600, 4000), (12, 512, 512), (2, 3072, 20000),
+                                       (1, 64, 70000)])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_flash_scratch_within_its_bound(heads, M, S, D):
+    """What flash allocates beside its inputs and output (its split-KV accumulators) against
+    ``fused_scratch_bytes`` for a prefill whose calls include this shape."""
+    q = torch.randn(heads, M, D, device=CUDA, dtype=torch.float16)
+    k, v = (torch.randn(heads, S, D, device=CUDA, dtype=torch.float16) for _ in range(2))
+    attention_lse(q, k, v, D ** -0.5)  # warm
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = attention_lse(q, k, v, D ** -0.5)
+    torch.cuda.synchronize()
+    # beside the kernel's fp16 output and LSE: its scratch while it runs, then the output's fp32 copy
+    held = torch.cuda.max_memory_allocated() - base - heads * M * (D * 2 + 4)
+    bound = attention.fused_scratch_bytes(CUDA, torch.float16, heads, heads, D, M, S)
+    assert held <= max(bound, heads * M * D * 4) + 4096  # (+ a few small tensors' 512-byte rounding)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -133,7 +163,7 @@ def test_layer_order_on_the_device_equals_chunk_order_and_the_cpu(models, name):
     want, want_tokens, _ = read_turns(models(arch, CPU, torch.float32), cfg, TURNS, "chunk", CPU, torch.float32)
     m = models(arch, CUDA, torch.float32)
     for order in ("chunk", "layer"):
-        got, tokens, cache = read_turns(m, cfg, TURNS, order, CUDA, torch.float32)
+        got, tokens, _ = read_turns(m, cfg, TURNS, order, CUDA, torch.float32)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
         assert tokens == want_tokens, order
@@ -237,18 +267,16 @@ def test_the_device_peak_stays_within_the_reported_bound(tiny_models, name, dtyp
         eng.prefill(prompt(200, seed=9), make_cache(cfg, eng.model.args, 4096, eng.device, eng.dtype))  # warm
         bound = eng.prefill_device_bytes()
         a = eng.model.args
-        workspace = 2 * a.n_kv_heads * (slab or 4096) * a.head_dim * eng.dtype.itemsize
-        assert bound > workspace
         for n in (1024, 4000):
             peak = device_peak(eng, prompt(n, seed=n))
             assert peak <= bound, (slab, n, peak, bound)
             peaks[slab, n] = peak
     kv = 2 * a.n_kv_heads * (4000 - 1024) * a.head_dim * eng.dtype.itemsize  # one layer's K/V of the difference
     per_token = (4000 - 1024) * prompt_token_device_bytes(a)
-    # the whole prompt's K/V of a layer (less a few of the small tensors' 512-byte rounding, which differ
-    # at the two peaks: seen 512 bytes on an H200)
+    # the whole prompt's K/V of a layer (less a few of the small tensors' 512-byte rounding, which may differ
+    # at the two peaks)
     assert peaks[0, 4000] - peaks[0, 1024] >= kv - 8 * 512
-    assert peaks[512, 4000] - peaks[512, 1024] <= per_token  # slabs: only the per-token ids and scores grow
+    assert peaks[512, 4000] - peaks[512, 1024] <= per_token  # slabs: only what is counted per token grows
 
 
 def test_a_chat_on_the_device_in_layer_order(tiny_llama):

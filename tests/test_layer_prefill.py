@@ -6,6 +6,7 @@ reports and frees; a prompt stopped part-way leaves the cache as it was; the con
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,26 @@ def test_attention_lse_causal_needs_a_square():
     q = torch.zeros(1, 4, 8)
     with pytest.raises(ValueError, match="causal needs as many queries as keys"):
         attention_lse(q, torch.zeros(1, 5, 8), torch.zeros(1, 5, 8), 1.0, causal=True)
+
+
+def test_flash_splits_follows_pytorchs_heuristic():
+    """The vectorized maximum against the heuristic, key length by key length."""
+    def heuristic(bnm, sms2, nb, max_splits=128):  # flash_api.cpp's num_splits_heuristic
+        if bnm >= 0.8 * sms2:
+            return 1
+        max_splits = min(max_splits, sms2, nb)
+        eligible = [s == 1 or -(-nb // s) != -(-nb // (s - 1)) for s in range(1, max_splits + 1)]
+        eff = [(bnm * s / sms2) / math.ceil(bnm * s / sms2) if e else 0.0
+               for s, e in zip(range(1, max_splits + 1), eligible)]
+        for s in range(1, max_splits + 1):
+            if eligible[s - 1] and eff[s - 1] >= 0.85 * max(eff):
+                return s
+        return 1
+
+    for heads, m_blocks, n_blocks, sms2 in [(2, 6, 300, 264), (1, 3, 40, 264), (12, 8, 4, 216), (3, 20, 129, 264)]:
+        want = tuple(max(heuristic(heads * m, sms2, nb) for nb in range(1, n_blocks + 1))
+                     for m in range(1, m_blocks + 1))
+        assert attention.flash_splits(heads, m_blocks, n_blocks, sms2) == want
 
 
 # ---- chunk-major == layer-major ----
@@ -225,14 +246,16 @@ def test_the_workspace_is_one_layer_of_the_prompt_and_is_freed(tiny_llama, monke
 
     def spy(start, n):
         p = real(start, n)
-        seen.append((n, p.device_bytes, p))
+        seen.append((n, p.device_bytes, p.k.nbytes + p.v.nbytes, p))
         return p
 
     monkeypatch.setattr(cache, "prompt_layers", spy)
     prefill(model, cache, prompt(80), cfg.chunk_size, order="layer", slab_tokens=32)
     a, W = model.args, cache.planner.q_win.shape[1]
-    assert [n for n, _, _ in seen] == [32, 32, 16]
-    for n, nbytes, p in seen:  # one layer's K/V, and each layer's last min(W, n) queries
+    assert [n for n, *_ in seen] == [32, 32, 16]
+    for n, nbytes, workspace, p in seen:
+        assert workspace == 2 * a.n_kv_heads * n * a.head_dim * 4  # one layer's K/V of the slab
+        # reported: that, each layer's last min(W, n) queries, the past windows gathered for a chunk
         rows = 2 * a.n_kv_heads * (n + cache.win_k.shape[2]) + a.n_layers * min(W, n) * a.n_heads
         assert nbytes == cache.prefill_device_bytes(n) == rows * a.head_dim * 4
         assert p.k is None and p.v is None  # freed once the slab is in the store
@@ -371,9 +394,9 @@ def test_the_engine_reports_the_device_bound(tiny_llama):
                        device="cpu")
     a = eng.model.args
     logits = a.vocab_size * 8  # the prompt's last logits, in the compute dtype (fp32 here) and in fp32
-    tokens = 64 * prompt_token_device_bytes(a)
-    assert eng.prefill_device_bytes() == (eng.cache.prefill_device_bytes(64) + chunk_activation_bytes(a, 16) + logits
-                                          + tokens)
+    tokens = eng.max_seq_len * prompt_token_device_bytes(a)  # the whole prompt's, not the slab's
+    assert eng.prefill_device_bytes() == (eng.cache.prefill_device_bytes(64) + chunk_activation_bytes(a, 16)
+                                          + logits + tokens)
     assert eng.cache.prefill_device_bytes(64) >= 2 * a.n_kv_heads * 64 * a.head_dim * 4
     eng = ktquest.load(tiny_llama.path, small_long_context("quest"), threads=1, device="cpu")
     assert eng.prefill_device_bytes() == 0  # chunk order holds no workspace

@@ -4,6 +4,9 @@ log-sum-exp."""
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from ktquest import _C
@@ -40,19 +43,20 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """softmax(q k^T * scale) v with its log-sum-exp, on q's device.
 
     q: [B, M, D], k/v: [B, S, D] (B = KV heads; a KV head's query rows share its keys) -> out [B, M, D], lse
-    [B, M], both fp32 (the caller merges parts before rounding). ``causal``: M == S and row i sees keys 0..i.
-    Memory stays O(M x LSE_TILE): the CPU in fp32 runs torch's flash kernel, CUDA its flash kernel (fp16/bf16)
-    or memory-efficient kernel (fp32); elsewhere the keys are taken LSE_TILE at a time (``lse_tile_bytes``)
-    and the tiles' partial results merged by their LSE, so no [M, S] matrix is ever made.
+    [B, M], both fp32 (the caller merges parts in fp32; CUDA's fused kernels round a part's output to q's
+    dtype first). ``causal``: M == S and row i sees keys 0..i. No keys: out 0, lse -inf (an empty part).
+    Memory stays O(M x LSE_TILE): the CPU in fp32 runs torch's flash kernel, CUDA its flash or memory-efficient
+    kernel (``_cuda_kernel``); elsewhere the keys are taken LSE_TILE at a time (``lse_tile_bytes``) and the
+    tiles' partial results merged by their LSE, so no [M, S] matrix is ever made.
     """
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"attention_lse: causal needs as many queries as keys, got {q.shape[1]} and {k.shape[1]}")
     if FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32:
         out, lse = FLASH_CPU(q[None], k[None], v[None], 0.0, causal, scale=scale)[:2]
         return out[0], lse[0]
-    fused = _cuda_kernel(q.device, q.dtype, q.shape[-1]) if q.dtype == k.dtype == v.dtype else None
-    if fused is not None:
-        return fused(q, k, v, scale, causal)
+    kind = _cuda_kernel(q.device, q.dtype, q.shape[-1]) if q.dtype == k.dtype == v.dtype else None
+    if kind is not None:
+        return _fused_cuda(kind, q, k, v, scale, causal)
     B, M, S = q.shape[0], q.shape[1], k.shape[1]
     out = torch.zeros(B, M, v.shape[2], device=q.device, dtype=torch.float32)
     lse = torch.full((B, M), float("-inf"), device=q.device)
@@ -77,40 +81,91 @@ def tiled_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return _cuda_kernel(device, dtype, head_dim) is None
 
 
-def _cuda_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The fused CUDA attention for these inputs, or None (the tiled path then runs): flash for fp16/bf16,
-    memory-efficient for fp32; both take a head size that is a multiple of 8, at most 256."""
-    if device.type != "cuda" or head_dim % 8 or head_dim > 256:
+def _cuda_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The fused CUDA attention for these inputs ("flash" or "efficient"), or None (the tiled path runs).
+
+    Flash takes fp16/bf16 on NVIDIA GPUs from Ampere (sm80) on, in builds that have it; the memory-efficient
+    kernel takes fp32, and fp16 on older GPUs. Both take a head size that is a multiple of 8, at most 256.
+    """
+    if device.type != "cuda" or torch.version.hip is not None or head_dim % 8 or head_dim > 256:
         return None
-    if dtype in (torch.float16, torch.bfloat16) and FLASH_CUDA is not None:
-        return _flash_cuda
-    if dtype == torch.float32 and EFFICIENT_CUDA is not None:
-        return _efficient_cuda
+    flash = (FLASH_CUDA is not None and torch.backends.cuda.is_flash_attention_available()
+             and torch.cuda.get_device_capability(device) >= (8, 0))
+    if dtype in (torch.float16, torch.bfloat16) and flash:
+        return "flash"
+    if dtype in (torch.float32, torch.float16) and EFFICIENT_CUDA is not None:
+        return "efficient"
     return None
 
 
-def _flash_cuda(q, k, v, scale, causal):
-    """[B, M, D] x [B, S, D] as one batch of B heads -> out [B, M, D] fp32, lse [B, M] fp32."""
-    out, lse = FLASH_CUDA(q[None], k[None], v[None], 0.0, causal, False, scale=scale)[:2]
-    return out[0].float(), lse[0, :, : q.shape[1]]
+def _fused_cuda(kind: str, q, k, v, scale, causal):
+    """[B, M, D] x [B, S, D] as one batch of B heads -> out [B, M, D] fp32 (rounded to q's dtype by the
+    kernel first), lse [B, M] fp32 (the memory-efficient kernel pads its LSE rows: the first M are the
+    queries'). An empty key set is answered here: flash would give an LSE of +inf, not -inf."""
+    B, M, S = q.shape[0], q.shape[1], k.shape[1]
+    if M == 0 or S == 0:
+        return (torch.zeros(B, M, v.shape[2], device=q.device),
+                torch.full((B, M), float("-inf"), device=q.device))
+    if kind == "flash":
+        out, lse = FLASH_CUDA(q[None], k[None], v[None], 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = EFFICIENT_CUDA(q[None], k[None], v[None], None, True, 0.0, causal, scale=scale)[:2]
+    return out[0].float(), lse[0, :, :M]
 
 
-def _efficient_cuda(q, k, v, scale, causal):
-    """As ``_flash_cuda``, in fp32 (its LSE rows may be padded: the first M are the queries')."""
-    out, lse = EFFICIENT_CUDA(q[None], k[None], v[None], None, True, 0.0, causal, scale=scale)[:2]
-    return out[0], lse[0, :, : q.shape[1]]
+def fused_scratch_bytes(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int,
+                        chunk: int, keys: int) -> int:
+    """Device bytes ``attention_lse``'s fused CUDA kernel may allocate beside its inputs and outputs, at most,
+    for the calls a layer-major prefill makes (kv/layer_prefill.py): a chunk of T <= ``chunk`` queries
+    causally over itself (n_heads heads, T rows) and over up to ``keys`` keys (n_kv_heads heads, T x G rows).
 
-
-def fused_scratch_bytes(device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
-    """Device bytes ``attention_lse``'s fused CUDA kernel may allocate beside its inputs and outputs: the flash
-    kernel splits the keys when a call has too few query blocks to fill the GPU and keeps each split's fp32
-    output and LSE (its heuristic takes the fewest splits that fill about one wave of the multiprocessors:
-    splits x heads x 64-row blocks ~ SMs; allowed twice that, with the rows rounded to 128 and the head size to
-    32). The memory-efficient kernel (fp32) writes its output in place: none."""
-    if _cuda_kernel(device, dtype, head_dim) is not _flash_cuda:
+    - flash: when a call's 64-row query blocks fill under 80% of twice the multiprocessors, it splits the keys
+      and keeps every split's fp32 output and LSE, [splits, heads, M, D rounded + 1] (``flash_splits``,
+      PyTorch's heuristic); the maximum over the calls' shapes;
+    - memory-efficient: in fp32 it writes in place; in fp16 it accumulates the output in fp32, [M, heads, D].
+    """
+    kind = _cuda_kernel(device, dtype, head_dim)
+    G = n_heads // n_kv_heads
+    if kind == "efficient":
+        return 0 if dtype == torch.float32 else n_heads * chunk * head_dim * 4
+    if kind != "flash":
         return 0
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return 2 * sms * 128 * (-(-head_dim // 32) * 32 + 1) * 4
+    sms2 = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    d_round = -(-head_dim // 32) * 32 if head_dim <= 128 else -(-head_dim // 64) * 64
+    block_n = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    worst = 0
+    for heads, rows, n_keys in ((n_heads, chunk, chunk), (n_kv_heads, chunk * G, keys)):
+        splits = flash_splits(heads, -(-rows // 64), -(-n_keys // block_n), sms2)
+        worst = max(worst, max(s * heads * min(64 * m, rows) for m, s in enumerate(splits, 1)))
+    return worst * (d_round + 1) * 4
+
+
+@functools.lru_cache(maxsize=64)
+def flash_splits(heads: int, m_blocks: int, n_blocks: int, sms2: int, max_splits: int = 128) -> tuple[int, ...]:
+    """For m = 1..m_blocks query blocks of 64 rows a head: the most splits flash's heuristic
+    (``num_splits_heuristic`` in PyTorch's flash_api.cpp) chooses for any key length of 1..n_blocks blocks.
+
+    It keeps one split when heads x m fills 80% of ``sms2`` (twice the multiprocessors); else among the
+    eligible split counts s <= min(max_splits, sms2, blocks) (those that change the blocks a split reads)
+    the fewest whose wave efficiency (w / ceil(w), w = heads x m x s / sms2) reaches 85% of the best.
+    Past 128 x 127 blocks every count is eligible: the longer key lengths choose as that one does.
+    """
+    nb = np.arange(1, min(n_blocks, max_splits * (max_splits - 1) + 1) + 1)[:, None]  # [NB, 1]
+    s = np.arange(1, max_splits + 1)[None, :]  # [1, S]
+    cdiv = -(-nb // s)
+    eligible = (s == 1) | np.concatenate([np.ones_like(cdiv[:, :1], bool), cdiv[:, 1:] != cdiv[:, :-1]], 1)
+    eligible &= s <= np.minimum(min(max_splits, sms2), nb)
+    out = []
+    for m in range(1, m_blocks + 1):
+        bnm = heads * m
+        if bnm >= 0.8 * sms2:
+            out.append(1)
+            continue
+        waves = bnm * s / sms2
+        eff = np.where(eligible, waves / np.ceil(waves), -1.0)  # [NB, S]
+        ok = eff >= 0.85 * eff.max(1, keepdims=True)
+        out.append(int((ok.argmax(1) + 1).max()))
+    return tuple(out)
 
 
 def lse_tile_bytes(rows: int) -> int:

@@ -61,7 +61,7 @@ class PromptLayers(Protocol):
     """A prompt read layer by layer (``prefill.order: layer``; ``Transformer.prefill_layers``): layer 0 over
     every chunk of the prompt in order, then layer 1, ...; made by ``KVCache.prompt_layers``."""
 
-    device_bytes: int  # device memory the read holds beside the cache (its workspace)
+    device_bytes: int  # device memory the read holds beside the cache (``KVCache.prefill_device_bytes``)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ positions [s, s + T) attends four disjoint key sets, merged exactly by their LSE
 where P is the prompt's first position and loc0 the past's local-window start. A first prompt (P = 0) has no
 past: every attention of the prompt then runs on the device. When the layer is done, its K/V cross to the
 DRAM store once, in bulk, and its window buffers take the prompt's last tokens. Device memory: the workspace
-(2 x KVH x n x D values of the compute dtype, ``prefill_device_bytes``) beside one chunk's activations;
+(2 x KVH x n x D values of the compute dtype), each layer's last prompt queries for the planner and the past
+windows gathered for a chunk (``prefill_device_bytes``) beside one chunk's activations;
 ``prefill.slab_tokens`` bounds n by reading a longer prompt as several layer-major slabs.
 
 Exact prefill only: sparse prefill's selection and DYNAMIC anchors (which need each chunk's attention
@@ -91,7 +92,8 @@ class LongContextPromptLayers:
         if self.lb > c.ib:  # ---- the past's context blocks, read in place from DRAM ----
             qs = qh.float().reshape(KVH * T * G, D).cpu().contiguous()
             o, s = c.store.attend(layer, qs, c._all_blocks[c.ib: self.lb])
-            out, lse = merge_attention(out, lse, o.view(KVH, T * G, D).to(c.device), s.view(KVH, T * G).to(c.device))
+            o, s = o.view(KVH, T * G, D).to(c.device), s.view(KVH, T * G).to(c.device)
+            out, lse = merge_attention(out, lse, o, s)
         tail = q if self.q_tail[layer] is None else torch.cat([self.q_tail[layer], q])
         self.q_tail[layer] = tail[-self._W:].clone()
         return out.view(KVH, T, G, D).transpose(0, 1).reshape(T, c.H, D).to(q.dtype)

@@ -75,9 +75,11 @@ def chunk_activation_bytes(args, tokens: int, elem: int = 4) -> int:
 
 
 def prompt_token_device_bytes(args) -> int:
-    """Device bytes a prompt holds per token whatever the order: its id (int64), and the planner's fp32 score
-    of it for each query head, made twice, once the prompt is read (kv/selection.py)."""
-    return 8 + 2 * args.n_heads * 4
+    """Device bytes a prompt holds per token of the whole prompt (not of a slab) whatever the order: its id
+    (int64, generate.prefill), and an allowance of 8 bytes per query head for what else grew with the
+    prompt on an H200 in slab order (32 bytes a token on the 4-head test models; its source is not yet
+    identified: docs/perf-log.md, 2026-11-26)."""
+    return 8 + 8 * args.n_heads
 
 
 def layer_major_tokens(config: Config, max_seq_len: int) -> int:
@@ -90,8 +92,8 @@ def layer_major_tokens(config: Config, max_seq_len: int) -> int:
 def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int,
                             layer_tokens: int = 0) -> int:
     """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its token ids (Python ints, ~64 bytes a
-    token with the tokenizer's work), one chunk's activations in fp32 (hidden state, q/k/v, the FFN's, and
-    the chunk's attention output and LSE), SnapKV's preselection, which reads one layer's keys back in fp32
+    token with the tokenizer's work), one chunk's activations in fp32 (``chunk_activation_bytes``), SnapKV's
+    preselection, which reads one layer's keys back in fp32
     after prefill, and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens``
     tokens and, on the CPU, one layer's K/V of them (kv/layer_prefill.py)."""
     dim = getattr(args, "dim", args.n_heads * args.head_dim)
