@@ -8,8 +8,9 @@ decodes a few tokens. Each row:
 - ``prefill_s``, ``prefill_tok_s``; ``decode_tok_s`` over ``--decode-tokens`` greedy tokens after it;
 - ``device_peak_bytes``: on a GPU ``torch.cuda.max_memory_allocated()`` over the prefill less what was
   allocated before it (the weights and the cache's windows);
-- ``device_bound_bytes``: ``Engine.prefill_device_bytes()`` for that order and slab (0 in chunk order, whose
-  device side is the windows and one chunk); ``workspace_bytes``: one layer's K/V of the prompt or slab;
+- ``device_bound_bytes``: ``Engine.prefill_device_bytes()`` for that order and slab, for the longest prompt
+  the cache takes (0 in chunk order, whose device side is the windows and one chunk); ``workspace_bytes``: the
+  cache's part of it for this prompt or slab (``prefill_device_bytes(n)``: one layer's K/V and the rest);
 - ``store_bytes``: the DRAM store's blocks in use after the prefill.
 
 Example (a lent GPU, a model of Qwen2.5-1.5B's shapes written by make_shaped_gguf.py):

@@ -8,7 +8,8 @@
 # tokenizer to copy, e.g. `python tools/make_shaped_gguf.py --shape tiny --out .whl/tiny.gguf`).
 #
 #   bash tools/device_check.sh [tests|bench|all] [bench args...]
-set -u
+set -u -o pipefail
+status=0
 what=${1:-all}
 shift || true
 OUT=${OUT:-tools/out}
@@ -36,11 +37,12 @@ fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_layer_prefill.py \
         "tests/test_long_context.py::test_device_kv_bytes_do_not_grow_with_the_prompt" 2>&1 \
-        | tee "$OUT/pytest_cuda.log" | tail -40
+        | tee "$OUT/pytest_cuda.log" | tail -40 || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     wait
     tail -2 "$OUT/make_gguf.log"
     timeout 300 python3 tools/bench_device_prefill.py --model /tmp/q15.gguf --json "$OUT/bench_device_prefill.json" \
-        "$@" 2>&1 | tee "$OUT/bench_device_prefill.log"
+        "$@" 2>&1 | tee "$OUT/bench_device_prefill.log" || status=1
 fi
+exit $status
