@@ -30,7 +30,9 @@ CASES = {  # bundled SmolLM2 (head_dim 64: every kv_type)
     "dense": (None, {}),
     **{f"quest-{t}": (CONFIGS / "quest.yaml", {**SMALL_LC, "long_context.kv_type": t})
        for t in ("FP32", "FP16", "BF16", "Q8_0", "Q4_0")},
-    "dynamic": (CONFIGS / "ktransformers.yaml", {**SMALL_LC, "long_context.preselect_block_count": 8}),
+    "dynamic": (CONFIGS / "ktransformers.yaml", {**SMALL_LC, "long_context.preselect_block_count": 8,
+                                                 "long_context.anchor_type": "DYNAMIC", "long_context.anchor_num": 1,
+                                                 "long_context.head_select_mode": "SHARED"}),
     "snapkv": (CONFIGS / "snapkv.yaml", {**SMALL_LC, "long_context.preselect_block_count": 8}),
 }
 

@@ -349,7 +349,7 @@ def test_config_refusals():
     with pytest.raises(ConfigError, match="prefill.order"):
         load_config(CONFIGS / "million.yaml", [("prefill.order", "layer")])
     with pytest.raises(ConfigError, match="prefill.order.*DYNAMIC"):
-        load_config(CONFIGS / "ktransformers.yaml", [("prefill.order", "layer")])
+        load_config(CONFIGS / "ktransformers.yaml", [("prefill.order", "layer"), ("long_context.anchor_type", "DYNAMIC")])
     with pytest.raises(ConfigError, match="prefill.order"):
         load_config(None, [("prefill.order", "rows")])
     with pytest.raises(ConfigError, match="prefill.slab_tokens"):

@@ -19,7 +19,9 @@ from ktquest.kv.store import KVStore
 from ktquest.models.loader import load_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-PRESETS = ["quest", "ktransformers", "snapkv", "ada_snapkv", "ada_quest"]
+PRESETS = ["quest", "ktransformers", "snapkv", "ada_snapkv", "ada_quest", "dynamic"]
+# "dynamic": ktransformers.yaml with KTransformers' own selection, DYNAMIC anchors (1 a block) shared by the heads
+DYNAMIC = dict(anchor_type="DYNAMIC", anchor_num=1, head_select_mode="SHARED")
 
 # Tolerances by stored type: the store part reads K/V rounded to kv_type while the dense reference
 # keeps fp32. FP32: accumulation order only. FP16: 11-bit mantissa (2^-11 relative per element).
@@ -37,6 +39,8 @@ def dense_ref(q, k, v):
 
 
 def preset(name: str, **lc_overrides) -> Config:
+    if name == "dynamic":
+        name, lc_overrides = "ktransformers", {**lc_overrides, **DYNAMIC}
     cfg = load_config(CONFIGS / f"{name}.yaml")
     return dataclasses.replace(cfg, long_context=dataclasses.replace(cfg.long_context, **lc_overrides))
 
@@ -77,7 +81,7 @@ ARGS = types.SimpleNamespace(n_layers=3, n_heads=6, n_kv_heads=2, head_dim=32)
 @pytest.mark.parametrize("kv_type", list(TOL))
 @pytest.mark.parametrize("name", PRESETS)
 def test_full_budget_equals_dense_attention(name, kv_type):
-    cfg = full_budget(name, kv_type=kv_type, anchor_num=2 if name != "ktransformers" else 1)
+    cfg = full_budget(name, kv_type=kv_type, anchor_num=2)
     q, k, v = qkv()
     out = run(LongContextCache(ARGS, cfg, 256), q, k, v, 16, 70, n_layers=3)
     torch.testing.assert_close(out, dense_ref(q, k, v), atol=TOL[kv_type], rtol=TOL[kv_type])
@@ -93,7 +97,7 @@ def tiny(tiny_llama):
 @pytest.mark.parametrize("name", PRESETS)
 def test_full_budget_logits_equal_dense(tiny, name, kv_type):
     a = tiny.args
-    cfg = full_budget(name, block_size=4, kv_type=kv_type, anchor_num=2 if name != "ktransformers" else 1)
+    cfg = full_budget(name, block_size=4, kv_type=kv_type, anchor_num=2)
     lcache = LongContextCache(a, cfg, 256)
     dcache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 256)
     prompt = torch.arange(3, 60) * 7 % 250
