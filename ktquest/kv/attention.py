@@ -81,6 +81,7 @@ def tiled_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return _cuda_kernel(device, dtype, head_dim) is None
 
 
+@functools.lru_cache(maxsize=32)  # asked once a chunk and layer: the device's capability is asked once
 def _cuda_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """The fused CUDA attention for these inputs ("flash" or "efficient"), or None (the tiled path runs).
 
