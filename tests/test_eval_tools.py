@@ -257,6 +257,47 @@ def test_bench_decode_takes_preset_names(bundled_gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_bench_decode_selection_views(bundled_gguf, tmp_path, capsys):
+    """--selection-views: on a store with an index, two more rows decode on the runner's caches with SnapKV's
+    candidate lists set aside, through the index and by the flat scan; the runner gets its lists back."""
+    tool = _tool("bench_decode")
+    sets = ["long_context.local_windows_len=64", "long_context.preselect_block_count=8",
+            "long_context.second_select_num=4", "long_context.index_group=2"]
+    out_json = tmp_path / "b.json"
+    argv = ["--model", str(bundled_gguf), "--contexts", "700", "--modes", "snapkv", "--peer", "none", "--threads",
+            "1", "--decode-tokens", "2", "--rounds", "2", "--selection-views", "--json", str(out_json)]
+    assert tool.main(argv + [x for kv in sets for x in ("--set", kv)]) == 0
+    rows = json.loads(out_json.read_text())
+    assert [r["label"] for r in rows] == ["snapkv", "snapkv/all-blocks-index", "snapkv/all-blocks-flat"]
+    assert all(len(r["decode_rounds_tok_s"]) == 2 and r["prefill_s"] == rows[0]["prefill_s"] for r in rows)
+    assert "decode through the index is" in capsys.readouterr().out
+
+    r = tool.KtquestRunner(bundled_gguf, "snapkv", "long_context", str(TOOLS.parent / "configs/snapkv.yaml"), 720, 1,
+                           0, sets)
+    r.prefill(700)
+    cache = r.state[700][0]
+    lists = list(cache.planner.allowed)
+    assert sum(a is not None for a in lists) > 0  # the warm-up step preselected
+    seen = []
+    real_decode = r.decode
+
+    def spy(ctx, n):  # what a view's selection sees
+        seen.append(list(cache.planner.allowed))
+        out = real_decode(ctx, n)
+        seen.append(cache.store.last_index_stats()["groups"])
+        return out
+
+    r.decode = spy
+    for walk in (True, False):
+        tool.SelectionView(r, walk).decode(700, 1)
+        assert [a is lists[i] for i, a in enumerate(cache.planner.allowed)] == [True] * len(lists)  # restored
+    assert seen[0] == [None] * len(lists) and seen[2] == [None] * len(lists)
+    assert seen[1] > 0 and seen[3] == 0  # the index walked, then the flat scan (no group bounds)
+    r.decode(700, 1)  # the runner's own selection: its candidate lists, planned anew
+    assert all(a is b for a, b in zip(seen[4], lists)) and cache.planner._token_steps.lb > 0
+
+
+@pytest.mark.slow
 def test_profile_decode_smoke(bundled_gguf, tmp_path, capsys):
     tool = _tool("profile_decode")
     # quest with a local window small enough that a 300-token prompt has context blocks to select from

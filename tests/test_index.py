@@ -304,6 +304,14 @@ def test_structured_keys_are_pruned():
     assert stats["groups"] == 3 * 256 and stats["candidates"] == 3 * (4096 - 66)
     assert stats["blocks_scored"] < stats["candidates"] // 3, stats
     assert flat.last_index_stats() == {"groups": 0, "blocks_scored": 3 * 4030, "candidates": 3 * 4030}
+    # set_walk_index(False): the indexed store scans every block as the flat one does (the same picks), and
+    # walks its index again when turned back on
+    idx.set_walk_index(False)
+    check_picks(flat, idx, q, "SEPARATE", [(0, 2), (4032, 4096)], [128])
+    assert idx.last_index_stats() == flat.last_index_stats()
+    idx.set_walk_index(True)
+    check_picks(flat, idx, q, "SEPARATE", [(0, 2), (4032, 4096)], [128])
+    assert idx.last_index_stats() == stats
 
 
 def test_candidate_lists_stay_flat():

@@ -105,6 +105,37 @@ class KtquestRunner:
                     chunk_size=c.chunk_size, weights=c.weights, sampling=self.sampling)
 
 
+class SelectionView:
+    """``--selection-views``: decodes on a KtquestRunner's caches with every context block competing (SnapKV's
+    candidate lists, if any, set aside; as configs/quest.yaml selects) and the store's hierarchical index
+    walked (``walk=True``) or every block's anchors scanned (False): the same picks, timed one against the
+    other on one prefilled store, beside the runner's own selection. Its tokens extend the runner's
+    conversation (a few dozen a round); the runner's own decodes get their candidate lists back."""
+
+    engine = "ktquest"
+
+    def __init__(self, parent: KtquestRunner, walk: bool):
+        self.parent, self.walk = parent, walk
+        self.label = f"{parent.label}/all-blocks-{'index' if walk else 'flat'}"
+
+    def decode(self, ctx: int, n: int) -> float:
+        cache = self.parent.state[ctx][0]
+        p = cache.planner
+        kept = p.allowed, p.allowed_np, p.allowed_lb
+        p.allowed, p.allowed_np = [None] * p.n_layers, [None] * p.n_layers
+        p._token_steps = None  # the native token plan kept from the last token holds the lists: planned anew
+        cache.store.set_walk_index(self.walk)
+        try:
+            return self.parent.decode(ctx, n)
+        finally:
+            cache.store.set_walk_index(True)
+            p.allowed, p.allowed_np, p.allowed_lb = kept
+            p._token_steps = None
+
+    def row(self) -> dict:
+        return dict(self.parent.row(), label=self.label)
+
+
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python: one Llama context per prompt length."""
 
@@ -152,6 +183,9 @@ def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads:
     cells = {}
     for r in runners:
         for ctx in contexts:
+            if isinstance(r, SelectionView):  # decodes on its runner's prefill
+                cells[(r.label, ctx)] = dict(cells[(r.parent.label, ctx)], **r.row(), decode_rounds_tok_s=[])
+                continue
             t = r.prefill(ctx)
             cells[(r.label, ctx)] = dict(r.row(), context=ctx, prefill_tok_s=ctx / t, prefill_s=t, threads=threads,
                                          decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[],
@@ -204,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orders", default="",
                     help="comma-separated prefill orders (chunk, layer): each mode runs once per order (default: the "
                          "config's)")
+    ap.add_argument("--selection-views", action="store_true",
+                    help="for each long_context mode whose store has an index (index_group > 0): also decode on its "
+                         "prefilled caches with every block competing, through the index and by the flat scan")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
 
@@ -233,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
                 label = mode if len(samplings) == 1 else f"{mode}/{sampling}"
                 label = label if not order else f"{label}/{order}"
                 sets = a.set + ([f"prefill.order={order}"] if order else [])
-                runners.append(KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
-                                             configs[mode], max_len, a.threads, a.chunk_size, sets, sampling))
+                r = KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
+                                  configs[mode], max_len, a.threads, a.chunk_size, sets, sampling)
+                runners.append(r)
+                c = r.eng.config
+                if a.selection_views and c.mode == "long_context" and c.long_context.index_group > 0:
+                    runners += [SelectionView(r, walk=True), SelectionView(r, walk=False)]
     if a.peer == "llama.cpp":
         lc = llama_cpp()
         if lc is None:
@@ -283,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = paired_ratio(cell, (f"{mode}/chat", ctx), (f"{mode}/greedy", ctx))
                 print(f"{mode}: decode with the chat's sampling at {ctx} is {r:.1%} of greedy's speed "
                       f"(median of per-round ratios)")
+    for r in runners:  # the index against the flat scan, on the same store, round by round
+        if isinstance(r, SelectionView) and r.walk:
+            flat = r.label.removesuffix("index") + "flat"
+            for ctx in contexts:
+                print(f"{r.parent.label}: with every block competing at {ctx}, decode through the index is "
+                      f"{paired_ratio(cell, (r.label, ctx), (flat, ctx)):.2f}x the flat scan's (median of "
+                      f"per-round ratios)")
     if a.json:
         write_json(a.json, rows)
     return 0

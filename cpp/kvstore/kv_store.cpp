@@ -105,6 +105,11 @@ IndexStats KVStore::last_index_stats() const {
   return sel_.index_stats();
 }
 
+void KVStore::set_walk_index(bool on) {
+  std::lock_guard<std::mutex> lk(mu_);
+  sel_.set_walk_index(on);
+}
+
 // ---- append ----
 
 void KVStore::update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance) {

@@ -104,6 +104,8 @@ class KVStore {
   StageTiming last_timing() const;
   // What the last selection that the selector ran (not one served by the candidate copy) scored.
   IndexStats last_index_stats() const;
+  // Selections walk the hierarchical index (the default) or scan every block (BlockSelector::set_walk_index).
+  void set_walk_index(bool on);
 
  private:
   const StoreLayer& layer_at(int layer) const;

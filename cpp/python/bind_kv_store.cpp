@@ -289,7 +289,10 @@ void bind_kv_store(py::module_& m) {
         const IndexStats s = st.last_index_stats();
         return py::make_tuple(s.groups, s.blocks_scored, s.candidates);
       }, "(group bounds, blocks scored, candidate blocks) of the last selection the selector ran, summed over "
-         "its sets (a selection served by the candidate copy is not counted).");
+         "its sets (a selection served by the candidate copy is not counted).")
+      .def("set_walk_index", &KVStore::set_walk_index, py::arg("on"),
+           "Selections walk the hierarchical index (True, the default) or scan every block as a store without "
+           "one does (False): the same picks, for timing one against the other on one store.");
 
   // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);

@@ -263,7 +263,7 @@ void BlockSelector::select_runs(const StoreLayer& L, int H, const SelectRequest&
     t.topk_s = seconds_since(t0);
     return;
   }
-  if (lay_.cfg.index_group > 0 && !req.allowed) return select_pruned(L, H, req, kcap, out_ids, out_cols, t);
+  if (lay_.cfg.index_group > 0 && walk_index_ && !req.allowed) return select_pruned(L, H, req, kcap, out_ids, out_cols, t);
   stats_.blocks_scored = stats_.candidates;
   scores_.resize(size_t(n_sets) * nb);
   score_runs(L, H, req.mode, scores_.data());

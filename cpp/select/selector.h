@@ -64,6 +64,9 @@ class BlockSelector {
                    StageTiming& t);
   // What the last select_runs scored (IndexStats).
   const IndexStats& index_stats() const { return stats_; }
+  // Whether select_runs walks the index (default) or scans every block as a store without one does, over
+  // the same anchors and with the same picks (for measuring one against the other on one store).
+  void set_walk_index(bool on) { walk_index_ = on; }
   // The hierarchical index's bound of each group of the layer's blocks for each set of `mode` (n_sets = 1 or
   // KVH): out [n_sets, n_groups] fp64, at least the fp32 score select_runs computes for any block of the group
   // (+inf: no bound). Needs index_group > 0 and set_query.
@@ -77,6 +80,7 @@ class BlockSelector {
                      int out_cols, StageTiming& t);
 
   const StoreLayout& lay_;
+  bool walk_index_ = true;                         // set_walk_index
   std::vector<float> qe_;                          // [KVH, A*D] per-head scoring vectors (QUEST/BLOCK_*)
   std::vector<float> qb_;                          // [KVH, 3, D] per-head group bound vectors (Q-, Q+, W)
   const float* qraw_ = nullptr;                    // [H, D] the caller's q (FIXED/DYNAMIC scoring), this call only

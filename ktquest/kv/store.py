@@ -363,6 +363,12 @@ class KVStore:
         g, b, c = self._st.last_index_stats()
         return {"groups": g, "blocks_scored": b, "candidates": c}
 
+    def set_walk_index(self, on: bool) -> None:
+        """Selections walk the hierarchical index (True, the default) or scan every block as a store without
+        ``index_group`` does (False): the same picks, so a benchmark can time one against the other on one
+        store (tools/bench_decode.py --selection-views)."""
+        self._st.set_walk_index(bool(on))
+
     def _outputs(self, H: int, out, lse):
         """(out [H, D], lse [H]) tensors and their numpy views; shapes are checked by the binding."""
         if out is None:
