@@ -207,6 +207,46 @@ def test_sparse_output_is_attention_over_the_selected_blocks(force_scalar, mode,
     torch.testing.assert_close(lse, ref_l, rtol=FP32_RTOL, atol=FP32_ATOL)
 
 
+@pytest.mark.parametrize("kv_type,G,D,bs,T", [("FP32", 1, 64, 8, 77), ("FP16", 3, 64, 8, 1000),
+                                              ("FP16", 12, 64, 16, 300), ("Q8_0", 4, 128, 16, 150),
+                                              ("BF16", 140, 64, 64, 300), ("FP32", 3, 20, 16, 50)])
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_block_lse_is_each_blocks_own_logsumexp(force_scalar, kv_type, G, D, bs, T, mode):
+    """with_block_lse: each attended block's log-sum-exp of its rows' logits per query head ([KVH, N, G],
+    -inf past a head's blocks), and the output unchanged: exp(block_lse - lse) sums to 1 over a head's blocks.
+    G 12 takes the AVX2 heads in two batches, G 140 the row-by-row path instead of the wide one."""
+    KVH = 2
+    store, q, *_ = make(T, KVH, G, D, bs, kv_type=kv_type, seed=3)
+    ks, _ = store.read(0)
+    nb = store.n_blocks(0)
+    g = torch.Generator().manual_seed(5)
+    if mode == "SHARED":
+        blocks = torch.sort(torch.randperm(nb, generator=g)[: max(1, nb // 2)].int()).values
+    else:
+        blocks = torch.full((KVH, nb), -1, dtype=torch.int32)
+        for h, n in enumerate((max(1, nb // 3), nb)):  # rows of different lengths: -inf past the shorter
+            blocks[h, :n] = torch.sort(torch.randperm(nb, generator=g)[:n].int()).values
+    out0, lse0 = store.attend(0, q, blocks)
+    out, lse, bl = store.attend(0, q, blocks, with_block_lse=True)
+    if G < 2 * D + 6:  # the same kernels: the same bits
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    else:  # the row-by-row kernel instead of the wide one: equal up to summation order
+        torch.testing.assert_close(out, out0, rtol=FP32_RTOL, atol=FP32_ATOL)
+        torch.testing.assert_close(lse, lse0, rtol=FP32_RTOL, atol=FP32_ATOL)
+    rows = rows_of(blocks, KVH)
+    assert bl.shape == (KVH, blocks.shape[-1], G)
+    for h in range(KVH):
+        for j in range(bl.shape[1]):
+            if j >= len(rows[h]):
+                assert bool((bl[h, j] == float("-inf")).all())
+                continue
+            idx = block_tokens([rows[h][j]], bs, T)
+            want = ref_lse(q[h * G:(h + 1) * G], ks[idx, h:h + 1])
+            torch.testing.assert_close(bl[h, j], want, rtol=1e-5, atol=1e-5)
+        share = torch.exp(bl[h, : len(rows[h])] - lse[h * G:(h + 1) * G]).sum(0)  # [G]
+        torch.testing.assert_close(share, torch.ones(G), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kv_type", ["FP32", "FP16", "Q8_0"])
 def test_lse_merge_of_disjoint_parts_equals_the_union(force_scalar, kv_type):
     T, KVH, G, D, bs = 1100, 2, 4, 128, 64

@@ -12,7 +12,7 @@ namespace ktq::scalar {
 // ---- attention ----
 
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t*, const uint8_t*) {
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t*, const uint8_t*, float* tile_lse) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
   const float* ksc = reinterpret_cast<const float*>(k + scale_off);
@@ -33,6 +33,7 @@ void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const
     float sum = 0.f;
     for (int r = 0; r < n; ++r) sum += (sg[r] = std::exp(sg[r] - m_new));
     l[g] = l[g] * alpha + sum;
+    if (tile_lse) tile_lse[g] = sum > 0.f ? m_new + std::log(sum) : -std::numeric_limits<float>::infinity();
     if (alpha != 1.f)
       for (int d = 0; d < D; ++d) acc[g * D + d] *= alpha;
   }
@@ -47,10 +48,11 @@ void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const
 }
 
 void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* m,
-                  float* l, float* acc, const Tiles*) {
+                  float* l, float* acc, const Tiles*, float* tile_lse) {
   // The same online softmax, one tile at a time (equal up to rounding to one update over all rows).
   for (int i = 0; i < cur.count; ++i)
-    attend_tile(t, D, G, q, cur.k[i], cur.v[i], scale_off, cur.n[i], s, m, l, acc, nullptr, nullptr);
+    attend_tile(t, D, G, q, cur.k[i], cur.v[i], scale_off, cur.n[i], s, m, l, acc, nullptr, nullptr,
+                tile_lse ? tile_lse + size_t(i) * G : nullptr);
 }
 
 }  // namespace ktq::scalar

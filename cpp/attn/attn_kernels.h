@@ -29,6 +29,10 @@ namespace ktq {
 //   next: the next run (prefetched while this one is computed; may be null)
 // Results equal attend_tile over the tiles in order up to rounding. The AVX2 twin, from G >= 2 D + 6 (a prefill
 // chunk's queries), decodes the run's K/V once into fp32 inside s, which the contract's size already allows.
+//
+// tile_lse (both, optional): [count, G] (attend_tile: [G]) gets each tile's own log-sum-exp of its rows' logits
+// per query head, log sum_r exp(q_g . k_r) (-inf for none), from which a caller weighs a block's share of the
+// attention once the final LSE is known (exp(tile_lse - lse)). A call that asks for it takes the row-by-row path.
 
 constexpr int kMaxTiles = 8;
 struct Tiles {
@@ -45,16 +49,18 @@ struct Tiles {
 
 namespace scalar {
 void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* m,
-                  float* l, float* acc, const Tiles* next);
+                  float* l, float* acc, const Tiles* next, float* tile_lse = nullptr);
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v);
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
+                 float* tile_lse = nullptr);
 }  // namespace scalar
 
 namespace avx2 {  // require D % 8 == 0
 void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* m,
-                  float* l, float* acc, const Tiles* next);
+                  float* l, float* acc, const Tiles* next, float* tile_lse = nullptr);
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v);
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
+                 float* tile_lse = nullptr);
 }  // namespace avx2
 
 }  // namespace ktq

@@ -2,6 +2,8 @@
 // time, its logits, one softmax update and its values. Compiled with -mavx2 -mfma -mf16c and called only when
 // use_avx2() and D % 8 == 0. Scalar twins: attn_kernels.cpp; building blocks: avx2_rows.h; many query rows:
 // attn_wide_avx2.cpp.
+#include <cmath>
+
 #include "attn/avx2_rows.h"
 
 namespace ktq::avx2 {
@@ -80,9 +82,25 @@ void accum(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const flo
 
 // ---- a run of tiles for NG <= 8 heads: logits of every row, one softmax update, then the values ----
 
+// Each tile's log-sum-exp per head from the run's probabilities p [NG, ss] (relative to the updated max m):
+// tl[i * stride + g] = m_g + log sum_r p[g, r] over tile i's rows (-inf for none).
+template <int NG>
+void tile_lse_group(const Tiles& T, const float* p, int ss, const float* m, float* tl, int stride) {
+  int off = 0;
+  for (int i = 0; i < T.count; ++i) {
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      float sum = 0.f;
+      for (int r = 0; r < T.n[i]; ++r) sum += p[g * ss + off + r];
+      tl[size_t(i) * stride + g] = sum > 0.f ? m[g] + std::log(sum) : kNegInf;
+    }
+    off += T.n[i];
+  }
+}
+
 template <class Dc, int NG>
 void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss,
-                 float* m, float* l, float* acc, const Tiles* nx, int bs_rows) {
+                 float* m, float* l, float* acc, const Tiles* nx, int bs_rows, float* tl, int tl_stride) {
   if (nx && ns)
     for (int i = 0; i < nx->count; ++i) {  // the next tiles' scales
       prefetch_lines(nx->k[i] + bs_rows * rb, size_t(bs_rows) * ns * 4);
@@ -90,6 +108,7 @@ void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, con
     }
   logits<Dc, NG>(T, scale_off, rb, ns, D, q, s, ss, nx);  // tile i of the next run streams in alongside tile i
   softmax_group<NG>(s, T.rows(), ss, m, l, acc, D);
+  if (tl) tile_lse_group<NG>(T, s, ss, m, tl, tl_stride);
   accum<Dc, NG>(T, scale_off, rb, ns, D, s, ss, acc, nx);
   for (int i = T.count; nx && i < nx->count; ++i) {  // a longer next run (the thread's next task's first)
     prefetch_lines(nx->k[i], bs_rows * rb);
@@ -99,7 +118,7 @@ void tiles_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, con
 
 template <class Dc>
 void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scale_off, float* s, float* m, float* l,
-               float* acc, const Tiles* nx) {
+               float* acc, const Tiles* nx, float* tl) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
   const int ss = (T.rows() + 7) & ~7;
@@ -112,7 +131,8 @@ void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t sc
     const Tiles* pf = g0 == 0 ? nx : nullptr;  // prefetch once
     switch (ng) {
 #define KTQ_CASE(N) \
-  case N: tiles_group<Dc, N>(T, scale_off, rb, ns, D, qg, s, ss, mg, lg, ag, pf, bs_rows); break;
+  case N: tiles_group<Dc, N>(T, scale_off, rb, ns, D, qg, s, ss, mg, lg, ag, pf, bs_rows, tl ? tl + g0 : nullptr, G); \
+    break;
       KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
 #undef KTQ_CASE
     }
@@ -124,23 +144,24 @@ void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t sc
 // ---- entry points ----
 
 void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* m,
-                  float* l, float* acc, const Tiles* next) {
-  if (G >= 2 * D + kWideRows) return attend_tiles_wide(t, D, G, q, cur, scale_off, s, m, l, acc, next);
+                  float* l, float* acc, const Tiles* next, float* tile_lse) {
+  if (G >= 2 * D + kWideRows && !tile_lse) return attend_tiles_wide(t, D, G, q, cur, scale_off, s, m, l, acc, next);
   switch (t) {
-    case KVType::FP32: tiles_any<DecF32>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
-    case KVType::FP16: tiles_any<DecF16>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
-    case KVType::BF16: tiles_any<DecBF16>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
-    case KVType::Q8_0: tiles_any<DecQ8>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
-    case KVType::Q4_0: tiles_any<DecQ4>(t, D, G, q, cur, scale_off, s, m, l, acc, next); break;
+    case KVType::FP32: tiles_any<DecF32>(t, D, G, q, cur, scale_off, s, m, l, acc, next, tile_lse); break;
+    case KVType::FP16: tiles_any<DecF16>(t, D, G, q, cur, scale_off, s, m, l, acc, next, tile_lse); break;
+    case KVType::BF16: tiles_any<DecBF16>(t, D, G, q, cur, scale_off, s, m, l, acc, next, tile_lse); break;
+    case KVType::Q8_0: tiles_any<DecQ8>(t, D, G, q, cur, scale_off, s, m, l, acc, next, tile_lse); break;
+    case KVType::Q4_0: tiles_any<DecQ4>(t, D, G, q, cur, scale_off, s, m, l, acc, next, tile_lse); break;
   }
 }
 
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
-                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v) {
+                 int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
+                 float* tile_lse) {
   Tiles cur, nx;
   cur.k[0] = k, cur.v[0] = v, cur.n[0] = n, cur.count = 1;
   nx.k[0] = next_k, nx.v[0] = next_v, nx.n[0] = n, nx.count = next_k && next_v ? 1 : 0;
-  attend_tiles(t, D, G, q, cur, scale_off, s, m, l, acc, nx.count ? &nx : nullptr);
+  attend_tiles(t, D, G, q, cur, scale_off, s, m, l, acc, nx.count ? &nx : nullptr, tile_lse);
 }
 
 }  // namespace ktq::avx2

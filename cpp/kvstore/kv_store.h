@@ -97,7 +97,9 @@ class KVStore {
   void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
   // softmax(q K^T / sqrt(D)) V over the given blocks. out: [H, D], lse: [H] (natural log, -inf and a
   // zero row for a head with no block).
-  void attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse);
+  // block_lse (optional): [KVH, blocks.cols, G] each block's own LSE per query head (SparseAttention::run).
+  void attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse,
+              float* block_lse = nullptr);
   // select + attend in one call (the decode hot path).
   void select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
                      float* out, float* lse);

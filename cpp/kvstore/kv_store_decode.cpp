@@ -70,7 +70,8 @@ CandCache* KVStore::select_locked(const StoreLayer& L, int layer, int H, const S
 
 // ---- attention ----
 
-void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse) {
+void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse,
+                     float* block_lse) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
   if (blocks.n_sets != 1 && blocks.n_sets != lay_.cfg.n_kv_heads)
@@ -79,7 +80,7 @@ void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, 
   check_q(q, H);
   attn_.set_query(q, H);
   timing_ = StageTiming{};
-  attn_.run(L, H, blocks, true, out, lse, timing_);
+  attn_.run(L, H, blocks, true, out, lse, timing_, nullptr, nullptr, nullptr, block_lse);
 }
 
 void KVStore::select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids,

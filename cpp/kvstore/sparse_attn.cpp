@@ -43,7 +43,8 @@ void SparseAttention::set_query(const float* q, int H) {
 }
 
 void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bool validate, float* out, float* lse,
-                          StageTiming& t, const Prologue* pre, const CandCaches* caches, const CandCache* kvc) {
+                          StageTiming& t, const Prologue* pre, const CandCaches* caches, const CandCache* kvc,
+                          float* block_lse) {
   const auto t0 = Clock::now();
   const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, G = H / KVH, bs = lay_.cfg.block_size;
   const int64_t nb = lay_.n_blocks(L);
@@ -72,6 +73,7 @@ void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bo
     count[h] = c;
     cmax = std::max(cmax, c);
   }
+  if (block_lse) std::fill(block_lse, block_lse + size_t(KVH) * bsets.cols * G, kNegInf);
   int64_t n_sel = 0;
   for (int h = 0; h < KVH; ++h) n_sel += count[h];
   int threads = n_sel * int64_t(lay_.tile_bytes) * 2 >= kParallelBytes ? lay_.cfg.threads_num : 1;
@@ -167,8 +169,9 @@ void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bo
           }
         }
       }
-      if (simd) avx2::attend_tiles(kt, D, G, q, cur, lay_.scale_off, s, m, l, acc, nxt.count ? &nxt : nullptr);
-      else scalar::attend_tiles(kt, D, G, q, cur, lay_.scale_off, s, m, l, acc, nxt.count ? &nxt : nullptr);
+      float* tl = block_lse ? block_lse + (size_t(h) * bsets.cols + j) * G : nullptr;
+      if (simd) avx2::attend_tiles(kt, D, G, q, cur, lay_.scale_off, s, m, l, acc, nxt.count ? &nxt : nullptr, tl);
+      else scalar::attend_tiles(kt, D, G, q, cur, lay_.scale_off, s, m, l, acc, nxt.count ? &nxt : nullptr, tl);
       cur = nxt;
     }
     if (following < 0) following = claim.fetch_add(1, std::memory_order_relaxed);  // an empty task

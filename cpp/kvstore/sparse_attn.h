@@ -37,8 +37,12 @@ class SparseAttention {
   // softmax(q K^T / sqrt(D)) V of each head over its KV head's blocks in `blocks` (validate: check the ids,
   // else they are trusted). out: [H, D], lse: [H] (-inf and a zero row for a head with no block); t.attend_s.
   // kvc: read the tiles from kvc's copy at caches->slots() (a select_attend over cached candidates).
+  // block_lse (optional): [KVH, blocks.cols, G] each attended block's own log-sum-exp per query head
+  // (attn_kernels.h tile_lse), -inf past a head's blocks: a block's share of head g's attention is
+  // exp(block_lse - lse[g]).
   void run(const StoreLayer& L, int H, const BlockSets& blocks, bool validate, float* out, float* lse, StageTiming& t,
-           const Prologue* pre = nullptr, const CandCaches* caches = nullptr, const CandCache* kvc = nullptr);
+           const Prologue* pre = nullptr, const CandCaches* caches = nullptr, const CandCache* kvc = nullptr,
+           float* block_lse = nullptr);
 
  private:
   const StoreLayout& lay_;

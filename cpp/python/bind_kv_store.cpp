@@ -222,7 +222,7 @@ void bind_kv_store(py::module_& m) {
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
          py::arg("out_ids"))
       .def("attend", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& blocks_obj,
-                        const py::handle& out_obj, const py::handle& lse_obj) {
+                        const py::handle& out_obj, const py::handle& lse_obj, const py::handle& block_lse_obj) {
         py::array_t<float> q;
         const int H = query_arg(st, q_obj, q);
         auto blocks = array_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
@@ -231,12 +231,21 @@ void bind_kv_store(py::module_& m) {
         if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
         const BlockSets b{blocks.data(), checked_int(blocks.shape(0), "blocks rows"),
                           checked_int(blocks.shape(1), "blocks columns")};
+        py::array_t<float> block_lse;
+        if (!block_lse_obj.is_none()) {
+          const int KVH = st.config().n_kv_heads;
+          block_lse = array_arg<float>(block_lse_obj, "block_lse", {KVH, b.cols, H / KVH});
+          if (!block_lse.writeable()) throw py::value_error("block_lse: must be writeable");
+        }
         const float* qp = q.data();
         float* op = out.mutable_data();
         float* lp = lse.mutable_data();
+        float* bp = block_lse_obj.is_none() ? nullptr : block_lse.mutable_data();
         py::gil_scoped_release nogil;
-        st.attend(layer, qp, H, b, op, lp);
-      }, py::arg("layer"), py::arg("q"), py::arg("blocks"), py::arg("out"), py::arg("lse"))
+        st.attend(layer, qp, H, b, op, lp, bp);
+      }, py::arg("layer"), py::arg("q"), py::arg("blocks"), py::arg("out"), py::arg("lse"),
+         py::arg("block_lse") = py::none(),
+         "block_lse: None, or [KVH, blocks columns, G] fp32 for each block's own log-sum-exp per query head.")
       .def("select_attend", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
                                const py::handle& k, const py::handle& exclude, const py::handle& allowed,
                                const py::handle& out_ids, const py::handle& out_obj, const py::handle& lse_obj) {

@@ -278,9 +278,12 @@ class KVStore:
         blocks,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with_block_lse: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """softmax(q K^T / sqrt(D)) V over ``blocks`` (ascending ids: [N] shared by every KV head, or one row
-        per KV head, -1 padded). Returns out [H, D] and lse [H] (natural log; -inf for no block), fp32."""
+        per KV head, -1 padded). Returns out [H, D] and lse [H] (natural log; -inf for no block), fp32; with
+        ``with_block_lse`` also each block's own log-sum-exp per query head, [KVH, N, G] (-inf past a head's
+        blocks): exp(block_lse - lse) is the block's share of the head's attention."""
         qn = self._q(q)
         H = qn.shape[0]
         if isinstance(blocks, torch.Tensor) and blocks.dim() == 1:
@@ -291,8 +294,12 @@ class KVStore:
             shared = len(blocks) == 0 or not isinstance(blocks[0], (Sequence, torch.Tensor, np.ndarray))
             b = padded_ids(blocks, "blocks", 1 if shared else self.n_kv_heads)
         out, lse, out_np, lse_np = self._outputs(H, out, lse)
-        self._st.attend(layer, qn, b, out_np, lse_np)
-        return out, lse
+        if not with_block_lse:
+            self._st.attend(layer, qn, b, out_np, lse_np)
+            return out, lse
+        bl = np.empty((self.n_kv_heads, b.shape[1], H // self.n_kv_heads), np.float32)
+        self._st.attend(layer, qn, b, out_np, lse_np, bl)
+        return out, lse, torch.from_numpy(bl)
 
     def select_attend(
         self,
