@@ -63,6 +63,9 @@ def _check_threads(key: str, value: int, zero_means: str) -> None:
            f"has {os.cpu_count() or 1})")
 
 
+MAX_STICKY_BLOCKS = 64  # long_context.sticky_blocks at most (the store's kMaxStickyBlocks, tested equal)
+
+
 @dataclass(slots=True)
 class GenerationConfig:
     """How the next token is drawn (``ktquest.sampling``). The schema's defaults are greedy, for the Python
@@ -141,6 +144,9 @@ class LongContextConfig:
     index_group: int = 0  # blocks per group of the selection's min/max index (cpp/index/); 0 = none
     # QUEST: a block scores (1 - c) * its bound of q.k + c * q . its centre (min + max) / 2; 0 = Quest's bound
     quest_centre: float = 0.0
+    # The blocks of each KV head that took the largest share of its attention at a decode step, and the block
+    # after each, stay selected at the layer's next step, within second_select_num (cpp/kvstore/sticky.cpp)
+    sticky_blocks: int = 0
 
     def __post_init__(self) -> None:
         p = "long_context."
@@ -176,6 +182,8 @@ class LongContextConfig:
         _check(self.layer_step >= 1, p + "layer_step", self.layer_step, "an integer >= 1")
         _check(self.index_group >= 0, p + "index_group", self.index_group, "an integer >= 0 (0 = no index)")
         _check(0.0 <= self.quest_centre <= 1.0, p + "quest_centre", self.quest_centre, "a number in [0, 1]")
+        _check(0 <= self.sticky_blocks <= MAX_STICKY_BLOCKS, p + "sticky_blocks", self.sticky_blocks,
+               f"an integer in [0, {MAX_STICKY_BLOCKS}] (0 = off)")
         if self.quest_centre:
             _check(self.anchor_type == "QUEST", p + "quest_centre", self.quest_centre,
                    f"0 with anchor_type {self.anchor_type} (the centre is of QUEST's min and max keys)")

@@ -33,6 +33,8 @@ def preset(name: str, **lc_overrides) -> Config:
     ("snapkv", {"layer_step": 3, "head_select_mode": "SHARED", "dense_layer_num": 0}),
     ("snapkv", {}),                                          # preselection, then select among the kept blocks
     ("ada_quest", {}),                                       # Ada-KV decode budgets: block by block either way
+    ("quest", {"sticky_blocks": 1}),                         # last step's blocks kept (the store's own state)
+    ("snapkv", {"sticky_blocks": 1}),                        # ... among the candidates
 ])
 def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
     """A whole token in one native call (the cache's plan) gives the logits, the selections and the call

@@ -236,6 +236,13 @@ void CandCaches::select(const CandCache& C, const SelectRequest& req, const Bloc
   t.score_s = total - t.topk_s;
 }
 
+void CandCaches::set_slots(const CandCache& C, int s, const int32_t* row, int cols) {
+  const int32_t* ids = C.ids.data() + s * C.stride;
+  int32_t* slot = slots_.data() + s * int64_t(cols);
+  for (int i = 0; i < cols && row[i] >= 0; ++i)
+    slot[i] = int32_t(std::lower_bound(ids, ids + C.count[s], row[i]) - ids);
+}
+
 const int64_t* CandCaches::head_counts(const CandCache& C, const SelectRequest& req) {
   const int KVH = lay_.cfg.n_kv_heads;
   head_counts_.resize(KVH);

@@ -94,6 +94,9 @@ class CandCaches {
   }
   // [n_sets, out_cols]: where the kept candidates of the last selection lie in their set's candidates.
   const int32_t* slots() const { return slots_.data(); }
+  // Set s's slots for a row of its candidates rewritten after select_set (ids ascending, -1 padded; each one
+  // of C's candidates for the set): their positions in C's list.
+  void set_slots(const CandCache& C, int s, const int32_t* row, int cols);
   // Each set's scoring and top-k time in the last pass (after prepare: the StageTiming split).
   const std::vector<double>& score_task_s() const { return score_task_s_; }
   const std::vector<double>& topk_task_s() const { return topk_task_s_; }

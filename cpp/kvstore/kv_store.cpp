@@ -32,6 +32,7 @@ KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_
   // lay_ validated c and computed every size (checked): what is reserved here is what store_bytes says.
   const StoreRegions& r = lay_.layer_regions();
   layers_.resize(c.n_layers);
+  sticky_.resize(c.n_layers);
   maps_.reserve(size_t(c.n_layers) * 7);
   auto grab = [&](size_t bytes) -> void* { return maps_.emplace_back(bytes).data(); };
   try {
@@ -333,6 +334,7 @@ void KVStore::truncate(int layer, int64_t n) {
     if (n < 0 || (layer >= 0 && n > layer_at(l).len))
       throw std::out_of_range("truncate(" + std::to_string(n) + "): layer " + std::to_string(l) + " holds " +
                               std::to_string(layer_at(l).len) + " tokens");
+  for (int l = l0; l < l1; ++l) sticky_[l].len = -1;  // a rewound layer's next step is no decode successor
   const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim, bs = lay_.cfg.block_size;
   const int64_t b = n / bs, r_end = n % bs;  // block b keeps rows [0, r_end)
   const float none = -std::numeric_limits<float>::infinity();

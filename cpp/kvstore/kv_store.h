@@ -125,6 +125,15 @@ class KVStore {
   // cache (select_attend runs the pass inside the attention's dispatch); null otherwise, with out_ids written.
   CandCache* select_locked(const StoreLayer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
                            int out_cols, bool defer = false);
+  // Sticky blocks (StoreConfig::sticky_blocks; kvstore/sticky.cpp), with mu_ held. sticky_forced: this
+  // select_attend's forced blocks per set (forced_), from the layer's last decode step when this call is its
+  // next token. sticky_apply: set s's picks (row; C: read through the candidate cache) made to hold them, its
+  // lowest-scored other picks giving way (safe to run for different sets at once). sticky_record: the next
+  // step's, from this call's attention shares (block_lse_, lse).
+  void sticky_forced(const StoreLayer& L, int layer, const SelectRequest& req, int n_sets);
+  void sticky_apply(const StoreLayer& L, int H, const SelectRequest& req, int s, int32_t* row, int cols,
+                    const CandCache* C);
+  void sticky_record(const StoreLayer& L, int layer, int H, const BlockSets& bsets, const float* lse);
 
   StoreLayout lay_;
   std::vector<StoreLayer> layers_;
@@ -135,6 +144,15 @@ class KVStore {
   // decode path once warm).
   BlockSelector sel_;
   CandCaches cand_;
+  struct Sticky {                 // one layer's blocks for its next decode step
+    std::vector<int32_t> ids;     // [n_sets, cols]: each top block then the one after it, -1 padded
+    int n_sets = 0, cols = 0;
+    int64_t len = -1;             // the layer's length when taken (-1: none): they apply at len + 1 only
+  };
+  std::vector<Sticky> sticky_;    // [n_layers]
+  std::vector<int32_t> forced_;   // [n_sets, forced_cols_] this call's, -1 padded (none: forced_cols_ 0)
+  int forced_cols_ = 0;
+  std::vector<float> block_lse_;  // [KVH, cols, G] this call's blocks' own LSEs
   SparseAttention attn_;
   StageTiming timing_;
 };

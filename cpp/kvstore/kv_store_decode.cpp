@@ -93,6 +93,13 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   const auto t0 = Clock::now();
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
   const BlockSets bsets{out_ids, n_sets, out_cols};
+  const bool sticky = lay_.cfg.sticky_blocks > 0;
+  float* blse = nullptr;  // each attended block's LSE, for the next step's sticky blocks
+  if (sticky) {
+    sticky_forced(L, layer, req, n_sets);
+    block_lse_.resize(size_t(lay_.cfg.n_kv_heads) * out_cols * (H / lay_.cfg.n_kv_heads));
+    blse = block_lse_.data();
+  }
   CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/true);
   if (C) cand_.copy_tiles(L, *C);  // the attention reads the candidates' tiles from the cache's copy
   SparseAttention::Prologue pre;
@@ -101,24 +108,33 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
     timing_.score_s = 0;
     timing_.topk_s = seconds_since(t0);
   }
-  if (!C || !pre.threads) return attn_.run(L, H, bsets, false, out, lse, timing_, nullptr, &cand_, C);
+  if (!C || !pre.threads) {
+    if (forced_cols_ && !C)  // (every candidate kept: the forced ones, candidates too, are among them)
+      for (int s = 0; s < n_sets; ++s) sticky_apply(L, H, req, s, out_ids + s * int64_t(out_cols), out_cols, nullptr);
+    attn_.run(L, H, bsets, false, out, lse, timing_, nullptr, &cand_, C, blse);
+    if (sticky) sticky_record(L, layer, H, bsets, lse);
+    return;
+  }
   // Cached candidates (SnapKV): each set's selection runs in the attention's dispatch (Prologue).
   struct Ctx {
-    CandCaches* caches;
-    const BlockSelector* sel;
+    KVStore* store;
+    const StoreLayer* L;
+    int H;
     const CandCache* C;
     const SelectRequest* req;
     int32_t* ids;
     int cols;
-  } ctx{&cand_, &sel_, C, &req, out_ids, out_cols};
+  } ctx{this, &L, H, C, &req, out_ids, out_cols};
   pre.n = n_sets;
   pre.count = cand_.head_counts(*C, req);
   pre.ctx = &ctx;
   pre.run = [](void* p, int s) {
     auto* c = static_cast<Ctx*>(p);
-    c->caches->select_set(*c->C, *c->req, *c->sel, s, c->ids, c->cols);
+    c->store->cand_.select_set(*c->C, *c->req, c->store->sel_, s, c->ids, c->cols);
+    if (c->store->forced_cols_)
+      c->store->sticky_apply(*c->L, c->H, *c->req, s, c->ids + s * int64_t(c->cols), c->cols, c->C);
   };
-  attn_.run(L, H, bsets, false, out, lse, timing_, &pre, &cand_, C);
+  attn_.run(L, H, bsets, false, out, lse, timing_, &pre, &cand_, C, blse);
   // The stages overlap in one pass: score and top-k are their tasks' time over the threads, attend the rest.
   const int spread = std::max(1, std::min(pre.threads, n_sets));
   double score = 0, topk = 0;
@@ -130,6 +146,7 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   timing_.score_s = std::min(total, score / spread);
   timing_.topk_s = std::min(total - timing_.score_s, topk / spread);
   timing_.attend_s = total - timing_.score_s - timing_.topk_s;
+  if (sticky) sticky_record(L, layer, H, bsets, lse);
 }
 
 }  // namespace ktq

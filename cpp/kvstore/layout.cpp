@@ -39,6 +39,9 @@ StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
   }
   if (c.index_group < 0)
     bad("index_group must be >= 0 (blocks per index group; 0 = no index), got " + std::to_string(c.index_group));
+  if (c.sticky_blocks < 0 || c.sticky_blocks > kMaxStickyBlocks)
+    bad("sticky_blocks must be in [0, " + std::to_string(kMaxStickyBlocks) + "] (0 = off), got " +
+        std::to_string(c.sticky_blocks));
   if (!(c.quest_centre >= 0.f && c.quest_centre <= 1.f))
     bad("quest_centre must be in [0, 1], got " + std::to_string(c.quest_centre));
   if (c.quest_centre != 0.f && c.anchor_type != AnchorType::QUEST)

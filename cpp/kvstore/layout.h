@@ -79,12 +79,19 @@ struct StoreConfig {
   // ranks first a block whose keys spread widely, even when none matches; the centre ranks first a block whose
   // keys all match, as a retrieval head's copied span does. 0 = Quest's bound alone.
   float quest_centre = 0.f;
+  // Sticky blocks (kvstore/sticky.cpp): after a decode step's select_attend, the sticky_blocks blocks of each
+  // set that took the largest share of its heads' attention, and the block after each, stay selected at the
+  // layer's next step (within its k: they displace its lowest-scored other picks). A number being copied
+  // digit by digit keeps the block it is read from when the bounds alone would drop it. 0 = off.
+  int sticky_blocks = 0;
 };
 
 // The store's operations (scoring, the cached candidates' pass, attention) use threads from this many bytes
 // read on: below it (~8 us on one core) handing work to a worker costs more than it saves (workers spin
 // between the calls of a decode step).
 constexpr int64_t kParallelBytes = 128 << 10;
+
+constexpr int kMaxStickyBlocks = 64;  // StoreConfig::sticky_blocks at most
 
 // One layer's regions (pointers into the store's reserved memory) and how far it is filled.
 struct StoreLayer {

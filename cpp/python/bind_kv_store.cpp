@@ -20,7 +20,7 @@ namespace {
 // A store's config from the constructor's arguments (the names checked against the enums' tables).
 StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                          const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                         bool int8_candidates, int index_group, float quest_centre = 0.f) {
+                         bool int8_candidates, int index_group, float quest_centre = 0.f, int sticky_blocks = 0) {
   StoreConfig c;
   c.n_layers = n_layers;
   c.n_kv_heads = n_kv_heads;
@@ -34,6 +34,7 @@ StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max
   c.int8_candidates = int8_candidates;
   c.index_group = index_group;
   c.quest_centre = quest_centre;
+  c.sticky_blocks = sticky_blocks;
   return c;
 }
 
@@ -43,15 +44,15 @@ void bind_kv_store(py::module_& m) {
   py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest/kv/store.py).")
       .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                        const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                       bool int8_candidates, int index_group, float quest_centre) {
+                       bool int8_candidates, int index_group, float quest_centre, int sticky_blocks) {
              return new KVStore(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type,
                                              anchor_type, anchor_num, threads_num, int8_candidates, index_group,
-                                             quest_centre));
+                                             quest_centre, sticky_blocks));
            }),
            py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
            py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
            py::arg("threads_num"), py::arg("int8_candidates") = false, py::arg("index_group") = 0,
-           py::arg("quest_centre") = 0.f)
+           py::arg("quest_centre") = 0.f, py::arg("sticky_blocks") = 0)
       .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
       .def_property_readonly("anchor_elem_bytes", &KVStore::anchor_elem_bytes, "2 = fp16 anchors, 4 = fp32")
       .def("length", &KVStore::length, py::arg("layer"))
@@ -306,6 +307,7 @@ void bind_kv_store(py::module_& m) {
   // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);
   m.attr("Q8_GROUP") = kQGroup;  // values per fp32 scale in the store's Q8_0/Q4_0 rows
+  m.attr("MAX_STICKY_BLOCKS") = kMaxStickyBlocks;  // StoreConfig::sticky_blocks at most
   m.attr("ANCHOR_TYPES") = names_tuple(kAnchorTypeNames);
   m.attr("HEAD_MODES") = names_tuple(kHeadModeNames);
   py::list linear;  // the anchor types whose block score is one dot product with an anchor row

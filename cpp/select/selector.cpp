@@ -184,6 +184,17 @@ void BlockSelector::score_blocks(const StoreLayer& L, int H, int h, int64_t b, i
   else scalar::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
 }
 
+float BlockSelector::score_block(const StoreLayer& L, int H, HeadMode mode, int s, int32_t b) const {
+  if (mode == HeadMode::SEPARATE) {
+    float v = 0.f;
+    score_blocks(L, H, s, b, 1, &v, false);
+    return v;
+  }
+  float v = 0.f;  // SHARED: every head's score summed in head order, as score_runs does
+  for (int h = 0; h < lay_.cfg.n_kv_heads; ++h) score_blocks(L, H, h, b, 1, &v, h > 0);
+  return v;
+}
+
 void BlockSelector::score_runs(const StoreLayer& L, int H, HeadMode mode, float* scores) {
   const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, A = lay_.A;
   const int64_t nb = lay_.n_blocks(L);

@@ -64,6 +64,9 @@ class BlockSelector {
                    StageTiming& t);
   // What the last select_runs scored (IndexStats).
   const IndexStats& index_stats() const { return stats_; }
+  // The score select_runs gives block b in set s of `mode` (SHARED: summed over the KV heads). Needs
+  // set_query; thread-safe between calls that share that query.
+  float score_block(const StoreLayer& L, int H, HeadMode mode, int s, int32_t b) const;
   // Whether select_runs walks the index (default) or scans every block as a store without one does, over
   // the same anchors and with the same picks (for measuring one against the other on one store).
   void set_walk_index(bool on) { walk_index_ = on; }

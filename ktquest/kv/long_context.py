@@ -83,7 +83,8 @@ class LongContextCache(LongContextFileState):
         threads = lc.threads_num or cfg.resolved_threads()
         try:  # the RAM check passed, yet the reservation can still fail (strict overcommit, address space)
             self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
-                                 lc.anchor_num, threads, lc.int8_candidates, lc.index_group, lc.quest_centre)
+                                 lc.anchor_num, threads, lc.int8_candidates, lc.index_group, lc.quest_centre,
+                                 lc.sticky_blocks)
         except MemoryError as e:
             raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}; lower max_seq_len") from None
         shape = (self.n_layers, self.KVH, self.init_end + self.cap, self.D)

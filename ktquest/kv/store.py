@@ -58,6 +58,9 @@ class KVStore:
     the flat scan's picks (cpp/index/group_bounds.h).
     quest_centre (QUEST, in [0, 1]): a block scores (1 - quest_centre) * its bound + quest_centre * q . its
     centre (min + max) / 2 (cpp/kvstore/layout.h).
+    sticky_blocks (0..64): after each select_attend, the ``sticky_blocks`` blocks of each set that took the
+    largest share of its heads' attention, and the block after each, stay among the layer's k picks at its
+    next decode step (the next token; cpp/kvstore/sticky.cpp). 0 = off.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class KVStore:
         int8_candidates: bool = False,
         index_group: int = 0,
         quest_centre: float = 0.0,
+        sticky_blocks: int = 0,
     ):
         self.n_layers = check_int(n_layers, "n_layers", 1)
         self.n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1)
@@ -91,6 +95,7 @@ class KVStore:
         if not isinstance(quest_centre, (int, float)) or isinstance(quest_centre, bool):
             raise TypeError(f"quest_centre must be a number, got {type(quest_centre).__name__}")
         self.quest_centre = float(quest_centre)
+        self.sticky_blocks = check_int(sticky_blocks, "sticky_blocks", 0)
         self._st = _C.KVStore(
             self.n_layers,
             self.n_kv_heads,
@@ -104,6 +109,7 @@ class KVStore:
             self.int8_candidates,
             self.index_group,
             self.quest_centre,
+            self.sticky_blocks,
         )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 
