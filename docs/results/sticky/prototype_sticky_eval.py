@@ -1,4 +1,5 @@
-"""Prototype: sticky blocks. Each layer/KV head forces the R blocks that took the most attention mass at the
+"""Prototype of sticky blocks (issue 31), kept as run on 2026-11-26: the native version is cpp/kvstore/sticky.cpp.
+ Each layer/KV head forces the R blocks that took the most attention mass at the
 last step, and their successors, into this step's selection (k - 2R fresh picks: the same budget)."""
 import os, sys
 sys.path.insert(0, "/work/main/tools")
