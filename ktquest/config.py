@@ -184,6 +184,10 @@ class LongContextConfig:
         _check(0.0 <= self.quest_centre <= 1.0, p + "quest_centre", self.quest_centre, "a number in [0, 1]")
         _check(0 <= self.sticky_blocks <= MAX_STICKY_BLOCKS, p + "sticky_blocks", self.sticky_blocks,
                f"an integer in [0, {MAX_STICKY_BLOCKS}] (0 = off)")
+        if self.sticky_blocks:
+            _check(self.token_step == 1, p + "sticky_blocks", self.sticky_blocks,
+                   f"0 with token_step {self.token_step} (a step's blocks are kept for the next token's selection, "
+                   "and with token_step > 1 the next token reuses the last one's instead)")
         if self.quest_centre:
             _check(self.anchor_type == "QUEST", p + "quest_centre", self.quest_centre,
                    f"0 with anchor_type {self.anchor_type} (the centre is of QUEST's min and max keys)")

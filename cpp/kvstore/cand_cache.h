@@ -94,6 +94,8 @@ class CandCaches {
   }
   // [n_sets, out_cols]: where the kept candidates of the last selection lie in their set's candidates.
   const int32_t* slots() const { return slots_.data(); }
+  // The score select_set gave set s's candidate at `slot` (its pass for this step must have run).
+  float score(const CandCache& C, int s, int64_t slot) const { return cscores_[s * C.stride + slot]; }
   // Set s's slots for a row of its candidates rewritten after select_set (ids ascending, -1 padded; each one
   // of C's candidates for the set): their positions in C's list.
   void set_slots(const CandCache& C, int s, const int32_t* row, int cols);

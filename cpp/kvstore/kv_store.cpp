@@ -288,6 +288,7 @@ void KVStore::append(int layer, const void* k, const void* v, InType in, int64_t
     });
   }
   L.len = p1;
+  if (lay_.cfg.sticky_blocks > 0) sticky_rotate(layer, p0, T);
 }
 
 // ---- read-back ----
@@ -334,7 +335,7 @@ void KVStore::truncate(int layer, int64_t n) {
     if (n < 0 || (layer >= 0 && n > layer_at(l).len))
       throw std::out_of_range("truncate(" + std::to_string(n) + "): layer " + std::to_string(l) + " holds " +
                               std::to_string(layer_at(l).len) + " tokens");
-  for (int l = l0; l < l1; ++l) sticky_[l].len = -1;  // a rewound layer's next step is no decode successor
+  for (int l = l0; l < l1; ++l) sticky_rewind(l, n);
   const int H = lay_.cfg.n_kv_heads, D = lay_.cfg.head_dim, bs = lay_.cfg.block_size;
   const int64_t b = n / bs, r_end = n % bs;  // block b keeps rows [0, r_end)
   const float none = -std::numeric_limits<float>::infinity();

@@ -144,12 +144,20 @@ class KVStore {
   // decode path once warm).
   BlockSelector sel_;
   CandCaches cand_;
-  struct Sticky {                 // one layer's blocks for its next decode step
+  struct Sticky {                 // one layer's blocks for a decode step
     std::vector<int32_t> ids;     // [n_sets, cols]: each top block then the one after it, -1 padded
     int n_sets = 0, cols = 0;
-    int64_t len = -1;             // the layer's length when taken (-1: none): they apply at len + 1 only
+    int64_t len = -1;             // the layer's length at the step they are for (-1: none)
   };
-  std::vector<Sticky> sticky_;    // [n_layers]
+  // Per layer: cur (for the step at cur.len), next (taken at a step, for the one after: becomes cur when that
+  // step's token is appended, so a step refused before its append changes nothing) and prev (cur before,
+  // back when a truncate rolls that token back). sticky_rotate / sticky_rewind: in append / truncate.
+  struct StickyLayer {
+    Sticky cur, next, prev;
+  };
+  std::vector<StickyLayer> sticky_;  // [n_layers]
+  void sticky_rotate(int layer, int64_t old_len, int64_t T);
+  void sticky_rewind(int layer, int64_t n);
   std::vector<int32_t> forced_;   // [n_sets, forced_cols_] this call's, -1 padded (none: forced_cols_ 0)
   int forced_cols_ = 0;
   std::vector<float> block_lse_;  // [KVH, cols, G] this call's blocks' own LSEs

@@ -69,7 +69,7 @@ void KVStore::import_layer(int layer, int64_t len, const uint8_t* in, size_t n) 
   std::lock_guard<std::mutex> lk(mu_);
   layer_at(layer);  // out_of_range for a layer the store does not have
   StoreLayer& L = layers_[layer];
-  sticky_[layer].len = -1;
+  sticky_[layer] = StickyLayer{};
   const size_t want = state_bytes(len);  // throws for a len past max_seq_len
   if (n != want)
     throw std::invalid_argument("import_layer: " + std::to_string(n) + " bytes given, a layer of " +

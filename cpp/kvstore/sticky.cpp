@@ -3,12 +3,16 @@
 // layer's next step. A number copied digit by digit is read from consecutive keys of one block (or the next
 // one); the anchors' bounds alone often rank that block below the top k at the step after it was read.
 //
+// A step's blocks are for the layer's next token (taken at select_attend, current once that step's token is
+// appended: a step refused before its append, or a token rolled back, leaves the layer as it was).
+//
 // Forced blocks are candidates of the new step (not excluded, in the candidate list if any), at most k of
 // them; the step keeps exactly its k picks: the forced ones, then the best of the others by their scores.
 // Since its top k already holds the best k - |forced| of the others, that is a rewrite of its picks (the
 // lowest-scored unforced ones give way), the same after the flat scan, the index or the candidate cache.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <utility>
 
@@ -16,10 +20,31 @@
 
 namespace ktq {
 
+void KVStore::sticky_rotate(int layer, int64_t old_len, int64_t T) {
+  StickyLayer& S = sticky_[layer];
+  if (T == 1 && S.next.len == old_len) {  // the token of the step that took `next`: they are for the one after
+    S.prev = std::move(S.cur);
+    S.cur = std::move(S.next);
+    S.cur.len = old_len + 1;
+  } else {  // a prompt, or a token appended without its selection: nothing follows
+    S.cur.len = S.prev.len = -1;
+  }
+  S.next.len = -1;
+}
+
+void KVStore::sticky_rewind(int layer, int64_t n) {
+  StickyLayer& S = sticky_[layer];
+  if (S.cur.len != n) {  // a token rolled back (its step's blocks are current again), or a rewind: none
+    if (S.prev.len == n) S.cur = std::move(S.prev);
+    else S.cur.len = -1;
+  }
+  S.prev.len = S.next.len = -1;
+}
+
 void KVStore::sticky_forced(const StoreLayer& L, int layer, const SelectRequest& req, int n_sets) {
-  const Sticky& st = sticky_[layer];
+  const Sticky& st = sticky_[layer].cur;
   forced_cols_ = 0;
-  if (st.len < 0 || st.len + 1 != L.len || st.n_sets != n_sets) return;  // not the layer's next decode step
+  if (st.len != L.len || st.n_sets != n_sets) return;  // not the step they were taken for
   const int64_t nb = lay_.n_blocks(L);
   forced_.assign(size_t(n_sets) * st.cols, -1);
   for (int s = 0; s < n_sets; ++s) {
@@ -57,9 +82,13 @@ void KVStore::sticky_apply(const StoreLayer& L, int H, const SelectRequest& req,
   // The unforced picks by score, lowest first (equal scores: the higher id first, as top k keeps the lower).
   thread_local std::vector<std::pair<float, int32_t>> rest;  // (sets run on several threads at once)
   rest.clear();
+  const int32_t* slot = C ? cand_.slots() + s * int64_t(cols) : nullptr;
   for (int i = 0; i < n; ++i)
-    if (std::find(want, want + nw, row[i]) == want + nw)
-      rest.emplace_back(sel_.score_block(L, H, req.mode, s, row[i]), row[i]);
+    if (std::find(want, want + nw, row[i]) == want + nw) {
+      // The score that chose the pick: the candidates' copy's (int8 with int8_candidates), else the anchors'.
+      const float v = C ? cand_.score(*C, s, slot[i]) : sel_.score_block(L, H, req.mode, s, row[i]);
+      rest.emplace_back(std::isnan(v) ? -std::numeric_limits<float>::infinity() : v, row[i]);  // NaN: as top k
+    }
   std::sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first < b.first : a.second > b.second;
   });
@@ -73,7 +102,7 @@ void KVStore::sticky_apply(const StoreLayer& L, int H, const SelectRequest& req,
 void KVStore::sticky_record(const StoreLayer& L, int layer, int H, const BlockSets& bsets, const float* lse) {
   const int KVH = lay_.cfg.n_kv_heads, G = H / KVH, R = lay_.cfg.sticky_blocks;
   const int64_t nb = lay_.n_blocks(L);
-  Sticky& st = sticky_[layer];
+  Sticky& st = sticky_[layer].next;  // for the step after this one, once this step's token is appended
   st.n_sets = bsets.n_sets;
   st.cols = 2 * R;
   st.ids.assign(size_t(st.n_sets) * st.cols, -1);
