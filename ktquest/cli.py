@@ -14,29 +14,18 @@ import argparse
 import contextlib
 import io
 import os
-import signal
 import sys
 import time
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
-from rich.text import Text
 
 from ktquest.config import CHAT_GENERATION, load_config
 from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
+from ktquest.terminal import CtrlC, PrefillBar, stats_line, stats_table, stream_reply
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -176,7 +165,7 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
 
 def _read_and_save(session, path: str, err: Console) -> None:
     """Read the session's document into the cache and save it (Ctrl-C: exit 130, nothing written)."""
-    bar = _PrefillBar(err, session.engine.config.chunk_size, "reading the document")
+    bar = PrefillBar(err, session.engine.config.chunk_size, "reading the document")
     try:
         stats = session.read_document(on_progress=bar.update if err.is_terminal else None)
     finally:
@@ -221,117 +210,15 @@ def _read_document(path: str) -> str:
         raise UsageError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-# ---- Ctrl-C, and one reply ----
-
-
-class _CtrlC:
-    """SIGINT while installed (``with _CtrlC() as ctrl_c:``). Inside ``ctrl_c.prompt()`` it raises
-    KeyboardInterrupt (the input is interrupted); inside ``ctrl_c.turn()`` the first one asks generation to
-    stop at the next token (``requested``) and a second one raises; anywhere else it is ignored. So a
-    KeyboardInterrupt only comes from inside those blocks, where the caller catches it: a Ctrl-C landing
-    between a reply and the next prompt, or during a command, cannot end the session."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.midline = False  # the reply is on the screen without its final newline
-        self._raises = self._in_turn = False
-
-    def __enter__(self) -> _CtrlC:  # noqa: PYI034 - a private helper, never subclassed
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
-
-    @contextlib.contextmanager
-    def prompt(self) -> Iterator[None]:
-        self._raises = True
-        try:
-            yield
-        finally:  # (a Ctrl-C before this line raises inside the block still)
-            self._raises = False
-
-    @contextlib.contextmanager
-    def turn(self) -> Iterator[_CtrlC]:
-        self.requested = self.midline = False
-        self._in_turn = True
-        try:
-            yield self
-        finally:
-            self._in_turn = self._raises = False
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self._raises:
-            raise KeyboardInterrupt
-        if self._in_turn:
-            self.requested = self._raises = True  # the next one raises
-
-
-class _TokensPerSecond(ProgressColumn):
-    """The prefill's speed over rich's recent samples ("" until there are two)."""
-
-    def render(self, task) -> Text:
-        return Text(f"{task.speed:,.0f} tok/s" if task.speed else "", style="progress.data.speed")
-
-
-class _PrefillBar:
-    """A progress bar on ``err`` while a prompt of more than one chunk is read: tokens, tok/s, time left."""
-
-    def __init__(self, err: Console, chunk: int, what: str = "reading the prompt"):
-        self.err, self.chunk, self.what = err, chunk, what
-        self.progress: Progress | None = None
-
-    def update(self, done: int, total: int) -> None:
-        if total <= self.chunk or done >= total:
-            return
-        if self.progress is None:
-            self.progress = Progress(TextColumn(self.what), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                                     _TokensPerSecond(), TimeRemainingColumn(), console=self.err, transient=True)
-            self.progress.start()
-            self.progress.add_task("prefill", total=total)
-        self.progress.update(self.progress.task_ids[0], completed=done)
-
-    def stop(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
-
-def _reply(session, text: str, out: TextIO, err: Console, ctrl_c: _CtrlC, show_progress: bool):
-    """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
-    bar = _PrefillBar(err, session.engine.config.chunk_size)
-
-    def on_progress(done: int, total: int) -> None:
-        if ctrl_c.requested:
-            raise KeyboardInterrupt  # between prefill chunks: the turn is dropped, the cache stays valid
-        if show_progress:
-            bar.update(done, total)
-
-    def on_text(piece: str) -> None:
-        bar.stop()
-        out.write(piece)
-        out.flush()
-        ctrl_c.midline = not piece.endswith("\n")
-
-    try:
-        return session.send(text, on_text=on_text, on_progress=on_progress,
-                            should_stop=lambda: ctrl_c.requested)
-    finally:
-        bar.stop()
-
-
-def _stats_line(s) -> str:
-    return (f"{s.prompt_tokens} prompt tokens, prefill {s.prefill_tok_s:.1f} tok/s, "
-            f"{s.new_tokens} new tokens, decode {s.decode_tok_s:.1f} tok/s, "
-            f"context {s.context_tokens}/{s.max_seq_len}")
+# ---- one reply ----
 
 
 def _answer_once(session, message: str, err: Console) -> int:
-    with _CtrlC() as ctrl_c, ctrl_c.turn():
-        reply = _reply(session, message, sys.stdout, err, ctrl_c, show_progress=err.is_terminal)
+    with CtrlC() as ctrl_c, ctrl_c.turn():
+        reply = stream_reply(session, message, sys.stdout, err, ctrl_c, show_progress=err.is_terminal)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(_stats_line(reply.stats), file=sys.stderr)
+    print(stats_line(reply.stats), file=sys.stderr)
     return EXIT_INTERRUPTED if reply.stats.stopped_by == "interrupted" else 0
 
 
@@ -361,10 +248,10 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None) 
     console.print(f"[dim]{HELP}[/]")
     commands: dict[str, Callable[[], None]] = {
         "/reset": lambda: (session.reset(), console.print("[dim]conversation reset[/]")),
-        "/stats": lambda: console.print(_stats_table(session)),
+        "/stats": lambda: console.print(stats_table(session)),
         "/help": lambda: console.print(f"[dim]{HELP}[/]"),
     }
-    with _CtrlC() as ctrl_c:
+    with CtrlC() as ctrl_c:
         while True:
             try:
                 with ctrl_c.prompt():
@@ -422,8 +309,8 @@ def _save_at_end(session, path: str | None, err: Console) -> int:
     return 0
 
 
-def _turn(session, text: str, console: Console, err: Console, ctrl_c: _CtrlC) -> None:
-    reply = _reply(session, text, sys.stdout, err, ctrl_c, show_progress=True)
+def _turn(session, text: str, console: Console, err: Console, ctrl_c: CtrlC) -> None:
+    reply = stream_reply(session, text, sys.stdout, err, ctrl_c, show_progress=True)
     s = reply.stats
     if s.stopped_by == "interrupted" and s.new_tokens == 0:
         kept = (f"; the {s.prompt_tokens:,} tokens of it read stay in the cache: send it again to go on from "
@@ -434,21 +321,7 @@ def _turn(session, text: str, console: Console, err: Console, ctrl_c: _CtrlC) ->
     ctrl_c.midline = False
     note = " (stopped)" if s.stopped_by == "interrupted" else " (length limit)" \
         if s.stopped_by in ("max_new_tokens", "max_seq_len") else ""
-    console.print(f"[dim]{_stats_line(s)}{note}[/]")
-
-
-def _stats_table(session) -> Table:
-    s = session.stats()
-    t = Table(show_header=False, box=None, padding=(0, 2))
-    t.add_row("turns", str(s.turns))
-    t.add_row("context", f"{s.context_tokens} / {s.max_seq_len} tokens")
-    t.add_row("KV cache", f"{s.kv_cache_bytes / 2**20:.1f} MiB")
-    t.add_row("model load", f"{s.load_s:.2f} s")
-    t.add_row("prefilled", f"{s.prompt_tokens} tokens in {s.prefill_s:.2f} s")
-    t.add_row("generated", f"{s.new_tokens} tokens in {s.decode_s:.2f} s")
-    if s.last is not None:
-        t.add_row("last reply", _stats_line(s.last))
-    return t
+    console.print(f"[dim]{stats_line(s)}{note}[/]")
 
 
 if __name__ == "__main__":

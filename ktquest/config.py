@@ -1,7 +1,8 @@
 """Runtime configuration: dataclasses are the schema (with defaults), YAML only loads into them.
 
 Model hyper-parameters never live here: they come from the GGUF file (``ktquest.models.args``), but for
-``rope_scaling: dynamic`` (dynamic NTK, which GGUF cannot express). Every error names the source (file or ``--set``), the key, the value and what is allowed.
+``rope_scaling: dynamic`` (dynamic NTK, which GGUF cannot express). Every error names the source (file or
+``--set``), the key, the value and what is allowed; reading the text is ``ktquest.config_file``'s.
 """
 
 from __future__ import annotations
@@ -10,41 +11,18 @@ import dataclasses
 import functools
 import math
 import os
-import reprlib
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from ktquest import _C
-
-
-class ConfigError(ValueError):
-    """A YAML file or override does not fit the schema."""
-
+from ktquest.config_file import ConfigError, check_utf8, parse_override, read_config_file, show
 
 INT_MAX = 2**31 - 1  # every integer key but these two: the kernels take 32-bit sizes
 SEED_MAX = 2**63 - 1  # numpy's and torch's seeds both take a non-negative int64
 SEQ_LEN_MAX = 2**63 - 1  # max_seq_len: the fit checks refuse a cache that would not fit, with its bytes
 MAX_CHUNK_SIZE = 16384  # a prefill chunk's activations and attention mask grow with it
 MIN_TEMPERATURE = 1e-6  # see GenerationConfig
-MAX_CONFIG_BYTES = 1 << 20  # a config is a few lines
-_MAX_YAML_DEPTH = 8  # the schema nests 2 levels; deeper YAML would only recurse in the parser
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-
-
-def show(value: Any) -> str:
-    """A value as an error message shows it: its repr, at most ~80 characters, computed in bounded time
-    (reprlib stops at a few items and levels, so a value built from YAML aliases never expands)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"<an integer of {value.bit_length()} bits>"  # repr of a huge int is slow or refused
-    r = _REPR.repr(value)
-    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def max_threads() -> int:
@@ -353,45 +331,6 @@ def _check_types(obj: Any, prefix: str) -> None:
 # ---- loading ----
 
 
-class _YAMLLoader(yaml.SafeLoader):
-    """YAML as a config needs it: plain scalars, lists and mappings. Aliases are refused (a few hundred
-    bytes of nested aliases stand for gigabytes of values), so are explicit tags (``!!binary``,
-    ``!!timestamp``, ...) and nesting deeper than the schema could use."""
-
-    _depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            raise yaml.composer.ComposerError(None, None, f"aliases (*{event.anchor}) are not supported",
-                                              event.start_mark)
-        if getattr(event, "tag", None) not in (None, "!"):
-            raise yaml.composer.ComposerError(None, None, f"tags ({event.tag}) are not supported",
-                                              event.start_mark)
-        if self._depth >= _MAX_YAML_DEPTH:
-            raise yaml.composer.ComposerError(None, None, f"nested deeper than {_MAX_YAML_DEPTH} levels",
-                                              event.start_mark)
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _parse_yaml(text: str, source: str) -> Any:
-    """``text`` as YAML (``_YAMLLoader``); any failure is a one-line ConfigError naming ``source``."""
-    try:
-        return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as e:
-        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
-        what = ", ".join(x for x in (e.context, e.problem) if x)
-        raise ConfigError(f"{source}: not valid YAML: {what}{where}") from None
-    except yaml.YAMLError as e:  # the reader's errors (a control character, ...) carry no mark
-        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(e).split())}") from None
-    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
-        raise ConfigError(f"{source}: not valid YAML: {str(e).split(':')[0]}") from None
-
-
 def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the top level'} must be a mapping, "
@@ -416,17 +355,6 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set {show(item)}: expected key=value (for example long_context.block_size=32)")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"--set {show(item)}: empty key")
-    value = _parse_yaml(raw, f"--set {show(item)}") if raw.strip() else ""
-    return key.split("."), value
-
-
 def _resolve_short_key(path: list[str]) -> list[str]:
     """Let ``--set block_size=32`` mean ``long_context.block_size`` when the name is unique."""
     if len(path) != 1:
@@ -437,34 +365,6 @@ def _resolve_short_key(path: list[str]) -> list[str]:
     owners = [name for name, tp in hints.items()
               if dataclasses.is_dataclass(tp) and path[0] in {f.name for f in dataclasses.fields(tp)}]
     return [owners[0], path[0]] if len(owners) == 1 else path
-
-
-def _read_config_file(path: str | os.PathLike) -> dict:
-    p = Path(path)
-    source = str(p)
-    if not p.is_file():
-        raise ConfigError(f"{source}: no such config file")
-    if p.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{source}: {p.stat().st_size} bytes is too large for a config file "
-                          f"(at most {MAX_CONFIG_BYTES})")
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    loaded = _parse_yaml(text, source)
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(loaded).__name__}")
-    return loaded
-
-
-def _check_utf8(text: str, where: str) -> None:
-    """Command-line text that was not UTF-8 reaches Python as lone surrogates (PEP 383)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 text ({e.reason} at character {e.start})") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list | None = None,
@@ -478,17 +378,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: list | None = 
     source = "defaults"
     if path is not None:
         source = str(path)
-        data = _read_config_file(path)
+        data = read_config_file(path)
     for section, values in (base or {}).items():
         if isinstance(data.get(section, {}), dict):  # (a wrong type is reported by _build)
             data[section] = {**values, **data.get(section, {})}
     for item in overrides or []:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
             keys, value = item[0].split("."), item[1]
-            _check_utf8(item[0], f"--set {show(item[0])}")
+            check_utf8(item[0], f"--set {show(item[0])}")
         elif isinstance(item, str):
-            _check_utf8(item, f"--set {show(item)}")
-            keys, value = _parse_override(item)
+            check_utf8(item, f"--set {show(item)}")
+            keys, value = parse_override(item)
         else:
             raise ConfigError(f"override {show(item)}: expected 'key=value' or a (key, value) pair")
         keys = _resolve_short_key(keys)

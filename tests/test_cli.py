@@ -231,7 +231,7 @@ def test_ctrl_c_just_after_a_reply_keeps_the_conversation(tiny_llama, monkeypatc
     raised there (as a second Ctrl-C would): the conversation and the session go on."""
     import ktquest.cli
 
-    real, calls = ktquest.cli._stats_line, []
+    real, calls = ktquest.cli.stats_line, []
 
     def stats_line_then_ctrl_c(s):
         calls.append(1)
@@ -242,7 +242,7 @@ def test_ctrl_c_just_after_a_reply_keeps_the_conversation(tiny_llama, monkeypatc
                 raise KeyboardInterrupt
         return real(s)
 
-    monkeypatch.setattr(ktquest.cli, "_stats_line", stats_line_then_ctrl_c)
+    monkeypatch.setattr(ktquest.cli, "stats_line", stats_line_then_ctrl_c)
     code, out, _ = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--max-new-tokens", "2"],
                          "hello\nthe cat\n/stats\n/exit\n")
     assert code == 0
@@ -255,13 +255,13 @@ def test_ctrl_c_between_turns_keeps_the_conversation(tiny_llama, monkeypatch, ca
     """A real SIGINT landing outside the prompt and outside a turn (here while /stats prints) is ignored."""
     import ktquest.cli
 
-    real = ktquest.cli._stats_table
+    real = ktquest.cli.stats_table
 
     def stats_table_with_ctrl_c(session):
         os.kill(os.getpid(), signal.SIGINT)
         return real(session)
 
-    monkeypatch.setattr(ktquest.cli, "_stats_table", stats_table_with_ctrl_c)
+    monkeypatch.setattr(ktquest.cli, "stats_table", stats_table_with_ctrl_c)
     code, out, _ = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--max-new-tokens", "2"],
                          "hello\n/stats\nthe cat\n/stats\n/exit\n")
     assert code == 0
@@ -342,9 +342,9 @@ def test_prefill_progress_shows_tokens_per_second():
     """The prefill bar's speed column: empty until rich has a speed, then the tokens a second."""
     from types import SimpleNamespace
 
-    from ktquest.cli import _TokensPerSecond
+    from ktquest.terminal import TokensPerSecond
 
-    column = _TokensPerSecond()
+    column = TokensPerSecond()
     assert column.render(SimpleNamespace(speed=None)).plain == ""
     assert column.render(SimpleNamespace(speed=2047.6)).plain == "2,048 tok/s"
 

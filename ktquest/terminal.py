@@ -1,0 +1,137 @@
+"""The terminal side of a chat turn: Ctrl-C that stops a reply without ending the chat, the prefill's
+progress bar, a reply streamed as it is generated, and the speed line and usage table after it."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import TextIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+
+class CtrlC:
+    """SIGINT while installed (``with CtrlC() as ctrl_c:``). Inside ``ctrl_c.prompt()`` it raises
+    KeyboardInterrupt (the input is interrupted); inside ``ctrl_c.turn()`` the first one asks generation to
+    stop at the next token (``requested``) and a second one raises; anywhere else it is ignored. So a
+    KeyboardInterrupt only comes from inside those blocks, where the caller catches it: a Ctrl-C landing
+    between a reply and the next prompt, or during a command, cannot end the session."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.midline = False  # the reply is on the screen without its final newline
+        self._raises = self._in_turn = False
+
+    def __enter__(self) -> CtrlC:  # noqa: PYI034 - never subclassed
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    @contextlib.contextmanager
+    def prompt(self) -> Iterator[None]:
+        self._raises = True
+        try:
+            yield
+        finally:  # (a Ctrl-C before this line raises inside the block still)
+            self._raises = False
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[CtrlC]:
+        self.requested = self.midline = False
+        self._in_turn = True
+        try:
+            yield self
+        finally:
+            self._in_turn = self._raises = False
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._raises:
+            raise KeyboardInterrupt
+        if self._in_turn:
+            self.requested = self._raises = True  # the next one raises
+
+
+class TokensPerSecond(ProgressColumn):
+    """The prefill's speed over rich's recent samples ("" until there are two)."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:,.0f} tok/s" if task.speed else "", style="progress.data.speed")
+
+
+class PrefillBar:
+    """A progress bar on ``err`` while a prompt of more than one chunk is read: tokens, tok/s, time left."""
+
+    def __init__(self, err: Console, chunk: int, what: str = "reading the prompt"):
+        self.err, self.chunk, self.what = err, chunk, what
+        self.progress: Progress | None = None
+
+    def update(self, done: int, total: int) -> None:
+        if total <= self.chunk or done >= total:
+            return
+        if self.progress is None:
+            self.progress = Progress(TextColumn(self.what), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                     TokensPerSecond(), TimeRemainingColumn(), console=self.err, transient=True)
+            self.progress.start()
+            self.progress.add_task("prefill", total=total)
+        self.progress.update(self.progress.task_ids[0], completed=done)
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def stream_reply(session, text: str, out: TextIO, err: Console, ctrl_c: CtrlC, show_progress: bool):
+    """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
+    bar = PrefillBar(err, session.engine.config.chunk_size)
+
+    def on_progress(done: int, total: int) -> None:
+        if ctrl_c.requested:
+            raise KeyboardInterrupt  # between prefill chunks: the turn is dropped, the cache stays valid
+        if show_progress:
+            bar.update(done, total)
+
+    def on_text(piece: str) -> None:
+        bar.stop()
+        out.write(piece)
+        out.flush()
+        ctrl_c.midline = not piece.endswith("\n")
+
+    try:
+        return session.send(text, on_text=on_text, on_progress=on_progress,
+                            should_stop=lambda: ctrl_c.requested)
+    finally:
+        bar.stop()
+
+
+def stats_line(s) -> str:
+    return (f"{s.prompt_tokens} prompt tokens, prefill {s.prefill_tok_s:.1f} tok/s, "
+            f"{s.new_tokens} new tokens, decode {s.decode_tok_s:.1f} tok/s, "
+            f"context {s.context_tokens}/{s.max_seq_len}")
+
+
+def stats_table(session) -> Table:
+    s = session.stats()
+    t = Table(show_header=False, box=None, padding=(0, 2))
+    t.add_row("turns", str(s.turns))
+    t.add_row("context", f"{s.context_tokens} / {s.max_seq_len} tokens")
+    t.add_row("KV cache", f"{s.kv_cache_bytes / 2**20:.1f} MiB")
+    t.add_row("model load", f"{s.load_s:.2f} s")
+    t.add_row("prefilled", f"{s.prompt_tokens} tokens in {s.prefill_s:.2f} s")
+    t.add_row("generated", f"{s.new_tokens} tokens in {s.decode_s:.2f} s")
+    if s.last is not None:
+        t.add_row("last reply", stats_line(s.last))
+    return t
