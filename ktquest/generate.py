@@ -81,8 +81,8 @@ def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
     logits = None
     cache.begin_prompt(cache.pos + n)
     if order == "layer" and n > 1:
-        # Chunk order reads a last chunk of one token as a decode step (its selection, not every block):
-        # so does layer order, to read the same prompt the same way.
+        # A last chunk of one token goes through the chunk path (the cache reads it as a prompt's pass,
+        # every block: begin_prompt), as chunk order reads it.
         body, slab = n - (n % chunk_size == 1), slab_tokens or n
         with prefill_heap():
             for a in range(0, body, slab):

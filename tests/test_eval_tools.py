@@ -193,6 +193,37 @@ def test_eval_longctx_held_out_smoke(bundled_gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_eval_longctx_variants_answer_as_loaded_configs(bundled_gguf, tmp_path, capsys):
+    """--variant answers each prompt again on the same cache under decode-time knobs: with the knobs the
+    config already has, the same replies; with others, the replies of the config loaded with them (read in
+    full), while reading one token a variant. A knob the prompt was read with is refused, naming it."""
+    tool = _tool("eval_longctx")
+    quest = str(Path(__file__).resolve().parent.parent / "configs" / "quest.yaml")
+    common = ["--task", "passkey", "--lengths", "1100", "--depths", "0.3,0.7", "--trials", "1", "--seed", "2",
+              "--fillers", "prose", "--model", str(bundled_gguf), "--threads", "2", "--quiet"]
+
+    def trials(*extra):
+        out_json = tmp_path / f"v{len(list(tmp_path.iterdir()))}.json"
+        assert tool.main([*common, *extra, "--json", str(out_json)]) == 0
+        return json.loads(out_json.read_text())["trials"]
+
+    got = trials("--configs", quest, "--variant", "same:sticky_blocks=0",
+                 "--variant", "s4:sticky_blocks=4,second_select_num=24")
+    by = collections.defaultdict(list)
+    for t in got:
+        by[t["config"]].append(t)
+    assert sorted(by) == ["quest", "quest+s4", "quest+same"] and all(len(v) == 2 for v in by.values())
+    assert [t["reply"] for t in by["quest+same"]] == [t["reply"] for t in by["quest"]]
+    assert all(t["prefilled_tokens"] == 1 for t in by["quest+s4"] + by["quest+same"])
+    loaded = trials("--configs", quest, "--set", "long_context.sticky_blocks=4",
+                    "--set", "long_context.second_select_num=24")
+    assert [t["reply"] for t in loaded] == [t["reply"] for t in by["quest+s4"]]
+    capsys.readouterr()
+    assert tool.main([*common, "--configs", quest, "--variant", "b:block_size=16"]) == 1
+    assert "long_context.block_size cannot change on a filled cache" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_attention_recall_smoke(recall_tool, bundled_gguf, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The grass is green. The sky is blue. " * 40 + "The pass key is 4242. What is the pass key?")

@@ -128,7 +128,7 @@ def prompt(n: int, seed: int = 0, vocab: int = 200) -> list[int]:
 
 
 TURNS = {"one prompt": [prompt(87)], "two turns": [prompt(61), prompt(37, seed=1)],
-         "a chunk and one token": [prompt(81), prompt(17, seed=4)],  # a last chunk of one: a decode step
+         "a chunk and one token": [prompt(81), prompt(17, seed=4)],  # a last chunk of one: still the prompt
          "short second turn": [prompt(70), prompt(2, seed=2)], "into the init window": [prompt(3), prompt(50, seed=3)]}
 
 

@@ -450,3 +450,62 @@ def test_a_truncate_inside_the_local_window_keeps_every_position_attended():
     out = [cache.attend(i, q[n: n + 3], k[n: n + 3], v[n: n + 3], n) for i in range(ARGS.n_layers)][0]
     torch.testing.assert_close(out, dense_ref(q[: n + 3], k[: n + 3], v[: n + 3])[n:], atol=TOL["FP32"],
                                rtol=TOL["FP32"])
+
+
+# ---- retune, and rewinds that keep the prompt's queries ----
+
+
+def _tiny_cfg(name: str, **lc) -> Config:
+    cfg = preset(name, block_size=4, init_windows_len=4, local_windows_len=16, second_select_num=6, kv_type="FP16",
+                 int8_candidates=False, **lc)
+    return dataclasses.replace(cfg, chunk_size=32, max_seq_len=256)
+
+
+@pytest.mark.parametrize("name", ["quest", "snapkv"])
+def test_retune_decodes_as_a_cache_loaded_with_the_knobs(tiny, name):
+    """A filled cache retuned (second_select_num, sticky_blocks, dense_layer_num) decodes bit for bit as one
+    loaded with those knobs and fed the same prompt; retuned back, as one loaded with the first; a knob the
+    prompt was read with (block_size) is refused, naming it."""
+    base = _tiny_cfg(name, preselect_block_count=12)
+    knobs = dict(second_select_num=3, sticky_blocks=2, dense_layer_num=0)
+    other = dataclasses.replace(base, long_context=dataclasses.replace(base.long_context, **knobs))
+    prompt = torch.arange(3, 180) * 7 % 250
+    a, b, c = (LongContextCache(tiny.args, cfg, 256) for cfg in (base, other, base))
+    la, lb, lc = (prefill(tiny, x, prompt, 32) for x in (a, b, c))
+    old = a.retune(other.long_context)
+    assert old == base.long_context and a.store.sticky_blocks == 2
+    for _ in range(10):
+        assert torch.equal(la, lb)
+        tok = int(lb.argmax())
+        la, lb = decode_one_token(tiny, a, tok), decode_one_token(tiny, b, tok)
+    assert torch.equal(la, lb)
+    a.retune(old)
+    a.truncate(len(prompt) - 1)  # the same last prompt token read again (a chunk of 1: other rounding), as c
+    la = prefill(tiny, a, prompt[-1:], 32)
+    for _ in range(6):
+        torch.testing.assert_close(la, lc, atol=1e-4, rtol=1e-4)
+        tok = int(lc.argmax())
+        la, lc = decode_one_token(tiny, a, tok), decode_one_token(tiny, c, tok)
+    with pytest.raises(ConfigError, match="long_context.block_size cannot change on a filled cache"):
+        a.retune(dataclasses.replace(a.lc, block_size=8))
+
+
+@pytest.mark.parametrize("cut", [1, 5, 40])
+def test_a_rewound_prompt_preselects_as_when_read_whole(tiny, cut):
+    """SnapKV scores the context with the prompt's last preselect_window queries: rewound by ``cut`` tokens
+    after a reply and read on, the prompt keeps the queries before the cut, so the candidates and the
+    logits are those of the prompt read whole."""
+    cfg = _tiny_cfg("snapkv", preselect_block_count=10, preselect_window=8, dense_layer_num=0)
+    prompt = torch.arange(3, 190) * 11 % 250
+    a, b = LongContextCache(tiny.args, cfg, 256), LongContextCache(tiny.args, cfg, 256)
+    prefill(tiny, a, prompt, 32)
+    for tok in (5, 9, 11):
+        decode_one_token(tiny, a, tok)
+    a.truncate(len(prompt) - cut)
+    la, lb = prefill(tiny, a, prompt[-cut:], 32), prefill(tiny, b, prompt, 32)
+    la, lb = decode_one_token(tiny, a, int(lb.argmax())), decode_one_token(tiny, b, int(lb.argmax()))
+    selecting = range(cfg.long_context.dense_layer_num, tiny.args.n_layers)
+    assert len(selecting) > 0
+    for layer in selecting:
+        assert torch.equal(a.candidates(layer), b.candidates(layer))
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)

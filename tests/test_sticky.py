@@ -237,3 +237,28 @@ def test_sticky_blocks_is_checked():
         LongContextConfig(sticky_blocks=2, token_step=2)
     with pytest.raises(ValueError, match="sticky_blocks"):
         KVStore(1, 1, 64, 100, block_size=8, sticky_blocks=MAX_STICKY_BLOCKS + 1)
+
+
+def test_set_sticky_blocks_is_the_constructors(force_scalar):
+    """A store given sticky_blocks later (set_sticky_blocks: a decode-time knob) picks as one made with it, from
+    the step after the call; set back to 0 it picks as a plain store; a bad value is refused, naming it."""
+    R, k, T = 3, 12, 1000
+    store, twin, g = stores(T, R)
+    late, _, _ = stores(T, 0)
+    ks, _ = store.read(0)
+    excl = [(0, 2), (110, 126)]
+    late.set_sticky_blocks(R)
+    for t in (300, 800, 150, 600):
+        q = near(ks, t, g)
+        ids, plain = step(store, twin, q, k, "SEPARATE", excl)
+        late_ids, _ = step(late, twin, q, k, "SEPARATE", excl)
+        assert torch.equal(late_ids, ids)
+        decode_token((store, twin, late), g)
+    assert not torch.equal(ids, plain)  # the last step kept blocks: the comparison had something to see
+    late.set_sticky_blocks(0)
+    q = near(ks, 400, g)
+    late_ids, plain = step(late, twin, q, k, "SEPARATE", excl)
+    assert torch.equal(late_ids, plain) and late.sticky_blocks == 0
+    for bad in (-1, MAX_STICKY_BLOCKS + 1):
+        with pytest.raises(ValueError, match="sticky_blocks"):
+            late.set_sticky_blocks(bad)

@@ -17,11 +17,18 @@ json: report these, never choose settings on them) or ``all``. Example:
 
 ``dense`` (or ``default``) in --configs means the built-in defaults (mode: dense). A config the runtime
 refuses to load is reported and skipped, the others still run.
+
+``--variant NAME:KEY=VALUE[,KEY=VALUE]`` (repeatable) answers every prompt of each long-context config
+again under decode-time knobs (``LongContextCache.RETUNABLE``: ``sticky_blocks``, ``second_select_num``,
+...), reported as config ``NAME+variant``: the prompt is read once, and each answer is decoded on the same
+cache (the question's last token read again), so a variant costs its decode steps only. Example:
+``--variant sticky4:sticky_blocks=4``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -140,6 +147,12 @@ def run(args) -> tuple[list[dict], list[dict]]:
             load_s = time.perf_counter() - t0
             session = eng.chat_session()
             name = config_name(config)
+            try:
+                variants = load_variants(args, config, eng)
+            except (ConfigError, ValueError) as e:
+                print(f"skipping {config}: --variant: {e}", file=sys.stderr)
+                bar.advance(job, per_config)
+                continue
             bar.update(job, description=f"{args.task} {name}")
             for key in [(n, f, d, t) for n in lengths for f in fillers for d in depths for t in range(args.trials)]:
                 if key not in samples:
@@ -149,48 +162,83 @@ def run(args) -> tuple[list[dict], list[dict]]:
             order = sorted(samples, key=lambda k: (k[0], fillers.index(k[1]), samples[k].tokens)) if not args.fresh else samples
             for length, filler, depth, trial in order:
                 s = samples[(length, filler, depth, trial)]
-                reply = ask(session, s, args.task, args.fresh)
-                st = reply.stats
-                ok = score(args.task, reply.text, s.answer, s.key)
-                trials.append(
-                    {
-                        "task": args.task,
-                        "config": name,
-                        "config_path": config,
-                        "mode": eng.config.mode,
-                        "length": length,
-                        "filler": filler,
-                        "phrasing": s.phrasing,
-                        "depth": depth,
-                        "trial": trial,
-                        "prompt_tokens": len(s.tokens),
-                        "prefilled_tokens": st.prompt_tokens,
-                        "answer": s.answer,
-                        "reply": reply.text,
-                        "correct": ok,
-                        "prefill_s": st.prefill_s,
-                        "decode_s": st.decode_s,
-                        "prefill_tok_s": st.prefill_tok_s,
-                        "decode_tok_s": st.decode_tok_s,
-                        "load_s": load_s,
-                    }
-                )
+                answers = [(name, ask(session, s, args.task, args.fresh))]
+                for vname, lc in variants:  # the same prompt, answered again on the same cache
+                    base = sparse_cache(eng).retune(lc)
+                    try:
+                        answers.append((f"{name}+{vname}", ask(session, s, args.task, False)))
+                    finally:
+                        sparse_cache(eng).retune(base)
+                for label, reply in answers:
+                    record(trials, args, label, config, eng, s, (length, filler, depth, trial), reply, load_s)
+                    if args.verbose:
+                        print(f"{label} {length} {filler} {depth:g} #{trial}: "
+                              f"{'OK ' if trials[-1]['correct'] else 'BAD'} answer={s.answer!r} "
+                              f"reply={reply.text!r}", flush=True)
+                st = answers[0][1].stats
                 bar.update(
                     job,
                     advance=1,
                     info=f"{length} tok, {filler}, depth {depth:g}: "
-                    f"{st.prefill_tok_s:.0f} tok/s prefill, {'ok' if ok else 'wrong'}",
+                    f"{st.prefill_tok_s:.0f} tok/s prefill, {'ok' if trials[-len(answers)]['correct'] else 'wrong'}",
                 )
-                if args.verbose:
-                    print(
-                        f"{name} {length} {filler} {depth:g} #{trial}: {'OK ' if ok else 'BAD'} "
-                        f"answer={s.answer!r} reply={reply.text!r}",
-                        flush=True,
-                    )
             del eng
     if args.save_misses:
         save_misses(args.save_misses, args.task, trials, samples)
     return aggregate(trials), trials
+
+
+def load_variants(args, config: str, eng) -> list[tuple[str, object]]:
+    """``--variant`` as (name, LongContextConfig): the config's long_context with the variant's keys (checked
+    as ``--set`` values are); none for a config that is not long_context."""
+    if not args.variant or eng.config.mode != "long_context":
+        return []
+    out = []
+    for spec in args.variant:
+        vname, _, sets = spec.partition(":")
+        if not vname or not sets:
+            raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+        keys = [kv if "." in kv.split("=", 1)[0] else f"long_context.{kv}" for kv in sets.split(",")]
+        cfg = load_config(None if config in BUILTIN else config, [*args.set, *keys])
+        lc = sparse_cache(eng).lc  # the cache's knobs with the variant's
+        lc = dataclasses.replace(lc, **{f.name: getattr(cfg.long_context, f.name) for f in dataclasses.fields(lc)
+                                        if getattr(cfg.long_context, f.name) != getattr(lc, f.name)})
+        sparse_cache(eng).retune(sparse_cache(eng).retune(lc))  # refused here if a key cannot change
+        out.append((vname, lc))
+    return out
+
+
+def sparse_cache(eng):
+    """The engine's LongContextCache (a Gemma 3 hybrid cache's global layers')."""
+    return getattr(eng.cache, "main", eng.cache)
+
+
+def record(trials: list[dict], args, label: str, config: str, eng, s, key: tuple, reply, load_s: float) -> None:
+    length, filler, depth, trial = key
+    st = reply.stats
+    trials.append(
+        {
+            "task": args.task,
+            "config": label,
+            "config_path": config,
+            "mode": eng.config.mode,
+            "length": length,
+            "filler": filler,
+            "phrasing": s.phrasing,
+            "depth": depth,
+            "trial": trial,
+            "prompt_tokens": len(s.tokens),
+            "prefilled_tokens": st.prompt_tokens,
+            "answer": s.answer,
+            "reply": reply.text,
+            "correct": score(args.task, reply.text, s.answer, s.key),
+            "prefill_s": st.prefill_s,
+            "decode_s": st.decode_s,
+            "prefill_tok_s": st.prefill_tok_s,
+            "decode_tok_s": st.decode_tok_s,
+            "load_s": load_s,
+        }
+    )
 
 
 def save_misses(folder: str, task: str, trials: list[dict], samples: dict) -> None:
@@ -361,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (all configs)"
     )
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="answer each prompt again under these decode-time long_context knobs (see above)")
     ap.add_argument("--json", default=None, help="write {meta, rows, trials} here")
     ap.add_argument("--png", default=None, help="write the depth x length heatmap here")
     ap.add_argument(

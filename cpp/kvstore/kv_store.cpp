@@ -111,6 +111,16 @@ void KVStore::set_walk_index(bool on) {
   sel_.set_walk_index(on);
 }
 
+void KVStore::set_sticky_blocks(int R) {
+  if (R < 0 || R > kMaxStickyBlocks)
+    throw std::invalid_argument("sticky_blocks must be in [0, " + std::to_string(kMaxStickyBlocks) +
+                                "] (0 = off), got " + std::to_string(R));
+  std::lock_guard<std::mutex> lk(mu_);
+  lay_.cfg.sticky_blocks = R;
+  for (StickyLayer& S : sticky_) S = StickyLayer{};
+  forced_cols_ = 0;
+}
+
 // ---- append ----
 
 void KVStore::update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance) {

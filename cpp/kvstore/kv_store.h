@@ -108,6 +108,9 @@ class KVStore {
   IndexStats last_index_stats() const;
   // Selections walk the hierarchical index (the default) or scan every block (BlockSelector::set_walk_index).
   void set_walk_index(bool on);
+  // StoreConfig::sticky_blocks from now on (0..kMaxStickyBlocks, else std::invalid_argument); the blocks kept
+  // so far are dropped (the next step selects without any).
+  void set_sticky_blocks(int R);
 
  private:
   const StoreLayer& layer_at(int layer) const;

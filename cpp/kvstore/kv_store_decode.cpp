@@ -99,6 +99,8 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
     sticky_forced(L, layer, req, n_sets);
     block_lse_.resize(size_t(lay_.cfg.n_kv_heads) * out_cols * (H / lay_.cfg.n_kv_heads));
     blse = block_lse_.data();
+  } else {
+    forced_cols_ = 0;  // (none from a step before set_sticky_blocks(0))
   }
   CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/true);
   if (C) cand_.copy_tiles(L, *C);  // the attention reads the candidates' tiles from the cache's copy

@@ -16,7 +16,8 @@ position p; index init_end + j holds position buf0 + j (buf0 block aligned, <= t
 compacted (the local window moved to the front) only when a pass would not fit, so decode appends in
 place; capacity = local_windows_len + block_size + chunk_size, independent of the prompt length.
 
-Prefill (T > 1) stays exact: the chunk's queries attend to the context blocks through ``store.attend``
+A prompt's passes stay exact (a last chunk of one token too: ``begin_prompt`` tells it from a decode
+step): the chunk's queries attend to the context blocks through ``store.attend``
 with the queries regrouped as [KVH, T * G] "heads" (every query of a KV head's group, every context
 block), so past K/V are read in place from DRAM in their stored type: nothing is copied back to the
 device and nothing is dequantised into a buffer. It reads each past token once per chunk, i.e.
@@ -28,12 +29,13 @@ token is planned here (``plan_decode``) and run by ``ktquest.native.decode`` in 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from ktquest.config import Config, ConfigError
+from ktquest.config import Config, ConfigError, LongContextConfig
 from ktquest.kv.attention import FLASH_CPU, merge_attention
 from ktquest.kv.base import TokenPlan
 from ktquest.kv.layer_prefill import LongContextPromptLayers
@@ -56,6 +58,7 @@ class _Geometry:
     mask_rows: torch.Tensor | None = None  # [T*G, W]: the mask per query row (t, g)
     width: int = 0  # W: window buffer indexes 0..W-1 in use
     skip: tuple[int, int] = (0, 0)  # decode: window indexes [a, b) that left the window (the mask's -inf)
+    decode: bool = False  # a decode step (one token past the prompt): it selects; a prompt's pass reads every block
 
 
 class LongContextCache(LongContextFileState):
@@ -109,8 +112,11 @@ class LongContextCache(LongContextFileState):
 
     def begin_prompt(self, end: int) -> None:
         """The prompt read next ends at position ``end``: sparse prefill reads the chunks that hold its last
-        ``prefill.exact_tail`` tokens exactly (a pass that was not announced has no exact tail)."""
+        ``prefill.exact_tail`` tokens exactly (a pass that was not announced has no exact tail), and a pass
+        of one token that ends by ``end`` is the prompt's (exact, its query recorded for SnapKV), not a
+        decode step."""
         self.exact_from = end - self.cfg.prefill.exact_tail
+        self.prompt_end = end
 
     def prompt_layers(self, start: int, n: int) -> LongContextPromptLayers:
         """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``; kv/layer_prefill.py)."""
@@ -130,7 +136,27 @@ class LongContextCache(LongContextFileState):
         self.buf0 = self.init_end  # position of window index init_end
         self.geo = _Geometry()
         self.exact_from = self.max_seq_len  # begin_prompt: chunks ending past it are read exactly
+        self.prompt_end = 0  # begin_prompt: a one-token pass that ends by it is a prompt's, not a decode step
         self.planner.reset()
+
+    # long_context keys that only the decode steps read: ``retune`` changes them on a filled cache
+    RETUNABLE = ("second_select_num", "sticky_blocks", "token_step", "layer_step", "dense_layer_num")
+
+    def retune(self, lc: LongContextConfig) -> LongContextConfig:
+        """Select by ``lc`` from the next decode step on; it differs from this cache's knobs in ``RETUNABLE``
+        keys only. The tokens, the store and SnapKV's candidates stay, the selections kept so far are
+        dropped: one prompt read once, answered under several selections (tools/eval_longctx.py
+        --variant). Returns the knobs before. The engine's config still shows the ones it was loaded with."""
+        changed = [f.name for f in dataclasses.fields(lc) if getattr(lc, f.name) != getattr(self.lc, f.name)]
+        fixed = [k for k in changed if k not in self.RETUNABLE]
+        if fixed:
+            raise ConfigError(f"long_context.{fixed[0]} cannot change on a filled cache (only "
+                              f"{', '.join(self.RETUNABLE)} can): load the engine with it instead")
+        old = self.lc
+        self.store.set_sticky_blocks(lc.sticky_blocks)
+        self.lc = self.planner.lc = lc
+        self.planner.forget_selections()
+        return old
 
     def rewind_point(self, n: int) -> int:
         """``KVCache.rewind_point``: every prefix is kept exactly."""
@@ -141,6 +167,7 @@ class LongContextCache(LongContextFileState):
         if not 0 <= n <= self.pos:
             raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
         self.store.truncate(-1, n)  # also drops what an interrupted pass appended to the first layers
+        self.prompt_end = min(self.prompt_end, n)
         if n == self.pos:
             return
         self.pos = n
@@ -155,7 +182,7 @@ class LongContextCache(LongContextFileState):
                 self.win_k[layer, :, ie: ie + m] = k.transpose(0, 1).to(self.win_k)
                 self.win_v[layer, :, ie: ie + m] = v.transpose(0, 1).to(self.win_v)
             self.buf0 = loc0
-        self.planner.truncated()
+        self.planner.truncated(n)
 
     def nbytes(self) -> int:
         """KV bytes held: the DRAM store's blocks in use, its copy of the candidates, the device windows."""
@@ -245,7 +272,8 @@ class LongContextCache(LongContextFileState):
         # p(j) is in the init window or in [loc0, ...). Decode sees every index but the dropped ones.
         drop = loc0 - self.buf0 if start >= self.init_end else 0  # positions [buf0, loc0) left the window
         skip = (0, 0)
-        if T == 1:
+        decode = T == 1 and start + T > self.prompt_end
+        if decode:
             mask = None
             if drop > 0:
                 skip = (self.init_end, self.init_end + drop)
@@ -259,8 +287,8 @@ class LongContextCache(LongContextFileState):
             ok = (p[None, :] <= qpos) & ((p < self.init_end) | (p >= loc0))[None, :]
             mask = torch.zeros(T, width, device=self.device).masked_fill_(~ok, float("-inf"))
         rows = None if mask is None else mask.repeat_interleave(self.G, 0)  # [T*G, W]
-        self.geo = _Geometry(start, T, loc0, mask, rows, width, skip)
-        if T > 1:
+        self.geo = _Geometry(start, T, loc0, mask, rows, width, skip, decode)
+        if not decode:
             self.planner.begin_prefill()
         else:
             self.planner.begin_decode()
@@ -276,7 +304,7 @@ class LongContextCache(LongContextFileState):
         if layer_idx == 0:
             self._begin_pass(start_pos, T)
         g = self.geo
-        if T == 1 and self._native_decode:
+        if g.decode and self._native_decode:
             return self._decode_native(layer_idx, q, k, v, start_pos)
         # ---- device part: init + local windows + this chunk, dense ----
         w0 = self._window_row(start_pos)
@@ -289,7 +317,7 @@ class LongContextCache(LongContextFileState):
         # ---- store part: the context blocks [ib, lb) ----
         lb = g.loc0 // self.bs
         if lb > self.ib:
-            if T == 1:
+            if g.decode:
                 out_s, lse_s = self._decode_context(layer_idx, q, lb)
                 out_s, lse_s = out_s.to(self.device)[None], lse_s.to(self.device)[None]
             else:
@@ -300,11 +328,11 @@ class LongContextCache(LongContextFileState):
         if kc.device.type != "cpu":
             kc, vc = kc.cpu(), vc.cpu()
         self.store.append(layer_idx, kc, vc, imp)
-        if T > 1:
+        if not g.decode:
             self.planner.record_queries(layer_idx, q, start_pos)
         if layer_idx == self.n_layers - 1:
             self.pos = start_pos + T
-            if T > 1:
+            if not g.decode:
                 self.planner.queries_recorded(start_pos, T)
         return out_w.to(q.dtype)
 

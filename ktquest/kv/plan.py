@@ -77,6 +77,7 @@ class DecodePlanner:
     def reset(self) -> None:
         """Forget every selection, candidate list and recorded query; zero the statistics."""
         self.q_win_span = (0, 0)  # positions [a, b) whose queries q_win holds (last b - a slots)
+        self._q_recording = False  # record_queries ran for a pass that queries_recorded has not closed
         self.forget()
         self.stats = SelectionStats([0] * self.n_layers, [0] * self.n_layers, [0] * self.n_layers)
 
@@ -91,9 +92,23 @@ class DecodePlanner:
         self.presel_pending = [False] * self.n_layers
         self.decode_step = 0
 
-    def truncated(self) -> None:
-        """The cache dropped tokens: the recorded queries and every selection may name them."""
-        self.q_win_span = (0, 0)
+    def forget_selections(self) -> None:
+        """Drop the selections (not the candidates): the next decode step of each layer selects anew."""
+        self.sel = [None] * self.n_layers
+        self._token_steps = None
+
+    def truncated(self, n: int) -> None:
+        """The cache keeps its first ``n`` tokens: every selection may name dropped blocks; the recorded
+        queries of positions below ``n`` stay (a query depends on its prefix only), so a prompt rewound to
+        a prefix and read on preselects as it did when read whole."""
+        a, b = self.q_win_span
+        if self._q_recording or n <= a:  # (a pass stopped between its layers' records: slots disagree)
+            self.q_win_span = (0, 0)
+        elif n < b:  # positions [a, n) move to the last slots
+            W = self.q_win.shape[1]
+            self.q_win[:, W - (n - a):] = self.q_win[:, W - (b - a): W - (b - n)].clone()
+            self.q_win_span = (a, n)
+        self._q_recording = False
         self.forget()
 
     def begin_prefill(self) -> None:
@@ -265,6 +280,7 @@ class DecodePlanner:
     def record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
         """Keep the last W prefill queries of the layer (q_win_span, updated by ``queries_recorded`` after
         the last layer, says which positions they are). q: [T, H, D]."""
+        self._q_recording = True
         W = self.q_win.shape[1]
         keep = q[-W:]
         n = keep.shape[0]
@@ -276,6 +292,7 @@ class DecodePlanner:
         """Every layer recorded the queries of positions [start, start + T)."""
         a, b = self.q_win_span
         end = start + T
+        self._q_recording = False
         self.q_win_span = (max(a if b == start else start, end - self.q_win.shape[1]), end)
 
     def _preselect(self, layer: int, lb: int) -> None:

@@ -382,6 +382,13 @@ class KVStore:
         store (tools/bench_decode.py --selection-views)."""
         self._st.set_walk_index(bool(on))
 
+    def set_sticky_blocks(self, R: int) -> None:
+        """``sticky_blocks`` from now on (a decode-time knob: ``LongContextCache.retune``); the blocks kept so
+        far are dropped, so the next step selects without any."""
+        R = check_int(R, "sticky_blocks", 0)
+        self._st.set_sticky_blocks(R)
+        self.sticky_blocks = R
+
     def _outputs(self, H: int, out, lse):
         """(out [H, D], lse [H]) tensors and their numpy views; shapes are checked by the binding."""
         if out is None:
