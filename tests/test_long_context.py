@@ -490,6 +490,33 @@ def test_retune_decodes_as_a_cache_loaded_with_the_knobs(tiny, name):
         a.retune(dataclasses.replace(a.lc, block_size=8))
 
 
+def test_retuned_preselection_answers_a_prompt_read_again_as_a_loaded_cache(tiny):
+    """quest retuned to Ada-SnapKV's knobs (preselect_block, its count, ada_budget) after a reply, the
+    question's last token read again: the candidates, the logits and the tokens of a cache loaded with them
+    that did the same, bit for bit; retuned back, none."""
+    base = _tiny_cfg("quest", dense_layer_num=0)
+    knobs = dict(preselect_block=True, preselect_block_count=10, ada_budget=True, sticky_blocks=1)
+    other = dataclasses.replace(base, long_context=dataclasses.replace(base.long_context, **knobs))
+    prompt = torch.arange(3, 170) * 13 % 250
+    a, c = LongContextCache(tiny.args, base, 256), LongContextCache(tiny.args, other, 256)
+    for x in (a, c):
+        prefill(tiny, x, prompt, 32)
+        for tok in (5, 9, 11):
+            decode_one_token(tiny, x, tok)
+    a.retune(other.long_context)
+    la, lc = (prefill(tiny, x, prompt[-1:], 32) for x in (a.truncate(len(prompt) - 1) or a,
+                                                            c.truncate(len(prompt) - 1) or c))
+    for _ in range(8):
+        assert torch.equal(la, lc)
+        tok = int(lc.argmax())
+        la, lc = decode_one_token(tiny, a, tok), decode_one_token(tiny, c, tok)
+        for layer in range(tiny.args.n_layers):
+            assert a.candidates(layer) is not None and torch.equal(a.candidates(layer), c.candidates(layer))
+    a.retune(base.long_context)
+    decode_one_token(tiny, a, 7)
+    assert all(a.candidates(layer) is None for layer in range(tiny.args.n_layers))
+
+
 @pytest.mark.parametrize("cut", [1, 5, 40])
 def test_a_rewound_prompt_preselects_as_when_read_whole(tiny, cut):
     """SnapKV scores the context with the prompt's last preselect_window queries: rewound by ``cut`` tokens

@@ -139,13 +139,19 @@ class LongContextCache(LongContextFileState):
         self.prompt_end = 0  # begin_prompt: a one-token pass that ends by it is a prompt's, not a decode step
         self.planner.reset()
 
-    # long_context keys that only the decode steps read: ``retune`` changes them on a filled cache
-    RETUNABLE = ("second_select_num", "sticky_blocks", "token_step", "layer_step", "dense_layer_num")
+    # long_context keys that only the decode steps read: ``retune`` changes them on a filled cache; the SnapKV
+    # ones choose the candidates again at the next decode step, from the prompt's recorded queries
+    PRESELECT_KEYS = ("preselect_block", "preselect_block_count", "preselect_pool_kernel", "ada_budget",
+                      "ada_alpha", "ada_gqa_merge")
+    RETUNABLE = ("second_select_num", "sticky_blocks", "token_step", "layer_step", "dense_layer_num",
+                 *PRESELECT_KEYS)
 
     def retune(self, lc: LongContextConfig) -> LongContextConfig:
         """Select by ``lc`` from the next decode step on; it differs from this cache's knobs in ``RETUNABLE``
-        keys only. The tokens, the store and SnapKV's candidates stay, the selections kept so far are
-        dropped: one prompt read once, answered under several selections (tools/eval_longctx.py
+        keys only. The tokens and the store stay, the selections kept so far are dropped; SnapKV's candidates
+        stay unless a ``PRESELECT_KEYS`` knob changed, and are then chosen again at the next decode step by
+        the last prompt's recorded queries, over the context as it stands (a prompt read again: as when it
+        was first read). So one prompt read once is answered under several selections (tools/eval_longctx.py
         --variant). Returns the knobs before. The engine's config still shows the ones it was loaded with."""
         changed = [f.name for f in dataclasses.fields(lc) if getattr(lc, f.name) != getattr(self.lc, f.name)]
         fixed = [k for k in changed if k not in self.RETUNABLE]
@@ -156,6 +162,8 @@ class LongContextCache(LongContextFileState):
         self.store.set_sticky_blocks(lc.sticky_blocks)
         self.lc = self.planner.lc = lc
         self.planner.forget_selections()
+        if any(k in self.PRESELECT_KEYS for k in changed):
+            self.planner.preselect_again()
         return old
 
     def rewind_point(self, n: int) -> int:

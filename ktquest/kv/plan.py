@@ -97,6 +97,14 @@ class DecodePlanner:
         self.sel = [None] * self.n_layers
         self._token_steps = None
 
+    def preselect_again(self) -> None:
+        """Drop the candidates: the next decode step preselects (``lc.preselect_block``) from the recorded
+        queries."""
+        self.allowed, self.allowed_np = [None] * self.n_layers, [None] * self.n_layers
+        self.allowed_lb = [0] * self.n_layers
+        self.presel_pending = [self.lc.preselect_block] * self.n_layers
+        self._token_steps = None
+
     def truncated(self, n: int) -> None:
         """The cache keeps its first ``n`` tokens: every selection may name dropped blocks; the recorded
         queries of positions below ``n`` stay (a query depends on its prefix only), so a prompt rewound to
