@@ -15,7 +15,6 @@ MAX_CONFIG_BYTES = 1 << 20  # a config is a few lines
 _MAX_YAML_DEPTH = 8  # the schema nests 2 levels; deeper YAML would only recurse in the parser
 
 
-
 class ConfigError(ValueError):
     """A YAML file or override does not fit the schema."""
 
@@ -32,7 +31,6 @@ def show(value: Any) -> str:
         return f"<an integer of {value.bit_length()} bits>"  # repr of a huge int is slow or refused
     r = _REPR.repr(value)
     return r if len(r) <= 80 else r[:77] + "..."
-
 
 
 class _YAMLLoader(yaml.SafeLoader):

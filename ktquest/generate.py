@@ -116,8 +116,9 @@ def prefill_heap():
 
 
 def prefill_chunk(model, cache, chunk: torch.Tensor) -> torch.Tensor:
-    """Feed one chunk [C] at cache.pos; returns its last token's logits [V]. A chunk of one token is a
-    decode step (``decode_one_token``: on the CPU with Q8_0 weights, the native path)."""
+    """Feed one chunk [C] at cache.pos; returns its last token's logits [V]. A chunk of one token goes
+    through ``decode_one_token`` (on the CPU with GGUF weights, the native path); the cache still reads a
+    prompt's token as the prompt's, exactly (``begin_prompt``)."""
     if chunk.shape[0] == 1:
         return decode_one_token(model, cache, int(chunk[0]))
     return model(chunk, cache.pos, cache, last_only=True)[0]  # [V]

@@ -199,7 +199,7 @@ def test_eval_longctx_variants_answer_as_loaded_configs(bundled_gguf, tmp_path, 
     full), while reading one token a variant. A knob the prompt was read with is refused, naming it."""
     tool = _tool("eval_longctx")
     quest = str(Path(__file__).resolve().parent.parent / "configs" / "quest.yaml")
-    common = ["--task", "passkey", "--lengths", "1100", "--depths", "0.3,0.7", "--trials", "1", "--seed", "2",
+    common = ["--task", "passkey", "--lengths", "1100", "--depths", "0.2,0.4", "--trials", "1", "--seed", "2",
               "--fillers", "prose", "--model", str(bundled_gguf), "--threads", "2", "--quiet"]
 
     def trials(*extra):
@@ -208,19 +208,24 @@ def test_eval_longctx_variants_answer_as_loaded_configs(bundled_gguf, tmp_path, 
         return json.loads(out_json.read_text())["trials"]
 
     got = trials("--configs", quest, "--variant", "same:sticky_blocks=0",
-                 "--variant", "s4:sticky_blocks=4,second_select_num=24")
+                 "--variant", "s4:sticky_blocks=4,second_select_num=24",
+                 "--variant", "blind:second_select_num=0,dense_layer_num=0")
     by = collections.defaultdict(list)
     for t in got:
         by[t["config"]].append(t)
-    assert sorted(by) == ["quest", "quest+s4", "quest+same"] and all(len(v) == 2 for v in by.values())
+    assert sorted(by) == ["quest", "quest+blind", "quest+s4", "quest+same"] and all(len(v) == 2 for v in by.values())
     assert [t["reply"] for t in by["quest+same"]] == [t["reply"] for t in by["quest"]]
-    assert all(t["prefilled_tokens"] == 1 for t in by["quest+s4"] + by["quest+same"])
+    assert all(t["prefilled_tokens"] == 1 for t in by["quest+s4"] + by["quest+same"] + by["quest+blind"])
+    # the pass key lies before the local window: quest finds it, with no context block attended none can
+    assert all(t["correct"] for t in by["quest"]) and not any(t["correct"] for t in by["quest+blind"])
     loaded = trials("--configs", quest, "--set", "long_context.sticky_blocks=4",
                     "--set", "long_context.second_select_num=24")
     assert [t["reply"] for t in loaded] == [t["reply"] for t in by["quest+s4"]]
     capsys.readouterr()
     assert tool.main([*common, "--configs", quest, "--variant", "b:block_size=16"]) == 1
-    assert "long_context.block_size cannot change on a filled cache" in capsys.readouterr().err
+    assert "long_context.block_size is not a decode-time knob" in capsys.readouterr().err
+    assert tool.main([*common, "--configs", quest, "--variant", "t:prefill.exact_tail=0"]) == 1
+    assert "prefill.exact_tail is not a long_context key" in capsys.readouterr().err
 
 
 @pytest.mark.slow

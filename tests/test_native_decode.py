@@ -12,11 +12,11 @@ import torch
 
 from ktquest import _C
 from ktquest.config import Config, load_config
-from ktquest.generate import prefill
+from ktquest.generate import decode_one_token, prefill
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.store import KVStore
 from ktquest.models.loader import load_model
-from ktquest.native.decode import NativeDecoder
+from ktquest.native.decode import NativeDecoder, use_native_decode
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -287,3 +287,33 @@ def test_decode_token_dense_checks_its_arguments(tiny_llama):
         _C.decode_token_dense(layers, x, cs, cs, caches, 0, float("nan"), 1)
     _C.decode_token_dense(layers, x, cs, cs, caches, 7, 0.125, 1)
     assert np.isfinite(x).all()
+
+
+@pytest.mark.parametrize("name", ["quest", "snapkv"])
+def test_a_prompts_last_chunk_of_one_token_is_read_exactly(tiny_llama, name):
+    """On the native path too, a prompt whose last chunk is one token reads it as the prompt's (every block,
+    its query recorded for SnapKV), not as a sparse decode step: the same logits, recorded queries and
+    candidates as the prompt read in chunks that end otherwise, and the same tokens after."""
+    model, _ = load_model(tiny_llama.path, encoded=True)
+    use_native_decode(model, 2)
+    assert model.native is not None
+    lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=2, preselect_block_count=4,
+              dense_layer_num=0, kv_type="FP16", anchor_num=2)
+    cfg = dataclasses.replace(preset(name, **lc), chunk_size=32, max_seq_len=256)
+    prompt = torch.arange(3, 68) * 7 % 250  # 65 tokens: chunks of 16 end with one token, of 20 with five
+    caches, logits = [], []
+    for chunk in (16, 20):
+        cache = LongContextCache(model.args, cfg, 256)
+        with torch.inference_mode():
+            out = [prefill(model, cache, prompt, chunk)]
+            for tok in (5, 9, 11, 200):
+                out.append(decode_one_token(model, cache, tok))
+        caches.append(cache)
+        logits.append(torch.stack(out))
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-3, rtol=1e-3)  # (chunking: ~3e-4; a sparse step: ~3)
+    a, b = caches
+    assert a.planner.q_win_span == b.planner.q_win_span == (65 - a.planner.q_win.shape[1], 65)
+    torch.testing.assert_close(a.planner.q_win, b.planner.q_win, atol=2e-3, rtol=1e-3)
+    for layer in range(model.args.n_layers):
+        ca, cb = a.candidates(layer), b.candidates(layer)
+        assert (ca is None) == (cb is None) == (name == "quest") and (ca is None or torch.equal(ca, cb))

@@ -255,6 +255,9 @@ def test_set_sticky_blocks_is_the_constructors(force_scalar):
         assert torch.equal(late_ids, ids)
         decode_token((store, twin, late), g)
     assert not torch.equal(ids, plain)  # the last step kept blocks: the comparison had something to see
+    store.set_sticky_blocks(R)  # the same R again: what the last step kept is dropped
+    ids, plain = step(store, twin, near(ks, 200, g), k, "SEPARATE", excl)
+    assert torch.equal(ids, plain)
     late.set_sticky_blocks(0)
     q = near(ks, 400, g)
     late_ids, plain = step(late, twin, q, k, "SEPARATE", excl)

@@ -152,6 +152,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
             except (ConfigError, ValueError) as e:
                 print(f"skipping {config}: --variant: {e}", file=sys.stderr)
                 bar.advance(job, per_config)
+                del eng, session  # (its store freed before the next config's)
                 continue
             bar.update(job, description=f"{args.task} {name}")
             for key in [(n, f, d, t) for n in lengths for f in fillers for d in depths for t in range(args.trials)]:
@@ -199,11 +200,15 @@ def load_variants(args, config: str, eng) -> list[tuple[str, object]]:
         if not vname or not sets:
             raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
         keys = [kv if "." in kv.split("=", 1)[0] else f"long_context.{kv}" for kv in sets.split(",")]
+        for kv in keys:
+            if not kv.startswith("long_context."):
+                raise ValueError(f"{spec!r}: {kv.split('=', 1)[0]} is not a long_context key")
         cfg = load_config(None if config in BUILTIN else config, [*args.set, *keys])
         lc = sparse_cache(eng).lc  # the cache's knobs with the variant's
         lc = dataclasses.replace(lc, **{f.name: getattr(cfg.long_context, f.name) for f in dataclasses.fields(lc)
                                         if getattr(cfg.long_context, f.name) != getattr(lc, f.name)})
-        sparse_cache(eng).retune(sparse_cache(eng).retune(lc))  # refused here if a key cannot change
+        cache = sparse_cache(eng)
+        cache.retune(cache.retune(lc))  # (on the empty cache: a key that cannot change is refused here)
         out.append((vname, lc))
     return out
 
@@ -457,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "seed": args.seed,
         "sets": args.set,
+        "variants": args.variant,
         "fresh": args.fresh,
         "wall_s": wall,
         "compute_s": compute,

@@ -152,12 +152,13 @@ class LongContextCache(LongContextFileState):
         stay unless a ``PRESELECT_KEYS`` knob changed, and are then chosen again at the next decode step by
         the last prompt's recorded queries, over the context as it stands (a prompt read again: as when it
         was first read). So one prompt read once is answered under several selections (tools/eval_longctx.py
-        --variant). Returns the knobs before. The engine's config still shows the ones it was loaded with."""
+        --variant). Returns the knobs before. The engine's config, and a KV file saved from the cache, still
+        show the ones it was loaded with."""
         changed = [f.name for f in dataclasses.fields(lc) if getattr(lc, f.name) != getattr(self.lc, f.name)]
         fixed = [k for k in changed if k not in self.RETUNABLE]
         if fixed:
-            raise ConfigError(f"long_context.{fixed[0]} cannot change on a filled cache (only "
-                              f"{', '.join(self.RETUNABLE)} can): load the engine with it instead")
+            raise ConfigError(f"long_context.{fixed[0]} is not a decode-time knob: it cannot change once the cache "
+                              f"is made (only {', '.join(self.RETUNABLE)} can); load the engine with it instead")
         old = self.lc
         self.store.set_sticky_blocks(lc.sticky_blocks)
         self.lc = self.planner.lc = lc
@@ -256,6 +257,7 @@ class LongContextCache(LongContextFileState):
             self.truncate(start)  # rewrite from an earlier position: forget the rest
         elif self.store.length(0) != start:  # a pass interrupted half-way: drop its first layers' tokens
             self.store.truncate(-1, start)
+            self.planner.pass_abandoned()
         if start + T > self.max_seq_len:
             raise ValueError(f"KV cache overflow: positions {start}..{start + T - 1} do not fit in "
                              f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
@@ -430,11 +432,13 @@ class LongContextCache(LongContextFileState):
     def plan_decode(self, pos: int) -> TokenPlan | None:
         """The native plan of a decode token at ``pos`` (``KVCache.plan_decode``): every layer's window
         geometry and store part (``DecodePlanner.token_steps``). None where the native path does not apply
-        (a GPU, DYNAMIC anchors) or the selection needs the query first (Ada-KV budgets in SEPARATE mode)."""
-        if not self._native_decode or self.planner.needs_query:
+        (a GPU, DYNAMIC anchors), the selection needs the query first (Ada-KV budgets in SEPARATE mode), or
+        the token is a prompt's (``begin_prompt``: read exactly, through ``attend``)."""
+        if not self._native_decode or self.planner.needs_query or pos < self.prompt_end:
             return None
         self._begin_pass(pos, 1)
         g = self.geo
+        assert g.decode
         steps = self.planner.token_steps(g.loc0 // self.bs)
         return TokenPlan(pos, self.store.native, self._win_np, self._window_row(pos), g.width, g.skip, self.scale,
                          steps.plans, state=steps)

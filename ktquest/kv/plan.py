@@ -105,6 +105,13 @@ class DecodePlanner:
         self.presel_pending = [self.lc.preselect_block] * self.n_layers
         self._token_steps = None
 
+    def pass_abandoned(self) -> None:
+        """A pass stopped between its layers is written again: the queries some layers recorded for it
+        moved their slots, so the recorded window is dropped."""
+        if self._q_recording:
+            self.q_win_span = (0, 0)
+            self._q_recording = False
+
     def truncated(self, n: int) -> None:
         """The cache keeps its first ``n`` tokens: every selection may name dropped blocks; the recorded
         queries of positions below ``n`` stay (a query depends on its prefix only), so a prompt rewound to
@@ -308,13 +315,14 @@ class DecodePlanner:
         layer, scored by the last prefill queries (Ada-SnapKV budgets with ``ada_budget``)."""
         self.presel_pending[layer] = False
         a, b = self.q_win_span
-        if b <= a or lb <= self.ib:
+        nb = min(lb, b // self.store.block_size)  # (after a retune mid-reply: later blocks join as new ones)
+        if b <= a or nb <= self.ib:
             return
         self.stats.preselect_calls += 1
         k, _ = self.store.read_range(layer, 0, b)  # [b, KVH, D] fp32: one layer's keys, once per prefill
         qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu()  # [W, H, D]
-        sets = snapkv_preselect(qw, k, a, self.lc, exclude=[(0, self.ib)], n_blocks=lb)
+        sets = snapkv_preselect(qw, k, a, self.lc, exclude=[(0, self.ib)], n_blocks=nb)
         allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
         for i, s in enumerate(sets):  # a few KV heads, once per prefill
             allowed[i, : len(s)] = s.to(torch.int32)
-        self._set_allowed(layer, allowed, lb)
+        self._set_allowed(layer, allowed, nb)
