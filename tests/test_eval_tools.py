@@ -261,13 +261,16 @@ def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
     assert tool.budget_sets(str(plain), 2048) == ["second_select_num=64", "preselect_block_count=64"]
     rc = tool.main(["--model", str(bundled_gguf), "--length", "400", "--positions", "8", "--budget", "4096",
                     "--configs", "configs/quest.yaml", "--set", "long_context.local_windows_len=64",
+                    "--variant", "one:second_select_num=1,dense_layer_num=0",
                     "--threads", "2", "--json", str(out_json)])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| dense | all | 1.000 | 0.0000 |" in out and "| quest | 512 x 8 |" in out
-    dense, quest = json.loads(out_json.read_text())
+    assert "| dense | all | 1.000 | 0.0000 |" in out and "| quest | 512 x 8 |" in out and "| quest+one | 1 x 8 |" in out
+    dense, quest, one = json.loads(out_json.read_text())
     assert (dense["config"], dense["top1_agreement"], dense["kl_mean"]) == ("dense", 1.0, 0.0)
     assert quest["top1_agreement"] == 1.0 and 0 <= quest["kl_mean"] < 1e-3 and quest["positions"] == 8
+    # the variant on the same prompt: one 8-token block a step instead of all, in every layer
+    assert one["config"] == "quest+one" and one["kl_mean"] > 10 * quest["kl_mean"]
     assert {"config", "budget", "top1_agreement", "kl_mean", "kl_max", "top1_accuracy", "nll", "decode_tok_s",
             "length"} <= quest.keys()
 
@@ -307,6 +310,10 @@ def test_bench_decode_selection_views(bundled_gguf, tmp_path, capsys):
     assert [r["label"] for r in rows] == ["snapkv", "snapkv/all-blocks-index", "snapkv/all-blocks-flat"]
     assert all(len(r["decode_rounds_tok_s"]) == 2 and r["prefill_s"] == rows[0]["prefill_s"] for r in rows)
     assert "decode through the index is" in capsys.readouterr().out
+    # a max_seq_len the rounds would overrun (the runner's and its views' tokens after the context): refused first
+    with pytest.raises(SystemExit):
+        tool.main(argv + [x for kv in [*sets, "max_seq_len=712"] for x in ("--set", kv)])
+    assert "max_seq_len=712 leaves 12 positions after the 700-token context; the run decodes 13" in capsys.readouterr().err
 
     r = tool.KtquestRunner(bundled_gguf, "snapkv", "long_context", str(TOOLS.parent / "configs/snapkv.yaml"), 720, 1,
                            0, sets)

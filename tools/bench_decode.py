@@ -252,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         mode, _, path = item.partition("=")
         configs[mode] = path
     torch.set_num_threads(a.threads)
-    max_len = max(contexts) + a.decode_tokens * (a.rounds + 1) + 16
+    # each context's cache takes a warm-up token, then every round's tokens of the runner and of its selection
+    # views (which extend the runner's conversation)
+    room = 1 + a.decode_tokens * a.rounds * (3 if a.selection_views else 1)
+    max_len = max(contexts) + room + 16
     samplings = [s for s in a.sampling.split(",") if s]
     if not samplings or any(s not in ("greedy", "chat") for s in samplings):
         ap.error(f"--sampling {a.sampling}: a comma-separated list of greedy, chat")
@@ -276,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
                 c = r.eng.config
                 if a.selection_views and c.mode == "long_context" and c.long_context.index_group > 0:
                     runners += [SelectionView(r, walk=True), SelectionView(r, walk=False)]
+    for r in runners:  # a --set max_seq_len (or a preset's) that the decode rounds would overrun: refused now,
+        if isinstance(r, KtquestRunner) and r.eng.max_seq_len < max(contexts) + room:  # not after hours of prefill
+            ap.error(f"{r.label}: max_seq_len={r.eng.max_seq_len} leaves {r.eng.max_seq_len - max(contexts)} "
+                     f"positions after the {max(contexts)}-token context; the run decodes {room} there (a warm-up, "
+                     f"{a.rounds} round(s) of {a.decode_tokens}{' for it and each selection view' if a.selection_views else ''}"
+                     f"): raise max_seq_len to at least {max(contexts) + room}")
     if a.peer == "llama.cpp":
         lc = llama_cpp()
         if lc is None:

@@ -165,11 +165,11 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 s = samples[(length, filler, depth, trial)]
                 answers = [(name, ask(session, s, args.task, args.fresh))]
                 for vname, lc in variants:  # the same prompt, answered again on the same cache
-                    base = sparse_cache(eng).retune(lc)
+                    base = eng.cache.retune(lc)
                     try:
                         answers.append((f"{name}+{vname}", ask(session, s, args.task, False)))
                     finally:
-                        sparse_cache(eng).retune(base)
+                        eng.cache.retune(base)
                 for label, reply in answers:
                     record(trials, args, label, config, eng, s, (length, filler, depth, trial), reply, load_s)
                     if args.verbose:
@@ -204,18 +204,12 @@ def load_variants(args, config: str, eng) -> list[tuple[str, object]]:
             if not kv.startswith("long_context."):
                 raise ValueError(f"{spec!r}: {kv.split('=', 1)[0]} is not a long_context key")
         cfg = load_config(None if config in BUILTIN else config, [*args.set, *keys])
-        lc = sparse_cache(eng).lc  # the cache's knobs with the variant's
+        lc = eng.cache.lc  # the cache's knobs (a Gemma 3 hybrid cache: its global layers') with the variant's
         lc = dataclasses.replace(lc, **{f.name: getattr(cfg.long_context, f.name) for f in dataclasses.fields(lc)
                                         if getattr(cfg.long_context, f.name) != getattr(lc, f.name)})
-        cache = sparse_cache(eng)
-        cache.retune(cache.retune(lc))  # (on the empty cache: a key that cannot change is refused here)
+        eng.cache.retune(eng.cache.retune(lc))  # (on the empty cache: a key that cannot change is refused here)
         out.append((vname, lc))
     return out
-
-
-def sparse_cache(eng):
-    """The engine's LongContextCache (a Gemma 3 hybrid cache's global layers')."""
-    return getattr(eng.cache, "main", eng.cache)
 
 
 def record(trials: list[dict], args, label: str, config: str, eng, s, key: tuple, reply, load_s: float) -> None:

@@ -15,11 +15,16 @@ preset keeps exactly what it selects, as SnapKV does). The init and local window
 
     python tools/fidelity.py --length 8192 --positions 256 --budget 1024 \
         --configs configs/quest.yaml,configs/snapkv.yaml --json tools/out/fidelity.json
+
+``--variant NAME:KEY=VALUE[,KEY=VALUE]`` (repeatable; decode-time long_context knobs, as in
+tools/eval_longctx.py) decodes the steps of each config again under those knobs on the same prompt, read
+once (the cache rewound to the prompt's last token, which is read again): rows ``config+NAME``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -34,7 +39,7 @@ from common import HELD_OUT_TEXTS, TEXT_KINDS, context_tokens, write_json
 
 import ktquest
 from ktquest.config import load_config
-from ktquest.generate import decode_one_token
+from ktquest.generate import decode_one_token, prefill
 
 ALL_PRESETS = "configs/quest.yaml,configs/ktransformers.yaml,configs/snapkv.yaml,configs/ada_snapkv.yaml," \
               "configs/ada_quest.yaml"
@@ -53,26 +58,53 @@ def budget_sets(config: str, budget: int) -> list[str]:
 
 @torch.inference_mode()
 def teacher_forced(model_path, config: str | None, sets: list[str], tokens: list[int], positions: int,
-                   threads: int) -> tuple[torch.Tensor, dict]:
-    """Log-probabilities [positions, V] of the last ``positions`` tokens' decode steps, and timings."""
+                   threads: int, variants: list[str] = ()) -> list[tuple[str, torch.Tensor, dict]]:
+    """(variant, log-probabilities [positions, V] of the last ``positions`` tokens' decode steps, timings):
+    the config's own ("") and then each of ``variants``' on the same prompt."""
     overrides = [f"threads={threads}", f"max_seq_len={len(tokens) + 1}", *sets]
     eng = ktquest.load(model=model_path, config=load_config(config, overrides))
     n_prompt = len(tokens) - positions
+    cache = eng.cache  # (a Gemma 3 hybrid cache retunes its global layers)
+    knobs = [(v.partition(":")[0], variant_knobs(config, overrides, v, cache)) for v in variants]
     t0 = time.perf_counter()
     logits = eng.prefill(tokens[:n_prompt])
     t_prefill = time.perf_counter() - t0
-    out = torch.empty(positions, logits.shape[-1])
-    out[0] = torch.log_softmax(logits.float(), -1)  # the prompt's last logits predict tokens[n_prompt]
-    t0 = time.perf_counter()
-    for i in range(1, positions):
-        out[i] = torch.log_softmax(decode_one_token(eng.model, eng.cache, tokens[n_prompt + i - 1]).float(), -1)
-    t_decode = time.perf_counter() - t0
-    info = dict(mode=eng.config.mode, prefill_s=t_prefill, decode_tok_s=(positions - 1) / t_decode,
-                block_size=eng.config.long_context.block_size,
-                second_select_num=eng.config.long_context.second_select_num)
+    runs = []
+    for name, lc in [("", None), *knobs]:
+        if lc is not None:  # the prompt's last token read again under the variant's knobs
+            base = cache.retune(lc)
+            eng.cache.truncate(n_prompt - 1)
+            logits = prefill(eng.model, eng.cache, tokens[n_prompt - 1: n_prompt], eng.config.chunk_size)
+        out = torch.empty(positions, logits.shape[-1])
+        out[0] = torch.log_softmax(logits.float(), -1)  # the prompt's last logits predict tokens[n_prompt]
+        t0 = time.perf_counter()
+        for i in range(1, positions):
+            out[i] = torch.log_softmax(decode_one_token(eng.model, eng.cache, tokens[n_prompt + i - 1]).float(), -1)
+        t_decode = time.perf_counter() - t0
+        lc_now = cache.lc if eng.config.mode == "long_context" else eng.config.long_context
+        runs.append((name, out, dict(mode=eng.config.mode, prefill_s=t_prefill, decode_tok_s=(positions - 1) / t_decode,
+                                     block_size=lc_now.block_size, second_select_num=lc_now.second_select_num)))
+        if lc is not None:
+            cache.retune(base)
     del eng
     gc.collect()
-    return out, info
+    return runs
+
+
+def variant_knobs(config: str | None, overrides: list[str], spec: str, cache):
+    """``--variant`` NAME:KEY=VALUE,... as the cache's long_context knobs with those keys (checked as --set
+    values are, and as decode-time knobs by ``retune`` on the empty cache)."""
+    name, _, sets = spec.partition(":")
+    if not name or not sets:
+        raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+    keys = [kv if "." in kv.split("=", 1)[0] else f"long_context.{kv}" for kv in sets.split(",")]
+    if any(not kv.startswith("long_context.") for kv in keys) or load_config(config, overrides).mode != "long_context":
+        raise SystemExit(f"--variant {spec!r}: long_context keys of a long_context config only")
+    want = load_config(config, [*overrides, *keys]).long_context
+    lc = dataclasses.replace(cache.lc, **{f.name: getattr(want, f.name) for f in dataclasses.fields(want)
+                                          if getattr(want, f.name) != getattr(cache.lc, f.name)})
+    cache.retune(cache.retune(lc))  # a key that cannot change is refused here
+    return lc
 
 
 def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -94,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the text: stdlib (the presets' tuning text) or a held-out kind")
     ap.add_argument("--configs", default=ALL_PRESETS, help="comma-separated YAML presets compared with dense")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every config")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="each config's steps again under these decode-time long_context knobs")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
@@ -111,16 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     tokens = context_tokens(Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata), a.length, a.text)
     targets = torch.tensor(tokens[a.length - a.positions:])
     t_start = time.perf_counter()
-    ref, ref_info = teacher_forced(model_path, None, a.set, tokens, a.positions, a.threads)
+    ((_, ref, ref_info),) = teacher_forced(model_path, None, a.set, tokens, a.positions, a.threads)
     rows = [dict(config="dense", budget=None, **compare(ref, ref, targets), **ref_info)]
     print(f"dense: prefill {ref_info['prefill_s']:.1f} s, decode {ref_info['decode_tok_s']:.1f} tok/s", flush=True)
     for config in [c for c in a.configs.split(",") if c]:
         sets = [*budget_sets(config, a.budget), *a.set]
-        logp, info = teacher_forced(model_path, config, sets, tokens, a.positions, a.threads)
-        rows.append(dict(config=Path(config).stem, budget=a.budget, **compare(ref, logp, targets), **info))
-        r = rows[-1]
-        print(f"{r['config']}: top-1 agreement {r['top1_agreement']:.3f}, mean KL {r['kl_mean']:.4f} "
-              f"(prefill {info['prefill_s']:.1f} s, decode {info['decode_tok_s']:.1f} tok/s)", flush=True)
+        for variant, logp, info in teacher_forced(model_path, config, sets, tokens, a.positions, a.threads,
+                                                  a.variant):
+            name = Path(config).stem + (f"+{variant}" if variant else "")
+            rows.append(dict(config=name, budget=a.budget, **compare(ref, logp, targets), **info))
+            r = rows[-1]
+            print(f"{r['config']}: top-1 agreement {r['top1_agreement']:.3f}, mean KL {r['kl_mean']:.4f} "
+                  f"(prefill {info['prefill_s']:.1f} s, decode {info['decode_tok_s']:.1f} tok/s)", flush=True)
     for r in rows:
         r.update(length=a.length, positions=a.positions, threads=a.threads, text=a.text,
                  held_out=a.text in HELD_OUT_TEXTS)

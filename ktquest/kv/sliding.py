@@ -150,6 +150,15 @@ class HybridCache:
         self.last_layer = args.n_layers - 1
         self.pos = 0
 
+    @property
+    def lc(self):
+        """The global layers' long_context knobs (a long_context ``main``)."""
+        return self.main.lc
+
+    def retune(self, lc):
+        """``LongContextCache.retune`` of the global layers (the only ones that select)."""
+        return self.main.retune(lc)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> torch.Tensor:
         """``KVCache.attend``: the layer's window or the global cache."""
