@@ -261,10 +261,12 @@ def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
     assert tool.budget_sets(str(plain), 2048) == ["second_select_num=64", "preselect_block_count=64"]
     rc = tool.main(["--model", str(bundled_gguf), "--length", "400", "--positions", "8", "--budget", "4096",
                     "--configs", "configs/quest.yaml", "--set", "long_context.local_windows_len=64",
-                    "--variant", "one:second_select_num=1,dense_layer_num=0",
+                    "--variant", "one:second_select_num=1,dense_layer_num=0", "--variant", "bs:block_size=16",
                     "--threads", "2", "--json", str(out_json)])  # fmt: skip
     assert rc == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "skipping --variant bs:block_size=16 for configs/quest.yaml: long_context.block_size is not a " \
+           "decode-time knob" in err
     assert "| dense | all | 1.000 | 0.0000 |" in out and "| quest | 512 x 8 |" in out and "| quest+one | 1 x 8 |" in out
     dense, quest, one = json.loads(out_json.read_text())
     assert (dense["config"], dense["top1_agreement"], dense["kl_mean"]) == ("dense", 1.0, 0.0)

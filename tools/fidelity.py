@@ -38,7 +38,7 @@ sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktqu
 from common import HELD_OUT_TEXTS, TEXT_KINDS, context_tokens, write_json
 
 import ktquest
-from ktquest.config import load_config
+from ktquest.config import ConfigError, load_config
 from ktquest.generate import decode_one_token, prefill
 
 ALL_PRESETS = "configs/quest.yaml,configs/ktransformers.yaml,configs/snapkv.yaml,configs/ada_snapkv.yaml," \
@@ -65,7 +65,12 @@ def teacher_forced(model_path, config: str | None, sets: list[str], tokens: list
     eng = ktquest.load(model=model_path, config=load_config(config, overrides))
     n_prompt = len(tokens) - positions
     cache = eng.cache  # (a Gemma 3 hybrid cache retunes its global layers)
-    knobs = [(v.partition(":")[0], variant_knobs(config, overrides, v, cache)) for v in variants]
+    knobs = []
+    for v in variants:
+        try:
+            knobs.append((v.partition(":")[0], variant_knobs(config, overrides, v, cache)))
+        except ConfigError as e:  # this config cannot take it (the others may): its other rows still come
+            print(f"skipping --variant {v} for {config}: {e}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     logits = eng.prefill(tokens[:n_prompt])
     t_prefill = time.perf_counter() - t0
