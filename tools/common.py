@@ -83,6 +83,28 @@ def mode_config(mode: str, known: dict[str, str | None]) -> str | None:
     return os.fspath(path)
 
 
+def variant_knobs(spec: str, config: str | None, overrides: list[str], cache):
+    """``--variant NAME:KEY=VALUE[,KEY=VALUE]`` as (NAME, the cache's long_context knobs with those keys): the
+    values checked as ``--set`` values are, the keys as decode-time knobs by ``retune`` on the still empty
+    cache (ConfigError); a malformed spec or a key outside long_context is a ValueError."""
+    import dataclasses
+
+    from ktquest.config import load_config
+
+    name, _, sets = spec.partition(":")
+    if not name or not sets:
+        raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+    keys = [kv if "." in kv.split("=", 1)[0] else f"long_context.{kv}" for kv in sets.split(",")]
+    for kv in keys:
+        if not kv.startswith("long_context."):
+            raise ValueError(f"{spec!r}: {kv.split('=', 1)[0]} is not a long_context key")
+    want = load_config(config, [*overrides, *keys]).long_context
+    lc = dataclasses.replace(cache.lc, **{f.name: getattr(want, f.name) for f in dataclasses.fields(want)
+                                          if getattr(want, f.name) != getattr(cache.lc, f.name)})
+    cache.retune(cache.retune(lc))  # a key that cannot change is refused here
+    return name, lc
+
+
 def write_json(path: str | Path, rows) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(rows, indent=2) + "\n")

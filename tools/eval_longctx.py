@@ -28,7 +28,6 @@ cache (the question's last token read again), so a variant costs its decode step
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktquest package
-from common import write_json
+from common import variant_knobs, write_json
 
 import ktquest
 from ktquest.config import ConfigError, load_config
@@ -194,22 +193,7 @@ def load_variants(args, config: str, eng) -> list[tuple[str, object]]:
     as ``--set`` values are); none for a config that is not long_context."""
     if not args.variant or eng.config.mode != "long_context":
         return []
-    out = []
-    for spec in args.variant:
-        vname, _, sets = spec.partition(":")
-        if not vname or not sets:
-            raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
-        keys = [kv if "." in kv.split("=", 1)[0] else f"long_context.{kv}" for kv in sets.split(",")]
-        for kv in keys:
-            if not kv.startswith("long_context."):
-                raise ValueError(f"{spec!r}: {kv.split('=', 1)[0]} is not a long_context key")
-        cfg = load_config(None if config in BUILTIN else config, [*args.set, *keys])
-        lc = eng.cache.lc  # the cache's knobs (a Gemma 3 hybrid cache: its global layers') with the variant's
-        lc = dataclasses.replace(lc, **{f.name: getattr(cfg.long_context, f.name) for f in dataclasses.fields(lc)
-                                        if getattr(cfg.long_context, f.name) != getattr(lc, f.name)})
-        eng.cache.retune(eng.cache.retune(lc))  # (on the empty cache: a key that cannot change is refused here)
-        out.append((vname, lc))
-    return out
+    return [variant_knobs(spec, None if config in BUILTIN else config, args.set, eng.cache) for spec in args.variant]
 
 
 def record(trials: list[dict], args, label: str, config: str, eng, s, key: tuple, reply, load_s: float) -> None:

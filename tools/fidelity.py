@@ -24,7 +24,6 @@ once (the cache rewound to the prompt's last token, which is read again): rows `
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import sys
@@ -35,7 +34,7 @@ import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktquest package
-from common import HELD_OUT_TEXTS, TEXT_KINDS, context_tokens, write_json
+from common import HELD_OUT_TEXTS, TEXT_KINDS, context_tokens, variant_knobs, write_json
 
 import ktquest
 from ktquest.config import ConfigError, load_config
@@ -65,12 +64,16 @@ def teacher_forced(model_path, config: str | None, sets: list[str], tokens: list
     eng = ktquest.load(model=model_path, config=load_config(config, overrides))
     n_prompt = len(tokens) - positions
     cache = eng.cache  # (a Gemma 3 hybrid cache retunes its global layers)
+    if variants and eng.config.mode != "long_context":
+        raise SystemExit(f"--variant {variants[0]!r}: long_context keys of a long_context config only")
     knobs = []
     for v in variants:
         try:
-            knobs.append((v.partition(":")[0], variant_knobs(config, overrides, v, cache)))
+            knobs.append(variant_knobs(v, config, overrides, cache))
         except ConfigError as e:  # this config cannot take it (the others may): its other rows still come
             print(f"skipping --variant {v} for {config}: {e}", file=sys.stderr, flush=True)
+        except ValueError as e:
+            raise SystemExit(f"--variant {e}") from None
     t0 = time.perf_counter()
     logits = eng.prefill(tokens[:n_prompt])
     t_prefill = time.perf_counter() - t0
@@ -94,22 +97,6 @@ def teacher_forced(model_path, config: str | None, sets: list[str], tokens: list
     del eng
     gc.collect()
     return runs
-
-
-def variant_knobs(config: str | None, overrides: list[str], spec: str, cache):
-    """``--variant`` NAME:KEY=VALUE,... as the cache's long_context knobs with those keys (checked as --set
-    values are, and as decode-time knobs by ``retune`` on the empty cache)."""
-    name, _, sets = spec.partition(":")
-    if not name or not sets:
-        raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
-    keys = [kv if "." in kv.split("=", 1)[0] else f"long_context.{kv}" for kv in sets.split(",")]
-    if any(not kv.startswith("long_context.") for kv in keys) or load_config(config, overrides).mode != "long_context":
-        raise SystemExit(f"--variant {spec!r}: long_context keys of a long_context config only")
-    want = load_config(config, [*overrides, *keys]).long_context
-    lc = dataclasses.replace(cache.lc, **{f.name: getattr(want, f.name) for f in dataclasses.fields(want)
-                                          if getattr(want, f.name) != getattr(cache.lc, f.name)})
-    cache.retune(cache.retune(lc))  # a key that cannot change is refused here
-    return lc
 
 
 def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict:
