@@ -32,6 +32,7 @@ Shapes (hyper-parameters from each model's config.json; copies of the official f
 | qwen2.5-14b    | qwen2 | 5120 | 48     | 40/8     | 13824 | 152064 | 1e6        | 32768     | 1e-6  | no   |
 | qwen2.5-14b-1m | qwen2 | 5120 | 48     | 40/8     | 13824 | 152064 | 1e7        | 1010000   | 1e-5  | no   |
 | llama3-8b      | llama | 4096 | 32     | 32/8     | 14336 | 128256 | 5e5        | 8192      | 1e-5  | no   |
+| smollm2-135m   | llama | 576  | 30     | 9/3      | 1536  | (tok.) | 1e5        | 8192      | 1e-5  | yes  |
 | tiny           | qwen2 | 256  | 4      | 4/2      | 640   | (tok.) | 1e6        | 4096      | 1e-6  | yes  |
 
 Sources (Instruct configs; 0.5B/1.5B/7B/14B/7B-1M/Llama-3 through copies that name the original in
@@ -43,7 +44,8 @@ Sources (Instruct configs; 0.5B/1.5B/7B/14B/7B-1M/Llama-3 through copies that na
   qwen2.5-14b     huggingface.co/osllmai-community/Qwen2.5-14B-Instruct/blob/eaddfa685697f74aa707d6cd5cf36784cdcabe05/config.json
   qwen2.5-14b-1m  huggingface.co/Qwen/Qwen2.5-14B-Instruct-1M/blob/d5c878c4e4970d754350de81bb78658bb2748dc4/config.json
   llama3-8b       huggingface.co/zakkosi/jhcode-meta-llama3_eng/blob/main/config.json (Meta-Llama-3-8B-Instruct)
-``tiny`` is ours: small dims for tests, with an ``ffn`` that is not whole 256-blocks so ``ffn_down`` takes
+``smollm2-135m`` is the bundled model's shape (its GGUF metadata), for a machine that has only its tokenizer
+(a GPU machine that the 98 MB file cannot travel to). ``tiny`` is ours: small dims for tests, with an ``ffn`` that is not whole 256-blocks so ``ffn_down`` takes
 the fallback types; its vocabulary is the tokenizer's own. A check of the mix: the qwen2.5-7b file is
 4,681,224,608 bytes; the published Qwen2.5-7B-Instruct-Q4_K_M.gguf files are 4.68 GB
 (huggingface.co/bartowski/Qwen2.5-7B-Instruct-GGUF, lmstudio-community/Qwen2.5-7B-Instruct-GGUF).
@@ -103,6 +105,7 @@ SHAPES = {
     "qwen2.5-14b": Shape("qwen2", 5120, 48, 40, 8, 13824, 152064, 1e6, 32768, 1e-6, False),
     "qwen2.5-14b-1m": Shape("qwen2", 5120, 48, 40, 8, 13824, 152064, 1e7, 1010000, 1e-5, False),
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 5e5, 8192, 1e-5, False),
+    "smollm2-135m": Shape("llama", 576, 30, 9, 3, 1536, None, 1e5, 8192, 1e-5, True),
     "tiny": Shape("qwen2", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, True),
 }
 
