@@ -11,10 +11,7 @@ The windows are block aligned, so the partition of the keys is exact (no token i
     blocks [ib, lb)     context        the store's operator; decode selects among these (minus preselection)
     blocks [lb, ...)    local window   lb = floor((n - local_windows_len) / block_size), n = tokens after the pass
 
-Device window buffer, per layer: ``win_k/win_v [L, KVH, init_end + cap, D]``: index p < init_end holds
-position p; index init_end + j holds position buf0 + j (buf0 block aligned, <= the local start). It is
-compacted (the local window moved to the front) only when a pass would not fit, so decode appends in
-place; capacity = local_windows_len + block_size + chunk_size, independent of the prompt length.
+The device window buffers and their attention are ``kv/windows.py``'s.
 
 A prompt's passes stay exact (a last chunk of one token too: ``begin_prompt`` tells it from a decode
 step): the chunk's queries attend to the context blocks through ``store.attend``
@@ -31,37 +28,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig
-from ktquest.kv.attention import FLASH_CPU, merge_attention
+from ktquest.kv.attention import merge_attention
 from ktquest.kv.base import TokenPlan
 from ktquest.kv.layer_prefill import LongContextPromptLayers
 from ktquest.kv.long_context_state import LongContextFileState
 from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_tokens
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
 from ktquest.kv.store import KVStore
-
-# ---- per-step state ----
-
-
-@dataclass(slots=True)
-class _Geometry:
-    """Where the windows stand for the current pass (the same for every layer)."""
-
-    start: int = 0  # first position of the pass
-    T: int = 0
-    loc0: int = 0  # local window start (block aligned): context blocks are [ib, loc0 // bs)
-    mask: torch.Tensor | None = None  # [T, W] additive, device: 0 = attend, -inf = not this part
-    mask_rows: torch.Tensor | None = None  # [T*G, W]: the mask per query row (t, g)
-    width: int = 0  # W: window buffer indexes 0..W-1 in use
-    skip: tuple[int, int] = (0, 0)  # decode: window indexes [a, b) that left the window (the mask's -inf)
-    decode: bool = False  # a decode step (one token past the prompt): it selects; a prompt's pass reads every block
+from ktquest.kv.windows import DeviceWindows, PassGeometry
 
 
-class LongContextCache(LongContextFileState):
+class LongContextCache(DeviceWindows, LongContextFileState):
     """A ``KVCache`` (kv/base.py) over a DRAM block store and device windows: see the module docstring."""
 
     def __init__(self, args, cfg: Config, max_seq_len: int, device: str | torch.device = "cpu",
@@ -134,7 +115,7 @@ class LongContextCache(LongContextFileState):
         self.store.truncate(-1, 0)
         self.pos = 0
         self.buf0 = self.init_end  # position of window index init_end
-        self.geo = _Geometry()
+        self.geo = PassGeometry()
         self.exact_from = self.max_seq_len  # begin_prompt: chunks ending past it are read exactly
         self.prompt_end = 0  # begin_prompt: a one-token pass that ends by it is a prompt's, not a decode step
         self.planner.reset()
@@ -201,50 +182,6 @@ class LongContextCache(LongContextFileState):
         """Bytes of K/V held on the device (the windows; fixed at construction)."""
         return self.win_k.nbytes + self.win_v.nbytes + self.planner.q_win.nbytes
 
-    def _past(self, start: int) -> tuple[int, tuple[int, int], int]:
-        """Where the keys of the positions before ``start`` (<= pos) lie, disjoint and together all of them: window
-        rows [0, init_rows) and [a, b) on the device, the store's context blocks [ib, lb)."""
-        if start <= self.init_end:
-            return start, (0, 0), self.ib
-        loc0 = max(self.buf0, min(self._local_start(start), start // self.bs * self.bs))
-        return self.init_end, (self._window_row(loc0), self._window_row(start)), loc0 // self.bs
-
-    def _window_rows(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the local-window rows of layer ``layer`` that hold positions [buf0, start): what
-        ``_window_to`` overwrites and ``_window_back`` puts back."""
-        rows = slice(self.init_end, self._window_row(start))
-        return self.win_k[layer, :, rows].clone(), self.win_v[layer, :, rows].clone()
-
-    def _window_to(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``layer``'s windows as they stand after positions [start, start + n) with K/V k, v [KVH, n, D]
-        (the layer held positions [.., start)): the init window's rows, and the local window [buf, start + n)
-        with buf = ``_local_start(start + n)``, from row init_end on. ``buf0`` is the caller's to set once
-        every layer moved."""
-        end, ie = start + k.shape[1], self.init_end
-        wk, wv = self.win_k[layer], self.win_v[layer]  # [KVH, rows, D]
-        if start < ie:  # prompt positions in the init window: rows = positions
-            m = min(end, ie) - start
-            wk[:, start: start + m], wv[:, start: start + m] = k[:, :m], v[:, :m]
-        if end > ie:
-            buf = self._local_start(end)
-            if buf < start:  # its positions before the prompt move to the front (their rows lie further right)
-                src = self._window_row(buf)
-                wk[:, ie: ie + start - buf] = wk[:, src: src + start - buf].clone()
-                wv[:, ie: ie + start - buf] = wv[:, src: src + start - buf].clone()
-            first = max(start, buf)
-            wk[:, ie + first - buf: ie + end - buf] = k[:, first - start:]
-            wv[:, ie + first - buf: ie + end - buf] = v[:, first - start:]
-
-    def _window_back(self, layer: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Undo ``_window_to`` with what ``_window_rows`` copied before it (buf0 unchanged since)."""
-        n = saved[0].shape[1]
-        self.win_k[layer, :, self.init_end: self.init_end + n] = saved[0]
-        self.win_v[layer, :, self.init_end: self.init_end + n] = saved[1]
-
-    def _local_start(self, n: int) -> int:
-        """First position of the local window when n tokens are held (block aligned, >= init_end)."""
-        return max(self.init_end, (n - self.lc.local_windows_len) // self.bs * self.bs)
-
     # ---- the pass ----
 
     def _write_from(self, start: int, T: int) -> None:
@@ -297,7 +234,7 @@ class LongContextCache(LongContextFileState):
             ok = (p[None, :] <= qpos) & ((p < self.init_end) | (p >= loc0))[None, :]
             mask = torch.zeros(T, width, device=self.device).masked_fill_(~ok, float("-inf"))
         rows = None if mask is None else mask.repeat_interleave(self.G, 0)  # [T*G, W]
-        self.geo = _Geometry(start, T, loc0, mask, rows, width, skip, decode)
+        self.geo = PassGeometry(start, T, loc0, mask, rows, width, skip, decode)
         if not decode:
             self.planner.begin_prefill()
         else:
@@ -346,43 +283,6 @@ class LongContextCache(LongContextFileState):
                 self.planner.queries_recorded(start_pos, T)
         return out_w.to(q.dtype)
 
-    def _window_attention(self, layer: int, q: torch.Tensor, g: _Geometry):
-        """Dense attention over the device windows: (out [T, H, D], lse [T, H], probs [KVH, T*G, W]).
-
-        Rows are ordered (t, g) per KV head, so the [T, W] mask broadcasts over G without a copy, and for
-        T = 1 every reshape is a view: a decode step is one baddbmm, a softmax, a logsumexp and one bmm.
-        """
-        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D  # (a CPU fp32 decode step takes _decode_native)
-        keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
-        vals = self.win_v[layer, :, : g.width]
-        qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]
-        if FLASH_CPU is not None and self.device.type == "cpu" and self.lc.anchor_type != "DYNAMIC" \
-                and keys.dtype == torch.float32:
-            # torch's fused CPU flash attention returns the LSE too: 2-3x faster than the explicit ops below.
-            mask = None if g.mask is None else g.mask_rows  # [T*G, W]
-            out, lse = FLASH_CPU(qh[None], keys[None], vals[None], 0.0, False, attn_mask=mask, scale=self.scale)
-            out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
-            return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), None
-        if keys.dtype != torch.float32:
-            qh, keys, vals = qh.float(), keys.float(), vals.float()
-        if g.mask is None:  # decode, nothing to hide
-            s = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)  # [KVH, G, W]
-        elif T == 1:
-            s = torch.baddbmm(g.mask, qh, keys.transpose(1, 2), alpha=self.scale)  # mask [1, W] broadcasts
-        else:
-            s = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)  # [KVH, T*G, W]
-            s.view(KVH, T, G, g.width).add_(g.mask[:, None, :])
-        # softmax and its log-sum-exp in one exp pass, in place (torch.logsumexp would run its own exp over a
-        # temporary of the scores' size): [KVH, T*G, W]
-        m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(s.dtype).min)  # a row of -inf keeps m finite
-        probs = s.sub_(m).exp_()
-        total = probs.sum(-1, keepdim=True)  # >= 1 in every row that has an unmasked key
-        probs.div_(total)
-        lse = (m + total.log()).squeeze(-1)  # [KVH, T*G]
-        out = torch.bmm(probs, vals)  # [KVH, T*G, D]
-        out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
-        return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), probs
-
     def _prefill_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of every chunk query to the context blocks [ib, lb) (all of them, or with sparse prefill
         those ``_prefill_blocks`` picks), read in place from DRAM."""
@@ -423,11 +323,6 @@ class LongContextCache(LongContextFileState):
         return blocks.masked_fill_(blocks == big, -1).to(torch.int32).contiguous()
 
     # ---- decode: which context blocks ----
-
-    def _window_row(self, pos: int) -> int:
-        """Row of position ``pos`` in the window buffers: positions below init_end map to themselves, later
-        ones to init_end + pos - buf0 (buf0 = init_end then)."""
-        return self.init_end + pos - self.buf0 if pos >= self.init_end else pos
 
     def plan_decode(self, pos: int) -> TokenPlan | None:
         """The native plan of a decode token at ``pos`` (``KVCache.plan_decode``): every layer's window
