@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ktquest.config import LongContextConfig
+from ktquest.config import LongContextConfig, load_config
 from ktquest.kv.dense import DenseKVCache
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -207,7 +207,8 @@ def test_eval_longctx_variants_answer_as_loaded_configs(bundled_gguf, tmp_path, 
         assert tool.main([*common, *extra, "--json", str(out_json)]) == 0
         return json.loads(out_json.read_text())["trials"]
 
-    got = trials("--configs", quest, "--variant", "same:sticky_blocks=0",
+    shipped = load_config(quest).long_context.sticky_blocks
+    got = trials("--configs", quest, "--variant", f"same:sticky_blocks={shipped}",
                  "--variant", "s4:sticky_blocks=4,second_select_num=24",
                  "--variant", "blind:second_select_num=0,dense_layer_num=0")
     by = collections.defaultdict(list)

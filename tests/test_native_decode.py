@@ -43,7 +43,7 @@ def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
     model, _ = load_model(tiny_llama.path, encoded=True)
     native = NativeDecoder.build(model, threads=2)
     lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=3, preselect_block_count=6,
-              dense_layer_num=1, kv_type="FP16", anchor_num=2)
+              dense_layer_num=1, kv_type="FP16", anchor_num=2, sticky_blocks=0)
     lc.update(kw)
     cfg = dataclasses.replace(preset(name, **lc), chunk_size=16, max_seq_len=256)
     prompt = torch.arange(3, 70) * 7 % 250

@@ -1,0 +1,24 @@
+#!/bin/bash
+# issue 27, the runs left (2026-11-27): Gemma 3 pass keys and needles at 8K/16K/30K, 10 trials a length (depths
+# 0.1..0.9 x 2), one prefill a store: quest's store answers quest, ada_quest and ada_snapkv too (--variant: the
+# shipped presets' decode knobs on quest's store, which is how they ship). Writes /tmp/q27/; a run whose JSON is
+# there is skipped; copy the finished ones to docs/results/gemma3/.
+cd /work/main
+while pgrep -f "tools/eval_longctx.py|tools/fidelity.py" > /dev/null; do sleep 10; done
+V="--variant ada_quest:ada_budget=true,token_step=2 --variant ada_snapkv:preselect_block=true,preselect_block_count=384,ada_budget=true"
+run() { # task length name args...
+  out=/tmp/q27/${1}_${2}_${3}; t=$1 l=$2; shift 3
+  [ -f $out.json ] && return
+  python tools/eval_longctx.py --model gemma3-270m --task $t --lengths $l --depths 0.1,0.3,0.5,0.7,0.9 --trials 2 \
+    "$@" --seed 0 --threads 2 --quiet --verbose --set sliding_window_keep=32768 --json $out.json > $out.log 2>&1
+}
+store() { # task length: every store at that length
+  run $1 $2 dense --configs dense
+  run $1 $2 quest_variants --configs configs/quest.yaml $V
+  run $1 $2 ktransformers --configs configs/ktransformers.yaml
+  run $1 $2 snapkv --configs configs/snapkv.yaml
+  run $1 $2 quest_sp --configs docs/results/quest_sparse_prefill.yaml
+}
+run needle 8192 ada_quest --configs configs/ada_quest.yaml
+store passkey 16384; store needle 16384; store passkey 30720; store needle 30720
+echo QUEUE DONE
