@@ -111,6 +111,9 @@ class LongContextConfig:
     preselect_block_count: int = 64  # blocks that stay candidates after preselection
     preselect_window: int = 32  # last prompt tokens whose queries score the context (SnapKV W)
     preselect_pool_kernel: int = 7  # max-pool over neighbouring tokens
+    # Candidates chosen by the prompt's last queries go stale over a long reply: every N decode steps a
+    # layer's selection is taken from every context block and its picks join the candidates (0 = never)
+    preselect_refresh: int = 0
     # The preselected candidates' anchors scored from an int8 copy (one scale per block and head; QUEST
     # bounds rounded outward, so they stay upper bounds): half the bytes of fp16 anchors per decode step.
     int8_candidates: bool = False
@@ -149,6 +152,8 @@ class LongContextConfig:
         _check(self.preselect_window >= 1, p + "preselect_window", self.preselect_window, "an integer >= 1")
         _check(self.preselect_pool_kernel >= 1 and self.preselect_pool_kernel % 2 == 1,
                p + "preselect_pool_kernel", self.preselect_pool_kernel, "an odd integer >= 1")
+        _check(self.preselect_refresh >= 0, p + "preselect_refresh", self.preselect_refresh,
+               "an integer >= 0 (0 = never)")
         if self.int8_candidates:
             _check(self.preselect_block, p + "int8_candidates", self.int8_candidates,
                    "false unless preselect_block is true (only the preselected candidates have an int8 copy)")

@@ -495,7 +495,7 @@ def test_retuned_preselection_answers_a_prompt_read_again_as_a_loaded_cache(tiny
     question's last token read again: the candidates, the logits and the tokens of a cache loaded with them
     that did the same, bit for bit; retuned back, none."""
     base = _tiny_cfg("quest", dense_layer_num=0)
-    knobs = dict(preselect_block=True, preselect_block_count=10, ada_budget=True, sticky_blocks=1)
+    knobs = dict(preselect_block=True, preselect_block_count=10, ada_budget=True, sticky_blocks=1, preselect_refresh=3)
     other = dataclasses.replace(base, long_context=dataclasses.replace(base.long_context, **knobs))
     prompt = torch.arange(3, 170) * 13 % 250
     a, c = LongContextCache(tiny.args, base, 256), LongContextCache(tiny.args, other, 256)
@@ -512,6 +512,7 @@ def test_retuned_preselection_answers_a_prompt_read_again_as_a_loaded_cache(tiny
         la, lc = decode_one_token(tiny, a, tok), decode_one_token(tiny, c, tok)
         for layer in range(tiny.args.n_layers):
             assert a.candidates(layer) is not None and torch.equal(a.candidates(layer), c.candidates(layer))
+    assert a.stats.refresh_calls > 0 and a.stats.refresh_calls == c.stats.refresh_calls
     a.retune(base.long_context)
     decode_one_token(tiny, a, 7)
     assert all(a.candidates(layer) is None for layer in range(tiny.args.n_layers))

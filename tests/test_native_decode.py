@@ -35,6 +35,8 @@ def preset(name: str, **lc_overrides) -> Config:
     ("ada_quest", {}),                                       # Ada-KV decode budgets: block by block either way
     ("quest", {"sticky_blocks": 1}),                         # last step's blocks kept (the store's own state)
     ("snapkv", {"sticky_blocks": 1}),                        # ... among the candidates
+    ("snapkv", {"preselect_refresh": 3}),                    # candidates refreshed by a selection from all
+    ("snapkv", {"preselect_refresh": 2, "sticky_blocks": 1}),
 ])
 def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
     """A whole token in one native call (the cache's plan) gives the logits, the selections and the call
@@ -60,12 +62,51 @@ def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
         runs.append((torch.cat(logits), mid + sel, dataclasses.asdict(cache.stats)))
     (l0, s0, st0) = runs[0]
     assert sum(st0["select_calls"]) > 0
+    assert (st0["refresh_calls"] > 0) == (cfg.long_context.preselect_refresh > 0)
     assert (sum(st0["reuse_calls"]) > 0) == (cfg.long_context.token_step > 1 or cfg.long_context.layer_step > 1)
     for l1, s1, st1 in runs[1:]:
         torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
         assert st1 == st0
         for a, b in zip(s0, s1):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_refreshed_candidates_are_the_old_ones_and_the_refresh_picks(tiny_llama, planned):
+    """preselect_refresh R: every R decode steps after preselection a layer selects from every context block
+    (picks outside the candidates allowed) and the picks join its candidates; the steps between select among
+    the candidates only. Without it the candidates only grow by the blocks that enter the context."""
+    model, _ = load_model(tiny_llama.path, encoded=True)
+    native = NativeDecoder.build(model, threads=2)
+    lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=3, preselect_block_count=3,
+              dense_layer_num=0, kv_type="FP16", sticky_blocks=0)
+    prompt = torch.arange(3, 90) * 11 % 250
+    tokens = (5, 9, 11, 200, 7, 31, 64, 2, 90, 17, 3, 8)
+    for R in (0, 4):
+        cfg = dataclasses.replace(preset("snapkv", preselect_refresh=R, **lc), chunk_size=16, max_seq_len=256)
+        cache = LongContextCache(model.args, cfg, 256)
+        outside = 0
+        with torch.inference_mode():
+            prefill(model, cache, prompt, 16)
+            for step, tok in enumerate(tokens, start=1):  # step: the planner's decode_step of this token
+                before = [cache.candidates(i) for i in range(model.args.n_layers)]
+                before = [None if c is None else c.clone() for c in before]
+                native.decode(tok, cache, planned=planned)
+                ib, lb = cache.context_blocks()
+                for layer in range(model.args.n_layers):
+                    cand, sel = cache.candidates(layer), cache.selection(layer).ids
+                    for h in range(cand.shape[0]):
+                        new, picks = set(cand[h].tolist()) - {-1}, set(sel[h].tolist()) - {-1}
+                        entered = set() if before[layer] is None else set(range(ib, lb))  # (all new ones)
+                        old = set() if before[layer] is None else set(before[layer][h].tolist()) - {-1}
+                        refresh = R and step > 1 and (step - 1) % R == 0  # preselected at step 1
+                        if not refresh:  # only the candidates (and the blocks that entered) were open to it
+                            assert picks <= new and (before[layer] is None or new == old | (entered - old) & new)
+                        else:
+                            assert new == old | picks | (new & entered) and old <= new
+                            outside += len(picks - old)
+        assert cache.stats.refresh_calls == (0 if R == 0 else model.args.n_layers * ((len(tokens) - 1) // R))
+        assert (outside > 0) == (R > 0)  # a refresh picked blocks the prompt's queries had not kept
 
 
 def test_native_decode_step_checks_its_arguments():

@@ -125,7 +125,7 @@ class LongContextCache(DeviceWindows, LongContextFileState):
     PRESELECT_KEYS = ("preselect_block", "preselect_block_count", "preselect_pool_kernel", "ada_budget",
                       "ada_alpha", "ada_gqa_merge")
     RETUNABLE = ("second_select_num", "sticky_blocks", "token_step", "layer_step", "dense_layer_num",
-                 *PRESELECT_KEYS)
+                 "preselect_refresh", *PRESELECT_KEYS)
 
     def retune(self, lc: LongContextConfig) -> LongContextConfig:
         """Select by ``lc`` from the next decode step on; it differs from this cache's knobs in ``RETUNABLE``

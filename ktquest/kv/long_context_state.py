@@ -26,7 +26,8 @@ class LongContextFileState:
                 arrays[f"allowed{i}"] = p.allowed[i]
         meta = {"pos": self.pos, "buf0": self.buf0, "q_win_span": list(p.q_win_span),
                 "allowed": [None if a is None else list(a.shape) for a in p.allowed], "allowed_lb": list(p.allowed_lb),
-                "presel_pending": list(p.presel_pending), "decode_step": p.decode_step}
+                "presel_pending": list(p.presel_pending), "decode_step": p.decode_step,
+                "refreshed": list(p.refreshed)}
         return meta, arrays
 
     def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
@@ -39,7 +40,8 @@ class LongContextFileState:
         if not (all(isinstance(x, list) and len(x) == self.n_layers for x in lists) and isinstance(span, list)
                 and len(span) == 2 and all(type(x) is int and 0 <= x <= n for x in span) and
                 all(a is None or (isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a))
-                    for a in allowed) and type(meta.get("decode_step")) is int):
+                    for a in allowed) and type(meta.get("decode_step")) is int
+                and _refreshed_ok(meta.get("refreshed"), self.n_layers, meta["decode_step"])):
             raise KVFileError(f"{path}: the long-context cache's planner state is not allowed here")
         shapes = {"win_k": (tuple(self.win_k.shape), self.win_k.dtype), "win_v": (tuple(self.win_v.shape), self.dtype),
                   "q_win": (tuple(self.planner.q_win.shape), self.planner.q_win.dtype)}
@@ -65,3 +67,11 @@ class LongContextFileState:
                 p._set_allowed(i, arrays[f"allowed{i}"].clone(), meta["allowed_lb"][i])
         p.presel_pending = list(meta["presel_pending"])
         p.decode_step = meta["decode_step"]
+        # (a file from before preselect_refresh: its candidates count as refreshed at its last step)
+        p.refreshed = list(meta.get("refreshed") or [p.decode_step] * self.n_layers)
+
+
+def _refreshed_ok(refreshed, n_layers: int, decode_step: int) -> bool:
+    """The planner's refresh steps in a KV file: absent (an older file), or a decode step <= the file's each layer."""
+    return refreshed is None or (isinstance(refreshed, list) and len(refreshed) == n_layers
+                                 and all(type(x) is int and 0 <= x <= decode_step for x in refreshed))

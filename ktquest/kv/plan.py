@@ -5,7 +5,9 @@ A layer attends every context block (the first ``dense_layer_num`` layers), reus
 blocks that left the local window since), or selects afresh: the store scores the candidates' anchors
 against the query and keeps the top ``second_select_num`` (per KV head in SEPARATE mode; Ada-KV budgets
 split a layer's total over its heads). The candidates are every context block, or after a prefill with
-``preselect_block`` the blocks SnapKV kept (``kv/selection.py``), scored by the last prompt queries.
+``preselect_block`` the blocks SnapKV kept (``kv/selection.py``), scored by the last prompt queries; with
+``preselect_refresh`` R, every R decode steps a layer selects from every context block instead, and its picks
+join its candidates (what a long reply goes on to need is not all in what the prompt's end asked for).
 
 The planner holds this state (selections, candidates, the SnapKV observation window) and the call
 statistics; the cache (``kv/long_context.py``) owns the windows and the store and asks it for plans.
@@ -31,6 +33,7 @@ class SelectionStats:
     reuse_calls: list[int]  # decode steps that reused a cached selection per layer
     full_calls: list[int]  # decode steps that attended every context block per layer
     preselect_calls: int = 0
+    refresh_calls: int = 0  # selections from every context block that refreshed a layer's candidates
 
 
 @dataclass(slots=True)
@@ -91,6 +94,8 @@ class DecodePlanner:
         self.allowed_lb = [0] * self.n_layers
         self.presel_pending = [False] * self.n_layers
         self.decode_step = 0
+        self.refreshed = [0] * self.n_layers  # decode step of each layer's last candidate refresh (or preselection)
+        self._refreshing: dict[int, int] = {}  # layer -> lb: this token's selections from every block
 
     def forget_selections(self) -> None:
         """Drop the selections (not the candidates): the next decode step of each layer selects anew."""
@@ -133,8 +138,9 @@ class DecodePlanner:
         self._token_steps = None
 
     def begin_decode(self) -> None:
-        """A decode step starts (token_step counts these)."""
+        """A decode step starts (token_step and preselect_refresh count these)."""
         self.decode_step += 1
+        self._refreshing.clear()
 
     # ---- selections ----
 
@@ -172,6 +178,8 @@ class DecodePlanner:
         if ids.dim() != 2 or mode != "SEPARATE":
             ids = ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1])
         self.sel[layer] = Selection(ids, lb, self.decode_step)
+        if self._refreshing.pop(layer, None) is not None:
+            self._join_candidates(layer, ids.numpy(), lb)
 
     # ---- plans ----
 
@@ -180,7 +188,8 @@ class DecodePlanner:
         statistics counted. Kept for the next tokens when they would plan the same: every
         selection due at every token (token_step 1), nothing pending, the same context end."""
         plan = self._token_steps
-        if plan is not None and plan.lb == lb:  # the same plan as the last token: only the counters move
+        if plan is not None and plan.lb == lb and not self._refresh_due_any():  # the same plan as the last
+            # token: only the counters move
             st = self.stats
             for layer in plan.full:
                 st.full_calls[layer] += 1
@@ -195,8 +204,14 @@ class DecodePlanner:
 
     def token_done(self, plan: TokenSteps) -> None:
         """The token of ``plan`` ran: its selections are in the plan's buffers (copied out when read: a copy
-        per layer per token would cost ~6 us a layer on the decode path, and the next token replaces them)."""
+        per layer per token would cost ~6 us a layer on the decode path, and the next token replaces them);
+        a refreshing layer's picks join its candidates now."""
         self._sel_live = (plan, plan.lb, self.decode_step)
+        for layer, lb in self._refreshing.items():
+            self._join_candidates(layer, plan.fresh[layer].out_ids, lb)
+        if self._refreshing:
+            self._refreshing.clear()
+            self._token_steps = None  # its plans name the candidates as they were
 
     def token_failed(self) -> None:
         """The token of the last plan raised: its ids buffers may hold part of its picks."""
@@ -214,7 +229,7 @@ class DecodePlanner:
                 (full if layer < self.lc.dense_layer_num else reuse).append(layer)
             plans.append(store_plan)
         steps = TokenSteps(lb, plans, fresh, full, reuse)
-        self._token_steps = steps if self.lc.token_step == 1 and lb > self.ib else None
+        self._token_steps = steps if self.lc.token_step == 1 and lb > self.ib and not self._refreshing else None
         return steps
 
     def plan(self, layer: int, qc: torch.Tensor | None, lb: int,
@@ -241,6 +256,11 @@ class DecodePlanner:
             return self._extend(sel, lb), None
         st.select_calls[layer] += 1
         mode, allowed = lc.head_select_mode, self._allowed(layer, lb)
+        r = lc.preselect_refresh
+        if allowed is not None and r and self.decode_step - self.refreshed[layer] >= r:
+            self.refreshed[layer], self._refreshing[layer] = self.decode_step, lb
+            st.refresh_calls += 1
+            allowed = None  # this step selects from every context block; its picks join the candidates
         if self._excl[0] != lb:  # [2, 2] int64 block ranges: the init window, and the local window onwards
             self._excl = (lb, np.array([[0, self.ib], [lb, self._all_blocks.shape[0]]], np.int64))
         excl = self._excl[1]
@@ -290,6 +310,22 @@ class DecodePlanner:
         """allowed: [n_sets, N] int32 contiguous, covering the context blocks [ib, lb)."""
         self.allowed[layer], self.allowed_np[layer], self.allowed_lb[layer] = allowed, allowed.numpy(), lb
 
+    def _refresh_due_any(self) -> bool:
+        """Some layer with candidates refreshes them at this decode step (``preselect_refresh``)."""
+        r = self.lc.preselect_refresh
+        step = self.decode_step
+        return bool(r) and any(a is not None and step - s >= r for a, s in zip(self.allowed, self.refreshed))
+
+    def _join_candidates(self, layer: int, picks: np.ndarray, lb: int) -> None:
+        """A refresh's picks [n_sets, k] (-1 padded) join ``layer``'s candidates: each set's union, ascending.
+        Each refresh adds at most the blocks it picked that were not candidates."""
+        old = self._allowed(layer, lb).numpy()
+        rows = [np.union1d(old[i][old[i] >= 0], picks[i][picks[i] >= 0]) for i in range(old.shape[0])]
+        joined = np.full((len(rows), max(1, max(len(r) for r in rows))), -1, np.int32)
+        for i, r in enumerate(rows):
+            joined[i, : len(r)] = r
+        self._set_allowed(layer, torch.from_numpy(joined), max(lb, self.allowed_lb[layer]))
+
     # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
 
     def record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
@@ -326,3 +362,4 @@ class DecodePlanner:
         for i, s in enumerate(sets):  # a few KV heads, once per prefill
             allowed[i, : len(s)] = s.to(torch.int32)
         self._set_allowed(layer, allowed, nb)
+        self.refreshed[layer] = self.decode_step
