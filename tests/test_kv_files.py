@@ -34,6 +34,8 @@ CASES = {  # bundled SmolLM2 (head_dim 64: every kv_type)
                                                  "long_context.anchor_type": "DYNAMIC", "long_context.anchor_num": 1,
                                                  "long_context.head_select_mode": "SHARED"}),
     "snapkv": (CONFIGS / "snapkv.yaml", {**SMALL_LC, "long_context.preselect_block_count": 8}),
+    "snapkv-refresh": (CONFIGS / "snapkv.yaml", {**SMALL_LC, "long_context.preselect_block_count": 8,
+                                                 "long_context.preselect_refresh": 2}),
 }
 
 

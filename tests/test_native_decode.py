@@ -37,6 +37,7 @@ def preset(name: str, **lc_overrides) -> Config:
     ("snapkv", {"sticky_blocks": 1}),                        # ... among the candidates
     ("snapkv", {"preselect_refresh": 3}),                    # candidates refreshed by a selection from all
     ("snapkv", {"preselect_refresh": 2, "sticky_blocks": 1}),
+    ("snapkv", {"preselect_refresh": 2, "layer_step": 2, "dense_layer_num": 0}),  # followers never refresh
 ])
 def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
     """A whole token in one native call (the cache's plan) gives the logits, the selections and the call
@@ -59,6 +60,7 @@ def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
                 if i == 6:  # the selections read half-way (a planned token keeps them in its buffers until read)
                     mid = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
         sel = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
+        sel += [cache.candidates(i) for i in range(model.args.n_layers)]
         runs.append((torch.cat(logits), mid + sel, dataclasses.asdict(cache.stats)))
     (l0, s0, st0) = runs[0]
     assert sum(st0["select_calls"]) > 0
@@ -72,41 +74,50 @@ def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
 
 
 @pytest.mark.parametrize("planned", [False, True])
-def test_refreshed_candidates_are_the_old_ones_and_the_refresh_picks(tiny_llama, planned):
+def test_refreshed_candidates_are_snapkvs_pick_and_the_last_refresh(tiny_llama, planned):
     """preselect_refresh R: every R decode steps after preselection a layer selects from every context block
-    (picks outside the candidates allowed) and the picks join its candidates; the steps between select among
-    the candidates only. Without it the candidates only grow by the blocks that enter the context."""
+    (picks outside the candidates allowed), and its candidates become SnapKV's own pick, the blocks that
+    entered the context since, and these picks (the last refresh's dropped); the steps between select among
+    the candidates, which only gain the blocks that enter the context."""
     model, _ = load_model(tiny_llama.path, encoded=True)
     native = NativeDecoder.build(model, threads=2)
     lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=3, preselect_block_count=3,
               dense_layer_num=0, kv_type="FP16", sticky_blocks=0)
     prompt = torch.arange(3, 90) * 11 % 250
-    tokens = (5, 9, 11, 200, 7, 31, 64, 2, 90, 17, 3, 8)
+    tokens = (5, 9, 11, 200, 7, 31, 64, 2, 90, 17, 3, 8, 44, 45)
+    L = model.args.n_layers
+
+    def sets(t):
+        return [set(row.tolist()) - {-1} for row in t]
+
     for R in (0, 4):
         cfg = dataclasses.replace(preset("snapkv", preselect_refresh=R, **lc), chunk_size=16, max_seq_len=256)
         cache = LongContextCache(model.args, cfg, 256)
-        outside = 0
+        outside, dropped, base = 0, 0, {}
         with torch.inference_mode():
             prefill(model, cache, prompt, 16)
             for step, tok in enumerate(tokens, start=1):  # step: the planner's decode_step of this token
-                before = [cache.candidates(i) for i in range(model.args.n_layers)]
-                before = [None if c is None else c.clone() for c in before]
+                before = [None if cache.candidates(i) is None else sets(cache.candidates(i)) for i in range(L)]
+                lb_before = cache.context_blocks()[1]
                 native.decode(tok, cache, planned=planned)
-                ib, lb = cache.context_blocks()
-                for layer in range(model.args.n_layers):
-                    cand, sel = cache.candidates(layer), cache.selection(layer).ids
-                    for h in range(cand.shape[0]):
-                        new, picks = set(cand[h].tolist()) - {-1}, set(sel[h].tolist()) - {-1}
-                        entered = set() if before[layer] is None else set(range(ib, lb))  # (all new ones)
-                        old = set() if before[layer] is None else set(before[layer][h].tolist()) - {-1}
-                        refresh = R and step > 1 and (step - 1) % R == 0  # preselected at step 1
-                        if not refresh:  # only the candidates (and the blocks that entered) were open to it
-                            assert picks <= new and (before[layer] is None or new == old | (entered - old) & new)
+                lb = cache.context_blocks()[1]
+                for layer in range(L):
+                    new, picks = sets(cache.candidates(layer)), sets(cache.selection(layer).ids)
+                    if step == 1:  # preselected at this step: SnapKV's own pick, and what it was chosen among
+                        base[layer], base_lb = new, lb
+                        continue
+                    for h in range(len(new)):
+                        assert picks[h] <= set(range(lb)) and len(picks[h]) <= 3
+                        if R and (step - 1) % R == 0:  # a refresh
+                            assert new[h] == base[layer][h] | set(range(base_lb, lb)) | picks[h]
+                            outside += len(picks[h] - before[layer][h])
+                            dropped += len(before[layer][h] - new[h])
                         else:
-                            assert new == old | picks | (new & entered) and old <= new
-                            outside += len(picks - old)
-        assert cache.stats.refresh_calls == (0 if R == 0 else model.args.n_layers * ((len(tokens) - 1) // R))
+                            assert picks[h] <= before[layer][h] | set(range(lb_before, lb))
+                            assert new[h] == before[layer][h] | set(range(lb_before, lb))
+        assert cache.stats.refresh_calls == (0 if R == 0 else L * ((len(tokens) - 1) // R))
         assert (outside > 0) == (R > 0)  # a refresh picked blocks the prompt's queries had not kept
+        assert (dropped > 0) == (R > 0)  # ... and the next one let some of them go
 
 
 def test_native_decode_step_checks_its_arguments():

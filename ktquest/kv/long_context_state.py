@@ -24,10 +24,13 @@ class LongContextFileState:
             arrays[f"store{i}"] = torch.from_numpy(self.store.native.export_layer(i))
             if p.allowed[i] is not None:
                 arrays[f"allowed{i}"] = p.allowed[i]
+            if p.presel_base[i] is not None:
+                arrays[f"presel{i}"] = torch.from_numpy(p.presel_base[i][0])
         meta = {"pos": self.pos, "buf0": self.buf0, "q_win_span": list(p.q_win_span),
                 "allowed": [None if a is None else list(a.shape) for a in p.allowed], "allowed_lb": list(p.allowed_lb),
                 "presel_pending": list(p.presel_pending), "decode_step": p.decode_step,
-                "refreshed": list(p.refreshed)}
+                "refreshed": list(p.refreshed),
+                "presel": [None if b is None else [*b[0].shape, b[1]] for b in p.presel_base]}
         return meta, arrays
 
     def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
@@ -41,7 +44,7 @@ class LongContextFileState:
                 and len(span) == 2 and all(type(x) is int and 0 <= x <= n for x in span) and
                 all(a is None or (isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a))
                     for a in allowed) and type(meta.get("decode_step")) is int
-                and _refreshed_ok(meta.get("refreshed"), self.n_layers, meta["decode_step"])):
+                and _refresh_state_ok(meta, self.n_layers, n)):
             raise KVFileError(f"{path}: the long-context cache's planner state is not allowed here")
         shapes = {"win_k": (tuple(self.win_k.shape), self.win_k.dtype), "win_v": (tuple(self.win_v.shape), self.dtype),
                   "q_win": (tuple(self.planner.q_win.shape), self.planner.q_win.dtype)}
@@ -49,6 +52,8 @@ class LongContextFileState:
             shapes[f"store{i}"] = ((self.store.native.state_bytes(n),), torch.uint8)
             if allowed[i] is not None:
                 shapes[f"allowed{i}"] = (tuple(allowed[i]), torch.int32)
+            if meta["presel"][i] is not None:
+                shapes[f"presel{i}"] = (tuple(meta["presel"][i][:2]), torch.int32)
         return shapes
 
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
@@ -67,11 +72,17 @@ class LongContextFileState:
                 p._set_allowed(i, arrays[f"allowed{i}"].clone(), meta["allowed_lb"][i])
         p.presel_pending = list(meta["presel_pending"])
         p.decode_step = meta["decode_step"]
-        # (a file from before preselect_refresh: its candidates count as refreshed at its last step)
-        p.refreshed = list(meta.get("refreshed") or [p.decode_step] * self.n_layers)
+        p.refreshed = list(meta["refreshed"])
+        p.presel_base = [None if b is None else (arrays[f"presel{i}"].numpy().copy(), b[2])
+                         for i, b in enumerate(meta["presel"])]
 
 
-def _refreshed_ok(refreshed, n_layers: int, decode_step: int) -> bool:
-    """The planner's refresh steps in a KV file: absent (an older file), or a decode step <= the file's each layer."""
-    return refreshed is None or (isinstance(refreshed, list) and len(refreshed) == n_layers
-                                 and all(type(x) is int and 0 <= x <= decode_step for x in refreshed))
+def _refresh_state_ok(meta: dict, n_layers: int, n: int) -> bool:
+    """The planner's refresh state in a KV file: per layer the decode step of its last refresh (<= the file's),
+    and SnapKV's own pick ([n_sets, N, lb] of the ``presel<i>`` array, or None)."""
+    refreshed, presel = meta.get("refreshed"), meta.get("presel")
+    return (isinstance(refreshed, list) and len(refreshed) == n_layers
+            and all(type(x) is int and 0 <= x <= meta["decode_step"] for x in refreshed)
+            and isinstance(presel, list) and len(presel) == n_layers
+            and all(b is None or (isinstance(b, list) and len(b) == 3 and all(type(x) is int for x in b)
+                                  and b[0] >= 1 and b[1] >= 1 and 0 <= b[2] <= n) for b in presel))

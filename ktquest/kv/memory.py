@@ -21,11 +21,13 @@ def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim:
 def candidate_copy_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int,
                          max_seq_len: int) -> int:
     """Bytes of the store's copy of the preselected candidates (their K/V tiles and anchor rows, per layer and
-    set of KV heads) at the size it starts with after prefill; it grows by a block each block_size tokens
-    once the room it keeps for later blocks is used."""
+    set of KV heads) at the size it starts with after prefill, with a refresh's picks (``preselect_refresh``:
+    up to ``second_select_num`` a set, Ada-KV's budgets too on average); it grows by a block each block_size
+    tokens once the room it keeps for later blocks is used."""
     if not lc.preselect_block:
         return 0
-    need = min(lc.preselect_block_count, -(-max_seq_len // lc.block_size))
+    picks = lc.second_select_num if lc.preselect_refresh else 0
+    need = min(lc.preselect_block_count + picks, -(-max_seq_len // lc.block_size))
     return _C.candidate_copy_bytes(n_layers, n_kv_heads, head_dim, lc.block_size, lc.kv_type, lc.anchor_type,
                                    lc.int8_candidates, need, lc.head_select_mode)
 

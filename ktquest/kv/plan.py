@@ -7,7 +7,8 @@ against the query and keeps the top ``second_select_num`` (per KV head in SEPARA
 split a layer's total over its heads). The candidates are every context block, or after a prefill with
 ``preselect_block`` the blocks SnapKV kept (``kv/selection.py``), scored by the last prompt queries; with
 ``preselect_refresh`` R, every R decode steps a layer selects from every context block instead, and its picks
-join its candidates (what a long reply goes on to need is not all in what the prompt's end asked for).
+join its candidates in place of the last refresh's (what a long reply goes on to need is not all in what the
+prompt's end asked for).
 
 The planner holds this state (selections, candidates, the SnapKV observation window) and the call
 statistics; the cache (``kv/long_context.py``) owns the windows and the store and asks it for plans.
@@ -58,6 +59,7 @@ class TokenSteps:
     fresh: dict  # layer -> its plan, for the layers that select
     full: list  # the layers that attend every context block
     reuse: list  # the layers that reuse a selection
+    refresh_at: int = 1 << 62  # the decode step from which one of its selecting layers refreshes its candidates
 
 
 class DecodePlanner:
@@ -95,7 +97,9 @@ class DecodePlanner:
         self.presel_pending = [False] * self.n_layers
         self.decode_step = 0
         self.refreshed = [0] * self.n_layers  # decode step of each layer's last candidate refresh (or preselection)
-        self._refreshing: dict[int, int] = {}  # layer -> lb: this token's selections from every block
+        # per layer SnapKV's own pick [n_sets, N] and the context end it covers (what refreshes join)
+        self.presel_base: list[tuple[np.ndarray, int] | None] = [None] * self.n_layers
+        self._refreshing: dict[int, tuple[int, int]] = {}  # layer -> (lb, refreshed before): this token's
 
     def forget_selections(self) -> None:
         """Drop the selections (not the candidates): the next decode step of each layer selects anew."""
@@ -107,6 +111,7 @@ class DecodePlanner:
         queries."""
         self.allowed, self.allowed_np = [None] * self.n_layers, [None] * self.n_layers
         self.allowed_lb = [0] * self.n_layers
+        self.presel_base = [None] * self.n_layers
         self.presel_pending = [self.lc.preselect_block] * self.n_layers
         self._token_steps = None
 
@@ -138,9 +143,12 @@ class DecodePlanner:
         self._token_steps = None
 
     def begin_decode(self) -> None:
-        """A decode step starts (token_step and preselect_refresh count these)."""
-        self.decode_step += 1
+        """A decode step starts (token_step and preselect_refresh count these). A refresh planned for the last
+        token whose picks never joined (the token raised) is due again."""
+        for layer, (_, before) in self._refreshing.items():
+            self.refreshed[layer] = before
         self._refreshing.clear()
+        self.decode_step += 1
 
     # ---- selections ----
 
@@ -178,8 +186,8 @@ class DecodePlanner:
         if ids.dim() != 2 or mode != "SEPARATE":
             ids = ids.reshape(-1 if mode == "SEPARATE" else 1, ids.shape[-1])
         self.sel[layer] = Selection(ids, lb, self.decode_step)
-        if self._refreshing.pop(layer, None) is not None:
-            self._join_candidates(layer, ids.numpy(), lb)
+        if layer in self._refreshing:
+            self._join_candidates(layer, ids.numpy(), self._refreshing.pop(layer)[0])
 
     # ---- plans ----
 
@@ -188,8 +196,8 @@ class DecodePlanner:
         statistics counted. Kept for the next tokens when they would plan the same: every
         selection due at every token (token_step 1), nothing pending, the same context end."""
         plan = self._token_steps
-        if plan is not None and plan.lb == lb and not self._refresh_due_any():  # the same plan as the last
-            # token: only the counters move
+        if plan is not None and plan.lb == lb and self.decode_step < plan.refresh_at:  # the same plan as the
+            # last token: only the counters move
             st = self.stats
             for layer in plan.full:
                 st.full_calls[layer] += 1
@@ -207,11 +215,9 @@ class DecodePlanner:
         per layer per token would cost ~6 us a layer on the decode path, and the next token replaces them);
         a refreshing layer's picks join its candidates now."""
         self._sel_live = (plan, plan.lb, self.decode_step)
-        for layer, lb in self._refreshing.items():
+        for layer, (lb, _) in self._refreshing.items():
             self._join_candidates(layer, plan.fresh[layer].out_ids, lb)
-        if self._refreshing:
-            self._refreshing.clear()
-            self._token_steps = None  # its plans name the candidates as they were
+        self._refreshing.clear()
 
     def token_failed(self) -> None:
         """The token of the last plan raised: its ids buffers may hold part of its picks."""
@@ -229,6 +235,10 @@ class DecodePlanner:
                 (full if layer < self.lc.dense_layer_num else reuse).append(layer)
             plans.append(store_plan)
         steps = TokenSteps(lb, plans, fresh, full, reuse)
+        r = self.lc.preselect_refresh
+        if r:
+            steps.refresh_at = min((self.refreshed[i] + r for i in fresh if self.allowed[i] is not None),
+                                   default=steps.refresh_at)
         self._token_steps = steps if self.lc.token_step == 1 and lb > self.ib and not self._refreshing else None
         return steps
 
@@ -258,7 +268,8 @@ class DecodePlanner:
         mode, allowed = lc.head_select_mode, self._allowed(layer, lb)
         r = lc.preselect_refresh
         if allowed is not None and r and self.decode_step - self.refreshed[layer] >= r:
-            self.refreshed[layer], self._refreshing[layer] = self.decode_step, lb
+            self._refreshing[layer] = (lb, self.refreshed[layer])
+            self.refreshed[layer] = self.decode_step
             st.refresh_calls += 1
             allowed = None  # this step selects from every context block; its picks join the candidates
         if self._excl[0] != lb:  # [2, 2] int64 block ranges: the init window, and the local window onwards
@@ -310,21 +321,21 @@ class DecodePlanner:
         """allowed: [n_sets, N] int32 contiguous, covering the context blocks [ib, lb)."""
         self.allowed[layer], self.allowed_np[layer], self.allowed_lb[layer] = allowed, allowed.numpy(), lb
 
-    def _refresh_due_any(self) -> bool:
-        """Some layer with candidates refreshes them at this decode step (``preselect_refresh``)."""
-        r = self.lc.preselect_refresh
-        step = self.decode_step
-        return bool(r) and any(a is not None and step - s >= r for a, s in zip(self.allowed, self.refreshed))
-
     def _join_candidates(self, layer: int, picks: np.ndarray, lb: int) -> None:
-        """A refresh's picks [n_sets, k] (-1 padded) join ``layer``'s candidates: each set's union, ascending.
-        Each refresh adds at most the blocks it picked that were not candidates."""
-        old = self._allowed(layer, lb).numpy()
-        rows = [np.union1d(old[i][old[i] >= 0], picks[i][picks[i] >= 0]) for i in range(old.shape[0])]
+        """A refresh's picks [n_sets, k] (-1 padded) join ``layer``'s candidates in place of the last refresh's:
+        each set becomes SnapKV's own pick, the blocks that entered the context since it, and these picks
+        (ascending). So the candidates stay within ``preselect_block_count + second_select_num`` (+ the sticky
+        blocks a step keeps) besides the blocks that entered, as without refreshes."""
+        base, base_lb = self.presel_base[layer]
+        lb = max(lb, self.allowed_lb[layer])
+        entered = self._all_blocks_np[base_lb: lb]
+        rows = [np.union1d(np.concatenate([base[i][base[i] >= 0], entered]), picks[i][picks[i] >= 0])
+                for i in range(base.shape[0])]
         joined = np.full((len(rows), max(1, max(len(r) for r in rows))), -1, np.int32)
         for i, r in enumerate(rows):
             joined[i, : len(r)] = r
-        self._set_allowed(layer, torch.from_numpy(joined), max(lb, self.allowed_lb[layer]))
+        self._set_allowed(layer, torch.from_numpy(joined), lb)
+        self._token_steps = None  # a kept plan names the candidates as they were
 
     # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
 
@@ -362,4 +373,4 @@ class DecodePlanner:
         for i, s in enumerate(sets):  # a few KV heads, once per prefill
             allowed[i, : len(s)] = s.to(torch.int32)
         self._set_allowed(layer, allowed, nb)
-        self.refreshed[layer] = self.decode_step
+        self.presel_base[layer], self.refreshed[layer] = (allowed.numpy(), nb), self.decode_step
