@@ -24,6 +24,7 @@ import torch
 from ktquest.config import LongContextConfig
 from ktquest.kv.selection import ada_budgets_fast, snapkv_preselect
 from ktquest.kv.store import KVStore, Select
+from ktquest.native.args import padded_ids
 
 
 @dataclass(slots=True)
@@ -196,8 +197,8 @@ class DecodePlanner:
         statistics counted. Kept for the next tokens when they would plan the same: every
         selection due at every token (token_step 1), nothing pending, the same context end."""
         plan = self._token_steps
-        if plan is not None and plan.lb == lb and self.decode_step < plan.refresh_at:  # the same plan as the
-            # last token: only the counters move
+        # the same plan as the last token (no refresh due yet): only the counters move
+        if plan is not None and plan.lb == lb and self.decode_step < plan.refresh_at:
             st = self.stats
             for layer in plan.full:
                 st.full_calls[layer] += 1
@@ -330,11 +331,8 @@ class DecodePlanner:
         lb = max(lb, self.allowed_lb[layer])
         entered = self._all_blocks_np[base_lb: lb]
         rows = [np.union1d(np.concatenate([base[i][base[i] >= 0], entered]), picks[i][picks[i] >= 0])
-                for i in range(base.shape[0])]
-        joined = np.full((len(rows), max(1, max(len(r) for r in rows))), -1, np.int32)
-        for i, r in enumerate(rows):
-            joined[i, : len(r)] = r
-        self._set_allowed(layer, torch.from_numpy(joined), lb)
+                for i in range(base.shape[0])]  # (never empty: SnapKV's own pick is not)
+        self._set_allowed(layer, torch.from_numpy(padded_ids(rows, "candidates", len(rows))), lb)
         self._token_steps = None  # a kept plan names the candidates as they were
 
     # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
