@@ -14,7 +14,7 @@ from ktquest.generate import decode_one_token, prefill
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import candidate_copy_bytes, store_bytes
-from ktquest.kv.selection import ada_budgets, ada_budgets_fast
+from ktquest.kv.selection import ada_budgets
 from ktquest.kv.store import KVStore
 from ktquest.models.loader import load_model
 
@@ -171,13 +171,9 @@ def test_ada_budgets_sum_floor_and_spread():
     peaked[0, 3] = 5.0
     spread = torch.randn(1, 40, generator=g) * 0.01
     scores = torch.cat([peaked, spread, peaked]).exp()  # head 1 attends broadly
-    for fn in (ada_budgets, ada_budgets_fast):
-        b = fn(scores, 30, 0.2)
-        assert int(b.sum()) == 30 and (b >= int(0.2 * 30 / 3)).all()
-        assert b[1] > b[0] and b[1] > b[2]
-    for seed in range(200):  # the fast path agrees with the exact one
-        s = torch.randn(3, 40, generator=torch.Generator().manual_seed(seed)).exp()
-        assert torch.equal(ada_budgets_fast(s, 48, 0.2), ada_budgets(s, 48, 0.2))
+    b = ada_budgets(scores, 30, 0.2)
+    assert int(b.sum()) == 30 and (b >= int(0.2 * 30 / 3)).all()
+    assert b[1] > b[0] and b[1] > b[2]
 
 
 def test_ada_decode_budgets_per_head():

@@ -32,7 +32,10 @@ def preset(name: str, **lc_overrides) -> Config:
     ("quest", {"layer_step": 2, "dense_layer_num": 0}),      # layer 1 reads layer 0's picks of the token
     ("snapkv", {"layer_step": 3, "head_select_mode": "SHARED", "dense_layer_num": 0}),
     ("snapkv", {}),                                          # preselection, then select among the kept blocks
-    ("ada_quest", {}),                                       # Ada-KV decode budgets: block by block either way
+    ("ada_quest", {}),                                       # Ada-KV budgets split in the store; token_step 2
+    ("ada_quest", {"token_step": 1, "sticky_blocks": 1}),
+    ("ada_snapkv", {"preselect_refresh": 0}),                # ... over each head's candidates
+    ("ada_snapkv", {"preselect_refresh": 3, "sticky_blocks": 1}),
     ("quest", {"sticky_blocks": 1}),                         # last step's blocks kept (the store's own state)
     ("snapkv", {"sticky_blocks": 1}),                        # ... among the candidates
     ("snapkv", {"preselect_refresh": 3}),                    # candidates refreshed by a selection from all
@@ -53,12 +56,16 @@ def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
     runs = []
     for planned in (False, True):
         cache = LongContextCache(model.args, cfg, 256)
+        commits = []  # the tokens that ran as one planned call
+        commit = cache.commit_decode
+        cache.commit_decode = lambda plan: (commits.append(plan.pos), commit(plan))
         with torch.inference_mode():
             logits = [prefill(model, cache, prompt, 16)]
             for i, tok in enumerate((5, 9, 11, 200, 7, 31, 64, 2, 90, 17, 3, 8, 40, 41)):
                 logits.append(native.decode(tok, cache, planned=planned))
                 if i == 6:  # the selections read half-way (a planned token keeps them in its buffers until read)
                     mid = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
+        assert len(commits) == (14 if planned else 0)
         sel = [None if s is None else s.ids.clone() for s in map(cache.selection, range(model.args.n_layers))]
         sel += [cache.candidates(i) for i in range(model.args.n_layers)]
         runs.append((torch.cat(logits), mid + sel, dataclasses.asdict(cache.stats)))

@@ -426,3 +426,103 @@ def test_cached_candidates_attend_to_what_the_store_holds(force_scalar, mode, kv
         lb += 1
         if step == 30:  # a changed list: copied anew
             allowed = [a[2:] for a in allowed]
+
+
+# ---- Ada-KV budgets (cpp/select/ada.h) ----
+
+
+def _ada_reference(scores: torch.Tensor, counts: list[int], total: int, alpha) -> list[int]:
+    """kv/selection.py's ada_budgets (exact fractions) on set s's first counts[s] scores (-inf after them)."""
+    from ktquest.kv.selection import ada_budgets
+
+    s = scores.clone()
+    for i, c in enumerate(counts):
+        s[i, c:] = float("-inf")
+    return ada_budgets(s, total, alpha).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n_sets=st.integers(1, 8),
+    N=st.integers(1, 40),
+    total=st.integers(0, 120),
+    alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0, 1 / 3, 0.123457, 0.9]),
+    tied=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_ada_budgets_equal_the_exact_python_rule(n_sets, N, total, alpha, tied, seed):
+    """Random scores (small integers when tied: many equal scores, the share rule's ties), per-set candidate
+    counts from 0 to N (small ones cap sets: the water-filling), totals below and past every candidate."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-2, 3, (n_sets, N), generator=g).float() if tied else torch.randn(n_sets, N, generator=g)
+    counts = torch.randint(0, N + 1, (n_sets,), generator=g).tolist()
+    if sum(counts) == 0:
+        counts[0] = N
+    f = Fraction(alpha).limit_denominator(10**6)
+    got = _C.ada_budgets(scores.numpy(), torch.tensor(counts).numpy(), total, f.numerator, f.denominator).tolist()
+    assert got == _ada_reference(scores, counts, total, alpha)
+    assert sum(got) == min(total, sum(counts)) and all(0 <= b <= c for b, c in zip(got, counts))
+
+
+def test_ada_budgets_refuse_bad_arguments():
+    s = torch.zeros(2, 4).numpy()
+    c = torch.tensor([4, 4]).numpy()
+    with pytest.raises(ValueError, match=r"alpha = 3/2 must lie in \[0, 1\]"):
+        _C.ada_budgets(s, c, 4, 3, 2)
+    with pytest.raises(ValueError, match="total must be >= 0"):
+        _C.ada_budgets(s, c, -1, 1, 5)
+    with pytest.raises(ValueError, match=r"counts\[1\] = 5 must lie in \[0, 4\]"):
+        _C.ada_budgets(s, torch.tensor([4, 5]).numpy(), 4, 1, 5)
+    store, q, *_ = make(200, 2, 2, 64, 8)
+    with pytest.raises(ValueError, match="ada_alpha=1.5 is not allowed"):
+        store.select(0, q, 4, ada_alpha=1.5)
+    with pytest.raises(ValueError, match="ada: expected None or"):
+        store._st.select(0, q.numpy(), "SEPARATE", torch.tensor([4, 4], dtype=torch.int32).numpy(),
+                         torch.zeros(0, 2, dtype=torch.int64).numpy(), None,
+                         torch.zeros(2, 8, dtype=torch.int32).numpy(), (1, 2, 3))
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("index_group", [0, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ada_selection_is_the_top_of_python_budgets(force_scalar, cached, index_group, threads):
+    """select(ada_alpha=a) keeps, per KV head, the top b_h blocks where b = ada_budgets of this query's block
+    scores over the candidates (the layer's total = the sum of k): over every block (the flat scan: Ada-KV
+    needs every score, the index is not walked), over cached candidates, and in select_attend (then the
+    same ids and bits as attend over them)."""
+    T, KVH, G, D, bs = 2400, 4, 2, 64, 8
+    store, q, *_ = make(T, KVH, G, D, bs, threads=threads, seed=threads)
+    if index_group:
+        ks, vs = store.read(0)
+        store = KVStore(1, KVH, D, T + 8, block_size=bs, threads_num=threads, index_group=index_group)
+        store.append(0, ks, vs)
+    nb = store.n_blocks(0)
+    excl = [(0, 2), (nb - 20, nb)]
+    g = torch.Generator().manual_seed(3)
+    # per-head candidates of different sizes: a small set caps its head (the water-filling)
+    allowed = [sorted(torch.randperm(nb - 1, generator=g)[:n].tolist()) for n in (150, 12, 90, 200)]
+    scores = store.block_scores(0, q, "SEPARATE").double()  # [KVH, nb]
+    for k, alpha in ((16, 0.2), ([10, 20, 30, 5], 0.5), (16, 0.0), (16, 1.0), (400, 0.2)):
+        cand = []
+        for h in range(KVH):
+            c = allowed[h] if cached else list(range(nb))
+            cand.append([b for b in c if not any(b0 <= b < b1 for b0, b1 in excl)])
+        masked = torch.full_like(scores, float("-inf"))
+        for h in range(KVH):
+            masked[h, cand[h]] = scores[h, cand[h]]
+        total = k * KVH if isinstance(k, int) else sum(k)
+        from ktquest.kv.selection import ada_budgets
+
+        budgets = ada_budgets(masked, total, alpha).tolist()
+        kw = dict(exclude_ranges=excl, allowed=allowed if cached else None, ada_alpha=alpha)
+        for _ in range(2):  # (cached: the first call builds the copy, the second uses it)
+            got = store.select(0, q, k, **kw)
+            for h in range(KVH):
+                row = [b for b in got[h].tolist() if b >= 0]
+                assert row == ref_topk(scores[h], cand[h], budgets[h]), (k, alpha, h)
+            out, lse, blocks = store.select_attend(0, q, k, **kw)
+            assert torch.equal(blocks, got)
+            out2, lse2 = store.attend(0, q, blocks)
+            assert torch.equal(out, out2) and torch.equal(lse, lse2)

@@ -13,6 +13,7 @@
 
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
+#include "select/ada.h"
 #include "select/topk.h"
 
 namespace ktq {
@@ -188,32 +189,42 @@ bool CandCaches::prepare(const CandCache& C, const SelectRequest& req, int32_t* 
 
 void CandCaches::select_set(const CandCache& C, const SelectRequest& req, const BlockSelector& sel, int s,
                             int32_t* out_ids, int out_cols) {
+  const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
+  if (k >= n || k == 0) return cut_set(C, s, k, out_ids, out_cols);
+  score_set(C, sel, s);
+  cut_set(C, s, k, out_ids, out_cols);
+}
+
+void CandCaches::score_set(const CandCache& C, const BlockSelector& sel, int s) {
   const auto t0 = Clock::now();
   const CandLayout shape(lay_, C.mode);
   const int heads = shape.heads;
   const size_t row = shape.row;
-  const int64_t n = C.count[s], k = std::min<int64_t>(req.k_per_set[s], n);
+  float* sc = cscores_.data() + s * C.stride;
+  for (int j = 0; j < heads; ++j) {  // SHARED: every head's score summed in head order, as score_runs does
+    const size_t at = (size_t(s) * heads + j) * C.stride;
+    sel.score_linear_rows(C.anchors.data() + at * row, C.count[s], heads == 1 ? s : j, sc, j > 0,
+                          shape.scaled ? C.scales.data() + at : nullptr);
+  }
+  score_task_s_[s] = seconds_since(t0);
+}
+
+void CandCaches::cut_set(const CandCache& C, int s, int64_t k, int32_t* out_ids, int out_cols) {
+  const auto t0 = Clock::now();
+  const int64_t n = C.count[s];
   int32_t* row_out = out_ids + s * int64_t(out_cols);
   int32_t* slot_out = slots_.data() + s * int64_t(out_cols);  // positions in the set's candidates
-  if (k >= n || k == 0) {
+  if (k >= n || k == 0) {  // all of them or none: no scores needed
     if (k > 0) std::copy(C.ids.begin() + s * C.stride, C.ids.begin() + s * C.stride + n, row_out);
     std::iota(slot_out, slot_out + k, 0);
     std::fill(row_out + k, row_out + out_cols, -1);
     return;
   }
-  float* sc = cscores_.data() + s * C.stride;
-  for (int j = 0; j < heads; ++j) {  // SHARED: every head's score summed in head order, as score_runs does
-    const size_t at = (size_t(s) * heads + j) * C.stride;
-    sel.score_linear_rows(C.anchors.data() + at * row, n, heads == 1 ? s : j, sc, j > 0,
-                          shape.scaled ? C.scales.data() + at : nullptr);
-  }
-  const auto t1 = Clock::now();
-  const int64_t m = (use_avx2() ? avx2::top_k : scalar::top_k)(sc, n, k, nullptr, slot_out,
-                                                                topkeys_.data() + s * C.stride);
+  const int64_t m = (use_avx2() ? avx2::top_k : scalar::top_k)(cscores_.data() + s * C.stride, n, k, nullptr,
+                                                                slot_out, topkeys_.data() + s * C.stride);
   for (int64_t i = 0; i < m; ++i) row_out[i] = C.ids[s * C.stride + slot_out[i]];
   std::fill(row_out + m, row_out + out_cols, -1);
-  score_task_s_[s] = std::chrono::duration<double>(t1 - t0).count();
-  topk_task_s_[s] = seconds_since(t1);
+  topk_task_s_[s] = seconds_since(t0);
 }
 
 void CandCaches::select(const CandCache& C, const SelectRequest& req, const BlockSelector& sel, int32_t* out_ids,
@@ -226,8 +237,24 @@ void CandCaches::select(const CandCache& C, const SelectRequest& req, const Bloc
     t.topk_s = seconds_since(t0);
     return;
   }
-  ThreadPool::global().parallel_for(n_sets, threads,
-                                    [&](int64_t s) { select_set(C, req, sel, int(s), out_ids, out_cols); });
+  if (!req.ada) {
+    ThreadPool::global().parallel_for(n_sets, threads,
+                                      [&](int64_t s) { select_set(C, req, sel, int(s), out_ids, out_cols); });
+  } else {  // Ada-KV: every set's scores, the budgets from all of them, then each set's top k
+    ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) { score_set(C, sel, int(s)); });
+    ada_scores_.clear();
+    int64_t total = 0;
+    for (int s = 0; s < n_sets; ++s) {
+      ada_scores_.insert(ada_scores_.end(), cscores_.begin() + s * C.stride, cscores_.begin() + s * C.stride + C.count[s]);
+      total += req.k_per_set[s];
+    }
+    ada_k_.resize(n_sets);
+    ada_budgets(n_sets, C.count.data(), ada_scores_.data(), total, req.ada_num, req.ada_den, ada_k_.data(),
+                ada_scratch_);
+    ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) {
+      cut_set(C, int(s), std::min<int64_t>(ada_k_[s], C.count[s]), out_ids, out_cols);
+    });
+  }
   // The two stages share the pass: top-k's share is its tasks' time over the threads, scoring the rest.
   const double total = seconds_since(t0);
   double topk = 0;

@@ -71,7 +71,7 @@ class CandCaches {
   // not apply (a candidate in a partial block). Builds sel's runs whenever it does not return a hit.
   CandCache* lookup(const StoreLayer& L, int layer, int64_t nb, int n_sets, const SelectRequest& req,
                     BlockSelector& sel);
-  // The selection over C: the same scores (same kernels on the same anchor bytes, heads summed in the same
+  // The selection over C (Ada-KV's budgets with req.ada): the same scores (same kernels on the same anchor bytes, heads summed in the same
   // order) and the same top-k rule as the selector, so the same ids as the uncached path (int8_candidates:
   // the scores of the int8 copy, upper bounds for QUEST, instead). out_ids as BlockSelector::select_runs;
   // t.score_s, t.topk_s.
@@ -80,7 +80,8 @@ class CandCaches {
   // Checks k and writes every set that keeps all of its candidates; true when a set still needs select_set
   // (the workspaces are then sized for it), with *threads the pass's threads.
   bool prepare(const CandCache& C, const SelectRequest& req, int32_t* out_ids, int out_cols, int* threads);
-  // Set s's scores over its cached candidates and its top k into out_ids row s (thread-safe across sets).
+  // Set s's scores over its cached candidates and its top k into out_ids row s (thread-safe across sets;
+  // not for req.ada, whose k come from every set's scores: select()).
   void select_set(const CandCache& C, const SelectRequest& req, const BlockSelector& sel, int s, int32_t* out_ids,
                   int out_cols);
   // [KVH]: the blocks each KV head attends once every set of C has its top k (a Prologue's counts).
@@ -107,6 +108,9 @@ class CandCaches {
  private:
   // One stored anchor row (A*D elements at src) as int8 at dst with its scale (int8_candidates' rounding).
   void quantize_anchor_row(const uint8_t* src, int8_t* dst, float* scale) const;
+  // Set s's scores over its cached candidates (cscores_ row s), and its top k of them into out_ids row s.
+  void score_set(const CandCache& C, const BlockSelector& sel, int s);
+  void cut_set(const CandCache& C, int s, int64_t k, int32_t* out_ids, int out_cols);
 
   const StoreLayout& lay_;
   std::vector<CandCache> cand_;       // [n_layers]
@@ -117,6 +121,8 @@ class CandCaches {
   std::vector<int64_t> head_counts_;  // [KVH] head_counts()
   std::vector<double> topk_task_s_;   // each set's top-k time (StageTiming split)
   std::vector<double> score_task_s_;  // ... and its scoring time
+  std::vector<float> ada_scores_, ada_scratch_;  // Ada-KV: the candidates' scores, set after set; its scratch
+  std::vector<int32_t> ada_k_;                   // Ada-KV: the sets' budgets
 };
 
 }  // namespace ktq

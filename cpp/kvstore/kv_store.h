@@ -123,9 +123,10 @@ class KVStore {
   void check_q(const float* q, int H) const;
   void check_index() const;  // std::invalid_argument unless the store has an index
   void update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance);
-  // The selection of select() and select_attend(), with mu_ held and the selector's query set. defer: where
-  // the cached candidates' per-set pass is due (scores, then top k), leave it to the caller and return the
-  // cache (select_attend runs the pass inside the attention's dispatch); null otherwise, with out_ids written.
+  // The selection of select() and select_attend(), with mu_ held and the selector's query set. Returns the
+  // layer's candidate cache when the request's candidates are cached (null: the selector scanned them), with
+  // out_ids written, unless defer: then the cache's per-set pass (scores, then top k) is left to the caller
+  // (select_attend runs it inside the attention's dispatch).
   CandCache* select_locked(const StoreLayer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
                            int out_cols, bool defer = false);
   // Sticky blocks (StoreConfig::sticky_blocks; kvstore/sticky.cpp), with mu_ held. sticky_forced: this

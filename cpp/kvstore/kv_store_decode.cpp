@@ -57,9 +57,8 @@ CandCache* KVStore::select_locked(const StoreLayer& L, int layer, int H, const S
     // A candidate list: the layer's cached copy, unless a candidate is a partial block (then the selector
     // goes on with the runs lookup() built).
     if (CandCache* C = cand_.lookup(L, layer, lay_.n_blocks(L), n_sets, req, sel_)) {
-      if (defer) return C;
-      cand_.select(*C, req, sel_, out_ids, out_cols, timing_);
-      return nullptr;
+      if (!defer) cand_.select(*C, req, sel_, out_ids, out_cols, timing_);
+      return C;
     }
   } else {
     sel_.build_runs(lay_.n_blocks(L), n_sets, &req);
@@ -102,17 +101,21 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   } else {
     forced_cols_ = 0;  // (none from a step before set_sticky_blocks(0))
   }
-  CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/true);
+  // Cached candidates are selected set by set inside the attention's dispatch, unless Ada-KV's budgets need
+  // every set's scores before any set's top k (then select_locked selects them all first).
+  const bool in_pass = !req.ada;
+  CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/in_pass);
   if (C) cand_.copy_tiles(L, *C);  // the attention reads the candidates' tiles from the cache's copy
   SparseAttention::Prologue pre;
   pre.threads = 0;  // set by prepare when the sets need their pass
-  if (C && !cand_.prepare(*C, req, out_ids, out_cols, &pre.threads)) {  // every set keeps all its candidates
+  if (C && in_pass && !cand_.prepare(*C, req, out_ids, out_cols, &pre.threads)) {  // every set keeps all
     timing_.score_s = 0;
     timing_.topk_s = seconds_since(t0);
   }
   if (!C || !pre.threads) {
-    if (forced_cols_ && !C)  // (every candidate kept: the forced ones, candidates too, are among them)
-      for (int s = 0; s < n_sets; ++s) sticky_apply(L, H, req, s, out_ids + s * int64_t(out_cols), out_cols, nullptr);
+    // (in the pass every candidate was kept: the forced ones, candidates too, are among them)
+    if (forced_cols_ && (!C || !in_pass))
+      for (int s = 0; s < n_sets; ++s) sticky_apply(L, H, req, s, out_ids + s * int64_t(out_cols), out_cols, C);
     attn_.run(L, H, bsets, false, out, lse, timing_, nullptr, &cand_, C, blse);
     if (sticky) sticky_record(L, layer, H, bsets, lse);
     return;

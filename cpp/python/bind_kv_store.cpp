@@ -12,6 +12,7 @@
 #include "python/bind.h"
 #include "python/step_args.h"
 #include "quant/qgroup.h"
+#include "select/ada.h"
 
 namespace ktq::python {
 
@@ -210,18 +211,21 @@ void bind_kv_store(py::module_& m) {
         }
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), "Unscaled block scores [n_sets, n_blocks].")
       .def("select", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode, const py::handle& k,
-                        const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+                        const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
+                        const py::handle& ada) {
         py::array_t<float> q;
         const int H = query_arg(st, q_obj, q);
         SelectArgs a;
-        select_args(st, a, mode, k, exclude, allowed, out_ids);
+        select_args(st, a, mode, k, exclude, allowed, out_ids, ada);
         const float* qp = q.data();
         int32_t* ip = a.out_ids.mutable_data();
         const int cols = checked_int(a.out_ids.shape(1), "out_ids columns");
         py::gil_scoped_release nogil;
         st.select(layer, qp, H, a.req, ip, cols);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
-         py::arg("out_ids"))
+         py::arg("out_ids"), py::arg("ada") = py::none(),
+         "ada: None, or (num, den): the sum of k split over the sets by Ada-KV with alpha = num / den "
+         "(cpp/select/ada.h).")
       .def("attend", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& blocks_obj,
                         const py::handle& out_obj, const py::handle& lse_obj, const py::handle& block_lse_obj) {
         py::array_t<float> q;
@@ -249,11 +253,12 @@ void bind_kv_store(py::module_& m) {
          "block_lse: None, or [KVH, blocks columns, G] fp32 for each block's own log-sum-exp per query head.")
       .def("select_attend", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
                                const py::handle& k, const py::handle& exclude, const py::handle& allowed,
-                               const py::handle& out_ids, const py::handle& out_obj, const py::handle& lse_obj) {
+                               const py::handle& out_ids, const py::handle& out_obj, const py::handle& lse_obj,
+                               const py::handle& ada) {
         py::array_t<float> q;
         const int H = query_arg(st, q_obj, q);
         SelectArgs a;
-        select_args(st, a, mode, k, exclude, allowed, out_ids);
+        select_args(st, a, mode, k, exclude, allowed, out_ids, ada);
         auto out = array_arg<float>(out_obj, "out", {H, st.config().head_dim});
         auto lse = array_arg<float>(lse_obj, "lse", {H});
         if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
@@ -265,7 +270,7 @@ void bind_kv_store(py::module_& m) {
         py::gil_scoped_release nogil;
         st.select_attend(layer, qp, H, a.req, ip, cols, op, lp);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
-         py::arg("out_ids"), py::arg("out"), py::arg("lse"))
+         py::arg("out_ids"), py::arg("out"), py::arg("lse"), py::arg("ada") = py::none())
       .def("decode_step", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& k_obj,
                              const py::handle& v_obj, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
                              int64_t width, int64_t skip0, int64_t skip1, float scale, int n_threads,
@@ -325,6 +330,26 @@ void bind_kv_store(py::module_& m) {
      "Bytes a full KVStore of this config reserves (K, V, scales, anchors, anchor counts, BLOCK_MEAN sums, DYNAMIC "
      "importances and positions, the index's group bounds): the layout the store reserves its regions from "
      "(cpp/kvstore/layout.h).");
+  m.def("ada_budgets", [](const py::handle& scores_obj, const py::handle& counts_obj, int64_t total, int64_t num,
+                          int64_t den) {
+    auto scores = array_arg<float>(scores_obj, "scores", {-1, -1});
+    const int n_sets = checked_int(scores.shape(0), "scores rows");
+    auto counts = array_arg<int64_t>(counts_obj, "counts", {n_sets});
+    const int64_t N = scores.shape(1);
+    std::vector<float> flat;  // set after set, each set's first counts[s] scores
+    for (int s = 0; s < n_sets; ++s) {
+      if (counts.data()[s] < 0 || counts.data()[s] > N)
+        throw py::value_error("counts[" + std::to_string(s) + "] = " + std::to_string(counts.data()[s]) +
+                              " must lie in [0, " + std::to_string(N) + "] (the scores' columns)");
+      flat.insert(flat.end(), scores.data() + s * N, scores.data() + s * N + counts.data()[s]);
+    }
+    py::array_t<int32_t> out(n_sets);
+    std::vector<float> scratch;
+    ada_budgets(n_sets, counts.data(), flat.data(), total, num, den, out.mutable_data(), scratch);
+    return out;
+  }, py::arg("scores"), py::arg("counts"), py::arg("total"), py::arg("num"), py::arg("den"),
+     "Ada-KV budgets (cpp/select/ada.h) of n_sets sets: set s's candidates score scores[s, :counts[s]] (fp32 "
+     "[n_sets, N]); total blocks to split, alpha = num / den. int32 [n_sets].");
   m.def("candidate_copy_bytes", [](int n_layers, int n_kv_heads, int head_dim, int block_size,
                                    const std::string& kv_type, const std::string& anchor_type, bool int8_candidates,
                                    int64_t n_candidates, const std::string& head_mode_name) {

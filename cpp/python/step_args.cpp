@@ -4,6 +4,7 @@
 #include "common/checked.h"
 #include "python/args.h"
 #include "python/bind.h"
+#include "select/ada.h"
 
 namespace ktq::python {
 
@@ -15,7 +16,8 @@ int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q)
 }
 
 void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, const py::handle& k,
-                 const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+                 const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
+                 const py::handle& ada) {
   a.req.mode = head_mode(mode);
   const int n_sets = a.req.mode == HeadMode::SHARED ? 1 : st.config().n_kv_heads;
   a.k = array_arg<int32_t>(k, "k", {n_sets});
@@ -31,6 +33,20 @@ void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, cons
   }
   if (!a.out_ids.writeable()) throw py::value_error("out_ids: must be writeable");
   a.out = a.out_ids.mutable_data();
+  if (!ada.is_none()) {
+    py::tuple t;
+    try {
+      t = ada.cast<py::tuple>();
+      if (t.size() != 2) throw py::cast_error();
+      a.req.ada_num = t[0].cast<int64_t>(), a.req.ada_den = t[1].cast<int64_t>();
+    } catch (const py::cast_error&) {
+      throw py::value_error("ada: expected None or (num, den), two integers (alpha = num / den)");
+    }
+    if (a.req.ada_den < 1 || a.req.ada_den > kAdaMaxDen || a.req.ada_num < 0 || a.req.ada_num > a.req.ada_den)
+      throw py::value_error("ada: alpha = " + std::to_string(a.req.ada_num) + "/" + std::to_string(a.req.ada_den) +
+                            " must lie in [0, 1] with a denominator in [1, " + std::to_string(kAdaMaxDen) + "]");
+    a.req.ada = true;
+  }
 }
 
 StorePlan StorePlan::attend(const py::object& store, const py::handle& blocks_obj) {
@@ -47,12 +63,13 @@ StorePlan StorePlan::attend(const py::object& store, const py::handle& blocks_ob
 }
 
 StorePlan StorePlan::select(const py::object& store, const std::string& mode, const py::handle& k,
-                            const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids) {
+                            const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
+                            const py::handle& ada) {
   const KVStore& st = store.cast<const KVStore&>();
   StorePlan p;
   p.store = store, p.st = &st;
   p.part = StorePart::SELECT;
-  select_args(st, p.sel, mode, k, exclude, allowed, out_ids);
+  select_args(st, p.sel, mode, k, exclude, allowed, out_ids, ada);
   return p;
 }
 
@@ -96,10 +113,10 @@ void bind_store_plan(py::module_& m) {
       .def_static("attend", &StorePlan::attend, py::arg("store"), py::arg("blocks"),
                   "A fixed list: blocks int32 [1 (every KV head) or n_kv_heads, cols], ascending, -1 padded.")
       .def_static("select", &StorePlan::select, py::arg("store"), py::arg("mode"), py::arg("k"), py::arg("exclude"),
-                  py::arg("allowed"), py::arg("out_ids"),
+                  py::arg("allowed"), py::arg("out_ids"), py::arg("ada") = py::none(),
                   "A fresh selection as KVStore.select_attend makes it (mode SHARED/SEPARATE, k int32 [n_sets], "
-                  "exclude int64 [n, 2] block ranges, allowed int32 [n_sets, N] or None); the picks land in "
-                  "out_ids int32 [n_sets, cols].")
+                  "exclude int64 [n, 2] block ranges, allowed int32 [n_sets, N] or None, ada None or (num, den)); "
+                  "the picks land in out_ids int32 [n_sets, cols].")
       .def_property_readonly("out_ids", [](const StorePlan& p) -> py::object {
         if (p.part != StorePart::SELECT) return py::none();
         return p.sel.out_ids;

@@ -21,6 +21,10 @@ struct SelectRequest {
   int n_exclude = 0;
   const int32_t* allowed = nullptr;  // [n_sets, allowed_cols] candidate block ids, -1 = padding; null = all
   int allowed_cols = 0;
+  // Ada-KV (SEPARATE): the sets' k are split anew from their sum by every set's scores (select/ada.h), with
+  // the uniform floor share alpha = ada_num / ada_den; a set may then keep up to that sum.
+  bool ada = false;
+  int64_t ada_num = 0, ada_den = 1;
 };
 
 // Selected blocks: [n_sets, cols], ascending ids then -1 padding; n_sets = 1 means "every KV head".

@@ -9,6 +9,7 @@
 #include "common/cpu_features.h"
 #include "common/scratch.h"
 #include "common/thread_pool.h"
+#include "select/ada.h"
 #include "select/score_kernels.h"
 #include "select/topk.h"
 
@@ -274,10 +275,28 @@ void BlockSelector::select_runs(const StoreLayer& L, int H, const SelectRequest&
     t.topk_s = seconds_since(t0);
     return;
   }
-  if (lay_.cfg.index_group > 0 && walk_index_ && !req.allowed) return select_pruned(L, H, req, kcap, out_ids, out_cols, t);
+  // (Ada-KV's budgets need every candidate's score: no pruning by the index)
+  if (lay_.cfg.index_group > 0 && walk_index_ && !req.allowed && !req.ada)
+    return select_pruned(L, H, req, kcap, out_ids, out_cols, t);
   stats_.blocks_scored = stats_.candidates;
   scores_.resize(size_t(n_sets) * nb);
   score_runs(L, H, req.mode, scores_.data());
+  const int32_t* k_per_set = req.k_per_set;
+  if (req.ada) {  // the sets' budgets from all their scores
+    ada_scores_.clear();
+    ada_counts_.resize(n_sets);
+    for (int s = 0; s < n_sets; ++s) {
+      const float* sc = scores_.data() + s * nb;
+      runs_[s].each([&](int32_t b) { ada_scores_.push_back(sc[b]); });
+      ada_counts_[s] = runs_[s].prefix.back();
+    }
+    int64_t total = 0;
+    for (int s = 0; s < n_sets; ++s) total += req.k_per_set[s];
+    ada_k_.resize(n_sets);
+    ada_budgets(n_sets, ada_counts_.data(), ada_scores_.data(), total, req.ada_num, req.ada_den, ada_k_.data(),
+                ada_scratch_);
+    k_per_set = ada_k_.data();
+  }
   const auto t1 = Clock::now();
   t.score_s = std::chrono::duration<double>(t1 - t0).count();
 
@@ -288,7 +307,7 @@ void BlockSelector::select_runs(const StoreLayer& L, int H, const SelectRequest&
   // under the strict order of heap_less (higher score, then the lower id); NaN scores count as -inf.
   constexpr int64_t kHeapRatio = 64;
   auto partition = [&](int s) {
-    const int64_t n = runs_[s].prefix.back(), k = std::min<int64_t>(req.k_per_set[s], n);
+    const int64_t n = runs_[s].prefix.back(), k = std::min<int64_t>(k_per_set[s], n);
     return k > 0 && k * kHeapRatio >= n;
   };
   int64_t room = 0;  // topv_, topids_ and topkeys_ entries per set
@@ -305,7 +324,7 @@ void BlockSelector::select_runs(const StoreLayer& L, int H, const SelectRequest&
   const int topk_threads = n_sets > 1 && n_cand >= kParallelTopk ? lay_.cfg.threads_num : 1;
   ThreadPool::global().parallel_for(n_sets, topk_threads, [&](int64_t s) {
     const Runs& R = runs_[s];
-    const int64_t k = std::min<int64_t>(req.k_per_set[s], R.prefix.back());
+    const int64_t k = std::min<int64_t>(k_per_set[s], R.prefix.back());
     const float* sc = scores_.data() + s * nb;
     int32_t* row = out_ids + s * int64_t(out_cols);
     auto score = [&](int32_t b) { return std::isnan(sc[b]) ? kNegInf : sc[b]; };

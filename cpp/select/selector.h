@@ -105,25 +105,34 @@ class BlockSelector {
   std::vector<int64_t> chunk_task_;                // index: phase 2 chunks, set * chunks_per_set + chunk
   std::vector<Cand> chunk_heap_;                   // index: phase 2 chunks' top k, [n_chunks, kcap]
   std::vector<int64_t> chunk_n_, chunk_scored_;    // index: per chunk, kept and scored blocks
+  std::vector<float> ada_scores_, ada_scratch_;   // Ada-KV: the candidates' scores, set after set; its scratch
+  std::vector<int64_t> ada_counts_;                // Ada-KV: candidates per set
+  std::vector<int32_t> ada_k_;                     // Ada-KV: the sets' budgets (k per set of this selection)
   IndexStats stats_;
 };
 
 // Checks k per set against the output's room (count(s): the set's candidates); returns the largest
-// number of blocks a set keeps, and in *keep_all whether every set keeps all of its candidates.
+// number of blocks a set keeps, and in *keep_all whether every set keeps all of its candidates. With
+// req.ada a set keeps up to the sum of k (at most its candidates), and all keep all when that sum covers them.
 template <class Count>
 int64_t check_k(const SelectRequest& req, int n_sets, int out_cols, Count count, bool* keep_all) {
-  int64_t kcap = 0;
-  *keep_all = true;
+  int64_t total = 0, n_all = 0;
   for (int s = 0; s < n_sets; ++s) {
     if (req.k_per_set[s] < 0)
       throw std::invalid_argument("k must be >= 0, got " + std::to_string(req.k_per_set[s]) + " for set " +
                                   std::to_string(s));
-    const int64_t need = std::min<int64_t>(req.k_per_set[s], count(s));
+    total += req.k_per_set[s];
+    n_all += count(s);
+  }
+  int64_t kcap = 0;
+  *keep_all = !req.ada || total >= n_all;
+  for (int s = 0; s < n_sets; ++s) {
+    const int64_t need = std::min<int64_t>(req.ada ? total : req.k_per_set[s], count(s));
     if (need > out_cols)
       throw std::invalid_argument("the output has room for " + std::to_string(out_cols) + " blocks per set, set " +
                                   std::to_string(s) + " selects " + std::to_string(need));
     kcap = std::max(kcap, need);
-    *keep_all = *keep_all && req.k_per_set[s] >= count(s);
+    if (!req.ada) *keep_all = *keep_all && req.k_per_set[s] >= count(s);
   }
   return kcap;
 }

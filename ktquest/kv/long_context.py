@@ -327,9 +327,9 @@ class LongContextCache(DeviceWindows, LongContextFileState):
     def plan_decode(self, pos: int) -> TokenPlan | None:
         """The native plan of a decode token at ``pos`` (``KVCache.plan_decode``): every layer's window
         geometry and store part (``DecodePlanner.token_steps``). None where the native path does not apply
-        (a GPU, DYNAMIC anchors), the selection needs the query first (Ada-KV budgets in SEPARATE mode), or
-        the token is a prompt's (``begin_prompt``: read exactly, through ``attend``)."""
-        if not self._native_decode or self.planner.needs_query or pos < self.prompt_end:
+        (a GPU, DYNAMIC anchors) or the token is a prompt's (``begin_prompt``: read exactly, through
+        ``attend``)."""
+        if not self._native_decode or pos < self.prompt_end:
             return None
         self._begin_pass(pos, 1)
         g = self.geo
@@ -371,7 +371,7 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         attention, the store part as the planner says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
         qc = q[0].contiguous()  # [H, D]
         lb = self.geo.loc0 // self.bs
-        blocks, select = self.planner.plan(layer, qc, lb) if lb > self.ib else (None, None)
+        blocks, select = self.planner.plan(layer, lb) if lb > self.ib else (None, None)
         g = self.geo
         out = torch.empty(1, self.H, self.D)
         ids = self.store.decode_step(layer, qc, k[0].contiguous(), v[0].contiguous(), self.win_k[layer],
@@ -387,10 +387,10 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         """q: [1, H, D] -> (out [H, D], lse [H]) fp32 on the CPU over the selected context blocks."""
         qc = q[0].float()
         qc = (qc.cpu() if qc.device.type != "cpu" else qc).contiguous()  # [H, D]
-        blocks, select = self.planner.plan(layer, qc, lb)
+        blocks, select = self.planner.plan(layer, lb)
         if select is None:
             return self.store.attend(layer, qc, blocks, self._out, self._lse)
         out, lse, ids = self.store.select_attend(layer, qc, select.k, select.mode, select.exclude_ranges,
-                                                 select.allowed, self._out, self._lse)
+                                                 select.allowed, self._out, self._lse, select.ada_alpha)
         self.planner.record(layer, ids, lb)
         return out, lse

@@ -4,11 +4,11 @@ A layer attends every context block (the first ``dense_layer_num`` layers), reus
 ``layer_step`` leader's of this token, or its own until ``token_step`` tokens have passed, extended by the
 blocks that left the local window since), or selects afresh: the store scores the candidates' anchors
 against the query and keeps the top ``second_select_num`` (per KV head in SEPARATE mode; Ada-KV budgets
-split a layer's total over its heads). The candidates are every context block, or after a prefill with
-``preselect_block`` the blocks SnapKV kept (``kv/selection.py``), scored by the last prompt queries; with
-``preselect_refresh`` R, every R decode steps a layer selects from every context block instead, and its picks
-join its candidates in place of the last refresh's (what a long reply goes on to need is not all in what the
-prompt's end asked for).
+split a layer's total over its heads by the step's own scores, in the store). The candidates are every
+context block, or after a prefill with ``preselect_block`` the blocks SnapKV kept (``kv/selection.py``),
+scored by the last prompt queries; with ``preselect_refresh`` R, every R decode steps a layer selects from
+every context block instead, and its picks join its candidates in place of the last refresh's (what a long
+reply goes on to need is not all in what the prompt's end asked for).
 
 The planner holds this state (selections, candidates, the SnapKV observation window) and the call
 statistics; the cache (``kv/long_context.py``) owns the windows and the store and asks it for plans.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ktquest.config import LongContextConfig
-from ktquest.kv.selection import ada_budgets_fast, snapkv_preselect
+from ktquest.kv.selection import snapkv_preselect
 from ktquest.kv.store import KVStore, Select
 from ktquest.native.args import padded_ids
 
@@ -228,7 +228,7 @@ class DecodePlanner:
         plans, fresh = [], {}  # fresh: layer -> its store plan, for the layers that select in this token
         full, reuse = [], []  # the layers plan() counted as attending every block / reusing a selection
         for layer in range(self.n_layers):
-            blocks, select = self.plan(layer, None, lb, fresh) if lb > self.ib else (None, None)
+            blocks, select = self.plan(layer, lb, fresh) if lb > self.ib else (None, None)
             store_plan = self.store.step_plan(layer, blocks, select)
             if select is not None:
                 fresh[layer] = store_plan
@@ -243,13 +243,12 @@ class DecodePlanner:
         self._token_steps = steps if self.lc.token_step == 1 and lb > self.ib and not self._refreshing else None
         return steps
 
-    def plan(self, layer: int, qc: torch.Tensor | None, lb: int,
-             fresh: dict | None = None) -> tuple[torch.Tensor | None, Select | None]:
+    def plan(self, layer: int, lb: int, fresh: dict | None = None) -> tuple[torch.Tensor | None, Select | None]:
         """Which context blocks a decode step of ``layer`` attends to: (blocks, None) for a fixed list (dense
-        layers, a reused selection), or (None, a ``Select``) for a fresh selection.
-        qc: [H, D] fp32 CPU (only read for Ada-KV budgets in SEPARATE mode; may be None otherwise). Keeps the
-        call statistics and runs a pending preselection. fresh (token_steps): the store plans of the layers
-        that select in this token but have not run yet; a follower of one of them reuses its out_ids."""
+        layers, a reused selection), or (None, a ``Select``) for a fresh selection (Ada-KV budgets: split by
+        the store from the step's own scores). Keeps the call statistics and runs a pending preselection.
+        fresh (token_steps): the store plans of the layers that select in this token but have not run yet; a
+        follower of one of them reuses its out_ids."""
         lc, st = self.lc, self.stats
         if layer < lc.dense_layer_num:
             st.full_calls[layer] += 1
@@ -275,25 +274,10 @@ class DecodePlanner:
             allowed = None  # this step selects from every context block; its picks join the candidates
         if self._excl[0] != lb:  # [2, 2] int64 block ranges: the init window, and the local window onwards
             self._excl = (lb, np.array([[0, self.ib], [lb, self._all_blocks.shape[0]]], np.int64))
-        excl = self._excl[1]
-        ks = lc.second_select_num
-        if self.needs_query:
-            scores = self.store.block_scores(layer, qc, "SEPARATE")  # [KVH, nb]
-            scores[:, : self.ib] = float("-inf")
-            scores[:, lb:] = float("-inf")
-            if allowed is not None:
-                nb = scores.shape[1]
-                idx = allowed.long().masked_fill(allowed < 0, nb)  # padding -> a spare last column
-                keep = torch.zeros(scores.shape[0], nb + 1, dtype=torch.bool).scatter_(1, idx, True)
-                scores.masked_fill_(~keep[:, :nb], float("-inf"))
-            ks = ada_budgets_fast(scores, lc.second_select_num * self.KVH, lc.ada_alpha).tolist()
-        return None, Select(ks, mode, excl, None if allowed is None else self.allowed_np[layer])
-
-    @property
-    def needs_query(self) -> bool:
-        """Ada-KV decode budgets (SEPARATE mode) split a layer's total by the query's block scores, so a
-        fresh selection can only be planned once the layer's query is known."""
-        return self.lc.ada_budget and self.lc.head_select_mode == "SEPARATE"
+        # Ada-KV (SEPARATE): the store splits the layer's total over its heads by this query's scores
+        ada = lc.ada_alpha if lc.ada_budget and mode == "SEPARATE" else None
+        return None, Select(lc.second_select_num, mode, self._excl[1],
+                            None if allowed is None else self.allowed_np[layer], ada)
 
     def _extend(self, sel: Selection, lb: int) -> torch.Tensor:
         """A cached selection plus the context blocks that left the local window since it was taken."""

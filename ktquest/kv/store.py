@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -32,16 +34,23 @@ _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16
 _NO_RANGES = np.zeros((0, 2), np.int64)
 
 
+@lru_cache(maxsize=16)
+def _ada_fraction(alpha: float) -> Fraction:
+    return Fraction(alpha).limit_denominator(10**6)
+
+
 @dataclass(slots=True, frozen=True)
 class Select:
     """A fresh selection's request, as select() and select_attend() take it: the top ``k`` blocks (an int, or
     one per KV head in SEPARATE mode) per set of ``mode``, never in the half-open block ``exclude_ranges``,
-    among ``allowed`` (one id list per set; None: every block)."""
+    among ``allowed`` (one id list per set; None: every block); with ``ada_alpha`` the sum of k split over the
+    sets by Ada-KV from this query's scores (uniform floor share ``ada_alpha``)."""
 
     k: int | Sequence[int]
     mode: str = "SEPARATE"
     exclude_ranges: Sequence[tuple[int, int]] | np.ndarray = ()
     allowed: object = None
+    ada_alpha: float | None = None
 
 
 class KVStore:
@@ -222,10 +231,23 @@ class KVStore:
             self._k_cache[key] = hit
         return hit
 
-    def _request(self, layer, k, mode, exclude_ranges, allowed):
+    @staticmethod
+    def _ada(alpha: float | None) -> tuple[int, int] | None:
+        """ada_alpha as the binding's (num, den): the nearest fraction with a denominator <= 10^6 (as
+        ``kv/selection.py``'s ada_budgets reads it)."""
+        if alpha is None:
+            return None
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"ada_alpha={alpha!r} is not allowed: None, or a number in [0, 1]")
+        f = _ada_fraction(float(alpha))
+        return f.numerator, f.denominator
+
+    def _request(self, layer, k, mode, exclude_ranges, allowed, ada_alpha=None):
         mode = mode if mode in HEAD_MODES else check_name(mode, "mode", HEAD_MODES)
         n_sets = 1 if mode == "SHARED" else self.n_kv_heads
         ks, k_max = self._k(k, mode)
+        if ada_alpha is not None:
+            k_max = int(ks.sum())  # a set may take up to the whole budget
         if exclude_ranges is None or len(exclude_ranges) == 0:
             excl = _NO_RANGES
         else:
@@ -242,7 +264,7 @@ class KVStore:
             allow = padded_ids(allowed, "allowed", n_sets)
         cols = min(k_max, self._st.n_blocks(layer) if allow is None else allow.shape[1])
         ids = np.empty((n_sets, cols), np.int32)
-        return mode, ks, excl, allow, ids
+        return mode, ks, excl, allow, ids, self._ada(ada_alpha)
 
     def block_scores(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
         """Unscaled anchor scores of every block, summed over each KV head's query group (SEPARATE:
@@ -267,14 +289,16 @@ class KVStore:
         mode: str = "SEPARATE",
         exclude_ranges: Sequence[tuple[int, int]] = (),
         allowed=None,
+        ada_alpha: float | None = None,
     ) -> torch.Tensor:
         """Top-k blocks by anchor score (ties: the lower block id). Candidates: every block, or ``allowed``
         (one id list per KV head, or one list for SHARED), minus the half-open block ``exclude_ranges``.
-        k: an int, or one per KV head (SEPARATE). Returns int32 ascending ids, -1 padded:
-        [KVH, k_max] (SEPARATE) or [k] (SHARED)."""
+        k: an int, or one per KV head (SEPARATE). ada_alpha: the sum of k split over the sets by Ada-KV
+        (cpp/select/ada.h; ``kv/selection.py``'s ada_budgets over these scores). Returns int32 ascending ids,
+        -1 padded: [KVH, cols] (SEPARATE) or [cols] (SHARED)."""
         qn = self._q(q)
-        mode, ks, excl, allow, ids = self._request(layer, k, mode, exclude_ranges, allowed)
-        self._st.select(layer, qn, mode, ks, excl, allow, ids)
+        mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
+        self._st.select(layer, qn, mode, ks, excl, allow, ids, ada)
         return self._step_ids(ids, mode)
 
     def attend(
@@ -317,12 +341,13 @@ class KVStore:
         allowed=None,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        ada_alpha: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks)."""
         qn = self._q(q)
-        mode, ks, excl, allow, ids = self._request(layer, k, mode, exclude_ranges, allowed)
+        mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
         out, lse, out_np, lse_np = self._outputs(qn.shape[0], out, lse)
-        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np)
+        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np, ada)
         return out, lse, self._step_ids(ids, mode)
 
     def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
@@ -348,9 +373,9 @@ class KVStore:
         call): a fresh selection ``select``, the picks landing in the plan's ``out_ids``; else ``blocks`` as
         attend() takes them; else nothing (no context block)."""
         if select is not None:
-            mode, ks, excl, allow, ids = self._request(layer, select.k, select.mode, select.exclude_ranges,
-                                                       select.allowed)
-            return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids)
+            mode, ks, excl, allow, ids, ada = self._request(layer, select.k, select.mode, select.exclude_ranges,
+                                                            select.allowed, select.ada_alpha)
+            return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids, ada)
         if blocks is not None:
             n = blocks.shape[0] if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 else 1
             return _C.StorePlan.attend(self._st, padded_ids(blocks, "blocks", n))

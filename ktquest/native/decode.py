@@ -9,9 +9,9 @@
 The same math as ``ktquest.models.llama`` on the layers' ``QuantWeight`` matrices (``layers/linear.py``), with
 no torch op on the way: between tokens the caches are cold (the weights streamed through them) and a torch
 op then costs 100-200 us. Where the cache can plan the token ahead (``KVCache.plan_decode``: a
-dense cache; dense windows with fixed block lists or fresh selections), every block runs in one native call; where the attention
-needs the token's query before it can be planned (Ada-KV decode budgets, DYNAMIC anchors), the blocks run
-one by one around ``cache.attend``.
+dense cache; dense windows with fixed block lists or fresh selections, Ada-KV budgets included), every
+block runs in one native call; where it cannot (a GPU, DYNAMIC anchors, several RoPE tables), the blocks
+run one by one around ``cache.attend``.
 """
 
 from __future__ import annotations

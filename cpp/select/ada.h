@@ -1,0 +1,28 @@
+// Ada-KV's split of a layer's selection budget over its KV heads (Feng et al., "Ada-KV", 2024): a head
+// whose attention is concentrated needs few blocks, one whose attention is spread needs many. The rule is
+// ktquest/kv/selection.py's ada_budgets, exactly (the tests compare the two):
+//
+//   T = min(total, every set's candidates); share s_i = set i's candidates among the best T of all sets'
+//   scores (equal scores: the lower set, then the earlier candidate); b_i = s_i (1 - alpha) + u_i, the
+//   uniform part alpha T split evenly but never past a set's own candidates (what a capped set cannot take
+//   goes evenly to the others); every set gets floor(b_i), and the T - sum floor(b_i) left go one each to
+//   the largest fractional parts (equal parts: the lower set).
+//
+// alpha = num / den, and the arithmetic is on integers over the denominator den * (sets not capped), so
+// the rounding never depends on float error. NaN scores count as -inf (as top k counts them).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace ktq {
+
+// scores: every set's candidate scores, set after set (set s holds counts[s] of them, in candidate order);
+// total >= 0, 0 <= num <= den, 1 <= den <= kAdaMaxDen. out: [n_sets] budgets summing to min(total, sum
+// counts), each in [0, counts[s]]. scratch: reused between calls.
+void ada_budgets(int n_sets, const int64_t* counts, const float* scores, int64_t total, int64_t num, int64_t den,
+                 int32_t* out, std::vector<float>& scratch);
+
+inline constexpr int64_t kAdaMaxDen = 1000000;  // alpha's denominator (Python reads alpha as the nearest such fraction)
+
+}  // namespace ktq
