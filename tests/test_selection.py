@@ -482,6 +482,10 @@ def test_ada_budgets_refuse_bad_arguments():
         store._st.select(0, q.numpy(), "SEPARATE", torch.tensor([4, 4], dtype=torch.int32).numpy(),
                          torch.zeros(0, 2, dtype=torch.int64).numpy(), None,
                          torch.zeros(2, 8, dtype=torch.int32).numpy(), (1, 2, 3))
+    with pytest.raises(ValueError, match="ada: expected None or"):
+        store._st.select(0, q.numpy(), "SEPARATE", torch.tensor([4, 4], dtype=torch.int32).numpy(),
+                         torch.zeros(0, 2, dtype=torch.int64).numpy(), None,
+                         torch.zeros(2, 8, dtype=torch.int32).numpy(), 0.2)
 
 
 @pytest.mark.parametrize("cached", [False, True])

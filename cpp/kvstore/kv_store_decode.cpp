@@ -117,6 +117,8 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
     if (forced_cols_ && (!C || !in_pass))
       for (int s = 0; s < n_sets; ++s) sticky_apply(L, H, req, s, out_ids + s * int64_t(out_cols), out_cols, C);
     attn_.run(L, H, bsets, false, out, lse, timing_, nullptr, &cand_, C, blse);
+    if (C && !in_pass)  // (the cache's lookup and tile copy count with the attention, as in the pass)
+      timing_.attend_s = std::max(0.0, seconds_since(t0) - timing_.score_s - timing_.topk_s);
     if (sticky) sticky_record(L, layer, H, bsets, lse);
     return;
   }

@@ -34,13 +34,13 @@ void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, cons
   if (!a.out_ids.writeable()) throw py::value_error("out_ids: must be writeable");
   a.out = a.out_ids.mutable_data();
   if (!ada.is_none()) {
-    py::tuple t;
+    const char* want = "ada: expected None or (num, den), two integers (alpha = num / den)";
+    if (!py::isinstance<py::tuple>(ada) || py::len(ada) != 2) throw py::value_error(want);
     try {
-      t = ada.cast<py::tuple>();
-      if (t.size() != 2) throw py::cast_error();
+      const auto t = ada.cast<py::tuple>();
       a.req.ada_num = t[0].cast<int64_t>(), a.req.ada_den = t[1].cast<int64_t>();
     } catch (const py::cast_error&) {
-      throw py::value_error("ada: expected None or (num, den), two integers (alpha = num / den)");
+      throw py::value_error(want);
     }
     if (a.req.ada_den < 1 || a.req.ada_den > kAdaMaxDen || a.req.ada_num < 0 || a.req.ada_num > a.req.ada_den)
       throw py::value_error("ada: alpha = " + std::to_string(a.req.ada_num) + "/" + std::to_string(a.req.ada_den) +

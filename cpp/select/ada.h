@@ -9,7 +9,9 @@
 //   the largest fractional parts (equal parts: the lower set).
 //
 // alpha = num / den, and the arithmetic is on integers over the denominator den * (sets not capped), so
-// the rounding never depends on float error. NaN scores count as -inf (as top k counts them).
+// the rounding never depends on float error. Every candidate counts towards its set's cap, whatever its
+// score (Python leaves -inf scores out: they mark non-candidates there); NaN scores rank as -inf (as top k
+// ranks them). Over int8_candidates the scores are the int8 copy's, as the cut that follows.
 #pragma once
 
 #include <cstdint>

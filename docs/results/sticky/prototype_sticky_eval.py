@@ -35,7 +35,7 @@ def init(self, *a, **k):
 
 def dc(self, layer, q, lb):
     qc = q[0].float().contiguous()
-    blocks, select = self.planner.plan(layer, qc, lb)
+    blocks, select = self.planner.plan(layer, lb)
     if select is None:
         return self.store.attend(layer, qc, blocks, self._out, self._lse)
     pos = self.pos
