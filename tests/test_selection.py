@@ -530,3 +530,34 @@ def test_ada_selection_is_the_top_of_python_budgets(force_scalar, cached, index_
             assert torch.equal(blocks, got)
             out2, lse2 = store.attend(0, q, blocks)
             assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_ada_budgets_over_int8_candidates_rank_the_int8_scores(force_scalar):
+    """With int8_candidates the budgets come from the scores the cut uses, the int8 copy's: per head, the top
+    b_h of those scores with b = ada_budgets over them (only blocks tied with a k-th score within fp32
+    rounding may differ), through a first call that builds the copy and a second that reads it."""
+    KVH, G, D, bs = 3, 3, 64, 8
+    g = torch.Generator().manual_seed(17)
+    store = KVStore(1, KVH, D, 4096, block_size=bs, kv_type="FP16", threads_num=2, int8_candidates=True)
+    store.append(0, torch.randn(300 * bs, KVH, D, generator=g), torch.randn(300 * bs, KVH, D, generator=g))
+    allowed = [sorted(torch.randperm(299, generator=g)[:n].tolist()) for n in (150, 30, 220)]
+    from ktquest.kv.selection import ada_budgets
+
+    for _ in range(2):
+        q = torch.randn(G * KVH, D, generator=g)
+        anchors, _ = store.anchors(0)
+        ref = ref_scores(q, [list(ref_int8_anchors(anchors[h], "QUEST")) for h in range(KVH)], "QUEST", "SEPARATE")
+        cand = [[b for b in allowed[h] if b >= 1] for h in range(KVH)]
+        masked = torch.full_like(ref, float("-inf"))
+        for h in range(KVH):
+            masked[h, cand[h]] = ref[h, cand[h]]
+        budgets = ada_budgets(masked, 3 * 40, 0.2).tolist()
+        assert len(set(budgets)) > 1
+        for _ in range(2):
+            got = store.select(0, q, 40, "SEPARATE", exclude_ranges=[(0, 1)], allowed=allowed, ada_alpha=0.2)
+            for h in range(KVH):
+                sel, want = [b for b in got[h].tolist() if b >= 0], ref_topk(ref[h], cand[h], budgets[h])
+                assert len(sel) == budgets[h]
+                kth = sorted(ref[h][cand[h]].tolist(), reverse=True)[budgets[h] - 1]
+                tol = 1e-5 * ref[h][cand[h]].abs().max().item()
+                assert all(abs(ref[h][b] - kth) <= tol for b in set(sel) ^ set(want)), h

@@ -14,9 +14,11 @@ run() { # name, tool, args...
   python tools/$tool "$@" --json $O/$name.json > $O/$name.log 2>&1
 }
 ADA_Q="--variant ada_quest_ts1_sticky4:ada_budget=true --variant ada_quest_ts2:ada_budget=true,token_step=2,sticky_blocks=0"
-run tuning_8k_kt_ada eval_longctx.py $T --configs configs/ktransformers.yaml --variant ada:ada_budget=true
-run fidelity_8k_tuning_ada fidelity.py $F --configs configs/quest.yaml,configs/ktransformers.yaml $ADA_Q --variant ada:ada_budget=true
-run fidelity_8k_packages_ada fidelity.py $F --text packages --configs configs/quest.yaml,configs/ktransformers.yaml $ADA_Q --variant ada:ada_budget=true
+run tuning_8k_kt_snapkv_ada eval_longctx.py $T --configs configs/ktransformers.yaml,configs/snapkv.yaml --variant ada:ada_budget=true
+run fidelity_8k_tuning_ada fidelity.py $F --configs configs/quest.yaml $ADA_Q
+run fidelity_8k_tuning_kt_snapkv_ada fidelity.py $F --configs configs/ktransformers.yaml,configs/snapkv.yaml --variant ada:ada_budget=true
+run fidelity_8k_packages_ada fidelity.py $F --text packages --configs configs/quest.yaml $ADA_Q
+run fidelity_8k_packages_kt_snapkv_ada fidelity.py $F --text packages --configs configs/ktransformers.yaml,configs/snapkv.yaml --variant ada:ada_budget=true
 run heldout_seed2_dense eval_longctx.py $H --configs dense
 [ -f $O/GO ] || { echo "waiting for $O/GO (the presets decided)"; while [ ! -f $O/GO ]; do sleep 10; done; }
 run heldout_seed2_quest eval_longctx.py $H --configs configs/quest.yaml \
