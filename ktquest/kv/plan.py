@@ -71,7 +71,6 @@ class DecodePlanner:
     def __init__(self, lc: LongContextConfig, store: KVStore, n_layers: int, n_heads: int, head_dim: int,
                  ib: int, all_blocks: torch.Tensor, device: torch.device, dtype: torch.dtype, max_seq_len: int):
         self.lc, self.store, self.n_layers, self.ib = lc, store, n_layers, ib
-        self.KVH = store.n_kv_heads
         self._all_blocks, self._all_blocks_np = all_blocks, all_blocks.numpy()
         W = min(lc.preselect_window, max_seq_len)
         self.q_win = torch.zeros(n_layers, W, n_heads, head_dim, device=device, dtype=dtype)  # [L, W, H, D]
