@@ -13,7 +13,6 @@
 
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
-#include "select/ada.h"
 #include "select/topk.h"
 
 namespace ktq {
@@ -242,18 +241,14 @@ void CandCaches::select(const CandCache& C, const SelectRequest& req, const Bloc
                                       [&](int64_t s) { select_set(C, req, sel, int(s), out_ids, out_cols); });
   } else {  // Ada-KV: every set's scores, the budgets from all of them, then each set's top k
     ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) { score_set(C, sel, int(s)); });
-    ada_scores_.clear();
-    int64_t total = 0;
+    ada_.scores.clear();
+    ada_.counts = C.count;
     for (int s = 0; s < n_sets; ++s) {
-      ada_scores_.insert(ada_scores_.end(), cscores_.begin() + s * C.stride, cscores_.begin() + s * C.stride + C.count[s]);
-      total += req.k_per_set[s];
+      const auto row = cscores_.begin() + s * C.stride;
+      ada_.scores.insert(ada_.scores.end(), row, row + C.count[s]);
     }
-    ada_k_.resize(n_sets);
-    ada_budgets(n_sets, C.count.data(), ada_scores_.data(), total, req.ada_num, req.ada_den, ada_k_.data(),
-                ada_scratch_);
-    ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) {
-      cut_set(C, int(s), std::min<int64_t>(ada_k_[s], C.count[s]), out_ids, out_cols);
-    });
+    const int32_t* k = ada_.split(req);
+    ThreadPool::global().parallel_for(n_sets, threads, [&](int64_t s) { cut_set(C, int(s), k[s], out_ids, out_cols); });
   }
   // The two stages share the pass: top-k's share is its tasks' time over the threads, scoring the rest.
   const double total = seconds_since(t0);

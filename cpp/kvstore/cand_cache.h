@@ -71,10 +71,10 @@ class CandCaches {
   // not apply (a candidate in a partial block). Builds sel's runs whenever it does not return a hit.
   CandCache* lookup(const StoreLayer& L, int layer, int64_t nb, int n_sets, const SelectRequest& req,
                     BlockSelector& sel);
-  // The selection over C (Ada-KV's budgets with req.ada): the same scores (same kernels on the same anchor bytes, heads summed in the same
-  // order) and the same top-k rule as the selector, so the same ids as the uncached path (int8_candidates:
-  // the scores of the int8 copy, upper bounds for QUEST, instead). out_ids as BlockSelector::select_runs;
-  // t.score_s, t.topk_s.
+  // The selection over C: the same scores (same kernels on the same anchor bytes, heads summed in the same
+  // order), the same Ada-KV budgets with req.ada and the same top-k rule as the selector, so the same ids as
+  // the uncached path (int8_candidates: the scores of the int8 copy, upper bounds for QUEST, instead).
+  // out_ids as BlockSelector::select_runs; t.score_s, t.topk_s.
   void select(const CandCache& C, const SelectRequest& req, const BlockSelector& sel, int32_t* out_ids,
               int out_cols, StageTiming& t);
   // Checks k and writes every set that keeps all of its candidates; true when a set still needs select_set
@@ -121,8 +121,7 @@ class CandCaches {
   std::vector<int64_t> head_counts_;  // [KVH] head_counts()
   std::vector<double> topk_task_s_;   // each set's top-k time (StageTiming split)
   std::vector<double> score_task_s_;  // ... and its scoring time
-  std::vector<float> ada_scores_, ada_scratch_;  // Ada-KV: the candidates' scores, set after set; its scratch
-  std::vector<int32_t> ada_k_;                   // Ada-KV: the sets' budgets
+  AdaSplit ada_;                      // Ada-KV: the candidates' scores and the sets' budgets
 };
 
 }  // namespace ktq

@@ -83,4 +83,13 @@ void ada_budgets(int n_sets, const int64_t* counts, const float* scores, int64_t
   for (int64_t i = 0; i < T - given; ++i) ++out[order[i]];
 }
 
+const int32_t* AdaSplit::split(const SelectRequest& req) {
+  const int n_sets = int(counts.size());
+  int64_t total = 0;
+  for (int s = 0; s < n_sets; ++s) total += req.k_per_set[s];
+  k_.resize(n_sets);
+  ada_budgets(n_sets, counts.data(), scores.data(), total, req.ada_num, req.ada_den, k_.data(), scratch_);
+  return k_.data();
+}
+
 }  // namespace ktq

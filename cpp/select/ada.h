@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "select/request.h"
+
 namespace ktq {
 
 // scores: every set's candidate scores, set after set (set s holds counts[s] of them, in candidate order);
@@ -26,5 +28,17 @@ void ada_budgets(int n_sets, const int64_t* counts, const float* scores, int64_t
                  int32_t* out, std::vector<float>& scratch);
 
 inline constexpr int64_t kAdaMaxDen = 1000000;  // alpha's denominator (Python reads alpha as the nearest such fraction)
+
+// A selection's Ada-KV workspace: fill `scores` and `counts` with every set's candidate scores (set after
+// set), then split() the request's sum of k by them into [n_sets] budgets (valid until the next split).
+struct AdaSplit {
+  std::vector<float> scores;
+  std::vector<int64_t> counts;
+  const int32_t* split(const SelectRequest& req);
+
+ private:
+  std::vector<float> scratch_;
+  std::vector<int32_t> k_;
+};
 
 }  // namespace ktq

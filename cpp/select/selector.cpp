@@ -9,7 +9,6 @@
 #include "common/cpu_features.h"
 #include "common/scratch.h"
 #include "common/thread_pool.h"
-#include "select/ada.h"
 #include "select/score_kernels.h"
 #include "select/topk.h"
 
@@ -283,19 +282,14 @@ void BlockSelector::select_runs(const StoreLayer& L, int H, const SelectRequest&
   score_runs(L, H, req.mode, scores_.data());
   const int32_t* k_per_set = req.k_per_set;
   if (req.ada) {  // the sets' budgets from all their scores
-    ada_scores_.clear();
-    ada_counts_.resize(n_sets);
+    ada_.scores.clear();
+    ada_.counts.resize(n_sets);
     for (int s = 0; s < n_sets; ++s) {
       const float* sc = scores_.data() + s * nb;
-      runs_[s].each([&](int32_t b) { ada_scores_.push_back(sc[b]); });
-      ada_counts_[s] = runs_[s].prefix.back();
+      runs_[s].each([&](int32_t b) { ada_.scores.push_back(sc[b]); });
+      ada_.counts[s] = runs_[s].prefix.back();
     }
-    int64_t total = 0;
-    for (int s = 0; s < n_sets; ++s) total += req.k_per_set[s];
-    ada_k_.resize(n_sets);
-    ada_budgets(n_sets, ada_counts_.data(), ada_scores_.data(), total, req.ada_num, req.ada_den, ada_k_.data(),
-                ada_scratch_);
-    k_per_set = ada_k_.data();
+    k_per_set = ada_.split(req);
   }
   const auto t1 = Clock::now();
   t.score_s = std::chrono::duration<double>(t1 - t0).count();

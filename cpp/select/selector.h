@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kvstore/layout.h"
+#include "select/ada.h"
 #include "select/request.h"
 
 namespace ktq {
@@ -105,9 +106,7 @@ class BlockSelector {
   std::vector<int64_t> chunk_task_;                // index: phase 2 chunks, set * chunks_per_set + chunk
   std::vector<Cand> chunk_heap_;                   // index: phase 2 chunks' top k, [n_chunks, kcap]
   std::vector<int64_t> chunk_n_, chunk_scored_;    // index: per chunk, kept and scored blocks
-  std::vector<float> ada_scores_, ada_scratch_;   // Ada-KV: the candidates' scores, set after set; its scratch
-  std::vector<int64_t> ada_counts_;                // Ada-KV: candidates per set
-  std::vector<int32_t> ada_k_;                     // Ada-KV: the sets' budgets (k per set of this selection)
+  AdaSplit ada_;                                   // Ada-KV: the candidates' scores and the sets' budgets
   IndexStats stats_;
 };
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -35,6 +36,12 @@ SNAPKV_CHUNK = 4096
 
 # alpha is read as the nearest fraction with a denominator up to this, so 0.2 means exactly 1/5.
 _ALPHA_DENOMINATOR = 10**6
+
+
+@lru_cache(maxsize=16)
+def alpha_fraction(alpha: float) -> Fraction:
+    """Ada-KV's alpha as the exact fraction every budget split uses (here and the store's, cpp/select/ada.h)."""
+    return Fraction(alpha).limit_denominator(_ALPHA_DENOMINATOR)
 
 
 def merge_group_scores(scores: torch.Tensor, n_kv_heads: int, how: GroupMerge = "mean") -> torch.Tensor:
@@ -161,7 +168,7 @@ def ada_budgets(block_scores: torch.Tensor, total: int, alpha: float) -> torch.T
     top = torch.sort(flat, descending=True, stable=True).indices[:T]  # stable: lower flat index first on ties
     shares = torch.bincount(top // NB, minlength=KVH).tolist()
 
-    a = Fraction(alpha).limit_denominator(_ALPHA_DENOMINATOR)
+    a = alpha_fraction(float(alpha))
     base = [s * (1 - a) for s in shares]
     room = [c - b for c, b in zip(caps, base)]
     uniform = [Fraction(0)] * KVH

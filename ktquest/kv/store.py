@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from ktquest import _C
+from ktquest.kv.selection import alpha_fraction
 from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, padded_ids
 
 KV_TYPES: tuple[str, ...] = _C.KV_TYPES  # the store's enums, named by C++
@@ -32,11 +31,6 @@ HEAD_MODES: tuple[str, ...] = _C.HEAD_MODES
 
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
-
-
-@lru_cache(maxsize=16)
-def _ada_fraction(alpha: float) -> Fraction:
-    return Fraction(alpha).limit_denominator(10**6)
 
 
 @dataclass(slots=True, frozen=True)
@@ -233,13 +227,12 @@ class KVStore:
 
     @staticmethod
     def _ada(alpha: float | None) -> tuple[int, int] | None:
-        """ada_alpha as the binding's (num, den): the nearest fraction with a denominator <= 10^6 (as
-        ``kv/selection.py``'s ada_budgets reads it)."""
+        """ada_alpha as the binding's (num, den): ``kv/selection.py``'s alpha_fraction, as ada_budgets reads it."""
         if alpha is None:
             return None
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"ada_alpha={alpha!r} is not allowed: None, or a number in [0, 1]")
-        f = _ada_fraction(float(alpha))
+        f = alpha_fraction(float(alpha))
         return f.numerator, f.denominator
 
     def _request(self, layer, k, mode, exclude_ranges, allowed, ada_alpha=None):
