@@ -256,6 +256,7 @@ def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
     assert tool.budget_sets("configs/quest.yaml", 4096) == ["second_select_num=512"]
     assert tool.budget_sets("configs/snapkv.yaml", 1024) == ["second_select_num=128", "preselect_block_count=384"]
     assert tool.budget_sets("configs/ktransformers.yaml", 1024) == ["second_select_num=128", "preselect_block_count=512"]
+    assert tool.budget_sets("configs/snapkv.yaml", 2048) == ["second_select_num=256", "preselect_block_count=768"]
     plain = tmp_path / "plain_snapkv.yaml"  # keeps exactly what it attends: both follow the budget
     plain.write_text("mode: long_context\nlong_context:\n  block_size: 32\n  preselect_block: true\n"
                      "  preselect_block_count: 32\n  second_select_num: 32\n")

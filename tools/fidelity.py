@@ -10,8 +10,9 @@ KL(dense || config) in nats, and each one's top-1 accuracy on the text itself. T
 and decode path are the same for every config: attention is the only difference.
 
 ``--budget`` sets the tokens each decode step selects from the context blocks (per KV head in
-SEPARATE mode): ``second_select_num = budget / block_size`` (and ``preselect_block_count`` where a
-preset keeps exactly what it selects, as SnapKV does). The init and local windows come on top. Example:
+SEPARATE mode): ``second_select_num = budget / block_size``, and SnapKV's ``preselect_block_count`` in the
+preset's ratio to it (the presets ship 2,048 tokens; docs/accuracy.md compares them at 1,024). The init
+and local windows come on top. Example:
 
     python tools/fidelity.py --length 8192 --positions 256 --budget 1024 \
         --configs configs/quest.yaml,configs/snapkv.yaml --json tools/out/fidelity.json
@@ -45,12 +46,13 @@ ALL_PRESETS = "configs/quest.yaml,configs/ktransformers.yaml,configs/snapkv.yaml
 
 
 def budget_sets(config: str, budget: int) -> list[str]:
-    """--set overrides that give a preset a decode budget of ``budget`` tokens of context blocks."""
+    """--set overrides that give a preset a decode budget of ``budget`` tokens of context blocks; SnapKV's
+    candidates keep the preset's ratio to the picks (768 candidates for 256 picks: 384 at a budget of 128)."""
     lc = load_config(config).long_context
     k = max(1, budget // lc.block_size)
     sets = [f"second_select_num={k}"]
     if lc.preselect_block:
-        keep = k if lc.preselect_block_count == lc.second_select_num else max(k, lc.preselect_block_count)
+        keep = max(k, k * lc.preselect_block_count // lc.second_select_num)
         sets.append(f"preselect_block_count={keep}")
     return sets
 
