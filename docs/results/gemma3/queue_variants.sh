@@ -1,11 +1,12 @@
 #!/bin/bash
-# issue 27, the runs left (2026-11-27): Gemma 3 pass keys and needles at 8K/16K/30K, 10 trials a length (depths
+# issue 27, the runs left (2026-11-27; variants updated in session 4 to the presets as they ship: ada_quest every
+# token with sticky blocks, ada_snapkv's 768 candidates refreshed every 16 steps, 256 picks from quest.yaml): Gemma 3 pass keys and needles at 8K/16K/30K, 10 trials a length (depths
 # 0.1..0.9 x 2), one prefill a store: quest's store answers quest, ada_quest and ada_snapkv too (--variant: the
 # shipped presets' decode knobs on quest's store, which is how they ship). Writes /tmp/q27/; a run whose JSON is
 # there is skipped; copy the finished ones to docs/results/gemma3/.
 cd /work/main
 while pgrep -f "tools/eval_longctx.py|tools/fidelity.py" > /dev/null; do sleep 10; done
-V="--variant ada_quest:ada_budget=true,token_step=2 --variant ada_snapkv:preselect_block=true,preselect_block_count=384,ada_budget=true"
+V="--variant ada_quest:ada_budget=true --variant ada_snapkv:preselect_block=true,preselect_block_count=768,ada_budget=true,preselect_refresh=16"
 run() { # task length name args...
   out=/tmp/q27/${1}_${2}_${3}; t=$1 l=$2; shift 3
   [ -f $out.json ] && return
