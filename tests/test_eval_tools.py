@@ -248,19 +248,29 @@ def test_attention_recall_smoke(recall_tool, bundled_gguf, tmp_path, capsys):
     assert out_png.stat().st_size > 1000
 
 
+def test_fidelity_budget_sets(tmp_path):
+    """--budget sets the picks; SnapKV's candidates keep the preset's ratio to them."""
+    tool = _tool("fidelity")
+    assert tool.budget_sets("configs/quest.yaml", 4096) == ["second_select_num=512"]
+    assert tool.budget_sets("configs/snapkv.yaml", 1024) == ["second_select_num=128", "preselect_block_count=384"]
+    assert tool.budget_sets("configs/snapkv.yaml", 2048) == ["second_select_num=256", "preselect_block_count=768"]
+    assert tool.budget_sets("configs/ada_snapkv.yaml", 1024) == ["second_select_num=128", "preselect_block_count=384"]
+    assert tool.budget_sets("configs/ktransformers.yaml", 1024) == ["second_select_num=128", "preselect_block_count=512"]
+    plain = tmp_path / "plain_snapkv.yaml"  # keeps exactly what it attends: both follow the budget
+    plain.write_text("mode: long_context\nlong_context:\n  block_size: 32\n  preselect_block: true\n"
+                     "  preselect_block_count: 32\n  second_select_num: 32\n")
+    assert tool.budget_sets(str(plain), 2048) == ["second_select_num=64", "preselect_block_count=64"]
+    few = tmp_path / "few.yaml"  # fewer candidates than the budget's picks: every candidate is a pick
+    few.write_text("mode: long_context\nlong_context:\n  block_size: 8\n  preselect_block: true\n"
+                   "  preselect_block_count: 16\n  second_select_num: 16\n")
+    assert tool.budget_sets(str(few), 1024) == ["second_select_num=128", "preselect_block_count=128"]
+
+
 @pytest.mark.slow
 def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
     tool = _tool("fidelity")
     out_json = tmp_path / "f.json"
     # quest with a budget that covers every block: the same attention as dense up to FP16 storage
-    assert tool.budget_sets("configs/quest.yaml", 4096) == ["second_select_num=512"]
-    assert tool.budget_sets("configs/snapkv.yaml", 1024) == ["second_select_num=128", "preselect_block_count=384"]
-    assert tool.budget_sets("configs/ktransformers.yaml", 1024) == ["second_select_num=128", "preselect_block_count=512"]
-    assert tool.budget_sets("configs/snapkv.yaml", 2048) == ["second_select_num=256", "preselect_block_count=768"]
-    plain = tmp_path / "plain_snapkv.yaml"  # keeps exactly what it attends: both follow the budget
-    plain.write_text("mode: long_context\nlong_context:\n  block_size: 32\n  preselect_block: true\n"
-                     "  preselect_block_count: 32\n  second_select_num: 32\n")
-    assert tool.budget_sets(str(plain), 2048) == ["second_select_num=64", "preselect_block_count=64"]
     rc = tool.main(["--model", str(bundled_gguf), "--length", "400", "--positions", "8", "--budget", "4096",
                     "--configs", "configs/quest.yaml", "--set", "long_context.local_windows_len=64",
                     "--variant", "one:second_select_num=1,dense_layer_num=0", "--variant", "bs:block_size=16",

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, default=8, help="decode queries per row")
     ap.add_argument("--reps", type=int, default=3, help="rounds: timed calls per query and store")
     ap.add_argument("--block-size", type=int, default=8, help="as configs/quest.yaml")
-    ap.add_argument("--budget", type=int, default=128, help="blocks per KV head (quest.yaml: 128)")
+    ap.add_argument("--budget", type=int, default=128, help="blocks per KV head (quest.yaml: 256; the recorded runs: 128)")
     ap.add_argument("--init-tokens", type=int, default=16, help="the init window, excluded (quest.yaml: 16)")
     ap.add_argument("--local-tokens", type=int, default=512, help="the local window, excluded (quest.yaml: 512)")
     ap.add_argument("--threads", type=int, default=2)
