@@ -262,7 +262,7 @@ def test_fidelity_budget_sets(tmp_path):
     assert tool.budget_sets(str(plain), 2048) == ["second_select_num=64", "preselect_block_count=64"]
     few = tmp_path / "few.yaml"  # fewer candidates than the budget's picks: every candidate is a pick
     few.write_text("mode: long_context\nlong_context:\n  block_size: 8\n  preselect_block: true\n"
-                   "  preselect_block_count: 16\n  second_select_num: 16\n")
+                   "  preselect_block_count: 8\n  second_select_num: 16\n")
     assert tool.budget_sets(str(few), 1024) == ["second_select_num=128", "preselect_block_count=128"]
 
 
