@@ -28,14 +28,14 @@ def dequant(raw: np.ndarray, qtype: str) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("x16", [False, True])
 def test_gemm_matches_dequantize_and_matmul(force_scalar, qtype, x16, monkeypatch):
-    """A prefill chunk (T > GEMV_MAX_TOKENS): the K-quants on int8 activations take the K-quant GEMM (q8(x) per
-    256 values, as decode); everything else dequantized panels of rows and an fp32 matmul, the bias added, with
-    panels small enough that the rows take several (a last, partial one included)."""
+    """A prefill chunk (T > GEMV_MAX_TOKENS): the K-quants and the 4/5-bit 32-value types on int8 activations take
+    the int8 GEMM (q8(x) per 256 or 32 values, as decode); everything else dequantized panels of rows and an fp32
+    matmul, the bias added, with panels small enough that the rows take several (a last, partial one included)."""
     monkeypatch.setattr(linear, "PANEL_VALUES", 16 * IN[qtype])
     raw, x, b = case(qtype, 37, IN[qtype], 9, True)
     lin = Linear(QuantWeight(parts=((qtype, raw),), in_features=IN[qtype]), b)
     lin.use_x16(x16)
-    assert lin._kquant_gemm == (qtype in linear.KQUANT_GEMM_TYPES and not x16)
+    assert lin._kquant_gemm == (qtype in ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and not x16)
     y = lin(x)
     if lin._kquant_gemm:
         ref, tol = reference(qtype, raw, x, b)
@@ -187,20 +187,30 @@ print(threads() - before, bool((y == y1).all()))
     assert 0 < int(started) <= 255 and same == "True", r.stdout
 
 
+# The int8 GEMM's two families (a matrix's parts are all of one): one part of each type, odd row counts.
+FAMILIES = {"kquant": (("Q4_K", 37), ("Q6_K", 21), ("Q5_K", 19)),
+            "q32": (("Q4_1", 37), ("Q5_0", 21), ("Q4_0", 19), ("Q5_1", 5))}
+
+
+def family_parts(family: str, inp: int, seed: int) -> list:
+    return [(t, random_rows(t, n, inp, seed + i)) for i, (t, n) in enumerate(FAMILIES[family])]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("T,threads", [(1, 1), (5, 2), (9, 3)])
-def test_kquant_gemm_matches_the_int8_reference(force_scalar, T, threads):
-    """The prefill GEMM on K-quant parts (one of each type, odd row counts, a bias): q8(x) per 256 values times
+def test_kquant_gemm_matches_the_int8_reference(force_scalar, family, T, threads):
+    """The prefill GEMM on K-quant parts or on 4/5-bit 32-value parts (a bias): q8(x) per 256 or 32 values times
     the dequantized rows, as the decode GEMV computes each row; bitwise the same at 1 and 3 threads."""
     inp = 512
-    parts = [("Q4_K", random_rows("Q4_K", 37, inp, 11)), ("Q6_K", random_rows("Q6_K", 21, inp, 12)),
-             ("Q5_K", random_rows("Q5_K", 19, inp, 13))]
+    parts = family_parts(family, inp, 11)
+    out = sum(raw.shape[0] for _, raw in parts)
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, inp, generator=g) * 2.0
-    b = torch.randn(77, generator=g)
+    b = torch.randn(out, generator=g)
     m = _C.QuantMatrix(parts, b.numpy())
-    y = np.full((T, 77), np.nan, np.float32)
+    y = np.full((T, out), np.nan, np.float32)
     _C.gemm_kquant(m, x.numpy(), y, threads)
-    y1 = np.full((T, 77), np.nan, np.float32)
+    y1 = np.full((T, out), np.nan, np.float32)
     _C.gemm_kquant(m, x.numpy(), y1, 1)
     np.testing.assert_array_equal(y, y1)
     row = 0
@@ -212,20 +222,20 @@ def test_kquant_gemm_matches_the_int8_reference(force_scalar, T, threads):
         row += n
 
 
-def test_kquant_gemm_paths_agree_bitwise():
+@pytest.mark.parametrize("family,inp", [("kquant", 768), ("q32", 96)])
+def test_kquant_gemm_paths_agree_bitwise(family, inp):
     """The AVX2 tile and its scalar twin take the same integer sums and the same fp32 operations per row and
-    super-block: the same bits, with padding rows (37 + 21 + 19 rows is not a multiple of the panel's 16) and
-    a token count that is not a multiple of the tile's."""
-    inp = 768
-    parts = [("Q4_K", random_rows("Q4_K", 37, inp, 21)), ("Q6_K", random_rows("Q6_K", 21, inp, 22)),
-             ("Q5_K", random_rows("Q5_K", 19, inp, 23))]
+    block: the same bits, with padding rows (the row counts are not a multiple of the panel's 16) and a token
+    count that is not a multiple of the tile's."""
+    parts = family_parts(family, inp, 21)
+    out = sum(raw.shape[0] for _, raw in parts)
     m = _C.QuantMatrix(parts)
     x = (torch.randn(7, inp, generator=torch.Generator().manual_seed(5)) * 3.0).numpy()
     ys = []
     for scalar in (False, True):
         _C.set_force_scalar(scalar)
         try:
-            y = np.full((7, 77), np.nan, np.float32)
+            y = np.full((7, out), np.nan, np.float32)
             _C.gemm_kquant(m, x, y, 2)
             ys.append(y)
         finally:
@@ -236,8 +246,11 @@ def test_kquant_gemm_paths_agree_bitwise():
 
 def test_kquant_gemm_refuses_other_types():
     m = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q8_0", random_rows("Q8_0", 4, 256, 0))])
-    with pytest.raises(ValueError, match="Q4_K, Q5_K and Q6_K parts only, got Q4_K, Q8_0"):
+    with pytest.raises(ValueError, match="not the two mixed, got Q4_K, Q8_0"):
         _C.gemm_kquant(m, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
+    mixed = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q4_1", random_rows("Q4_1", 4, 256, 0))])
+    with pytest.raises(ValueError, match="not the two mixed, got Q4_K, Q4_1"):
+        _C.gemm_kquant(mixed, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
     k = _C.QuantMatrix([("Q6_K", random_rows("Q6_K", 4, 256, 0))])
     with pytest.raises(ValueError, match=r"y: expected shape \[2, 4\]"):
         _C.gemm_kquant(k, np.zeros((2, 256), np.float32), np.zeros((2, 5), np.float32), 1)

@@ -18,7 +18,8 @@ namespace {
 
 constexpr int kPanelsPerTask = 4;  // panels unpacked together: a token's x is read once per four panels
 
-// One super-block of a row in the type-free form: codes 0..63, each 16-value group's integer scale and min.
+// One scaled block of a row (a super-block of 256 values, or a block of 32) in the type-free form: codes
+// 0..63, each 16-value group's integer scale and min; the first qk / 16 groups are used.
 struct SuperBlock {
   uint8_t codes[kQK];
   int16_t scale[16], min[16];
@@ -55,16 +56,73 @@ void unpack(const BlockQ6_K& b, SuperBlock& u) {
   u.d = u.dm = f16_to_f32(b.d);
 }
 
-// Super-block s of a row of type t.
-void unpack_any(GgmlType t, const uint8_t* row, int64_t s, SuperBlock& u) {
-  if (t == GgmlType::Q4_K) unpack(reinterpret_cast<const BlockQ4_K*>(row)[s], u);
-  else if (t == GgmlType::Q5_K) unpack(reinterpret_cast<const BlockQ5_K*>(row)[s], u);
-  else unpack(reinterpret_cast<const BlockQ6_K*>(row)[s], u);
+// The 32-value types (ggml_blocks.h): nibble j (and bit j of qh) is element j; scale 1, the offset a min.
+template <class Block>
+void unpack32(const Block& b, uint32_t qh, SuperBlock& u) {
+  for (int j = 0; j < 16; ++j) {
+    u.codes[j] = uint8_t((b.qs[j] & 15) | ((qh >> j) & 1) << 4);
+    u.codes[j + 16] = uint8_t((b.qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+  }
+  u.scale[0] = u.scale[1] = 1;
 }
 
-int steps_of(GgmlType t) { return t == GgmlType::Q4_K ? 8 : t == GgmlType::Q5_K ? 4 : 2; }
+uint32_t qh_of(const uint8_t* qh) {
+  uint32_t v;
+  std::memcpy(&v, qh, 4);
+  return v;
+}
 
-// A task's panels, each laid out as KPanel says (the fields of panel p start at p * kPanelRows rows).
+// Scaled block s of a row of type t (a super-block of 256 values, or a block of 32).
+void unpack_any(GgmlType t, const uint8_t* row, int64_t s, SuperBlock& u) {
+  switch (t) {
+    case GgmlType::Q4_K: return unpack(reinterpret_cast<const BlockQ4_K*>(row)[s], u);
+    case GgmlType::Q5_K: return unpack(reinterpret_cast<const BlockQ5_K*>(row)[s], u);
+    case GgmlType::Q6_K: return unpack(reinterpret_cast<const BlockQ6_K*>(row)[s], u);
+    case GgmlType::Q4_0: {  // d * (q - 8)
+      const auto& b = reinterpret_cast<const BlockQ4_0*>(row)[s];
+      unpack32(b, 0, u);
+      u.min[0] = u.min[1] = 8, u.d = u.dm = f16_to_f32(b.d);
+      return;
+    }
+    case GgmlType::Q4_1: {  // d * q + m
+      const auto& b = reinterpret_cast<const BlockQ4_1*>(row)[s];
+      unpack32(b, 0, u);
+      u.min[0] = u.min[1] = 1, u.d = f16_to_f32(b.d), u.dm = -f16_to_f32(b.m);
+      return;
+    }
+    case GgmlType::Q5_0: {  // d * (q - 16)
+      const auto& b = reinterpret_cast<const BlockQ5_0*>(row)[s];
+      unpack32(b, qh_of(b.qh), u);
+      u.min[0] = u.min[1] = 16, u.d = u.dm = f16_to_f32(b.d);
+      return;
+    }
+    default: {  // Q5_1: d * q + m
+      const auto& b = reinterpret_cast<const BlockQ5_1*>(row)[s];
+      unpack32(b, qh_of(b.qh), u);
+      u.min[0] = u.min[1] = 1, u.d = f16_to_f32(b.d), u.dm = -f16_to_f32(b.m);
+      return;
+    }
+  }
+}
+
+// Steps of four values whose maddubs pair sums add up in int16: codes < 16 / 32 / 64 against |x| <= 127.
+int steps_of(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_K:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1: return 8;
+    case GgmlType::Q6_K: return 2;
+    default: return 4;  // Q5_K, Q5_0, Q5_1
+  }
+}
+
+bool is_kquant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K; }
+bool is_q32(GgmlType t) {
+  return t == GgmlType::Q4_0 || t == GgmlType::Q4_1 || t == GgmlType::Q5_0 || t == GgmlType::Q5_1;
+}
+
+// A task's panels, each laid out as KPanel says (the fields of panel p start at p * kPanelRows rows; d and dm
+// sized for blocks of 32, the shortest).
 struct PanelBuf {
   std::vector<uint8_t> codes;
   std::vector<int16_t> sv, mi;
@@ -77,30 +135,33 @@ struct PanelBuf {
     codes.resize(rows * size_t(in));
     sv.resize(rows * size_t(in / 8));
     mi.resize(rows * size_t(in / 16));
-    d.resize(rows * size_t(in / kQK));
-    dm.resize(rows * size_t(in / kQK));
+    d.resize(rows * size_t(in / kQ32));
+    dm.resize(rows * size_t(in / kQ32));
   }
-  KPanel panel(int p, int steps) const {
+  KPanel panel(int p, int steps, int qk) const {
     const size_t r = size_t(p * kPanelRows);
     return {codes.data() + r * size_t(in), sv.data() + r * size_t(in / 8), mi.data() + r * size_t(in / 16),
-            d.data() + r * size_t(in / kQK), dm.data() + r * size_t(in / kQK), in, steps};
+            d.data() + r * size_t(in / kQ32), dm.data() + r * size_t(in / kQ32), in, steps, qk};
   }
-  // Row r of panel p from a row of type t; row == nullptr writes a padding row (zero codes, scales and mins).
-  void put_row(int p, int r, GgmlType t, const uint8_t* row) {
+  // Row r of panel p from a row of type t in blocks of qk values; row == nullptr writes a padding row (zero codes,
+  // scales and mins).
+  void put_row(int p, int r, GgmlType t, const uint8_t* row, int qk) {
     const size_t base = size_t(p * kPanelRows);
     uint8_t* c = codes.data() + base * size_t(in);
     int16_t* s_v = sv.data() + base * size_t(in / 8);
     int16_t* m_i = mi.data() + base * size_t(in / 16);
-    float* d_ = d.data() + base * size_t(in / kQK);
-    float* dm_ = dm.data() + base * size_t(in / kQK);
+    float* d_ = d.data() + base * size_t(in / kQ32);
+    float* dm_ = dm.data() + base * size_t(in / kQ32);
+    const int ng = qk / 16;  // 16-value groups of a block
     SuperBlock u{};
-    for (int64_t s = 0; s < in / kQK; ++s) {
+    for (int64_t s = 0; s < in / qk; ++s) {
       if (row != nullptr) unpack_any(t, row, s, u);  // a padding row keeps u all zeros
-      for (int q = 0; q < kQK / 4; ++q)
-        std::memcpy(c + ((s * kQK / 4 + q) * kPanelRows + r) * 4, u.codes + 4 * q, 4);
-      for (int g = 0; g < 16; ++g) {
-        s_v[((s * 16 + g) * kPanelRows + r) * 2] = s_v[((s * 16 + g) * kPanelRows + r) * 2 + 1] = u.scale[g];
-        m_i[((s * 8 + g / 2) * kPanelRows + r) * 2 + g % 2] = u.min[g];
+      for (int q = 0; q < qk / 4; ++q)
+        std::memcpy(c + ((s * qk / 4 + q) * kPanelRows + r) * 4, u.codes + 4 * q, 4);
+      for (int g = 0; g < ng; ++g) {
+        const int64_t gg = s * ng + g;
+        s_v[(gg * kPanelRows + r) * 2] = s_v[(gg * kPanelRows + r) * 2 + 1] = u.scale[g];
+        m_i[((gg / 2) * kPanelRows + r) * 2 + gg % 2] = u.min[g];
       }
       d_[s * kPanelRows + r] = u.d;
       dm_[s * kPanelRows + r] = u.dm;
@@ -108,19 +169,22 @@ struct PanelBuf {
   }
 };
 
-bool is_kquant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K; }
+// Values per scaled block of m's GEMM: 256 or 32; 0 where the GEMM does not take m.
+int block_of(const QuantMatrix& m) {
+  if (m.parts.empty()) return 0;
+  bool k = true, q = true;
+  for (const QuantPart& p : m.parts) k = k && is_kquant(p.type), q = q && is_q32(p.type);
+  if (k && m.in % kQK == 0) return kQK;
+  if (q && m.in % kQ32 == 0) return kQ32;
+  return 0;
+}
 
 }  // namespace
 
-bool gemm_kquant_supported(const QuantMatrix& m) {
-  if (m.parts.empty() || m.in % kQK != 0) return false;
-  for (const QuantPart& p : m.parts)
-    if (!is_kquant(p.type)) return false;
-  return true;
-}
+bool gemm_kquant_supported(const QuantMatrix& m) { return block_of(m) != 0; }
 
 void gemm_kquant_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
-  const int64_t in = p.in, nsb = in / kQK;
+  const int64_t in = p.in, nsb = in / p.qk, ng = p.qk / 16;
   for (int c = 0; c < nt; ++c) {
     const int8_t* xq = a.q + (t0 + c) * in;
     const int16_t* s16 = a.sum16 + (t0 + c) * (in / 16);
@@ -128,7 +192,7 @@ void gemm_kquant_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt,
       float acc = 0.f;
       for (int64_t s = 0; s < nsb; ++s) {
         int32_t isum = 0, imin = 0;
-        for (int64_t g = 16 * s; g < 16 * s + 16; ++g) {  // 16-value groups: one scale, one min each
+        for (int64_t g = ng * s; g < ng * s + ng; ++g) {  // 16-value groups: one scale, one min each
           int32_t dot = 0;
           for (int64_t q = 4 * g; q < 4 * g + 4; ++q)
             for (int b = 0; b < 4; ++b) dot += p.codes[(q * kPanelRows + r) * 4 + b] * xq[4 * q + b];
@@ -145,7 +209,8 @@ void gemm_kquant_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt,
 }
 
 void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
-  const int64_t in = m.in, out = m.out, nsb = in / kQK;
+  const int qk = block_of(m);
+  const int64_t in = m.in, out = m.out, nsb = in / qk;
   // x quantized once per call (tokens across the threads), read by every task; the calling thread's buffers are
   // kept (a prefill calls with the same shapes chunk after chunk).
   thread_local std::vector<int8_t> xq;
@@ -159,7 +224,7 @@ void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int 
   float* qd = xd.data();
   int16_t* qs = xs.data();
   ThreadPool::global().parallel_for(T, n_threads, [&](int64_t t) {
-    quantize_act(x + t * in, in, kQK, q + t * in, qd + t * nsb, qs + t * (in / 16));
+    quantize_act(x + t * in, in, qk, q + t * in, qd + t * nsb, qs + t * (in / 16));
   });
   const KAct act{q, qd, qs};
   KTile* tile = use_avx2() ? gemm_kquant_tile_avx2 : gemm_kquant_tile_scalar;
@@ -189,10 +254,10 @@ void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int 
         for (int r = 0; r < kPanelRows; ++r) {
           GgmlType t = GgmlType::Q4_K;
           const uint8_t* row = r < rows[p] ? row_of(r0 + r, t) : nullptr;
-          buf.put_row(p, r, t, row);
+          buf.put_row(p, r, t, row, qk);
           if (row != nullptr) steps = std::min(steps, steps_of(t));
         }
-        panels[p] = buf.panel(p, steps);
+        panels[p] = buf.panel(p, steps, qk);
       }
       for (int64_t t0 = 0; t0 < T; t0 += kTileTokens) {
         const int nt = int(std::min<int64_t>(kTileTokens, T - t0));

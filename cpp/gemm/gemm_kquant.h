@@ -15,6 +15,12 @@
 // over its 16-value groups g, exactly the type's dequant(w) . (dx * xq) (Q4_K / Q5_K: each sub-block's 6-bit
 // scale and min on both its groups, d and dmin; Q6_K: codes 0..63, the int8 group scale, min 32 x the scale,
 // d twice). One panel runs against up to three tokens per pass (kTileTokens).
+//
+// The 4- and 5-bit 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1: SmolLM2's Q4_1, Gemma 3's Q5_0) take the same
+// panel and tile with blocks of 32 values in place of super-blocks of 256 (KPanel::qk), x quantized per 32 as
+// their decode GEMV quantizes it: each group's scale is 1, d the block's scale, and the offset a min:
+//   Q4_0 / Q5_0: codes 0..15 / 0..31, min 8 / 16, dm = d;   Q4_1 / Q5_1: min 1, dm = -m.
+// (Q8_0's codes do not fit maddubs' unsigned operand; it keeps the dequantized panels of layers/linear.py.)
 #pragma once
 
 #include <cstdint>
@@ -23,10 +29,11 @@
 
 namespace ktq {
 
-// True when every part of m is a K-quant (the GEMM's types).
+// True when every part of m is a K-quant (in % 256 == 0), or every part one of Q4_0, Q4_1, Q5_0, Q5_1: the
+// GEMM's types (a panel's rows share one block length).
 bool gemm_kquant_supported(const QuantMatrix& m);
 
-// x: [T, in] fp32, y: [T, out] fp32. m's parts all K-quants (gemm_kquant_supported); in % 256 == 0.
+// x: [T, in] fp32, y: [T, out] fp32; gemm_kquant_supported(m).
 // Rows split across threads; every output is one row's super-blocks summed in a fixed order (the thread count
 // and the kernel path do not change the result).
 void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
@@ -40,15 +47,16 @@ struct KPanel {  // 16 rows unpacked (see above)
   const uint8_t* codes;  // [in / 4][16 rows][4]: value 4q + b of row r at (16q + r) * 4 + b
   const int16_t* sv;     // [in / 16][16 rows][2]: row r's scale of 16-value group g, twice (madd's pair)
   const int16_t* mi;     // [in / 32][16 rows][2]: row r's integer mins of groups 2p and 2p + 1
-  const float* d;        // [in / 256][16 rows]
-  const float* dm;       // [in / 256][16 rows]
+  const float* d;        // [in / qk][16 rows]
+  const float* dm;       // [in / qk][16 rows]
   int64_t in;
   int steps;             // W above: 8, 4 or 2 (the least over the panel's rows' types)
+  int qk;                // values per scaled block: 256 (K-quants) or 32
 };
 
-struct KAct {  // x quantized per 256 (quant/q8_act.h): token t's data at t * the per-token stride
+struct KAct {  // x quantized per qk values (quant/q8_act.h): token t's data at t * the per-token stride
   const int8_t* q;       // [T, in]
-  const float* d;        // [T, in / 256]
+  const float* d;        // [T, in / qk]
   const int16_t* sum16;  // [T, in / 16]
 };
 

@@ -26,9 +26,9 @@ inline __m256i bcast4(const void* p) {
 constexpr int kHalves = kPanelRows / 8;  // 8 rows (int32 lanes) to a register
 static_assert(kTileTokens == 3, "tile_steps dispatches 1 to 3 tokens");
 
-template <int kTokens, int kSteps>
+template <int kTokens, int kSteps, int kQB>
 void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int nr) {
-  const int64_t in = p.in, nsb = in / kQK;
+  const int64_t in = p.in, nsb = in / kQB;
   const int8_t* xq[kTokens];
   for (int c = 0; c < kTokens; ++c) xq[c] = a.q + (t0 + c) * in;
   __m256 acc[kHalves][kTokens];
@@ -38,7 +38,7 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
     __m256i isum[kHalves][kTokens];
     for (int h = 0; h < kHalves; ++h)
       for (int c = 0; c < kTokens; ++c) isum[h][c] = _mm256_setzero_si256();
-    for (int64_t q0 = s * (kQK / 4); q0 < (s + 1) * (kQK / 4); q0 += kSteps) {
+    for (int64_t q0 = s * (kQB / 4); q0 < (s + 1) * (kQB / 4); q0 += kSteps) {
       __m256i part[kHalves][kTokens];
       for (int h = 0; h < kHalves; ++h)
         for (int c = 0; c < kTokens; ++c) part[h][c] = _mm256_setzero_si256();
@@ -61,11 +61,11 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
     for (int h = 0; h < kHalves; ++h) {
       const __m256 d = _mm256_loadu_ps(p.d + (s * kHalves + h) * 8), dm = _mm256_loadu_ps(p.dm + (s * kHalves + h) * 8);
       for (int c = 0; c < kTokens; ++c) {
-        const int16_t* s16 = a.sum16 + (t0 + c) * (in / 16) + s * 16;
+        const int16_t* s16 = a.sum16 + (t0 + c) * (in / 16) + s * (kQB / 16);
         __m256i imin = _mm256_setzero_si256();
-        for (int g2 = 0; g2 < 8; ++g2)
-          imin = _mm256_add_epi32(
-              imin, _mm256_madd_epi16(avx2::loadu256(p.mi + ((s * 8 + g2) * kHalves + h) * 16), bcast4(s16 + 2 * g2)));
+        for (int g2 = 0; g2 < kQB / 32; ++g2)
+          imin = _mm256_add_epi32(imin, _mm256_madd_epi16(avx2::loadu256(p.mi + ((s * (kQB / 32) + g2) * kHalves + h) * 16),
+                                                          bcast4(s16 + 2 * g2)));
         const __m256 dx = _mm256_set1_ps(a.d[(t0 + c) * nsb + s]);
         acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][c]), _mm256_mul_ps(d, dx), acc[h][c]);
         acc[h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dm, dx), acc[h][c]);
@@ -79,22 +79,26 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
   }
 }
 
-template <int kSteps>
+template <int kSteps, int kQB>
 void tile_steps(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
   switch (nt) {
-    case 3: return tile<3, kSteps>(p, a, t0, y, ldy, nr);
-    case 2: return tile<2, kSteps>(p, a, t0, y, ldy, nr);
-    default: return tile<1, kSteps>(p, a, t0, y, ldy, nr);
+    case 3: return tile<3, kSteps, kQB>(p, a, t0, y, ldy, nr);
+    case 2: return tile<2, kSteps, kQB>(p, a, t0, y, ldy, nr);
+    default: return tile<1, kSteps, kQB>(p, a, t0, y, ldy, nr);
   }
 }
 
 }  // namespace
 
 void gemm_kquant_tile_avx2(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
+  if (p.qk == kQ32) {  // Q4_0 / Q4_1: 8 steps, Q5_0 / Q5_1: 4
+    if (p.steps == 8) return tile_steps<8, kQ32>(p, a, t0, nt, nr, y, ldy);
+    return tile_steps<4, kQ32>(p, a, t0, nt, nr, y, ldy);
+  }
   switch (p.steps) {
-    case 8: return tile_steps<8>(p, a, t0, nt, nr, y, ldy);
-    case 4: return tile_steps<4>(p, a, t0, nt, nr, y, ldy);
-    default: return tile_steps<2>(p, a, t0, nt, nr, y, ldy);
+    case 8: return tile_steps<8, kQK>(p, a, t0, nt, nr, y, ldy);
+    case 4: return tile_steps<4, kQK>(p, a, t0, nt, nr, y, ldy);
+    default: return tile_steps<2, kQK>(p, a, t0, nt, nr, y, ldy);
   }
 }
 

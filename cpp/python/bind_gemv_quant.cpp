@@ -101,15 +101,17 @@ void bind_gemv_quant(py::module_& m) {
 
   m.def("gemm_kquant", [](const PyQuantMatrix& M, const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
     if (!gemm_kquant_supported(M.m))
-      throw py::value_error("m: the K-quant GEMM takes Q4_K, Q5_K and Q6_K parts only, got " + [&] {
+      throw py::value_error("m: the int8 GEMM takes Q4_K, Q5_K and Q6_K parts (rows a multiple of 256) or Q4_0, "
+                            "Q4_1, Q5_0 and Q5_1 parts, not the two mixed, got " + [&] {
         std::string s;
         for (const QuantPart& p : M.m.parts) s += (s.empty() ? "" : ", ") + std::string(ggml_type_name(p.type));
         return s;
       }());
     run_matrix(gemm_kquant, M, x_obj, y_obj, n_threads);
   }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
-     "y[T, out] = q8(x)[T, in] @ dequant(m)^T (+ bias) for K-quant parts (Q4_K, Q5_K, Q6_K): the prefill GEMM, x "
-     "rounded to int8 per 256 values as the decode GEMV rounds it.");
+     "y[T, out] = q8(x)[T, in] @ dequant(m)^T (+ bias) for K-quant parts (Q4_K, Q5_K, Q6_K) or 4/5-bit 32-value "
+     "parts (Q4_0, Q4_1, Q5_0, Q5_1): the prefill GEMM, x rounded to int8 per 256 or 32 values as the decode GEMV "
+     "rounds it.");
 
   m.def("dequantize_matrix", [](const PyQuantMatrix& M, int64_t r0, int64_t r1, const py::handle& out_obj,
                                 int n_threads, const py::handle& order_obj) {

@@ -7,8 +7,11 @@ read in place, never copied to fp32. On a ``QuantWeight``:
 - a few tokens (decode) take ``_C.gemv_matrix``: AVX2 integer dot products on the encoded rows, x quantized
   to int8 per 32 or 256 values as ggml does (``cpp/gemm/gemv_blocks.h``), or to int16 (``activations:
   int16``, the 32-value block types: 258 times less rounding);
-- a prefill chunk dequantizes a panel of rows at a time (``_C.dequantize_matrix``, about 8 MB of fp32) and
-  multiplies it with torch's fp32 GEMM: the transient panel is all the fp32 a layer ever holds.
+- a prefill chunk of K-quant rows (Q4_K, Q5_K, Q6_K) or 4/5-bit 32-value rows (Q4_0, Q4_1, Q5_0, Q5_1) takes
+  ``_C.gemm_kquant``: x quantized to int8 as decode quantizes it, each weight row unpacked once per call
+  (``cpp/gemm/gemm_kquant.h``);
+- any other prefill chunk dequantizes a panel of rows at a time (``_C.dequantize_matrix``, about 8 MB of fp32)
+  and multiplies it with torch's fp32 GEMM: the transient panel is all the fp32 a layer ever holds.
 
 A fused projection (q | k | v, gate | up) is several tensors stacked by rows, each in its own encoding
 (Q4_K_M files quantize ``attn_v`` and some ``ffn_down`` to Q6_K): a ``QuantWeight`` of several parts.
@@ -29,8 +32,10 @@ GEMV_MAX_TOKENS = 4
 # fp32 values in one dequantized panel of a prefill chunk's GEMM (128 MB): a 1.5B model's matrices fit in one,
 # so the GEMM writes y directly; larger ones are cut, and each panel's columns of y copied into place.
 PANEL_VALUES = 1 << 25
-# The types of the int8 prefill GEMM (cpp/gemm/gemm_kquant.h): what Q4_K_M and Q5_K_M files' matrices are.
+# The types of the int8 prefill GEMM (cpp/gemm/gemm_kquant.h), in two families a matrix's parts may not mix: the
+# K-quants (Q4_K_M and Q5_K_M files' matrices; rows a multiple of 256) and the 4/5-bit 32-value types.
 KQUANT_GEMM_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+Q32_GEMM_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # Panels of at least this many values are dequantized on every thread, smaller ones on one.
 DEQUANT_THREADS_FROM = 1 << 22
 
@@ -104,9 +109,10 @@ class Linear(torch.nn.Module):
         the type has such kernels, the 32-value block types (True; Config.activations)."""
         b = None if self.bias is None else self.bias.detach().numpy()
         self.qm = _C.QuantMatrix(list(self.quant.parts), b, x16=x16)
-        # Prefill on int8 x: the K-quant GEMM (every part Q4_K / Q5_K / Q6_K); otherwise dequantized panels.
-        self._kquant_gemm = not x16 and all(t in KQUANT_GEMM_TYPES for t, _ in self.quant.parts) \
-            and self.in_features % 256 == 0
+        # Prefill on int8 x: the int8 GEMM (every part in one of its families); otherwise dequantized panels.
+        types = [t for t, _ in self.quant.parts]
+        self._kquant_gemm = not x16 and (all(t in KQUANT_GEMM_TYPES for t in types) and self.in_features % 256 == 0
+                                         or all(t in Q32_GEMM_TYPES for t in types))
 
     @property
     def in_features(self) -> int:
