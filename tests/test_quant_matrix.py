@@ -35,9 +35,9 @@ def test_gemm_matches_dequantize_and_matmul(force_scalar, qtype, x16, monkeypatc
     raw, x, b = case(qtype, 37, IN[qtype], 9, True)
     lin = Linear(QuantWeight(parts=((qtype, raw),), in_features=IN[qtype]), b)
     lin.use_x16(x16)
-    assert lin._kquant_gemm == (qtype in ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and not x16)
+    assert lin._int8_gemm == (qtype in ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and not x16)
     y = lin(x)
-    if lin._kquant_gemm:
+    if lin._int8_gemm:
         ref, tol = reference(qtype, raw, x, b)
     else:
         ref = x.double() @ dequant(raw, qtype).T + b.double()
@@ -198,7 +198,7 @@ def family_parts(family: str, inp: int, seed: int) -> list:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("T,threads", [(1, 1), (5, 2), (9, 3)])
-def test_kquant_gemm_matches_the_int8_reference(force_scalar, family, T, threads):
+def test_int8_gemm_matches_the_int8_reference(force_scalar, family, T, threads):
     """The prefill GEMM on K-quant parts or on 4/5-bit 32-value parts (a bias): q8(x) per 256 or 32 values times
     the dequantized rows, as the decode GEMV computes each row; bitwise the same at 1 and 3 threads."""
     inp = 512
@@ -209,9 +209,9 @@ def test_kquant_gemm_matches_the_int8_reference(force_scalar, family, T, threads
     b = torch.randn(out, generator=g)
     m = _C.QuantMatrix(parts, b.numpy())
     y = np.full((T, out), np.nan, np.float32)
-    _C.gemm_kquant(m, x.numpy(), y, threads)
+    _C.gemm_int8(m, x.numpy(), y, threads)
     y1 = np.full((T, out), np.nan, np.float32)
-    _C.gemm_kquant(m, x.numpy(), y1, 1)
+    _C.gemm_int8(m, x.numpy(), y1, 1)
     np.testing.assert_array_equal(y, y1)
     row = 0
     for t, raw in parts:
@@ -223,7 +223,7 @@ def test_kquant_gemm_matches_the_int8_reference(force_scalar, family, T, threads
 
 
 @pytest.mark.parametrize("family,inp", [("kquant", 768), ("q32", 96)])
-def test_kquant_gemm_paths_agree_bitwise(family, inp):
+def test_int8_gemm_paths_agree_bitwise(family, inp):
     """The AVX2 tile and its scalar twin take the same integer sums and the same fp32 operations per row and
     block: the same bits, with padding rows (the row counts are not a multiple of the panel's 16) and a token
     count that is not a multiple of the tile's."""
@@ -236,7 +236,7 @@ def test_kquant_gemm_paths_agree_bitwise(family, inp):
         _C.set_force_scalar(scalar)
         try:
             y = np.full((7, out), np.nan, np.float32)
-            _C.gemm_kquant(m, x, y, 2)
+            _C.gemm_int8(m, x, y, 2)
             ys.append(y)
         finally:
             _C.set_force_scalar(False)
@@ -244,13 +244,13 @@ def test_kquant_gemm_paths_agree_bitwise(family, inp):
     np.testing.assert_array_equal(ys[0], ys[1])
 
 
-def test_kquant_gemm_refuses_other_types():
+def test_int8_gemm_refuses_other_types():
     m = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q8_0", random_rows("Q8_0", 4, 256, 0))])
     with pytest.raises(ValueError, match="not the two mixed, got Q4_K, Q8_0"):
-        _C.gemm_kquant(m, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
+        _C.gemm_int8(m, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
     mixed = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q4_1", random_rows("Q4_1", 4, 256, 0))])
     with pytest.raises(ValueError, match="not the two mixed, got Q4_K, Q4_1"):
-        _C.gemm_kquant(mixed, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
+        _C.gemm_int8(mixed, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
     k = _C.QuantMatrix([("Q6_K", random_rows("Q6_K", 4, 256, 0))])
     with pytest.raises(ValueError, match=r"y: expected shape \[2, 4\]"):
-        _C.gemm_kquant(k, np.zeros((2, 256), np.float32), np.zeros((2, 5), np.float32), 1)
+        _C.gemm_int8(k, np.zeros((2, 256), np.float32), np.zeros((2, 5), np.float32), 1)

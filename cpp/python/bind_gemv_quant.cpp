@@ -4,7 +4,7 @@
 #include <string>
 
 #include "common/checked.h"
-#include "gemm/gemm_kquant.h"
+#include "gemm/gemm_int8.h"
 #include "gemm/gemv_blocks.h"
 #include "python/args.h"
 #include "python/bind.h"
@@ -61,7 +61,7 @@ std::unique_ptr<PyQuantMatrix> quant_matrix(const py::list& parts, const py::han
   return M;
 }
 
-// y[T, out] = f(m, x[T, in]): the arguments checked, then f without the GIL (gemv_matrix, gemm_kquant).
+// y[T, out] = f(m, x[T, in]): the arguments checked, then f without the GIL (gemv_matrix, gemm_int8).
 void run_matrix(void (*f)(const QuantMatrix&, const float*, int64_t, float*, int), const PyQuantMatrix& M,
                 const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
   auto x = ndim_arg<float>(x_obj, "x", 2);
@@ -99,15 +99,15 @@ void bind_gemv_quant(py::module_& m) {
   }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
      "y[T, out] = x[T, in] @ dequant(m)^T (+ bias), every part in one threaded pass.");
 
-  m.def("gemm_kquant", [](const PyQuantMatrix& M, const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
-    if (!gemm_kquant_supported(M.m))
+  m.def("gemm_int8", [](const PyQuantMatrix& M, const py::handle& x_obj, const py::handle& y_obj, int n_threads) {
+    if (!gemm_int8_supported(M.m))
       throw py::value_error("m: the int8 GEMM takes Q4_K, Q5_K and Q6_K parts (rows a multiple of 256) or Q4_0, "
                             "Q4_1, Q5_0 and Q5_1 parts, not the two mixed, got " + [&] {
         std::string s;
         for (const QuantPart& p : M.m.parts) s += (s.empty() ? "" : ", ") + std::string(ggml_type_name(p.type));
         return s;
       }());
-    run_matrix(gemm_kquant, M, x_obj, y_obj, n_threads);
+    run_matrix(gemm_int8, M, x_obj, y_obj, n_threads);
   }, py::arg("m"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
      "y[T, out] = q8(x)[T, in] @ dequant(m)^T (+ bias) for K-quant parts (Q4_K, Q5_K, Q6_K) or 4/5-bit 32-value "
      "parts (Q4_0, Q4_1, Q5_0, Q5_1): the prefill GEMM, x rounded to int8 per 256 or 32 values as the decode GEMV "

@@ -8,8 +8,8 @@ read in place, never copied to fp32. On a ``QuantWeight``:
   to int8 per 32 or 256 values as ggml does (``cpp/gemm/gemv_blocks.h``), or to int16 (``activations:
   int16``, the 32-value block types: 258 times less rounding);
 - a prefill chunk of K-quant rows (Q4_K, Q5_K, Q6_K) or 4/5-bit 32-value rows (Q4_0, Q4_1, Q5_0, Q5_1) takes
-  ``_C.gemm_kquant``: x quantized to int8 as decode quantizes it, each weight row unpacked once per call
-  (``cpp/gemm/gemm_kquant.h``);
+  ``_C.gemm_int8``: x quantized to int8 as decode quantizes it, each weight row unpacked once per call
+  (``cpp/gemm/gemm_int8.h``);
 - any other prefill chunk dequantizes a panel of rows at a time (``_C.dequantize_matrix``, about 8 MB of fp32)
   and multiplies it with torch's fp32 GEMM: the transient panel is all the fp32 a layer ever holds.
 
@@ -32,7 +32,7 @@ GEMV_MAX_TOKENS = 4
 # fp32 values in one dequantized panel of a prefill chunk's GEMM (128 MB): a 1.5B model's matrices fit in one,
 # so the GEMM writes y directly; larger ones are cut, and each panel's columns of y copied into place.
 PANEL_VALUES = 1 << 25
-# The types of the int8 prefill GEMM (cpp/gemm/gemm_kquant.h), in two families a matrix's parts may not mix: the
+# The types of the int8 prefill GEMM (cpp/gemm/gemm_int8.h), in two families a matrix's parts may not mix: the
 # K-quants (Q4_K_M and Q5_K_M files' matrices; rows a multiple of 256) and the 4/5-bit 32-value types.
 KQUANT_GEMM_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 Q32_GEMM_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -111,7 +111,7 @@ class Linear(torch.nn.Module):
         self.qm = _C.QuantMatrix(list(self.quant.parts), b, x16=x16)
         # Prefill on int8 x: the int8 GEMM (every part in one of its families); otherwise dequantized panels.
         types = [t for t, _ in self.quant.parts]
-        self._kquant_gemm = not x16 and (all(t in KQUANT_GEMM_TYPES for t in types) and self.in_features % 256 == 0
+        self._int8_gemm = not x16 and (all(t in KQUANT_GEMM_TYPES for t in types) and self.in_features % 256 == 0
                                          or all(t in Q32_GEMM_TYPES for t in types))
 
     @property
@@ -135,12 +135,12 @@ class Linear(torch.nn.Module):
         return y if self.out_perm is None else y.index_select(1, self.out_perm)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T (+ b) [T, out] with out_perm applied: the K-quant GEMM, or W dequantized a panel of rows at a
+        """x @ W.T (+ b) [T, out] with out_perm applied: the int8 GEMM, or W dequantized a panel of rows at a
         time into the shared scratch panel and multiplied in fp32."""
         n, k = self.out_features, self.in_features
-        if self._kquant_gemm:
+        if self._int8_gemm:
             y = torch.empty(x.shape[0], n, dtype=torch.float32)
-            _C.gemm_kquant(self.qm, x.numpy(), y.numpy(), self.threads)
+            _C.gemm_int8(self.qm, x.numpy(), y.numpy(), self.threads)
             return y if self.out_perm is None else y.index_select(1, self.out_perm)
         step = max(16, min(n, PANEL_VALUES // k))
         panel = _panel(step * k).view(step, k)

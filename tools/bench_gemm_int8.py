@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Prefill GEMM on K-quant rows (_C.gemm_kquant) beside torch's fp32 GEMM on the same rows dequantized.
+"""The int8 prefill GEMM (_C.gemm_int8: K-quant and 4/5-bit 32-value rows) beside torch's fp32 GEMM on the same
+rows dequantized.
 
 For each shape (out x in) and type, one matrix of random blocks with sane scales multiplies a chunk of T tokens
 (the prefill's chunk_size): GMAC/s = out * in * T over the median call time, x's quantization and the rows'
@@ -7,7 +8,7 @@ unpacking included (both run once per call, as in prefill). torch's F.linear run
 once, before timing (the old prefill path's panel work left out: an upper bound for it). The two alternate
 inside every round.
 
-    python tools/bench_gemm_kquant.py --threads 2 --json tools/out/bench_gemm_kquant.json
+    python tools/bench_gemm_int8.py --threads 2 --json tools/out/bench_gemm_int8.json
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv_quant import random_rows  # noqa: E402
 from common import write_json  # noqa: E402
 
-# Qwen2.5-1.5B: ffn_up/gate, ffn_down (Q6_K in Q4_K_M), attn q|k|v; Qwen2.5-7B: ffn_up/gate. out x in.
-SHAPES = "8960x1536:Q4_K,1536x8960:Q6_K,1536x8960:Q4_K,2048x1536:Q4_K,3584x3584:Q5_K,18944x3584:Q4_K"
+# Qwen2.5-1.5B: ffn_up/gate, ffn_down (Q6_K in Q4_K_M), attn q|k|v; Qwen2.5-7B: ffn_up/gate; SmolLM2-135M (Q4_1):
+# q|k|v, gate|up, down; Gemma 3 270M: gate|up (Q5_0); a Q4_0 ffn_down. out x in.
+SHAPES = ("8960x1536:Q4_K,1536x8960:Q6_K,1536x8960:Q4_K,2048x1536:Q4_K,3584x3584:Q5_K,18944x3584:Q4_K,"
+          "960x576:Q4_1,3072x576:Q4_1,576x1536:Q4_1,4096x640:Q5_0,1536x8960:Q4_0")
 
 
 def main() -> None:
@@ -44,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'shape':>12} {'type':>5} {'T':>4} {'kquant GMAC/s':>14} {'torch fp32':>11} {'ratio':>6}")
+    print(f"{'shape':>12} {'type':>5} {'T':>4} {'int8 GMAC/s':>14} {'torch fp32':>11} {'ratio':>6}")
     for spec in args.shapes.split(","):
         shape, qtype = spec.split(":")
         out, inp = (int(v) for v in shape.split("x"))
@@ -54,21 +57,21 @@ def main() -> None:
         _C.dequantize_matrix(m, 0, out, w.numpy(), args.threads, None)
         x = torch.from_numpy(rng.standard_normal((args.tokens, inp), dtype=np.float32))
         y = np.empty((args.tokens, out), np.float32)
-        times = {"kquant": [], "torch": []}
+        times = {"int8": [], "torch": []}
         for r in range(args.rounds + 1):  # round 0 warms up
             t0 = time.perf_counter()
-            _C.gemm_kquant(m, x.numpy(), y, args.threads)
+            _C.gemm_int8(m, x.numpy(), y, args.threads)
             t1 = time.perf_counter()
             F.linear(x, w)
             t2 = time.perf_counter()
             if r:
-                times["kquant"].append(t1 - t0)
+                times["int8"].append(t1 - t0)
                 times["torch"].append(t2 - t1)
         macs = out * inp * args.tokens / 1e9
-        kq, tf = macs / statistics.median(times["kquant"]), macs / statistics.median(times["torch"])
+        kq, tf = macs / statistics.median(times["int8"]), macs / statistics.median(times["torch"])
         print(f"{shape:>12} {qtype:>5} {args.tokens:>4} {kq:>14.1f} {tf:>11.1f} {kq / tf:>6.2f}")
         rows.append({"shape": shape, "type": qtype, "tokens": args.tokens, "threads": args.threads,
-                     "kquant_gmacs": kq, "torch_fp32_gmacs": tf})
+                     "int8_gmacs": kq, "torch_fp32_gmacs": tf})
     if args.json:
         write_json(args.json, {"rows": rows})
 

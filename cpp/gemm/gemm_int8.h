@@ -1,6 +1,6 @@
-// Prefill GEMM on K-quant rows read in place (Q4_K, Q5_K, Q6_K: what Q4_K_M / Q5_K_M files hold), integer dot
-// products as the decode GEMV's (gemv_blocks.h), with each weight row unpacked once per call instead of once per
-// token:
+// The int8 prefill GEMM on rows read in place: the K-quants (Q4_K, Q5_K, Q6_K: what Q4_K_M / Q5_K_M files hold)
+// and the 4/5-bit 32-value types (below), integer dot products as the decode GEMV's (gemv_blocks.h), with each
+// weight row unpacked once per call instead of once per token:
 //   y[T, out] = q8(x)[T, in] @ dequant(W)^T (+ bias),  x quantized to int8 per 256 values (quant/q8_act.h)
 //
 // Rows are unpacked sixteen at a time into a panel, one form for the three types, interleaved so that one int32
@@ -31,12 +31,12 @@ namespace ktq {
 
 // True when every part of m is a K-quant (in % 256 == 0), or every part one of Q4_0, Q4_1, Q5_0, Q5_1: the
 // GEMM's types (a panel's rows share one block length).
-bool gemm_kquant_supported(const QuantMatrix& m);
+bool gemm_int8_supported(const QuantMatrix& m);
 
-// x: [T, in] fp32, y: [T, out] fp32; gemm_kquant_supported(m).
+// x: [T, in] fp32, y: [T, out] fp32; gemm_int8_supported(m).
 // Rows split across threads; every output is one row's super-blocks summed in a fixed order (the thread count
 // and the kernel path do not change the result).
-void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
+void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
 
 // ---- what the kernels read ----
 
@@ -63,7 +63,7 @@ struct KAct {  // x quantized per qk values (quant/q8_act.h): token t's data at 
 // y[c * ldy + r] = row r of the panel . token (t0 + c), for r in [0, nr), c in [0, nt); nr <= kPanelRows,
 // nt <= kTileTokens (no bias). Rows past nr are padding (all-zero codes and scales).
 using KTile = void(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
-void gemm_kquant_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
-void gemm_kquant_tile_avx2(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
+void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
+void gemm_int8_tile_avx2(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
 
 }  // namespace ktq

@@ -1,17 +1,17 @@
-// AVX2 tile of the K-quant prefill GEMM (gemm_kquant.h): one panel of sixteen rows (two registers of eight int32
+// AVX2 tile of the int8 prefill GEMM (gemm_int8.h): one panel of sixteen rows (two registers of eight int32
 // lanes) against up to three tokens. Per step of four values the panel's 64 code bytes are loaded once; each token
 // broadcasts its four int8 x values and takes maddubs against both halves (8 rows x 2 pair sums, int16 each),
 // added in int16 over W steps, then one madd with the rows' scales (one int32 lane a row), summed in int32 over
 // the super-block. Each super-block is then scaled in fp32 and its mins subtracted, lane by lane: the same
 // operations as the scalar tile, so the same bits. Compiled with -mavx2 -mfma -mf16c.
 //
-// Measured on this Zen 4 (one thread, T = 512, tools/bench_gemm_kquant.py's shapes): 16 rows x 3 tokens ran
+// Measured on this Zen 4 (one thread, T = 512, tools/bench_gemm_int8.py's shapes): 16 rows x 3 tokens ran
 // 97 GMAC/s on Q4_K, 8 rows x 4 tokens 90, 8 rows x 6 tokens 90. GCC unrolling the W steps in full spilled the
 // int16 sums (47 GMAC/s); two steps at a time keep every sum in a register.
 #include <cstring>
 
 #include "gemm/avx2_blocks.h"
-#include "gemm/gemm_kquant.h"
+#include "gemm/gemm_int8.h"
 
 namespace ktq {
 
@@ -90,7 +90,7 @@ void tile_steps(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, floa
 
 }  // namespace
 
-void gemm_kquant_tile_avx2(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
+void gemm_int8_tile_avx2(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
   if (p.qk == kQ32) {  // Q4_0 / Q4_1: 8 steps, Q5_0 / Q5_1: 4
     if (p.steps == 8) return tile_steps<8, kQ32>(p, a, t0, nt, nr, y, ldy);
     return tile_steps<4, kQ32>(p, a, t0, nt, nr, y, ldy);

@@ -1,6 +1,6 @@
-// The K-quant prefill GEMM (gemm_kquant.h): unpacking rows into panels, the scalar tile and the threaded driver.
-// AVX2 tile: gemm_kquant_avx2.cpp.
-#include "gemm/gemm_kquant.h"
+// The int8 prefill GEMM (gemm_int8.h): unpacking rows into panels, the scalar tile and the threaded driver.
+// AVX2 tile: gemm_int8_avx2.cpp.
+#include "gemm/gemm_int8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -181,9 +181,9 @@ int block_of(const QuantMatrix& m) {
 
 }  // namespace
 
-bool gemm_kquant_supported(const QuantMatrix& m) { return block_of(m) != 0; }
+bool gemm_int8_supported(const QuantMatrix& m) { return block_of(m) != 0; }
 
-void gemm_kquant_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
+void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
   const int64_t in = p.in, nsb = in / p.qk, ng = p.qk / 16;
   for (int c = 0; c < nt; ++c) {
     const int8_t* xq = a.q + (t0 + c) * in;
@@ -208,7 +208,7 @@ void gemm_kquant_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt,
   }
 }
 
-void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
+void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
   const int qk = block_of(m);
   const int64_t in = m.in, out = m.out, nsb = in / qk;
   // x quantized once per call (tokens across the threads), read by every task; the calling thread's buffers are
@@ -227,7 +227,7 @@ void gemm_kquant(const QuantMatrix& m, const float* x, int64_t T, float* y, int 
     quantize_act(x + t * in, in, qk, q + t * in, qd + t * nsb, qs + t * (in / 16));
   });
   const KAct act{q, qd, qs};
-  KTile* tile = use_avx2() ? gemm_kquant_tile_avx2 : gemm_kquant_tile_scalar;
+  KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
 
   // Row of the matrix -> its part's type and bytes.
   auto row_of = [&](int64_t o, GgmlType& t) -> const uint8_t* {

@@ -1,0 +1,21 @@
+#!/bin/bash
+# 2026-11-27 (session 5): top-1 agreement with dense on held-out code (the library's sub-packages) and prose at 8K
+# for every preset as shipped (2,048 tokens of blocks a KV head: --budget 2048). quest's prompt answers quest,
+# ada_quest and ada_snapkv (their decode knobs as variants). Starts after queue6.sh; writes /tmp/q31d/; a run whose
+# JSON is there is skipped.
+cd /work/main
+while ! grep -q "QUEUE6 DONE" /tmp/q31d/queue6.out 2>/dev/null; do sleep 20; done
+O=/tmp/q31d
+run() { # name, args...
+  name=$1; shift
+  [ -f $O/$name.json ] && return
+  python tools/fidelity.py --length 8192 --positions 256 --budget 2048 --threads 2 "$@" --json $O/$name.json \
+    > $O/$name.log 2>&1
+}
+V="--variant ada_quest:ada_budget=true --variant ada_snapkv:preselect_block=true,preselect_block_count=768,ada_budget=true,preselect_refresh=16"
+for text in packages prose; do
+  run fidelity_8k_${text}_k256_quest --text $text --configs configs/quest.yaml $V
+  run fidelity_8k_${text}_k256_ktransformers --text $text --configs configs/ktransformers.yaml
+  run fidelity_8k_${text}_k256_snapkv --text $text --configs configs/snapkv.yaml
+done
+echo QUEUE7 DONE
