@@ -217,10 +217,12 @@ class Config:
     # read in place by the native kernels (CPU, float32 activations); "dequantize" converts every weight to
     # `dtype` (the reference path; CUDA's). "auto" = gguf on the CPU in float32, dequantize otherwise.
     weights: Literal["auto", "gguf", "dequantize"] = "auto"
-    # How decode rounds activations for the integer dot products on GGUF-encoded weights: "int8" per 32 or 256
-    # values (ggml's route); "int16" per 32 values for the 32-value block types (Q4_0..Q8_0; the K-quants keep
-    # int8), 258 times less rounding at about int8's speed on those types. Small models have thin logit
-    # margins: int8 x flips the bundled SmolLM2's greedy answer (as it does under llama.cpp).
+    # How activations are rounded for the integer dot products on GGUF-encoded weights: "int8" per 32 or 256
+    # values (ggml's route), in decode and in prefill's int8 GEMM (K-quants, Q4_0..Q5_1: about 1.2-2x torch's fp32
+    # GEMM); "int16" per 32 values for the 32-value block types' decode (Q4_0..Q8_0; the K-quants keep int8),
+    # 258 times less rounding at about int8's speed there, and every prefill on fp32 x (dequantized panels).
+    # Small models have thin logit margins: int8 x flips the bundled SmolLM2's greedy answer (as it does under
+    # llama.cpp).
     # "auto" = int16 for models under 1B parameters, int8 from 1B up.
     activations: Literal["auto", "int8", "int16"] = "auto"
     threads: int = 0  # CPU threads for torch and the operators; 0 = all cores

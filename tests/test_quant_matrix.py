@@ -1,6 +1,6 @@
 """A weight read in place as the GGUF file stores it (ktquest.layers.linear: QuantWeight, Linear): the fused
-multi-part GEMV of decode and the prefill GEMM on dequantized panels, against gguf's dequantizer and a float64
-torch matmul, every kept type, both kernel paths, odd shapes."""
+multi-part GEMV of decode, the int8 prefill GEMM and the prefill GEMM on dequantized panels, against gguf's
+dequantizer and a float64 torch matmul, every kept type, both kernel paths, odd shapes."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize
-from test_gemv_quant import QT, case, random_rows, reference
+from test_gemv_quant import FP16_FIELDS, QT, case, random_rows, reference
 
 from ktquest import _C
 from ktquest.layers import linear
@@ -244,6 +244,65 @@ def test_int8_gemm_paths_agree_bitwise(family, inp):
     np.testing.assert_array_equal(ys[0], ys[1])
 
 
+def max_code_rows(qtype: str, out: int, inp: int) -> np.ndarray:
+    """Rows whose every code is its type's largest (and K-quant sub-scales and mins too): random_rows' sane fp16
+    scales, every other byte 0xFF."""
+    raw = random_rows(qtype, out, inp, 7)
+    bb = raw.shape[1] // (inp // (256 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 32))
+    blocks = raw.reshape(-1, bb)
+    keep = np.zeros(bb, bool)
+    for off in FP16_FIELDS[qtype]:
+        keep[off:off + 2] = True
+    blocks[:, ~keep] = 0xFF
+    return blocks.reshape(out, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("scalar", [False, True])
+def test_int8_gemm_at_the_int16_bound(qtype, scalar):
+    """The int16 pair sums at their largest: every code at its type's maximum against x of one magnitude (every
+    quantized value +-127), the most steps each type adds up before widening; a step too many would saturate
+    and miss the reference by far. Both kernel paths; a single 32-value block, and several."""
+    for inp in ((256, 512) if qtype in ("Q4_K", "Q5_K", "Q6_K") else (32, 96)):
+        raw = max_code_rows(qtype, 19, inp)
+        m = _C.QuantMatrix([(qtype, raw)])
+        x = torch.full((4, inp), 0.75)
+        x[1] = -0.75
+        x[2, ::2] = -0.75
+        _C.set_force_scalar(scalar)
+        try:
+            y = np.full((4, 19), np.nan, np.float32)
+            _C.gemm_int8(m, x.numpy(), y, 2)
+        finally:
+            _C.set_force_scalar(False)
+        ref, tol = reference(qtype, raw, x, torch.zeros(19))
+        got = torch.from_numpy(y).double()
+        assert ((got - ref).abs() <= tol).all(), f"{qtype} in={inp}: max excess {((got - ref).abs() - tol).max():.3g}"
+
+
+def test_linear_takes_the_int8_gemm_for_one_family_only():
+    """A fused matrix takes the int8 GEMM when every part is of one family (Q4_1 + Q5_0; int8 activations), not
+    with a Q8_0 part or across the families; each way a prefill chunk matches the reference."""
+    inp, g = 256, torch.Generator().manual_seed(3)
+    x = torch.randn(8, inp, generator=g)
+    for types, takes in ((("Q4_1", "Q5_0"), True), (("Q4_1", "Q8_0"), False), (("Q4_0", "Q4_K"), False)):
+        parts = [(t, random_rows(t, 21 + i, inp, 30 + i)) for i, t in enumerate(types)]
+        lin = Linear(stack_rows(*(QuantWeight(parts=(p,), in_features=inp) for p in parts)))
+        assert lin._int8_gemm == takes, types
+        lin.use_x16(True)
+        assert not lin._int8_gemm
+        lin.use_x16(False)
+        y = lin(x)
+        row = 0
+        for t, raw in parts:
+            n = raw.shape[0]
+            ref, tol = reference(t, raw, x, torch.zeros(n))
+            if not takes:  # dequantized panels and an fp32 GEMM: no activation rounding
+                ref = x.double() @ dequant(raw, t).T
+            assert ((y[:, row:row + n].double() - ref).abs() <= tol).all(), (types, t)
+            row += n
+
+
 def test_int8_gemm_refuses_other_types():
     m = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q8_0", random_rows("Q8_0", 4, 256, 0))])
     with pytest.raises(ValueError, match="not the two mixed, got Q4_K, Q8_0"):
@@ -251,6 +310,10 @@ def test_int8_gemm_refuses_other_types():
     mixed = _C.QuantMatrix([("Q4_K", random_rows("Q4_K", 4, 256, 0)), ("Q4_1", random_rows("Q4_1", 4, 256, 0))])
     with pytest.raises(ValueError, match="not the two mixed, got Q4_K, Q4_1"):
         _C.gemm_int8(mixed, np.zeros((2, 256), np.float32), np.zeros((2, 8), np.float32), 1)
+    for types in (("Q8_0",), ("Q4_1", "Q8_0"), ("F16",)):
+        m = _C.QuantMatrix([(t, random_rows(t, 4, 64, 0)) for t in types])
+        with pytest.raises(ValueError, match=f"got {', '.join(types)}"):
+            _C.gemm_int8(m, np.zeros((2, 64), np.float32), np.zeros((2, 4 * len(types)), np.float32), 1)
     k = _C.QuantMatrix([("Q6_K", random_rows("Q6_K", 4, 256, 0))])
     with pytest.raises(ValueError, match=r"y: expected shape \[2, 4\]"):
         _C.gemm_int8(k, np.zeros((2, 256), np.float32), np.zeros((2, 5), np.float32), 1)

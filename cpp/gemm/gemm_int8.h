@@ -1,26 +1,28 @@
 // The int8 prefill GEMM on rows read in place: the K-quants (Q4_K, Q5_K, Q6_K: what Q4_K_M / Q5_K_M files hold)
 // and the 4/5-bit 32-value types (below), integer dot products as the decode GEMV's (gemv_blocks.h), with each
 // weight row unpacked once per call instead of once per token:
-//   y[T, out] = q8(x)[T, in] @ dequant(W)^T (+ bias),  x quantized to int8 per 256 values (quant/q8_act.h)
+//   y[T, out] = q8(x)[T, in] @ dequant(W)^T (+ bias),  x quantized to int8 per 256 or 32 values (quant/q8_act.h)
 //
-// Rows are unpacked sixteen at a time into a panel, one form for the three types, interleaved so that one int32
+// Rows are unpacked sixteen at a time into a panel, one form for every type, interleaved so that one int32
 // lane of a 256-bit register is one row: four consecutive values of row r sit at bytes 4r..4r+3 of a 64-byte
 // step (rows 0-7 in its first 32 bytes, 8-15 in the next). A token's four int8 x values, broadcast to every
 // lane, then feed eight rows at once:
 //   maddubs(codes of 8 rows x 4 values, x broadcast)  -> 16 int16 pair sums (two per row)
 // and the pair sums of W steps add up in int16 before one madd with the rows' scales widens them to int32
-// (W = 8 for Q4_K, 4 for Q5_K, 2 for Q6_K: the most steps whose sum cannot leave int16, codes < 16 / 32 / 64
-// against |x| <= 127). Per super-block of 256 values each row's sum is then
+// (W = 8 for Q4_K, Q4_0, Q4_1; 4 for Q5_K, Q5_0, Q5_1; 2 for Q6_K: the most steps whose sum cannot leave int16,
+// codes < 16 / 32 / 64 against |x| <= 127). Per scaled block (a super-block of 256 values, or 32) each row's sum is
 //   d * dx * sum_g scale_g * dot_g(codes, xq)  -  dm * dx * sum_g min_g * sum16_g(xq)
 // over its 16-value groups g, exactly the type's dequant(w) . (dx * xq) (Q4_K / Q5_K: each sub-block's 6-bit
 // scale and min on both its groups, d and dmin; Q6_K: codes 0..63, the int8 group scale, min 32 x the scale,
 // d twice). One panel runs against up to three tokens per pass (kTileTokens).
 //
-// The 4- and 5-bit 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1: SmolLM2's Q4_1, Gemma 3's Q5_0) take the same
-// panel and tile with blocks of 32 values in place of super-blocks of 256 (KPanel::qk), x quantized per 32 as
-// their decode GEMV quantizes it: each group's scale is 1, d the block's scale, and the offset a min:
+// The 4- and 5-bit 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1) take the same panel and tile with blocks of 32
+// values in place of super-blocks of 256 (KPanel::qk), x quantized per 32 as their decode GEMV quantizes it: each
+// group's scale is 1, d the block's scale, and the offset a min:
 //   Q4_0 / Q5_0: codes 0..15 / 0..31, min 8 / 16, dm = d;   Q4_1 / Q5_1: min 1, dm = -m.
-// (Q8_0's codes do not fit maddubs' unsigned operand; it keeps the dequantized panels of layers/linear.py.)
+// (Q8_0's codes do not fit maddubs' unsigned operand; it keeps the dequantized panels of layers/linear.py.) Only
+// int8 activations take the GEMM: `activations: auto` rounds to int16 under 1B parameters (the bundled SmolLM2's
+// Q4_1 and Gemma 3's Q5_0), and those prefill on dequantized panels unless set to int8.
 #pragma once
 
 #include <cstdint>
@@ -34,7 +36,7 @@ namespace ktq {
 bool gemm_int8_supported(const QuantMatrix& m);
 
 // x: [T, in] fp32, y: [T, out] fp32; gemm_int8_supported(m).
-// Rows split across threads; every output is one row's super-blocks summed in a fixed order (the thread count
+// Rows split across threads; every output is one row's blocks summed in a fixed order (the thread count
 // and the kernel path do not change the result).
 void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
 

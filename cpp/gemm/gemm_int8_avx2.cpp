@@ -2,7 +2,7 @@
 // lanes) against up to three tokens. Per step of four values the panel's 64 code bytes are loaded once; each token
 // broadcasts its four int8 x values and takes maddubs against both halves (8 rows x 2 pair sums, int16 each),
 // added in int16 over W steps, then one madd with the rows' scales (one int32 lane a row), summed in int32 over
-// the super-block. Each super-block is then scaled in fp32 and its mins subtracted, lane by lane: the same
+// the scaled block (256 or 32 values). Each block is then scaled in fp32 and its mins subtracted, lane by lane: the same
 // operations as the scalar tile, so the same bits. Compiled with -mavx2 -mfma -mf16c.
 //
 // Measured on this Zen 4 (one thread, T = 512, tools/bench_gemm_int8.py's shapes): 16 rows x 3 tokens ran

@@ -105,8 +105,9 @@ class Linear(torch.nn.Module):
         self.threads = max(1, torch.get_num_threads())
 
     def use_x16(self, x16: bool) -> None:
-        """How the decode GEMV rounds x (a QuantWeight only): to int8 as ggml does (False), or to int16 where
-        the type has such kernels, the 32-value block types (True; Config.activations)."""
+        """How x is rounded (a QuantWeight only; Config.activations). False: to int8 as ggml does, in decode's
+        GEMV and in prefill's int8 GEMM where every part takes it. True: to int16 in decode where the type has
+        such kernels (the 32-value block types), and every prefill chunk on fp32 x and dequantized panels."""
         b = None if self.bias is None else self.bias.detach().numpy()
         self.qm = _C.QuantMatrix(list(self.quant.parts), b, x16=x16)
         # Prefill on int8 x: the int8 GEMM (every part in one of its families); otherwise dequantized panels.
