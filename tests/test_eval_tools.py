@@ -323,6 +323,7 @@ def test_bench_decode_selection_views(bundled_gguf, tmp_path, capsys):
     rows = json.loads(out_json.read_text())
     assert [r["label"] for r in rows] == ["snapkv", "snapkv/all-blocks-index", "snapkv/all-blocks-flat"]
     assert all(len(r["decode_rounds_tok_s"]) == 2 and r["prefill_s"] == rows[0]["prefill_s"] for r in rows)
+    assert rows[1]["picks_compared"] == 30 * 8 and rows[1]["picks_differing"] == 0  # every layer, 8 queries
     assert "decode through the index is" in capsys.readouterr().out
     # a max_seq_len the rounds would overrun (the runner's and its views' tokens after the context): refused first
     with pytest.raises(SystemExit):
@@ -352,6 +353,12 @@ def test_bench_decode_selection_views(bundled_gguf, tmp_path, capsys):
     assert seen[1] > 0 and seen[3] == 0  # the index walked, then the flat scan (no group bounds)
     r.decode(700, 1)  # the runner's own selection: its candidate lists, planned anew
     assert all(a is b for a, b in zip(seen[4], lists)) and cache.planner._token_steps.lb > 0
+    # picks that differ are counted: the flat scan's stand-in returns other blocks
+    real_select = cache.store.select
+    walking = []
+    cache.store.set_walk_index = walking.append
+    cache.store.select = lambda layer, q, k: real_select(layer, q, k) + (0 if walking[-1] else 1)
+    assert tool.SelectionView(r, True).same_picks(700, 2) == (2 * r.eng.model.args.n_layers, 2 * r.eng.model.args.n_layers)
 
 
 @pytest.mark.slow

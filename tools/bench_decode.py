@@ -135,6 +135,28 @@ class SelectionView:
     def row(self) -> dict:
         return dict(self.parent.row(), label=self.label)
 
+    def same_picks(self, ctx: int, n_queries: int = 8) -> tuple[int, int]:
+        """(selections compared, selections that differ): every layer's top ``second_select_num`` of every block
+        for each of the last ``n_queries`` prefill queries the planner recorded, through the index and by the
+        flat scan."""
+        cache = self.parent.state[ctx][0]
+        store, q_win = cache.store, cache.planner.q_win
+        k = self.parent.eng.config.long_context.second_select_num
+        n = differ = 0
+        try:
+            for layer in range(q_win.shape[0]):
+                for q in q_win[layer, -n_queries:]:
+                    q = q.float().cpu().contiguous()
+                    picks = []
+                    for walk in (True, False):
+                        store.set_walk_index(walk)
+                        picks.append(store.select(layer, q, k))
+                    n += 1
+                    differ += not torch.equal(picks[0], picks[1])
+        finally:
+            store.set_walk_index(True)
+        return n, differ
+
 
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python: one Llama context per prompt length."""
@@ -337,9 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(r, SelectionView) and r.walk:
             flat = r.label.removesuffix("index") + "flat"
             for ctx in contexts:
+                n, differ = r.same_picks(ctx)
+                cell[(r.label, ctx)].update(picks_compared=n, picks_differing=differ)
                 print(f"{r.parent.label}: with every block competing at {ctx}, decode through the index is "
                       f"{paired_ratio(cell, (r.label, ctx), (flat, ctx)):.2f}x the flat scan's (median of "
-                      f"per-round ratios)")
+                      f"per-round ratios); picks of {n} selections (the last prefill queries, every layer): "
+                      f"{n - differ} identical, {differ} differ")
     if a.json:
         write_json(a.json, rows)
     return 0
