@@ -3,7 +3,7 @@
 # 0.2-0.8 x 2 = 24 prompts a length, completion style: a base model) at 8K, 16K and 30K for dense and every preset
 # as shipped (2,048 tokens of blocks a KV head on the global layers). quest's store answers quest, ada_quest and
 # ada_snapkv (their decode knobs as variants). Hours on 2 cores: 8K ~40 min, 16K ~1.5 h, 30K ~3.5 h.
-# Writes /tmp/q31g/; a run whose JSON is there is skipped; copy the finished ones here.
+# Writes /tmp/q31g/; a run whose JSON is there is skipped; copy the finished ones here. LENGTHS="8192" runs one.
 cd /work/main
 while pgrep -f "tools/eval_longctx.py|tools/fidelity.py|tools/bench_decode.py" > /dev/null; do sleep 10; done
 O=/tmp/q31g; mkdir -p $O
@@ -15,7 +15,7 @@ run() { # name, length, args...
     --json $O/$name.json > $O/$name.log 2>&1
 }
 V="--variant ada_quest:ada_budget=true --variant ada_snapkv:preselect_block=true,preselect_block_count=768,ada_budget=true,preselect_refresh=16"
-for L in 8192 16384 30720; do
+for L in ${LENGTHS:-8192 16384 30720}; do
   run gemma_heldout_seed3_${L}_dense $L --configs dense
   run gemma_heldout_seed3_${L}_quest $L --configs configs/quest.yaml $V
   run gemma_heldout_seed3_${L}_ktransformers $L --configs configs/ktransformers.yaml
