@@ -164,7 +164,7 @@ struct PanelBuf {
         m_i[((gg / 2) * kPanelRows + r) * 2 + gg % 2] = u.min[g];
       }
       d_[s * kPanelRows + r] = u.d;
-      dm_[s * kPanelRows + r] = qk == kQ32 ? float(u.min[0]) * u.dm : u.dm;  // a 32-block's min folded in
+      dm_[s * kPanelRows + r] = u.dm;
     }
   }
 };
@@ -200,12 +200,6 @@ void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, i
           imin += p.mi[((g / 2) * kPanelRows + r) * 2 + g % 2] * s16[g];
         }
         const float dx = a.d[(t0 + c) * nsb + s];
-        if (p.qk == kQ32) {  // the min folded into dm (gemm_int8.h)
-          float t = float(isum) * p.d[s * kPanelRows + r];
-          t = std::fma(-p.dm[s * kPanelRows + r], a.sum32[(t0 + c) * nsb + s], t);
-          acc = std::fma(t, dx, acc);
-          continue;
-        }
         acc = std::fma(float(isum), p.d[s * kPanelRows + r] * dx, acc);
         acc = std::fma(-float(imin), p.dm[s * kPanelRows + r] * dx, acc);
       }
@@ -229,15 +223,10 @@ void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_
   int8_t* q = xq.data();
   float* qd = xd.data();
   int16_t* qs = xs.data();
-  thread_local std::vector<float> xs32;
-  if (qk == kQ32) xs32.resize(std::max(xs32.size(), size_t(T * nsb)));
-  float* qs32 = xs32.data();
   ThreadPool::global().parallel_for(T, n_threads, [&](int64_t t) {
     quantize_act(x + t * in, in, qk, q + t * in, qd + t * nsb, qs + t * (in / 16));
-    if (qk == kQ32)
-      for (int64_t s = 0; s < nsb; ++s) qs32[t * nsb + s] = float(qs[t * (in / 16) + 2 * s] + qs[t * (in / 16) + 2 * s + 1]);
   });
-  const KAct act{q, qd, qs, qk == kQ32 ? qs32 : nullptr};
+  const KAct act{q, qd, qs};
   KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
 
   // Row of the matrix -> its part's type and bytes.

@@ -58,17 +58,6 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
           isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_madd_epi16(part[h][c], scale));
       }
     }
-    if constexpr (kQB == kQ32) {  // the min folded into dm (gemm_int8.h): t = isum d - mdm sum32, acc += t dx
-      for (int c = 0; c < kTokens; ++c) {
-        const __m256 dx = _mm256_set1_ps(a.d[(t0 + c) * nsb + s]), sx = _mm256_set1_ps(a.sum32[(t0 + c) * nsb + s]);
-        for (int h = 0; h < kHalves; ++h) {
-          const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[h][c]), _mm256_loadu_ps(p.d + (s * kHalves + h) * 8));
-          acc[h][c] = _mm256_fmadd_ps(_mm256_fnmadd_ps(_mm256_loadu_ps(p.dm + (s * kHalves + h) * 8), sx, t), dx,
-                                      acc[h][c]);
-        }
-      }
-      continue;
-    }
     for (int h = 0; h < kHalves; ++h) {
       const __m256 d = _mm256_loadu_ps(p.d + (s * kHalves + h) * 8), dm = _mm256_loadu_ps(p.dm + (s * kHalves + h) * 8);
       for (int c = 0; c < kTokens; ++c) {
