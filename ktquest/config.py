@@ -218,7 +218,7 @@ class Config:
     # `dtype` (the reference path; CUDA's). "auto" = gguf on the CPU in float32, dequantize otherwise.
     weights: Literal["auto", "gguf", "dequantize"] = "auto"
     # How activations are rounded for the integer dot products on GGUF-encoded weights: "int8" per 32 or 256
-    # values (ggml's route), in decode and in prefill's int8 GEMM (K-quants, Q4_0..Q5_1: about 1.2-2x torch's fp32
+    # values (ggml's route), in decode and in prefill's int8 GEMM (K-quants, Q4_0..Q5_1: about 1.2-2.4x torch's fp32
     # GEMM); "int16" per 32 values for the 32-value block types' decode (Q4_0..Q8_0; the K-quants keep int8),
     # 258 times less rounding at about int8's speed there, and every prefill on fp32 x (dequantized panels).
     # Small models have thin logit margins: int8 x flips the bundled SmolLM2's greedy answer (as it does under

@@ -323,7 +323,9 @@ def test_bench_decode_selection_views(bundled_gguf, tmp_path, capsys):
     rows = json.loads(out_json.read_text())
     assert [r["label"] for r in rows] == ["snapkv", "snapkv/all-blocks-index", "snapkv/all-blocks-flat"]
     assert all(len(r["decode_rounds_tok_s"]) == 2 and r["prefill_s"] == rows[0]["prefill_s"] for r in rows)
-    assert rows[1]["picks_compared"] == 30 * 8 and rows[1]["picks_differing"] == 0  # every layer, 8 queries
+    n_layers = 30  # SmolLM2; 8 recorded queries each
+    assert rows[1]["picks_compared"] == n_layers * 8 and rows[1]["picks_differing"] == 0
+    assert rows[1]["picks_index_walked"] == n_layers * 8  # the index pruned: a comparison, not two flat scans
     assert "decode through the index is" in capsys.readouterr().out
     # a max_seq_len the rounds would overrun (the runner's and its views' tokens after the context): refused first
     with pytest.raises(SystemExit):
@@ -358,7 +360,8 @@ def test_bench_decode_selection_views(bundled_gguf, tmp_path, capsys):
     walking = []
     cache.store.set_walk_index = walking.append
     cache.store.select = lambda layer, q, k: real_select(layer, q, k) + (0 if walking[-1] else 1)
-    assert tool.SelectionView(r, True).same_picks(700, 2) == (2 * r.eng.model.args.n_layers, 2 * r.eng.model.args.n_layers)
+    n, differ, _ = tool.SelectionView(r, True).same_picks(700, 2)
+    assert n == differ == 2 * r.eng.model.args.n_layers
 
 
 @pytest.mark.slow

@@ -135,27 +135,31 @@ class SelectionView:
     def row(self) -> dict:
         return dict(self.parent.row(), label=self.label)
 
-    def same_picks(self, ctx: int, n_queries: int = 8) -> tuple[int, int]:
-        """(selections compared, selections that differ): every layer's top ``second_select_num`` of every block
-        for each of the last ``n_queries`` prefill queries the planner recorded, through the index and by the
-        flat scan."""
+    def same_picks(self, ctx: int, n_queries: int = 8) -> tuple[int, int, int]:
+        """(selections compared, selections that differ, selections whose walk scored group bounds): every
+        layer's top ``second_select_num`` of every block for each of the last ``n_queries`` prefill queries the
+        planner recorded, through the index and by the flat scan."""
         cache = self.parent.state[ctx][0]
-        store, q_win = cache.store, cache.planner.q_win
+        store, planner = cache.store, cache.planner
+        a, b = planner.q_win_span
+        n_q = min(n_queries, b - a)  # recorded slots only (the others are zeros, which tie every block)
         k = self.parent.eng.config.long_context.second_select_num
-        n = differ = 0
+        n = differ = walked = 0
         try:
-            for layer in range(q_win.shape[0]):
-                for q in q_win[layer, -n_queries:]:
+            for layer in range(planner.q_win.shape[0]):
+                for q in planner.q_win[layer, planner.q_win.shape[1] - n_q:]:
                     q = q.float().cpu().contiguous()
                     picks = []
                     for walk in (True, False):
                         store.set_walk_index(walk)
                         picks.append(store.select(layer, q, k))
+                        if walk:
+                            walked += store.last_index_stats()["groups"] > 0
                     n += 1
                     differ += not torch.equal(picks[0], picks[1])
         finally:
             store.set_walk_index(True)
-        return n, differ
+        return n, differ, walked
 
 
 class LlamaCppRunner:
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                          "config's)")
     ap.add_argument("--selection-views", action="store_true",
                     help="for each long_context mode whose store has an index (index_group > 0): also decode on its "
-                         "prefilled caches with every block competing, through the index and by the flat scan")
+                         "prefilled caches with every block competing, through the index and by the flat scan, and "
+                         "compare the two's picks")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
 
@@ -359,12 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(r, SelectionView) and r.walk:
             flat = r.label.removesuffix("index") + "flat"
             for ctx in contexts:
-                n, differ = r.same_picks(ctx)
-                cell[(r.label, ctx)].update(picks_compared=n, picks_differing=differ)
+                n, differ, walked = r.same_picks(ctx)
+                cell[(r.label, ctx)].update(picks_compared=n, picks_differing=differ, picks_index_walked=walked)
                 print(f"{r.parent.label}: with every block competing at {ctx}, decode through the index is "
                       f"{paired_ratio(cell, (r.label, ctx), (flat, ctx)):.2f}x the flat scan's (median of "
-                      f"per-round ratios); picks of {n} selections (the last prefill queries, every layer): "
-                      f"{n - differ} identical, {differ} differ")
+                      f"per-round ratios); picks of {n} selections (the last prefill queries, every layer; {walked} "
+                      f"of them walked the index): {n - differ} identical, {differ} differ")
     if a.json:
         write_json(a.json, rows)
     return 0

@@ -5,7 +5,7 @@
 // the scaled block (256 or 32 values). Each block is then scaled in fp32 and its mins subtracted, lane by lane: the same
 // operations as the scalar tile, so the same bits. Compiled with -mavx2 -mfma -mf16c.
 //
-// Measured on this Zen 4 (one thread, T = 512, tools/bench_gemm_int8.py's shapes): 16 rows x 3 tokens ran
+// Measured on this Zen 4 (one thread, T = 512, the K-quant shapes of tools/bench_gemm_int8.py): 16 rows x 3 tokens ran
 // 97 GMAC/s on Q4_K, 8 rows x 4 tokens 90, 8 rows x 6 tokens 90. GCC unrolling the W steps in full spilled the
 // int16 sums (47 GMAC/s); two steps at a time keep every sum in a register.
 #include <cstring>

@@ -1,11 +1,11 @@
 #!/bin/bash
 # 2026-11-27 (session 5): top-1 agreement with dense on held-out code (the library's sub-packages) and prose at 8K
 # for every preset as shipped (2,048 tokens of blocks a KV head: --budget 2048). quest's prompt answers quest,
-# ada_quest and ada_snapkv (their decode knobs as variants). Starts after queue6.sh; writes /tmp/q31d/; a run whose
-# JSON is there is skipped.
+# ada_quest and ada_snapkv (their decode knobs as variants). Waits until no evaluation runs; writes /tmp/q31d/; a
+# run whose JSON is there is skipped. (That session it was chained after queue6.sh.)
 cd /work/main
-while ! grep -q "QUEUE6 DONE" /tmp/q31d/queue6.out 2>/dev/null; do sleep 20; done
-O=/tmp/q31d
+while pgrep -f "tools/eval_longctx.py|tools/fidelity.py|tools/bench_decode.py" > /dev/null; do sleep 10; done
+O=/tmp/q31d; mkdir -p $O
 run() { # name, args...
   name=$1; shift
   [ -f $O/$name.json ] && return
