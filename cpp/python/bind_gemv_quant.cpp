@@ -86,6 +86,8 @@ void bind_gemv_quant(py::module_& m) {
                             "round x to int16 (per 32 values), not int8; the other types are unchanged.")
       .def(py::init(&quant_matrix), py::arg("parts"), py::arg("bias") = py::none(), py::arg("x16") = false)
       .def_property_readonly("x16", [](const PyQuantMatrix& M) { return M.m.x16; })
+      .def_property_readonly("int8_gemm", [](const PyQuantMatrix& M) { return gemm_int8_supported(M.m); },
+                             "whether gemm_int8 takes the matrix (every part of one of its families)")
       .def_property_readonly("out_features", [](const PyQuantMatrix& M) { return M.m.out; })
       .def_property_readonly("in_features", [](const PyQuantMatrix& M) { return M.m.in; })
       .def_property_readonly("types", [](const PyQuantMatrix& M) {

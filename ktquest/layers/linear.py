@@ -32,10 +32,6 @@ GEMV_MAX_TOKENS = 4
 # fp32 values in one dequantized panel of a prefill chunk's GEMM (128 MB): a 1.5B model's matrices fit in one,
 # so the GEMM writes y directly; larger ones are cut, and each panel's columns of y copied into place.
 PANEL_VALUES = 1 << 25
-# The types of the int8 prefill GEMM (cpp/gemm/gemm_int8.h), in two families a matrix's parts may not mix: the
-# K-quants (Q4_K_M and Q5_K_M files' matrices; rows a multiple of 256) and the 4/5-bit 32-value types.
-KQUANT_GEMM_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-Q32_GEMM_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # Panels of at least this many values are dequantized on every thread, smaller ones on one.
 DEQUANT_THREADS_FROM = 1 << 22
 
@@ -110,10 +106,9 @@ class Linear(torch.nn.Module):
         such kernels (the 32-value block types), and every prefill chunk on fp32 x and dequantized panels."""
         b = None if self.bias is None else self.bias.detach().numpy()
         self.qm = _C.QuantMatrix(list(self.quant.parts), b, x16=x16)
-        # Prefill on int8 x: the int8 GEMM (every part in one of its families); otherwise dequantized panels.
-        types = [t for t, _ in self.quant.parts]
-        self._int8_gemm = not x16 and (all(t in KQUANT_GEMM_TYPES for t in types) and self.in_features % 256 == 0
-                                         or all(t in Q32_GEMM_TYPES for t in types))
+        # Prefill on int8 x: the int8 GEMM where it takes the matrix (cpp/gemm/gemm_int8.h: the K-quants, or the
+        # 4/5-bit 32-value types, not mixed); otherwise dequantized panels.
+        self._int8_gemm = not x16 and self.qm.int8_gemm
 
     @property
     def in_features(self) -> int:
