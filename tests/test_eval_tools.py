@@ -193,6 +193,50 @@ def test_eval_longctx_held_out_smoke(bundled_gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_eval_longctx_resumes_a_killed_run(bundled_gguf, tmp_path, monkeypatch, capsys):
+    """A run killed before its JSON leaves JSON.partial, a prompt a line; --resume keeps those answers (not asked
+    again), drops a line cut short, asks the rest, writes the JSON and removes the partial file. A partial file
+    of other arguments is refused, naming the argument."""
+    tool = _tool("eval_longctx")
+    out, part = tmp_path / "e.json", tmp_path / "e.json.partial"
+    args = ["--task", "passkey", "--lengths", "320", "--depths", "0.2,0.8", "--trials", "1", "--seed", "1",
+            "--model", str(bundled_gguf), "--json", str(out), "--quiet"]  # fmt: skip
+    assert tool.main(args) == 0
+    full = json.loads(out.read_text())["trials"]
+    assert len(full) == 2 and not part.exists()
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tool, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tool.main(args)
+    monkeypatch.undo()
+    head, first, second = part.read_text().splitlines()
+    kept = json.loads(first)
+    assert [r["reply"] for r in kept] == [full[0]["reply"]]
+    kept[0]["reply"] = "kept from the partial file"  # a marker: this prompt must not be asked again
+    part.write_text(f"{head}\n{json.dumps(kept)}\n{second[: len(second) // 2]}")  # killed mid-line
+    assert tool.main([*args, "--resume"]) == 0
+    got = json.loads(out.read_text())
+    assert [t["reply"] for t in got["trials"]] == ["kept from the partial file", full[1]["reply"]]
+    assert got["meta"]["resumed_trials"] == 1 and not part.exists()
+
+    part.write_text(f"{head}\n")
+    capsys.readouterr()
+    other = [*args, "--resume"]
+    other[other.index("--seed") + 1] = "2"
+    assert tool.main(other) == 1
+    assert "was written with --seed 1, not 2" in capsys.readouterr().err
+    part.write_text(f"{head}\nnot json\n{first}\n")
+    assert tool.main([*args, "--resume"]) == 1
+    assert "line 2 is not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main([*args[:-3], "--quiet", "--resume"])  # no --json
+    assert "--resume needs --json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_eval_longctx_variants_answer_as_loaded_configs(bundled_gguf, tmp_path, capsys):
     """--variant answers each prompt again on the same cache under decode-time knobs: with the knobs the
     config already has, the same replies; with others, the replies of the config loaded with them (read in

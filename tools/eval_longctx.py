@@ -23,11 +23,17 @@ again under decode-time knobs (``LongContextCache.RETUNABLE``: ``sticky_blocks``
 ...), reported as config ``NAME+variant``: the prompt is read once, and each answer is decoded on the same
 cache (the question's last token read again), so a variant costs its decode steps only. Example:
 ``--variant sticky4:sticky_blocks=4``.
+
+With ``--json``, each prompt's answers are also appended to ``JSON.partial`` as they come (one line a prompt), and
+the file is removed once the JSON is written. ``--resume`` takes the prompts a killed run with the same arguments
+answered from there and asks only the rest (an hour-long run survives the end of a session); the first prompt
+after a resume is read in full, as with ``--fresh``, which changes no answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -115,14 +121,52 @@ def ask(session, s, task: str, fresh: bool):
     return session.send(s.question, on_text=on_text, should_stop=lambda: done[0])
 
 
-def run(args) -> tuple[list[dict], list[dict]]:
+RUN_KEYS = ("task", "lengths", "depths", "trials", "fillers", "configs", "model", "seed", "set", "variant", "fresh")
+
+
+def read_partial(path: Path, args) -> list[list[dict]]:
+    """The prompts a killed run answered, from its ``.partial`` file (one list of records a prompt): the
+    arguments it was run with must be these (ValueError naming the first that differs); a last line cut
+    short as the run was killed is dropped, a bad line before it is an error."""
+    lines = path.read_text().splitlines()
+    try:
+        head = json.loads(lines[0]) if lines else {}
+    except json.JSONDecodeError:
+        head = {}
+    if "args" not in head:
+        raise ValueError(f"{path}: not a partial eval_longctx run (no arguments on its first line)")
+    for k in RUN_KEYS:
+        if head["args"].get(k) != getattr(args, k):
+            raise ValueError(f"{path} was written with --{k} {head['args'].get(k)!r}, not {getattr(args, k)!r}")
+    prompts = []
+    for i, line in enumerate(lines[1:], 2):
+        try:
+            prompts.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                raise ValueError(f"{path}: line {i} is not JSON") from None
+    return prompts
+
+
+def start_partial(path: Path, args, prompts: list[list[dict]]) -> None:
+    """(Re)write ``path``: the arguments, then the prompts already answered."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"args": {k: getattr(args, k) for k in RUN_KEYS}}, *prompts]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tuple[list[dict], list[dict]]:
+    """Every config's answers; ``prior``: prompts answered before (``--resume``), not asked again; each new
+    prompt's records are appended to ``partial`` as one JSON line."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     lengths, depths = parse_list(args.lengths, int), parse_list(args.depths, float)
     configs, fillers = parse_list(args.configs), parse_fillers(args.fillers)
     per_config = len(lengths) * len(fillers) * len(depths) * args.trials
     total = len(configs) * per_config
-    trials: list[dict] = []
+    trials: list[dict] = [r for rows in prior for r in rows]
+    done = {(r["config_path"], r["length"], r["filler"], r["depth"], r["trial"]) for rows in prior for r in rows}
+    keys = [(n, f, d, t) for n in lengths for f in fillers for d in depths for t in range(args.trials)]
     samples: dict[tuple, object] = {}  # the prompts do not depend on the config: build them once
     show = total > 1 and not args.quiet
     with Progress(
@@ -136,12 +180,16 @@ def run(args) -> tuple[list[dict], list[dict]]:
     ) as bar:
         job = bar.add_task(args.task, total=total, info="")
         for config in configs:
+            todo = [k for k in keys if (config, *k) not in done]
+            bar.advance(job, per_config - len(todo))
+            if not todo:
+                continue
             t0 = time.perf_counter()
             try:
                 eng = load_engine(args.model, config, args.task, max(lengths), args.threads, args.set)
             except (ConfigError, OSError, ValueError) as e:
                 print(f"skipping {config}: {e}", file=sys.stderr)
-                bar.advance(job, per_config)
+                bar.advance(job, len(todo))
                 continue
             load_s = time.perf_counter() - t0
             session = eng.chat_session()
@@ -150,16 +198,16 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 variants = load_variants(args, config, eng)
             except (ConfigError, ValueError) as e:
                 print(f"skipping {config}: --variant: {e}", file=sys.stderr)
-                bar.advance(job, per_config)
+                bar.advance(job, len(todo))
                 del eng, session  # (its store freed before the next config's)
                 continue
             bar.update(job, description=f"{args.task} {name}")
-            for key in [(n, f, d, t) for n in lengths for f in fillers for d in depths for t in range(args.trials)]:
+            for key in todo:
                 if key not in samples:
                     samples[key] = make_sample(eng.tokenizer, args.task, key[0], key[2], args.seed, key[3], key[1])
             # In token order: a prompt follows the one it shares the longest prefix with (prompts that share a
             # haystack differ from the needle on), so each re-prefills only what is new.
-            order = sorted(samples, key=lambda k: (k[0], fillers.index(k[1]), samples[k].tokens)) if not args.fresh else samples
+            order = sorted(todo, key=lambda k: (k[0], fillers.index(k[1]), samples[k].tokens)) if not args.fresh else todo
             for length, filler, depth, trial in order:
                 s = samples[(length, filler, depth, trial)]
                 answers = [(name, ask(session, s, args.task, args.fresh))]
@@ -171,9 +219,13 @@ def run(args) -> tuple[list[dict], list[dict]]:
                         eng.cache.retune(base)
                 for label, reply in answers:
                     record(trials, args, label, config, eng, s, (length, filler, depth, trial), reply, load_s)
-                    if args.verbose:
+                if partial is not None:
+                    with partial.open("a") as f:
+                        f.write(json.dumps(trials[-len(answers):]) + "\n")
+                if args.verbose:
+                    for (label, reply), rec in zip(answers, trials[-len(answers):]):
                         print(f"{label} {length} {filler} {depth:g} #{trial}: "
-                              f"{'OK ' if trials[-1]['correct'] else 'BAD'} answer={s.answer!r} "
+                              f"{'OK ' if rec['correct'] else 'BAD'} answer={s.answer!r} "
                               f"reply={reply.text!r}", flush=True)
                 st = answers[0][1].stats
                 bar.update(
@@ -401,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--save-misses", default=None, metavar="DIR",
                     help="write the prompts some config missed here (for tools/attention_recall.py)")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --json: keep the prompts a killed run with these arguments answered (JSON.partial)")
     ap.add_argument("--verbose", action="store_true", help="print every reply")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -413,8 +467,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.task == "kvretrieval" and fillers != ["classic"]:
         ap.error("--fillers: kvretrieval has only its own JSON haystack (classic)")
 
+    if args.resume and not args.json:
+        ap.error("--resume needs --json (the run's answers so far are in JSON.partial)")
+    prior, partial = [], None
+    if args.json:
+        partial = Path(f"{args.json}.partial")
+        if args.resume and partial.exists():
+            try:
+                prior = read_partial(partial, args)
+            except (OSError, ValueError) as e:
+                print(f"--resume: {e}", file=sys.stderr)
+                return 1
+            print(f"resuming: {sum(map(len, prior))} answers of {len(prior)} prompts from {partial}", file=sys.stderr)
+        start_partial(partial, args, prior)
+
     t0 = time.perf_counter()
-    rows, trials = run(args)
+    rows, trials = run(args, prior, partial)
     wall = time.perf_counter() - t0
     if not rows:
         print("no config could be run", file=sys.stderr)
@@ -442,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "sets": args.set,
         "variants": args.variant,
         "fresh": args.fresh,
+        "resumed_trials": sum(map(len, prior)),
         "wall_s": wall,
         "compute_s": compute,
         "prompt_tokens": n_tok,
@@ -449,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json:
         write_json(args.json, {"meta": meta, "rows": rows, "trials": trials})
+        partial.unlink(missing_ok=True)
     if args.png:
         heatmap(rows, args.png, f"{args.task} accuracy (seed {args.seed}, {args.trials} trials per cell)")
     return 0

@@ -3,7 +3,10 @@
 # runs that take hours on the 2-core host (queue_variants.sh here, presets_heldout/queue_gemma.sh), each the same
 # eval_longctx.py command with the model on the device (fp32, exact prefill in layer order; the sparse-prefill
 # store keeps chunk order, which sparse prefill needs). Eight runs at a time, two threads each, in priority order,
-# until a deadline; then every JSON and log is packed into $OUT/results.tgz (unfinished runs leave their logs).
+# until a deadline; then every JSON and log is packed into $OUT/results.tgz (an unfinished run leaves its log and
+# JSON.partial, which a later call on the same machine resumes). --fresh: every prompt is a first prompt, read on
+# the GPU (a prompt after a rewind reads its past through the CPU operator on 2 threads, which made the 30K runs
+# of the first lease, 2026-11-27, take over ten minutes each).
 #
 # It needs, carried: .whl/ (a ktquest wheel built for the machine's Python: only its _C*.so is taken, the sources
 # are the working tree's; a gguf wheel) and .gm/ (the bundled Gemma GGUF, xz-compressed and split in parts that fit
@@ -70,7 +73,7 @@ one() {  # name|args: one eval, skipped when its JSON is there or the deadline h
         args=$(echo "$args" | sed -E 's/--lengths [0-9]+/--lengths 1024/; s/--depths [0-9.,]+/--depths 0.5/; s/--trials 2/--trials 1/')
     fi
     # shellcheck disable=SC2086
-    timeout "$left" python3 tools/eval_longctx.py --model "$MODEL" $args --threads 2 --quiet --verbose \
+    timeout "$left" python3 tools/eval_longctx.py --model "$MODEL" $args --threads 2 --quiet --verbose --fresh --resume \
         --set sliding_window_keep=32768 $ON --json "$R/$name.json" > "$R/$name.log" 2>&1
     echo "$name: rc $? at $(($(date +%s) - START)) s"
 }
