@@ -13,7 +13,7 @@
 # the tree's limit: `xz -T2 -6 -c FILE | split -b 59000000 - .gm/gemma.xz.`, one part a call; a warm machine keeps
 # what earlier calls carried). SMOKE=1 DEVICE=cpu runs each command at 1,024 tokens, one prompt, here.
 #
-#   bash docs/results/gemma3/device_queue.sh [deadline seconds]
+#   [JOBSET=heldout30k] bash docs/results/gemma3/device_queue.sh [deadline seconds]
 set -u -o pipefail
 DEADLINE=${1:-500}
 START=$(date +%s)
@@ -46,6 +46,15 @@ LAYER="--set prefill.order=layer"
 V="--variant ada_quest:ada_budget=true --variant ada_snapkv:preselect_block=true,preselect_block_count=768,ada_budget=true,preselect_refresh=16"
 # name | eval_longctx.py arguments past the common ones
 jobs() {
+    if [ "${JOBSET:-all}" = heldout30k ]; then  # the presets' 30K held-out runs, one filler a run (the same prompts)
+        for S in quest ktransformers snapkv; do
+            for F in prose narrative json; do
+                C="--configs configs/$S.yaml"; [ $S = quest ] && C="$C $V"
+                echo "gemma_heldout_seed3_30720_${S}_$F|--task passkey --lengths 30720 --depths 0.2,0.4,0.6,0.8 --trials 2 --fillers $F --seed 3 $LAYER $C"
+            done
+        done
+        return
+    fi
     for L in 30720 16384; do  # issue 31: held-out pass keys of seed 3 (presets_heldout/queue_gemma.sh)
         H="--task passkey --lengths $L --depths 0.2,0.4,0.6,0.8 --trials 2 --fillers held-out --seed 3 $LAYER"
         echo "gemma_heldout_seed3_${L}_dense|$H --configs dense"
@@ -78,7 +87,7 @@ one() {  # name|args: one eval, skipped when its JSON is there or the deadline h
     echo "$name: rc $? at $(($(date +%s) - START)) s"
 }
 export -f one
-export R MODEL ON DEADLINE START SMOKE
+export R MODEL ON DEADLINE START SMOKE JOBSET
 jobs | { if [ "${SMOKE:-0}" = 1 ]; then grep 16384; else cat; fi; } | xargs -P "${JOBS:-8}" -I{} bash -c 'one "$@"' _ {}
 tar czf "$OUT/results.tgz" -C "$R" .
 ls "$R"/*.json 2>/dev/null | wc -l
