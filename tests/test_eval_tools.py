@@ -194,16 +194,22 @@ def test_eval_longctx_held_out_smoke(bundled_gguf, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_eval_longctx_resumes_a_killed_run(bundled_gguf, tmp_path, monkeypatch, capsys):
-    """A run killed before its JSON leaves JSON.partial, a prompt a line; --resume keeps those answers (not asked
-    again), drops a line cut short, asks the rest, writes the JSON and removes the partial file. A partial file
-    of other arguments is refused, naming the argument."""
+    """A run killed before its JSON leaves JSON.partial, a prompt a line (its answers under every label);
+    --resume keeps those answers (not asked again), drops a line cut short, asks the rest, writes the JSON and
+    removes the partial file. A partial file of another run (arguments, a config's bytes) or a bad line is
+    refused naming it, and a run without --resume does not overwrite one."""
     tool = _tool("eval_longctx")
+    quest = tmp_path / "quest.yaml"
+    quest.write_text((Path(__file__).resolve().parent.parent / "configs" / "quest.yaml").read_text())
     out, part = tmp_path / "e.json", tmp_path / "e.json.partial"
     args = ["--task", "passkey", "--lengths", "320", "--depths", "0.2,0.8", "--trials", "1", "--seed", "1",
-            "--model", str(bundled_gguf), "--json", str(out), "--quiet"]  # fmt: skip
+            "--configs", f"dense,{quest}", "--set", "long_context.local_windows_len=64",
+            "--variant", "s8:sticky_blocks=8", "--model", str(bundled_gguf),
+            "--json", str(out), "--quiet"]  # fmt: skip
     assert tool.main(args) == 0
     full = json.loads(out.read_text())["trials"]
-    assert len(full) == 2 and not part.exists()
+    assert [t["config"] for t in full] == ["dense"] * 2 + ["quest", "quest+s8"] * 2 and not part.exists()
+    assert full[0]["depth"] != full[1]["depth"] and full[0]["reply"] != full[1]["reply"]
 
     def killed(*a, **k):
         raise KeyboardInterrupt
@@ -212,28 +218,47 @@ def test_eval_longctx_resumes_a_killed_run(bundled_gguf, tmp_path, monkeypatch, 
     with pytest.raises(KeyboardInterrupt):
         tool.main(args)
     monkeypatch.undo()
-    head, first, second = part.read_text().splitlines()
-    kept = json.loads(first)
-    assert [r["reply"] for r in kept] == [full[0]["reply"]]
-    kept[0]["reply"] = "kept from the partial file"  # a marker: this prompt must not be asked again
-    part.write_text(f"{head}\n{json.dumps(kept)}\n{second[: len(second) // 2]}")  # killed mid-line
+    head, *lines = part.read_text().splitlines()
+    assert [len(json.loads(x)) for x in lines] == [1, 1, 2, 2]  # quest's lines: its answer and the variant's
+    kept = [json.loads(x) for x in lines[:3]]
+    for rows in kept:  # markers: these prompts must not be asked again
+        for r in rows:
+            r["reply"] = f"kept {r['config']} {r['depth']}"
+    torn = lines[3][: len(lines[3]) // 2]
+    part.write_text("".join(json.dumps(x) + "\n" for x in [json.loads(head), *kept]) + torn)
     assert tool.main([*args, "--resume"]) == 0
     got = json.loads(out.read_text())
-    assert [t["reply"] for t in got["trials"]] == ["kept from the partial file", full[1]["reply"]]
-    assert got["meta"]["resumed_trials"] == 1 and not part.exists()
+    assert [(t["config"], t["depth"]) for t in got["trials"]] == [(t["config"], t["depth"]) for t in full]
+    assert [t["reply"] for t in got["trials"]] == [
+        *(f"kept {t['config']} {t['depth']}" for t in full[:4]), full[4]["reply"], full[5]["reply"]]
+    assert got["meta"]["resumed_trials"] == 4 and not part.exists()
+
+    def refused(argv, message):
+        capsys.readouterr()
+        assert tool.main(argv) == 1
+        assert message in capsys.readouterr().err
 
     part.write_text(f"{head}\n")
-    capsys.readouterr()
     other = [*args, "--resume"]
     other[other.index("--seed") + 1] = "2"
-    assert tool.main(other) == 1
-    assert "was written with --seed 1, not 2" in capsys.readouterr().err
-    part.write_text(f"{head}\nnot json\n{first}\n")
-    assert tool.main([*args, "--resume"]) == 1
-    assert "line 2 is not JSON" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        tool.main([*args[:-3], "--quiet", "--resume"])  # no --json
-    assert "--resume needs --json" in capsys.readouterr().err
+    refused(other, "was written with --seed 1, not 2")
+    refused(args, "e.json.partial holds the answers of a run that did not finish: --resume continues it")
+    part.write_text(f"{head}\nnot json\n{lines[0]}\n")
+    refused([*args, "--resume"], "line 2 is not JSON")
+    part.write_text(f"{head}\n[1]\n")
+    refused([*args, "--resume"], "line 2 is not a prompt's answers")
+    part.write_text(f"{head}\n{lines[0]}\n{lines[0]}\n")
+    refused([*args, "--resume"], "line 3 answers a prompt answered before it")
+    part.write_text("5\n")
+    refused([*args, "--resume"], "not a partial eval_longctx run")
+    part.write_text(f"{head}\n")
+    quest.write_text(quest.read_text() + "\n# edited\n")
+    refused([*args, "--resume"], f"was written with sha256 of {quest}")
+    for extra, message in ((["--save-misses", str(tmp_path / "m")], "--save-misses cannot be combined"),
+                           ([], "--resume needs --json")):
+        with pytest.raises(SystemExit):
+            tool.main([*(args[:-3] if not extra else args), "--quiet", "--resume", *extra])
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -106,8 +106,16 @@ def variant_knobs(spec: str, config: str | None, overrides: list[str], cache):
 
 
 def write_json(path: str | Path, rows) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(rows, indent=2) + "\n")
+    write_atomic(Path(path), json.dumps(rows, indent=2) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part of it (a run killed mid-write: the queues
+    skip a run whose JSON is there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def llama_cpp():

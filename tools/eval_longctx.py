@@ -42,7 +42,7 @@ from pathlib import Path
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktquest package
-from common import variant_knobs, write_json
+from common import variant_knobs, write_atomic, write_json
 
 import ktquest
 from ktquest.config import ConfigError, load_config
@@ -122,42 +122,65 @@ def ask(session, s, task: str, fresh: bool):
 
 
 RUN_KEYS = ("task", "lengths", "depths", "trials", "fillers", "configs", "model", "seed", "set", "variant", "fresh")
+RECORD_KEYS = {"config", "config_path", "length", "filler", "depth", "trial", "correct"}
+
+
+def run_identity(args) -> dict:
+    """What a resumed run must share with the one it continues: the arguments that choose the prompts and how
+    they are answered, and the bytes of each config file (a preset edited between sessions is another run)."""
+    import hashlib
+
+    ident = {k: getattr(args, k) for k in RUN_KEYS}
+    for c in parse_list(args.configs):
+        if c not in BUILTIN and os.path.isfile(c):
+            ident[f"sha256 of {c}"] = hashlib.sha256(Path(c).read_bytes()).hexdigest()
+    return ident
 
 
 def read_partial(path: Path, args) -> list[list[dict]]:
     """The prompts a killed run answered, from its ``.partial`` file (one list of records a prompt): the
-    arguments it was run with must be these (ValueError naming the first that differs); a last line cut
-    short as the run was killed is dropped, a bad line before it is an error."""
+    run it continues must be this one (``run_identity``; ValueError naming the first difference); a last
+    line cut short as the run was killed is dropped; any other line that is not a prompt's records is an error."""
     lines = path.read_text().splitlines()
     try:
-        head = json.loads(lines[0]) if lines else {}
+        head = json.loads(lines[0]) if lines else None
     except json.JSONDecodeError:
-        head = {}
-    if "args" not in head:
+        head = None
+    if not isinstance(head, dict) or not isinstance(head.get("args"), dict):
         raise ValueError(f"{path}: not a partial eval_longctx run (no arguments on its first line)")
-    for k in RUN_KEYS:
-        if head["args"].get(k) != getattr(args, k):
-            raise ValueError(f"{path} was written with --{k} {head['args'].get(k)!r}, not {getattr(args, k)!r}")
-    prompts = []
+    ident = run_identity(args)
+    for k in sorted(ident.keys() | head["args"].keys(), key=lambda k: (k not in RUN_KEYS, k)):
+        if head["args"].get(k) != ident.get(k):
+            what = f"--{k}" if k in RUN_KEYS else k
+            raise ValueError(f"{path} was written with {what} {head['args'].get(k)!r}, not {ident.get(k)!r}")
+    prompts, seen = [], set()
     for i, line in enumerate(lines[1:], 2):
         try:
-            prompts.append(json.loads(line))
+            rows = json.loads(line)
         except json.JSONDecodeError:
-            if i < len(lines):
-                raise ValueError(f"{path}: line {i} is not JSON") from None
+            if i == len(lines):
+                break  # the line the killed run was writing
+            raise ValueError(f"{path}: line {i} is not JSON") from None
+        if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and RECORD_KEYS <= r.keys() for r in rows)):
+            raise ValueError(f"{path}: line {i} is not a prompt's answers")
+        key = tuple(rows[0][k] for k in ("config_path", "length", "filler", "depth", "trial"))
+        if key in seen:
+            raise ValueError(f"{path}: line {i} answers a prompt answered before it (two runs wrote this file?)")
+        seen.add(key)
+        prompts.append(rows)
     return prompts
 
 
 def start_partial(path: Path, args, prompts: list[list[dict]]) -> None:
-    """(Re)write ``path``: the arguments, then the prompts already answered."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"args": {k: getattr(args, k) for k in RUN_KEYS}}, *prompts]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """(Re)write ``path`` atomically: the run's identity, then the prompts already answered."""
+    rows = [{"args": run_identity(args)}, *prompts]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tuple[list[dict], list[dict]]:
-    """Every config's answers; ``prior``: prompts answered before (``--resume``), not asked again; each new
-    prompt's records are appended to ``partial`` as one JSON line."""
+def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tuple[list[dict], list[dict], list[str]]:
+    """Every config's answers -> (rows, trials, unfinished); ``prior``: prompts answered before (``--resume``),
+    not asked again; each new prompt's records are appended to ``partial`` as one JSON line. ``unfinished``: the
+    configs that answered some prompts before and cannot be loaded now (their run is not complete)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     lengths, depths = parse_list(args.lengths, int), parse_list(args.depths, float)
@@ -168,6 +191,7 @@ def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tupl
     done = {(r["config_path"], r["length"], r["filler"], r["depth"], r["trial"]) for rows in prior for r in rows}
     keys = [(n, f, d, t) for n in lengths for f in fillers for d in depths for t in range(args.trials)]
     samples: dict[tuple, object] = {}  # the prompts do not depend on the config: build them once
+    unfinished: list[str] = []
     show = total > 1 and not args.quiet
     with Progress(
         TextColumn("{task.description}"),
@@ -190,6 +214,8 @@ def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tupl
             except (ConfigError, OSError, ValueError) as e:
                 print(f"skipping {config}: {e}", file=sys.stderr)
                 bar.advance(job, len(todo))
+                if len(todo) < per_config:
+                    unfinished.append(config)
                 continue
             load_s = time.perf_counter() - t0
             session = eng.chat_session()
@@ -199,6 +225,8 @@ def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tupl
             except (ConfigError, ValueError) as e:
                 print(f"skipping {config}: --variant: {e}", file=sys.stderr)
                 bar.advance(job, len(todo))
+                if len(todo) < per_config:
+                    unfinished.append(config)
                 del eng, session  # (its store freed before the next config's)
                 continue
             bar.update(job, description=f"{args.task} {name}")
@@ -237,7 +265,7 @@ def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tupl
             del eng
     if args.save_misses:
         save_misses(args.save_misses, args.task, trials, samples)
-    return aggregate(trials), trials
+    return aggregate(trials), trials, unfinished
 
 
 def load_variants(args, config: str, eng) -> list[tuple[str, object]]:
@@ -469,9 +497,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.resume and not args.json:
         ap.error("--resume needs --json (the run's answers so far are in JSON.partial)")
+    if args.resume and args.save_misses:
+        ap.error("--save-misses cannot be combined with --resume (a resumed prompt's text is not rebuilt)")
     prior, partial = [], None
     if args.json:
         partial = Path(f"{args.json}.partial")
+        if partial.exists() and not args.resume:
+            print(f"{partial} holds the answers of a run that did not finish: --resume continues it, or delete "
+                  "the file", file=sys.stderr)
+            return 1
         if args.resume and partial.exists():
             try:
                 prior = read_partial(partial, args)
@@ -482,8 +516,12 @@ def main(argv: list[str] | None = None) -> int:
         start_partial(partial, args, prior)
 
     t0 = time.perf_counter()
-    rows, trials = run(args, prior, partial)
+    rows, trials, unfinished = run(args, prior, partial)
     wall = time.perf_counter() - t0
+    if unfinished:
+        print(f"{', '.join(unfinished)}: answered part of the prompts before and could not be loaded now: "
+              f"the run is not complete, its answers stay in {partial}", file=sys.stderr)
+        return 1
     if not rows:
         print("no config could be run", file=sys.stderr)
         return 1

@@ -83,11 +83,14 @@ one() {  # name|args: one eval, skipped when its JSON is there or the deadline h
     fi
     # shellcheck disable=SC2086
     timeout "$left" python3 tools/eval_longctx.py --model "$MODEL" $args --threads 2 --quiet --verbose --fresh --resume \
-        --set sliding_window_keep=32768 $ON --json "$R/$name.json" > "$R/$name.log" 2>&1
+        --set sliding_window_keep=32768 $ON --json "$R/$name.json" >> "$R/$name.log" 2>&1
     echo "$name: rc $? at $(($(date +%s) - START)) s"
 }
 export -f one
 export R MODEL ON DEADLINE START SMOKE JOBSET
-jobs | { if [ "${SMOKE:-0}" = 1 ]; then grep 16384; else cat; fi; } | xargs -P "${JOBS:-8}" -I{} bash -c 'one "$@"' _ {}
+smoke() {  # SMOKE=1: one run of each kind (the 16K runs; heldout30k's first store)
+    if [ "${SMOKE:-0}" != 1 ]; then cat; elif [ "${JOBSET:-all}" = heldout30k ]; then head -n 3; else grep 16384; fi
+}
+jobs | smoke | xargs -P "${JOBS:-8}" -I{} bash -c 'one "$@"' _ {}
 tar czf "$OUT/results.tgz" -C "$R" .
 ls "$R"/*.json 2>/dev/null | wc -l

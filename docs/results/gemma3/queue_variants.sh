@@ -13,7 +13,7 @@ run() { # task length name args...
   out=/tmp/q27/${1}_${2}_${3}; t=$1 l=$2; shift 3
   [ -f $out.json ] && return
   python tools/eval_longctx.py --model gemma3-270m --task $t --lengths $l --depths 0.1,0.3,0.5,0.7,0.9 --trials 2 \
-    "$@" --seed 0 --threads 2 --quiet --verbose --resume --set sliding_window_keep=32768 --json $out.json > $out.log 2>&1
+    "$@" --seed 0 --threads 2 --quiet --verbose --resume --set sliding_window_keep=32768 --json $out.json >> $out.log 2>&1
 }
 store() { # task length: every store at that length
   run $1 $2 dense --configs dense

@@ -12,7 +12,7 @@ run() { # name, length, args...
   [ -f $O/$name.json ] && return
   python tools/eval_longctx.py --model gemma3-270m --task passkey --lengths $L --depths 0.2,0.4,0.6,0.8 --trials 2 \
     --fillers held-out --seed 3 --threads 2 --quiet --verbose --resume --set sliding_window_keep=32768 "$@" \
-    --json $O/$name.json > $O/$name.log 2>&1
+    --json $O/$name.json >> $O/$name.log 2>&1
 }
 V="--variant ada_quest:ada_budget=true --variant ada_snapkv:preselect_block=true,preselect_block_count=768,ada_budget=true,preselect_refresh=16"
 store() { # length, store: one run (quest's answers ada_quest and ada_snapkv too)
