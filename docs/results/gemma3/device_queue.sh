@@ -13,7 +13,7 @@
 # the tree's limit: `xz -T2 -6 -c FILE | split -b 59000000 - .gm/gemma.xz.`, one part a call; a warm machine keeps
 # what earlier calls carried). SMOKE=1 DEVICE=cpu runs each command at 1,024 tokens, one prompt, here.
 #
-#   [JOBSET=heldout30k] bash docs/results/gemma3/device_queue.sh [deadline seconds]
+#   [JOBSET=rest|heldout|heldout30k] bash docs/results/gemma3/device_queue.sh [deadline seconds]
 set -u -o pipefail
 DEADLINE=${1:-500}
 START=$(date +%s)
@@ -44,34 +44,48 @@ fi
 ON="--set device=$DEVICE --set dtype=float32"
 LAYER="--set prefill.order=layer"
 V="--variant ada_quest:ada_budget=true --variant ada_snapkv:preselect_block=true,preselect_block_count=768,ada_budget=true,preselect_refresh=16"
-# name | eval_longctx.py arguments past the common ones
+# name | eval_longctx.py arguments past the common ones. JOBSET: heldout (issue 31: the held-out pass keys at 16K
+# and 30K, every store; the first lease's call), heldout30k (the presets' 30K ones, one filler a run; its second
+# call), rest (default: what is left, issue 27's pass keys and needles at 16K and 30K, every store, and issue 28's
+# sparse prefill on the held-out pass keys at 8K-30K beside the same store read exactly, one filler a run).
+SP=docs/results/quest_sparse_prefill.yaml
 jobs() {
-    if [ "${JOBSET:-all}" = heldout30k ]; then  # the presets' 30K held-out runs, one filler a run (the same prompts)
+    case "${JOBSET:-rest}" in
+    heldout)
+        for L in 30720 16384; do
+            H="--task passkey --lengths $L --depths 0.2,0.4,0.6,0.8 --trials 2 --fillers held-out --seed 3 $LAYER"
+            echo "gemma_heldout_seed3_${L}_dense|$H --configs dense"
+            echo "gemma_heldout_seed3_${L}_quest|$H --configs configs/quest.yaml $V"
+            echo "gemma_heldout_seed3_${L}_ktransformers|$H --configs configs/ktransformers.yaml"
+            echo "gemma_heldout_seed3_${L}_snapkv|$H --configs configs/snapkv.yaml"
+        done ;;
+    heldout30k)
         for S in quest ktransformers snapkv; do
             for F in prose narrative json; do
                 C="--configs configs/$S.yaml"; [ $S = quest ] && C="$C $V"
                 echo "gemma_heldout_seed3_30720_${S}_$F|--task passkey --lengths 30720 --depths 0.2,0.4,0.6,0.8 --trials 2 --fillers $F --seed 3 $LAYER $C"
             done
+        done ;;
+    rest)
+        for L in 30720 16384; do  # issues 27 and 28: pass keys and needles, seed 0 (gemma3/queue_variants.sh)
+            for t in passkey needle; do
+                G="--task $t --lengths $L --depths 0.1,0.3,0.5,0.7,0.9 --trials 2 --seed 0"
+                echo "${t}_${L}_dense|$G $LAYER --configs dense"
+                echo "${t}_${L}_quest_variants|$G $LAYER --configs configs/quest.yaml $V"
+                echo "${t}_${L}_ktransformers|$G $LAYER --configs configs/ktransformers.yaml"
+                echo "${t}_${L}_snapkv|$G $LAYER --configs configs/snapkv.yaml"
+                echo "${t}_${L}_quest_sp|$G --configs $SP"
+            done
         done
-        return
-    fi
-    for L in 30720 16384; do  # issue 31: held-out pass keys of seed 3 (presets_heldout/queue_gemma.sh)
-        H="--task passkey --lengths $L --depths 0.2,0.4,0.6,0.8 --trials 2 --fillers held-out --seed 3 $LAYER"
-        echo "gemma_heldout_seed3_${L}_dense|$H --configs dense"
-        echo "gemma_heldout_seed3_${L}_quest|$H --configs configs/quest.yaml $V"
-        echo "gemma_heldout_seed3_${L}_ktransformers|$H --configs configs/ktransformers.yaml"
-        echo "gemma_heldout_seed3_${L}_snapkv|$H --configs configs/snapkv.yaml"
-    done
-    for L in 30720 16384; do  # issues 27 and 28: pass keys and needles, seed 0 (gemma3/queue_variants.sh)
-        for t in passkey needle; do
-            G="--task $t --lengths $L --depths 0.1,0.3,0.5,0.7,0.9 --trials 2 --seed 0"
-            echo "${t}_${L}_dense|$G $LAYER --configs dense"
-            echo "${t}_${L}_quest_variants|$G $LAYER --configs configs/quest.yaml $V"
-            echo "${t}_${L}_ktransformers|$G $LAYER --configs configs/ktransformers.yaml"
-            echo "${t}_${L}_snapkv|$G $LAYER --configs configs/snapkv.yaml"
-            echo "${t}_${L}_quest_sp|$G --configs docs/results/quest_sparse_prefill.yaml"
-        done
-    done
+        for L in 30720 16384 8192; do  # issue 28: sparse prefill against exact on the held-out pass keys of seed 3
+            for F in prose narrative json; do
+                H="--task passkey --lengths $L --depths 0.2,0.4,0.6,0.8 --trials 2 --fillers $F --seed 3 --configs $SP"
+                echo "gemma_heldout_seed3_${L}_quest_sp_$F|$H"
+                echo "gemma_heldout_seed3_${L}_quest_xp_$F|$H --set prefill.mode=exact $LAYER"
+            done
+        done ;;
+    *) echo "JOBSET=$JOBSET: one of heldout, heldout30k, rest" >&2; return 1 ;;
+    esac
 }
 one() {  # name|args: one eval, skipped when its JSON is there or the deadline has passed
     name=${1%%|*} args=${1#*|}
@@ -89,7 +103,7 @@ one() {  # name|args: one eval, skipped when its JSON is there or the deadline h
 export -f one
 export R MODEL ON DEADLINE START SMOKE JOBSET
 smoke() {  # SMOKE=1: one run of each kind (the 16K runs; heldout30k's first store)
-    if [ "${SMOKE:-0}" != 1 ]; then cat; elif [ "${JOBSET:-all}" = heldout30k ]; then head -n 3; else grep 16384; fi
+    if [ "${SMOKE:-0}" != 1 ]; then cat; elif [ "${JOBSET:-rest}" = heldout30k ]; then head -n 3; else grep 16384; fi
 }
 jobs | smoke | xargs -P "${JOBS:-8}" -I{} bash -c 'one "$@"' _ {}
 tar czf "$OUT/results.tgz" -C "$R" .
