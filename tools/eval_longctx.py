@@ -125,6 +125,11 @@ RUN_KEYS = ("task", "lengths", "depths", "trials", "fillers", "configs", "model"
 RECORD_KEYS = {"config", "config_path", "length", "filler", "depth", "trial", "correct"}
 
 
+def prompt_key(record: dict) -> tuple:
+    """Which prompt of which config a record answers: (config path, length, filler, depth, trial)."""
+    return record["config_path"], record["length"], record["filler"], record["depth"], record["trial"]
+
+
 def run_identity(args) -> dict:
     """What a resumed run must share with the one it continues: the arguments that choose the prompts and how
     they are answered, and the bytes of each config file (a preset edited between sessions is another run)."""
@@ -163,7 +168,7 @@ def read_partial(path: Path, args) -> list[list[dict]]:
             raise ValueError(f"{path}: line {i} is not JSON") from None
         if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and RECORD_KEYS <= r.keys() for r in rows)):
             raise ValueError(f"{path}: line {i} is not a prompt's answers")
-        key = tuple(rows[0][k] for k in ("config_path", "length", "filler", "depth", "trial"))
+        key = prompt_key(rows[0])
         if key in seen:
             raise ValueError(f"{path}: line {i} answers a prompt answered before it (two runs wrote this file?)")
         seen.add(key)
@@ -188,7 +193,7 @@ def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tupl
     per_config = len(lengths) * len(fillers) * len(depths) * args.trials
     total = len(configs) * per_config
     trials: list[dict] = [r for rows in prior for r in rows]
-    done = {(r["config_path"], r["length"], r["filler"], r["depth"], r["trial"]) for rows in prior for r in rows}
+    done = {prompt_key(rows[0]) for rows in prior}
     keys = [(n, f, d, t) for n in lengths for f in fillers for d in depths for t in range(args.trials)]
     samples: dict[tuple, object] = {}  # the prompts do not depend on the config: build them once
     unfinished: list[str] = []
