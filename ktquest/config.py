@@ -188,7 +188,7 @@ class PrefillConfig:
     exact_tokens: int = 4096  # positions read exactly before sparse prefill starts
     blocks: int = 128  # context blocks per KV head a chunk attends beyond its windows
     select_queries: int = 32  # the chunk's queries (spread over it) whose summed scores choose the blocks
-    exact_tail: int = 512  # the chunks holding a prompt's last exact_tail tokens read every block (the question)
+    exact_tail: int = 512  # a prompt's last exact_tail tokens read every block (the question)
     # "chunk": each chunk through every layer; "layer": one layer over every chunk, then the next, its K/V on the
     # device until it crosses to the store once (kv/layer_prefill.py; exact prefill, not with DYNAMIC anchors)
     order: Literal["chunk", "layer"] = "chunk"

@@ -105,10 +105,11 @@ def test_sparse_prefill_reads_less_than_exact_and_a_full_budget_is_exact():
     torch.testing.assert_close(run_prefill(sparse_config(blocks=1000), q, k, v), exact, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("tail", [0, 1, CHUNK, CHUNK + 1])
-def test_the_chunks_holding_the_prompts_tail_are_read_exactly(tail):
-    """prefill.exact_tail: the chunks that hold any of the announced prompt's last ``tail`` tokens attend
-    every block (the question after a document), the chunks before them stay sparse."""
+@pytest.mark.parametrize("tail", [0, 1, 5, CHUNK, CHUNK + 3])
+def test_the_prompts_tail_is_read_exactly(tail):
+    """prefill.exact_tail: the announced prompt's last ``tail`` tokens attend every block (the question after
+    a document), every token before them reads as sparse prefill does, in the same chunk too (the chunk's
+    choice of blocks is made by its spread queries as before)."""
     q, k, v = qkv()
     n = q.shape[0]
     exact = run_prefill(sparse_config(mode="exact"), q, k, v)
@@ -116,10 +117,10 @@ def test_the_chunks_holding_the_prompts_tail_are_read_exactly(tail):
     cfg = sparse_config()
     cfg.prefill.exact_tail = tail
     got = run_prefill(cfg, q, k, v, prompt_end=n)
-    first_exact = (n - tail) // CHUNK * CHUNK if tail else n  # the chunk holding position n - tail, on
-    assert torch.equal(got[:first_exact], sparse[:first_exact])
-    assert torch.equal(got[first_exact:], exact[first_exact:])
-    assert tail == 0 or not torch.allclose(sparse[first_exact:], exact[first_exact:], atol=1e-3)
+    cut = n - tail
+    assert torch.equal(got[:cut], sparse[:cut])
+    assert torch.equal(got[cut:], exact[cut:])
+    assert tail == 0 or not torch.allclose(sparse[cut:], exact[cut:], atol=1e-3)
 
 
 def test_sparse_prefill_config_errors():

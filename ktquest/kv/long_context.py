@@ -92,8 +92,8 @@ class LongContextCache(DeviceWindows, LongContextFileState):
     # ---- bookkeeping ----
 
     def begin_prompt(self, end: int) -> None:
-        """The prompt read next ends at position ``end``: sparse prefill reads the chunks that hold its last
-        ``prefill.exact_tail`` tokens exactly (a pass that was not announced has no exact tail), and a pass
+        """The prompt read next ends at position ``end``: with sparse prefill its last ``prefill.exact_tail``
+        tokens read every block (a pass that was not announced has no exact tail), and a pass
         of one token that ends by ``end`` is the prompt's (exact, its query recorded for SnapKV), not a
         decode step."""
         self.exact_from = end - self.cfg.prefill.exact_tail
@@ -116,7 +116,7 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         self.pos = 0
         self.buf0 = self.init_end  # position of window index init_end
         self.geo = PassGeometry()
-        self.exact_from = self.max_seq_len  # begin_prompt: chunks ending past it are read exactly
+        self.exact_from = self.max_seq_len  # begin_prompt: queries from it on read every block
         self.prompt_end = 0  # begin_prompt: a one-token pass that ends by it is a prompt's, not a decode step
         self.planner.reset()
 
@@ -207,9 +207,12 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         # The local window of this pass: strictly the last local_windows_len tokens of start + T, but never
         # past the store's full blocks (a context block must be in the store before the chunk).
         loc0 = max(self.init_end, min(self._local_start(start + T), start // self.bs * self.bs))
-        # Compact (move [loc0, start) to the front of the local part) when the pass would not fit, or in
-        # decode once a quarter of the window is dead weight that every step would read and mask.
-        if start + T - self.buf0 > self.cap or (T == 1 and loc0 - self.buf0 > max(self.bs, self.cap // 4)):
+        # Compact (move [loc0, start) to the front of the local part) when the pass would not fit, in a
+        # prompt's pass whenever rows left the window (a chunk's local window is mostly the chunk itself: few
+        # rows move, and the window attention scores no dead rows), or in decode once a quarter of the window
+        # is dead weight that every step would read and mask.
+        if (start + T - self.buf0 > self.cap or (T > 1 and loc0 > self.buf0)
+                or (T == 1 and loc0 - self.buf0 > max(self.bs, self.cap // 4))):
             m, off = start - loc0, self.init_end + loc0 - self.buf0
             for buf in (self.win_k, self.win_v):
                 buf[:, :, self.init_end: self.init_end + m] = buf[:, :, off: off + m].clone()
@@ -286,18 +289,30 @@ class LongContextCache(DeviceWindows, LongContextFileState):
     def _prefill_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of every chunk query to the context blocks [ib, lb) (all of them, or with sparse prefill
         those ``_prefill_blocks`` picks), read in place from DRAM."""
+        T = q.shape[0]
+        blocks = self._prefill_blocks(layer, q, lb)  # [n]: every block; [KVH, n]: sparse picks
+        cut = min(max(self.exact_from - self.geo.start, 0), T)  # queries [cut, T): the prompt's exact tail
+        if blocks.dim() == 1 or cut == T:
+            return self._read_context(layer, q, blocks)
+        every = self._all_blocks[self.ib: lb]
+        (o1, s1), (o2, s2) = self._read_context(layer, q[:cut], blocks), self._read_context(layer, q[cut:], every)
+        return torch.cat([o1, o2]), torch.cat([s1, s2])
+
+    def _read_context(self, layer: int, q: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] attends the store's ``blocks`` of ``layer`` ([KVH, n] per KV head, or [n] for every
+        head): (out [T, H, D], lse [T, H]) fp32 on the device."""
         T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
         # Query "head" (kvh, t, g) reads KV head kvh: the store's grouping h // (H' / KVH) with H' = KVH*T*G.
         qs = q.float().reshape(T, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * T * G, D).cpu().contiguous()
-        out, lse = self.store.attend(layer, qs, self._prefill_blocks(layer, q, lb))
+        out, lse = self.store.attend(layer, qs, blocks)
         out = out.view(KVH, T, G, D).permute(1, 0, 2, 3).reshape(T, self.H, D)
         lse = lse.view(KVH, T, G).permute(1, 0, 2).reshape(T, self.H)
         return out.to(self.device), lse.to(self.device)
 
     def _prefill_blocks(self, layer: int, q: torch.Tensor, lb: int) -> torch.Tensor:
         """The context blocks a prefill chunk attends. Exact prefill (and sparse before ``prefill.exact_tokens``,
-        while the context holds at most ``prefill.blocks`` blocks, or in a chunk that holds one of the prompt's
-        last ``prefill.exact_tail`` tokens: ``begin_prompt``): every block of [ib, lb). Sparse: per KV
+        while the context holds at most ``prefill.blocks`` blocks, or in a chunk within the prompt's last
+        ``prefill.exact_tail`` tokens: ``begin_prompt``): every block of [ib, lb), [n]. Sparse: per KV
         head the ``prefill.blocks`` blocks whose anchor scores, summed over ``select_queries`` of the chunk's
         queries (spread over it, its last included) and their query heads, are highest, plus the chunk's length
         of blocks just before the local window (the local window ends with the chunk, so its first queries
@@ -307,7 +322,7 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         a pick, not all N / block_size blocks)."""
         pf = self.cfg.prefill
         if (pf.mode != "sparse" or self.geo.start < pf.exact_tokens or lb - self.ib <= pf.blocks
-                or self.geo.start + q.shape[0] > self.exact_from):
+                or self.geo.start >= self.exact_from):
             return self._all_blocks[self.ib: lb]
         T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
         R = min(pf.select_queries, T)
