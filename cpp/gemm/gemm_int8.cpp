@@ -164,7 +164,7 @@ struct PanelBuf {
         m_i[((gg / 2) * kPanelRows + r) * 2 + gg % 2] = u.min[g];
       }
       d_[s * kPanelRows + r] = u.d;
-      dm_[s * kPanelRows + r] = u.dm;
+      dm_[s * kPanelRows + r] = qk == kQ32 ? u.dm * float(u.min[0]) : u.dm;  // (KPanel::dm)
     }
   }
 };
@@ -191,6 +191,15 @@ void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, i
     for (int r = 0; r < nr; ++r) {
       float acc = 0.f;
       for (int64_t s = 0; s < nsb; ++s) {
+        const float dx = a.d[(t0 + c) * nsb + s];
+        if (p.qk == kQ32) {  // scales 1, one min: the offset term from KPanel::dm and KAct::sx
+          int32_t isum = 0;
+          for (int64_t q = 8 * s; q < 8 * s + 8; ++q)
+            for (int b = 0; b < 4; ++b) isum += p.codes[(q * kPanelRows + r) * 4 + b] * xq[4 * q + b];
+          acc = std::fma(float(isum), p.d[s * kPanelRows + r] * dx, acc);
+          acc = std::fma(-p.dm[s * kPanelRows + r], a.sx[(t0 + c) * nsb + s], acc);
+          continue;
+        }
         int32_t isum = 0, imin = 0;
         for (int64_t g = ng * s; g < ng * s + ng; ++g) {  // 16-value groups: one scale, one min each
           int32_t dot = 0;
@@ -199,7 +208,6 @@ void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, i
           isum += p.sv[(g * kPanelRows + r) * 2] * dot;
           imin += p.mi[((g / 2) * kPanelRows + r) * 2 + g % 2] * s16[g];
         }
-        const float dx = a.d[(t0 + c) * nsb + s];
         acc = std::fma(float(isum), p.d[s * kPanelRows + r] * dx, acc);
         acc = std::fma(-float(imin), p.dm[s * kPanelRows + r] * dx, acc);
       }
@@ -216,17 +224,23 @@ void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
   thread_local std::vector<int16_t> xs;
+  thread_local std::vector<float> xsx;
   xq.resize(std::max(xq.size(), size_t(T * in)));
   xd.resize(std::max(xd.size(), size_t(T * nsb)));
   xs.resize(std::max(xs.size(), size_t(T * in / 16)));
+  xsx.resize(std::max(xsx.size(), size_t(qk == kQ32 ? T * nsb : 0)));
   // Pointers, not the names: a worker's thread_locals are its own.
   int8_t* q = xq.data();
   float* qd = xd.data();
   int16_t* qs = xs.data();
+  float* qsx = xsx.data();
   ThreadPool::global().parallel_for(T, n_threads, [&](int64_t t) {
     quantize_act(x + t * in, in, qk, q + t * in, qd + t * nsb, qs + t * (in / 16));
+    if (qk == kQ32)  // KAct::sx: a block's d times its integer sum (two 16-value sums, exact in fp32)
+      for (int64_t s = 0; s < nsb; ++s)
+        qsx[t * nsb + s] = qd[t * nsb + s] * float(qs[t * (in / 16) + 2 * s] + qs[t * (in / 16) + 2 * s + 1]);
   });
-  const KAct act{q, qd, qs};
+  const KAct act{q, qd, qs, qsx};
   KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
 
   // Row of the matrix -> its part's type and bytes.

@@ -20,6 +20,9 @@
 // values in place of super-blocks of 256 (KPanel::qk), x quantized per 32 as their decode GEMV quantizes it: each
 // group's scale is 1, d the block's scale, and the offset a min:
 //   Q4_0 / Q5_0: codes 0..15 / 0..31, min 8 / 16, dm = d;   Q4_1 / Q5_1: min 1, dm = -m.
+// A block of 32 values has one min and one x scale, so its offset term is one product of two floats made
+// before the tiles: (dm * min) per row in the panel, dx * sum32(xq) per token (KAct::sx), not integer sums of
+// mins in the tile (a third of a 32-value block's operations there).
 // (Q8_0's codes do not fit maddubs' unsigned operand; it keeps the dequantized panels of layers/linear.py.) Only
 // int8 activations take the GEMM: `activations: auto` rounds to int16 under 1B parameters (the bundled SmolLM2's
 // Q4_1 and Gemma 3's Q5_0), and those prefill on dequantized panels unless set to int8.
@@ -50,7 +53,7 @@ struct KPanel {  // 16 rows unpacked (see above)
   const int16_t* sv;     // [in / 16][16 rows][2]: row r's scale of 16-value group g, twice (madd's pair)
   const int16_t* mi;     // [in / 32][16 rows][2]: row r's integer mins of groups 2p and 2p + 1
   const float* d;        // [in / qk][16 rows]
-  const float* dm;       // [in / qk][16 rows]
+  const float* dm;       // [in / qk][16 rows]; qk 32: dm x the block's min (exact: the min is 1, 8 or 16)
   int64_t in;
   int steps;             // W above: 8, 4 or 2 (the least over the panel's rows' types)
   int qk;                // values per scaled block: 256 (K-quants) or 32
@@ -60,6 +63,7 @@ struct KAct {  // x quantized per qk values (quant/q8_act.h): token t's data at 
   const int8_t* q;       // [T, in]
   const float* d;        // [T, in / qk]
   const int16_t* sum16;  // [T, in / 16]
+  const float* sx;       // qk 32: [T, in / 32], each block's d * (its integer sum of q), for the offset term
 };
 
 // y[c * ldy + r] = row r of the panel . token (t0 + c), for r in [0, nr), c in [0, nt); nr <= kPanelRows,
