@@ -448,6 +448,28 @@ def test_a_truncate_inside_the_local_window_keeps_every_position_attended():
                                rtol=TOL["FP32"])
 
 
+@pytest.mark.parametrize("cut", ["truncate", "no truncate", "before the store"])
+def test_a_pass_cut_after_it_compacted_the_windows_leaves_every_position_attended(cut):
+    """A prompt's pass compacts the window buffer up to its own local window, past the local window of the
+    positions held before it. Cut in its first layer (Ctrl-C: generate truncates to the tokens held; or an
+    error no one truncates after, after or before the layer stored the chunk), a shorter pass from the same
+    position then attends every position once, as dense attention does."""
+    cfg = full_budget("quest", kv_type="FP32")  # 8-token blocks, init 5, local 20, chunk 16
+    q, k, v = qkv(N=90)
+    cache = LongContextCache(ARGS, cfg, 256)
+    run(cache, q[:64], k[:64], v[:64], 16, 64, n_layers=ARGS.n_layers)
+    if cut == "before the store":
+        cache._begin_pass(64, 16)  # the pass's geometry, then an error in layer 0's attention
+    else:
+        cache.attend(0, q[64:80], k[64:80], v[64:80], 64)  # layer 0 only: the pass is cut there
+    assert cache.buf0 > cache._local_start(64)
+    if cut == "truncate":
+        cache.truncate(64)
+    out = [cache.attend(i, q[64:67], k[64:67], v[64:67], 64) for i in range(ARGS.n_layers)][0]
+    want = dense_ref(q[:67], k[:67], v[:67])[64:]
+    torch.testing.assert_close(out, want, atol=TOL["FP32"], rtol=TOL["FP32"])
+
+
 # ---- retune, and rewinds that keep the prompt's queries ----
 
 

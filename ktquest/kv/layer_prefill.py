@@ -49,7 +49,7 @@ class LongContextPromptLayers:
         if n < 1:
             raise ValueError(f"layer-major prompt: {n} tokens")
         c._write_from(start, n)
-        if c.buf0 > max(c.init_end, c._local_start(start)):  # every pass and truncate keeps buf0 <= it
+        if c.buf0 > max(c.init_end, c._local_start(start)):  # _write_from puts buf0 back to <= it
             raise ValueError(f"long-context cache: its window buffer starts at {c.buf0}, past the local window "
                              f"of position {start}")
         self.cache, self.start, self.end, self.n = c, start, end, n

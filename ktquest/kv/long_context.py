@@ -158,21 +158,29 @@ class LongContextCache(DeviceWindows, LongContextFileState):
             raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
         self.store.truncate(-1, n)  # also drops what an interrupted pass appended to the first layers
         self.prompt_end = min(self.prompt_end, n)
+        self._window_back_to(n)  # (n == pos too: a cut pass may have compacted past n's local window)
         if n == self.pos:
             return
         self.pos = n
-        loc0 = self._local_start(n)  # >= init_end: with n <= init_end the init window holds them all
-        if loc0 < self.buf0:  # the local window now starts before the buffer: the rows it still holds move
-            ie, kept = self.init_end, max(0, n - self.buf0)  # right, the positions [loc0, buf0) come from the store
-            shift, m = self.buf0 - loc0, min(n, self.buf0) - loc0
-            for layer in range(self.n_layers if loc0 < n else 0):
-                for buf in (self.win_k, self.win_v):
-                    buf[layer, :, ie + shift: ie + shift + kept] = buf[layer, :, ie: ie + kept].clone()
-                k, v = self.store.read_range(layer, loc0, loc0 + m)  # [m, KVH, D] fp32
-                self.win_k[layer, :, ie: ie + m] = k.transpose(0, 1).to(self.win_k)
-                self.win_v[layer, :, ie: ie + m] = v.transpose(0, 1).to(self.win_v)
-            self.buf0 = loc0
         self.planner.truncated(n)
+
+    def _window_back_to(self, n: int) -> None:
+        """With ``n`` tokens held, the buffer holds the local window of n again (``buf0`` <= its start):
+        where it starts past it (after a truncate, or after a prompt's pass that compacted up to its own
+        local window and was cut), the rows it still holds move right and the positions [loc0, buf0) come
+        from the store."""
+        loc0 = self._local_start(n)  # >= init_end: with n <= init_end the init window holds them all
+        if loc0 >= self.buf0:
+            return
+        ie, kept = self.init_end, max(0, n - self.buf0)
+        shift, m = self.buf0 - loc0, min(n, self.buf0) - loc0
+        for layer in range(self.n_layers if loc0 < n else 0):
+            for buf in (self.win_k, self.win_v):
+                buf[layer, :, ie + shift: ie + shift + kept] = buf[layer, :, ie: ie + kept].clone()
+            k, v = self.store.read_range(layer, loc0, loc0 + m)  # [m, KVH, D] fp32
+            self.win_k[layer, :, ie: ie + m] = k.transpose(0, 1).to(self.win_k)
+            self.win_v[layer, :, ie: ie + m] = v.transpose(0, 1).to(self.win_v)
+        self.buf0 = loc0
 
     def nbytes(self) -> int:
         """KV bytes held: the DRAM store's blocks in use, its copy of the candidates, the device windows."""
@@ -195,6 +203,7 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         elif self.store.length(0) != start:  # a pass interrupted half-way: drop its first layers' tokens
             self.store.truncate(-1, start)
             self.planner.pass_abandoned()
+        self._window_back_to(start)  # a pass cut after it compacted (even before it stored anything)
         if start + T > self.max_seq_len:
             raise ValueError(f"KV cache overflow: positions {start}..{start + T - 1} do not fit in "
                              f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
@@ -208,9 +217,10 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         # past the store's full blocks (a context block must be in the store before the chunk).
         loc0 = max(self.init_end, min(self._local_start(start + T), start // self.bs * self.bs))
         # Compact (move [loc0, start) to the front of the local part) when the pass would not fit, in a
-        # prompt's pass whenever rows left the window (a chunk's local window is mostly the chunk itself: few
-        # rows move, and the window attention scores no dead rows), or in decode once a quarter of the window
-        # is dead weight that every step would read and mask.
+        # prompt's pass of several tokens whenever rows left the window (then the window attention scores
+        # no dead rows; at most local_windows_len rows move, none in million.yaml's full prefill chunks),
+        # or in decode once a quarter of the window is dead weight that every step would read and mask.
+        # (A cut pass leaves buf0 at its loc0, past the local window of the positions held: _window_back_to.)
         if (start + T - self.buf0 > self.cap or (T > 1 and loc0 > self.buf0)
                 or (T == 1 and loc0 - self.buf0 > max(self.bs, self.cap // 4))):
             m, off = start - loc0, self.init_end + loc0 - self.buf0
@@ -312,7 +322,9 @@ class LongContextCache(DeviceWindows, LongContextFileState):
     def _prefill_blocks(self, layer: int, q: torch.Tensor, lb: int) -> torch.Tensor:
         """The context blocks a prefill chunk attends. Exact prefill (and sparse before ``prefill.exact_tokens``,
         while the context holds at most ``prefill.blocks`` blocks, or in a chunk within the prompt's last
-        ``prefill.exact_tail`` tokens: ``begin_prompt``): every block of [ib, lb), [n]. Sparse: per KV
+        ``prefill.exact_tail`` tokens: ``begin_prompt``): every block of [ib, lb), [n]. (A chunk that
+        reaches into that tail takes the sparse picks; ``_prefill_context`` gives its tail queries every
+        block.) Sparse: per KV
         head the ``prefill.blocks`` blocks whose anchor scores, summed over ``select_queries`` of the chunk's
         queries (spread over it, its last included) and their query heads, are highest, plus the chunk's length
         of blocks just before the local window (the local window ends with the chunk, so its first queries

@@ -5,9 +5,9 @@ and ``device``).
 
 Window buffer, per layer: ``win_k/win_v [L, KVH, init_end + cap, D]``: index p < init_end holds position p;
 index init_end + j holds position buf0 + j (buf0 block aligned, <= the local start). It is compacted (the
-local window moved to the front) when a pass would not fit, in a prompt's pass whose window left rows
-behind, and in decode only once a quarter of it is dead, so decode appends in place; capacity =
-local_windows_len + block_size + chunk_size, independent of the prompt length.
+local window moved to the front) when a pass would not fit, in a prompt's pass of several tokens whose
+window left rows behind, and in decode only once a quarter of it is dead, so decode appends in place;
+capacity = local_windows_len + block_size + chunk_size, independent of the prompt length.
 """
 
 from __future__ import annotations
