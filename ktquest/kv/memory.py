@@ -91,18 +91,24 @@ def layer_major_tokens(config: Config, max_seq_len: int) -> int:
     return min(p.slab_tokens or max_seq_len, max_seq_len) if p.order == "layer" else 0
 
 
+# A prompt's text, its token ids (Python ints) and what the tokenizer's work leaves resident, per token: a
+# process that tokenized 1,048,576 tokens of stdlib text (tools/common.context_tokens, 6M characters) held
+# 0.45 GiB more than before, ~460 bytes a token (2026-11-28; the check counted 64 before).
+PROMPT_BYTES_PER_TOKEN = 512
+
+
 def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int,
                             layer_tokens: int = 0) -> int:
-    """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its token ids (Python ints, ~64 bytes a
-    token with the tokenizer's work), one chunk's activations in fp32 (``chunk_activation_bytes``), SnapKV's
-    preselection, which reads one layer's keys back in fp32
-    after prefill, and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens``
-    tokens and, on the CPU, one layer's K/V of them (kv/layer_prefill.py)."""
+    """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its text and token ids with what the
+    tokenizer leaves resident (``PROMPT_BYTES_PER_TOKEN``), one chunk's activations in fp32
+    (``chunk_activation_bytes``), SnapKV's preselection, which reads one layer's keys back in fp32 after
+    prefill, and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens`` tokens
+    and, on the CPU, one layer's K/V of them (kv/layer_prefill.py)."""
     dim = getattr(args, "dim", args.n_heads * args.head_dim)
     chunk = chunk_activation_bytes(args, min(chunk_size, max_seq_len))
     preselect = max_seq_len * args.n_kv_heads * args.head_dim * 4 if lc.preselect_block else 0
     layer = layer_tokens * 4 * (dim + 2 * args.n_kv_heads * args.head_dim)
-    return 64 * max_seq_len + chunk + preselect + layer
+    return PROMPT_BYTES_PER_TOKEN * max_seq_len + chunk + preselect + layer
 
 
 def check_store_fits(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int = 512,
