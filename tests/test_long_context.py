@@ -87,6 +87,19 @@ def test_full_budget_equals_dense_attention(name, kv_type):
     torch.testing.assert_close(out, dense_ref(q, k, v), atol=TOL[kv_type], rtol=TOL[kv_type])
 
 
+@pytest.mark.parametrize("tile", [1, 3, 7, 10**9])
+def test_window_attention_in_query_tiles_equals_dense(monkeypatch, tile):
+    """The windows' flash attention runs in query tiles, each against its last query's key columns: any tile
+    (one token, sizes that do not divide a pass, one tile for all) gives dense attention. Passes of 13 tokens
+    start inside the init window, mid-block and after the local window left rows behind."""
+    from ktquest.kv import windows
+    monkeypatch.setattr(windows, "FLASH_TILE", tile)
+    cfg = full_budget("quest", kv_type="FP32")
+    q, k, v = qkv(N=100)
+    out = run(LongContextCache(ARGS, cfg, 256), q, k, v, 13, 91, n_layers=3)
+    torch.testing.assert_close(out, dense_ref(q, k, v), atol=TOL["FP32"], rtol=TOL["FP32"])
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
     model, _ = load_model(tiny_llama.path)

@@ -18,6 +18,8 @@ import torch
 
 from ktquest.kv.attention import FLASH_CPU
 
+FLASH_TILE = 64  # query tokens a windows' flash call takes (see _window_attention)
+
 
 @dataclass(slots=True)
 class PassGeometry:
@@ -98,8 +100,19 @@ class DeviceWindows:
         if FLASH_CPU is not None and self.device.type == "cpu" and self.lc.anchor_type != "DYNAMIC" \
                 and keys.dtype == torch.float32:
             # torch's fused CPU flash attention returns the LSE too: 2-3x faster than the explicit ops below.
-            mask = None if g.mask is None else g.mask_rows  # [T*G, W]
-            out, lse = FLASH_CPU(qh[None], keys[None], vals[None], 0.0, False, attn_mask=mask, scale=self.scale)
+            # Query tiles of FLASH_TILE tokens, each against the key columns its last query sees ([0, w)): a
+            # prompt chunk's causal square costs about half of one masked call (torch's CPU flash skips no
+            # block of a mask, and with is_causal not the upper half of a 512-square either).
+            outs, lses = [], []
+            for t0 in range(0, T, FLASH_TILE):
+                t1 = min(T, t0 + FLASH_TILE)
+                w = g.width if g.mask is None else min(g.width, self._window_row(g.start + t1 - 1) + 1)
+                mask = None if g.mask is None else g.mask_rows[t0 * G: t1 * G, :w]  # [tile*G, w]
+                o, s = FLASH_CPU(qh[None, :, t0 * G: t1 * G], keys[None, :, :w], vals[None, :, :w], 0.0, False,
+                                 attn_mask=mask, scale=self.scale)
+                outs.append(o)
+                lses.append(s)
+            out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
             out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
             return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), None
         if keys.dtype != torch.float32:
