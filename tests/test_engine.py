@@ -351,3 +351,18 @@ def test_weights_that_cannot_fit_on_cuda_are_refused_up_front(tiny_llama, monkey
     monkeypatch.setattr(ktquest.kv.memory, "available_memory", lambda d: (need, "is free on cuda:0"))
     ktquest.kv.memory.check_weights_fit(args, torch.device("cuda"), torch.float16)
     ktquest.kv.memory.check_weights_fit(args, torch.device("cpu"), torch.float32)  # the CPU maps the file
+
+
+@pytest.mark.parametrize("env, expected", [({}, "10000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+                                           ({"OMP_WAIT_POLICY": "PASSIVE"}, "None")])
+def test_import_sets_libgomp_spin_count_unless_the_user_did(env, expected):
+    """`import ktquest` (before torch) shortens the spin of torch's idle OpenMP workers, which would take a
+    core from ktquest's own kernel threads; a spin count or wait policy of the user's stays as it is."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", "import os, ktquest; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                         env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == expected

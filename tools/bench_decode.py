@@ -26,12 +26,12 @@ import statistics
 import sys
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
 
 import ktquest  # noqa: E402
+import torch  # noqa: E402  (after ktquest, which sets libgomp's spin count before torch loads it)
 from ktquest.config import (  # noqa: E402
     CHAT_GENERATION,
     GenerationConfig,
