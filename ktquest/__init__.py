@@ -1,17 +1,29 @@
 """ktquest: long-context LLM inference with query-aware sparse attention over a paged KV store."""
 
-import os as _os
-
 __version__ = "0.1.0"
 
-# torch's OpenMP runtime (libgomp) spins an idle worker for up to 300,000 pauses (milliseconds) after every
-# parallel torch op. With as many threads as cores, that spinner takes a core from ktquest's own kernel
-# threads (the int8 GEMM, the store's attention), which then run about a third slower (a long_context
-# prefill on 2 cores: 300 -> 420 tok/s with 10,000). 10,000 pauses (~0.1-0.2 ms) still carry back-to-back
-# torch ops. libgomp reads it once, when torch loads: so it holds where ktquest is imported before torch
-# (the CLI, the server, tools/); an explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
-if "GOMP_SPINCOUNT" not in _os.environ and "OMP_WAIT_POLICY" not in _os.environ:
-    _os.environ["GOMP_SPINCOUNT"] = "10000"
+OPENMP_SPIN = "10000"  # GOMP_SPINCOUNT set by set_openmp_spin
+
+
+def set_openmp_spin() -> bool:
+    """Shorten the spin of torch's idle OpenMP workers to OPENMP_SPIN pauses (~0.1-0.2 ms), in a process that
+    is ktquest's own: the CLI and the server call it, and tools/bench_decode.py with no llama.cpp beside.
+
+    libgomp's default lets an idle worker spin for 300,000 pauses (~3 ms) after every parallel torch op. With
+    as many threads as cores, that spinner takes a core from ktquest's own kernel threads (the int8 GEMM, the
+    store's attention), which then run about a third slower: million.yaml's prefill on 2 cores read 300
+    tok/s, 420 with the short spin. A short spin still carries back-to-back torch ops (OMP_WAIT_POLICY=PASSIVE,
+    which sleeps at once, read 270 -> 355 tok/s there, and looked 3-9% slower on torch-heavy exact prefill). Not on import: the runtime is shared with any other
+    OpenMP library in a process (llama.cpp's decode ran 30% slower under PASSIVE). libgomp reads the variable
+    when torch loads, so this does nothing once torch is imported, nor over a user's GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY (libgomp lets an explicit spin count override the policy). Returns whether it set it."""
+    import os
+    import sys
+
+    if "torch" in sys.modules or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return False
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN
+    return True
 
 
 def load(model=None, config=None, **overrides):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import sys
 import time
 import typing
@@ -23,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+import ktquest
 from ktquest.config import CHAT_GENERATION, load_config
 from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from ktquest.terminal import CtrlC, PrefillBar, stats_line, stats_table, stream_reply
@@ -108,13 +108,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code. The one place errors become ``ktquest: error: ...``."""
-    if "torch" not in sys.modules:
-        # ktquest's kernels run on its own thread pool between torch ops; by default torch's idle OpenMP threads
-        # spin for a while after each op on the very cores the pool then needs (the shaped 1.5B model's
-        # prefill ran 6-7% slower). libgomp reads this when torch loads; a user's own setting stands. Set
-        # here, in ktquest's own process, not on import: the runtime is shared with any other OpenMP library
-        # in a process (llama.cpp's decode, one libgomp with torch's, ran 30% slower under it).
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # ktquest's kernels run on its own thread pool between torch ops: torch's idle OpenMP workers must not spin
+    # for milliseconds on the cores the pool then needs. Here, in ktquest's own process, not on import.
+    ktquest.set_openmp_spin()
     err = Console(stderr=True, highlight=False)
     try:
         args = build_parser().parse_args(argv)

@@ -353,16 +353,28 @@ def test_weights_that_cannot_fit_on_cuda_are_refused_up_front(tiny_llama, monkey
     ktquest.kv.memory.check_weights_fit(args, torch.device("cpu"), torch.float32)  # the CPU maps the file
 
 
-@pytest.mark.parametrize("env, expected", [({}, "10000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
-                                           ({"OMP_WAIT_POLICY": "PASSIVE"}, "None")])
-def test_import_sets_libgomp_spin_count_unless_the_user_did(env, expected):
-    """`import ktquest` (before torch) shortens the spin of torch's idle OpenMP workers, which would take a
-    core from ktquest's own kernel threads; a spin count or wait policy of the user's stays as it is."""
+
+OPENMP_PROBE = """
+import os, sys, ktquest
+print(os.environ.get("GOMP_SPINCOUNT"), end=" ")  # import alone: nothing set
+if sys.argv[1] == "torch-first":
+    import torch
+print(ktquest.set_openmp_spin(), os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+@pytest.mark.parametrize("env, order, expected", [
+    ({}, "ktquest-first", "None True 10000"), ({}, "torch-first", "None False None"),
+    ({"GOMP_SPINCOUNT": "7"}, "ktquest-first", "7 False 7"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "ktquest-first", "None False None")])
+def test_set_openmp_spin_only_before_torch_and_never_over_the_user(env, order, expected):
+    """``set_openmp_spin`` (the CLI's and the server's process) shortens the spin of torch's idle OpenMP
+    workers; ``import ktquest`` alone changes nothing (the runtime is shared with other OpenMP libraries), nor
+    does the call once torch is loaded (libgomp has read its settings) or over a user's own setting."""
     import os
     import subprocess
     import sys
 
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", "import os, ktquest; print(os.environ.get('GOMP_SPINCOUNT'))"],
-                         env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", OPENMP_PROBE, order], env={**base, **env}, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.strip()
     assert out == expected

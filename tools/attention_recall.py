@@ -34,13 +34,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/common.py and the ktquest package
 from common import write_json
 
 import ktquest
-import torch  # noqa: E402  (after ktquest, which sets libgomp's spin count before torch loads it)
 from ktquest.config import load_config
 from ktquest.generate import prefill
 from ktquest.kv.dense import DenseKVCache

@@ -30,8 +30,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
 
-import ktquest  # noqa: E402
-import torch  # noqa: E402  (after ktquest, which sets libgomp's spin count before torch loads it)
+import ktquest  # noqa: E402  (torch-free)
+
+# ktquest measured as its CLI runs it: torch's idle OpenMP workers spin only briefly (ktquest.set_openmp_spin),
+# when no llama.cpp shares this process; beside llama.cpp both engines keep libgomp's default (one runtime for
+# both, whose setting would change the peer's speed too). Before torch loads, so from the command line itself.
+_peer = argparse.ArgumentParser(add_help=False)
+_peer.add_argument("--peer", default="llama.cpp")
+if _peer.parse_known_args()[0].peer == "none":
+    ktquest.set_openmp_spin()
+import torch  # noqa: E402
 from ktquest.config import (  # noqa: E402
     CHAT_GENERATION,
     GenerationConfig,
@@ -370,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{paired_ratio(cell, (r.label, ctx), (flat, ctx)):.2f}x the flat scan's (median of "
                       f"per-round ratios); picks of {n} selections (the last prefill queries, every layer; {walked} "
                       f"of them walked the index): {n - differ} identical, {differ} differ")
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    print(f"torch's idle OpenMP workers: GOMP_SPINCOUNT={spin or 'unset (libgomp default)'}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY') or 'unset'}")
+    for r in rows:
+        r["gomp_spincount"] = spin
     if a.json:
         write_json(a.json, rows)
     return 0

@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 
+import torch
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]  # tools/ and the ktquest package
@@ -37,7 +38,6 @@ from bench_attention import Flusher
 from common import context_tokens, write_json
 
 import ktquest
-import torch  # noqa: E402  (after ktquest, which sets libgomp's spin count before torch loads it)
 from ktquest.config import load_config
 from ktquest.generate import prefill
 from ktquest.kv.store import KVStore

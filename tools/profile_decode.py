@@ -18,12 +18,12 @@ import os
 import sys
 import time
 
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens  # noqa: E402
 
 import ktquest  # noqa: E402
-import torch  # noqa: E402  (after ktquest, which sets libgomp's spin count before torch loads it)
 from ktquest.config import load_config  # noqa: E402
 
 
