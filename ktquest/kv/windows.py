@@ -18,7 +18,7 @@ import torch
 
 from ktquest.kv.attention import FLASH_CPU
 
-FLASH_TILE = 64  # query tokens a windows' flash call takes (see _window_attention)
+FLASH_TILE = 64  # query tokens per flash call of _window_attention
 
 
 @dataclass(slots=True)
@@ -88,10 +88,12 @@ class DeviceWindows:
         self.win_v[layer, :, self.init_end: self.init_end + n] = saved[1]
 
     def _window_attention(self, layer: int, q: torch.Tensor, g: PassGeometry):
-        """Dense attention over the device windows: (out [T, H, D], lse [T, H], probs [KVH, T*G, W]).
+        """Dense attention over the device windows: (out [T, H, D], lse [T, H], probs [KVH, T*G, W] or None).
 
         Rows are ordered (t, g) per KV head, so the [T, W] mask broadcasts over G without a copy, and for
-        T = 1 every reshape is a view: a decode step is one baddbmm, a softmax, a logsumexp and one bmm.
+        T = 1 every reshape is a view. CPU fp32 (not DYNAMIC, which needs probs): torch's flash kernel in query
+        tiles of FLASH_TILE tokens, each against the columns its last query sees; probs None. Otherwise a
+        baddbmm or bmm, one exp pass for the softmax and its log-sum-exp, and one bmm.
         """
         T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D  # (a CPU fp32 decode step takes _decode_native)
         keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
