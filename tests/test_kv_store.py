@@ -328,6 +328,12 @@ def test_reads_are_sized_under_the_store_lock():
     assert st.length(0) == T
     with pytest.raises(IndexError, match=r"read_range: \[0, 401\) is not inside the 400 tokens"):
         st.read_range(0, 0, T + 1)
+    for t0, t1, step in [(0, T, 7), (5, 300, 64), (17, 17, 3), (0, T, 1 << 20)]:  # slabs that do not divide
+        assert torch.equal(st.read_keys(0, t0, t1, step), st.read_range(0, t0, t1)[0])
+    with pytest.raises(IndexError, match="is not inside"):
+        st.read_keys(0, 390, T + 1, 4)
+    with pytest.raises(IndexError, match="is not a range"):
+        st.read_keys(0, 9, 3)
     with pytest.raises(IndexError, match="is not inside"):  # sized by what is stored, never by t1 - t0
         st.native.read_range(0, 0, (1 << 62))
     with pytest.raises(IndexError, match="is not inside"):

@@ -347,7 +347,7 @@ class DecodePlanner:
         if b <= a or nb <= self.ib:
             return
         self.stats.preselect_calls += 1
-        k, _ = self.store.read_range(layer, 0, b)  # [b, KVH, D] fp32: one layer's keys, once per prefill
+        k = self.store.read_keys(layer, 0, b)  # [b, KVH, D] fp32: one layer's keys, once per prefill
         qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu()  # [W, H, D]
         sets = snapkv_preselect(qw, k, a, self.lc, exclude=[(0, self.ib)], n_blocks=nb)
         allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
