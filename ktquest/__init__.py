@@ -13,10 +13,11 @@ def set_openmp_spin() -> bool:
     as many threads as cores, that spinner takes a core from ktquest's own kernel threads (the int8 GEMM, the
     store's attention), which then run about a third slower: million.yaml's prefill on 2 cores read 300
     tok/s, 420 with the short spin. A short spin still carries back-to-back torch ops (OMP_WAIT_POLICY=PASSIVE,
-    which sleeps at once, read 270 -> 355 tok/s there, and looked 3-9% slower on torch-heavy exact prefill). Not on import: the runtime is shared with any other
-    OpenMP library in a process (llama.cpp's decode ran 30% slower under PASSIVE). libgomp reads the variable
-    when torch loads, so this does nothing once torch is imported, nor over a user's GOMP_SPINCOUNT or
-    OMP_WAIT_POLICY (libgomp lets an explicit spin count override the policy). Returns whether it set it."""
+    which sleeps at once, read 301-311 -> 350-358 tok/s there, and looked 3-9% slower on torch-heavy exact
+    prefill). Not on import: the runtime is shared with any other OpenMP library in a process (llama.cpp's
+    decode ran 30% slower under PASSIVE). libgomp reads the variable when torch loads, so this does nothing
+    once torch is imported, nor over a user's GOMP_SPINCOUNT or OMP_WAIT_POLICY (libgomp lets an explicit
+    spin count override the policy). Returns whether it set it."""
     import os
     import sys
 

@@ -353,7 +353,6 @@ def test_weights_that_cannot_fit_on_cuda_are_refused_up_front(tiny_llama, monkey
     ktquest.kv.memory.check_weights_fit(args, torch.device("cpu"), torch.float32)  # the CPU maps the file
 
 
-
 OPENMP_PROBE = """
 import os, sys, ktquest
 print(os.environ.get("GOMP_SPINCOUNT"), end=" ")  # import alone: nothing set
@@ -365,7 +364,8 @@ print(ktquest.set_openmp_spin(), os.environ.get("GOMP_SPINCOUNT"))
 
 @pytest.mark.parametrize("env, order, expected", [
     ({}, "ktquest-first", "None True 10000"), ({}, "torch-first", "None False None"),
-    ({"GOMP_SPINCOUNT": "7"}, "ktquest-first", "7 False 7"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "ktquest-first", "None False None")])
+    ({"GOMP_SPINCOUNT": "7"}, "ktquest-first", "7 False 7"),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, "ktquest-first", "None False None")])
 def test_set_openmp_spin_only_before_torch_and_never_over_the_user(env, order, expected):
     """``set_openmp_spin`` (the CLI's and the server's process) shortens the spin of torch's idle OpenMP
     workers; ``import ktquest`` alone changes nothing (the runtime is shared with other OpenMP libraries), nor

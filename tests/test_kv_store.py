@@ -330,10 +330,11 @@ def test_reads_are_sized_under_the_store_lock():
         st.read_range(0, 0, T + 1)
     for t0, t1, step in [(0, T, 7), (5, 300, 64), (17, 17, 3), (0, T, 1 << 20)]:  # slabs that do not divide
         assert torch.equal(st.read_keys(0, t0, t1, step), st.read_range(0, t0, t1)[0])
-    with pytest.raises(IndexError, match="is not inside"):
-        st.read_keys(0, 390, T + 1, 4)
-    with pytest.raises(IndexError, match="is not a range"):
-        st.read_keys(0, 9, 3)
+    for t0, t1 in [(390, T + 1), (9, 3), (T + 5, T + 5), (0, 1 << 62)]:  # checked before anything is sized
+        with pytest.raises(IndexError, match=rf"read_keys: \[{t0}, {t1}\) is not inside the 400 tokens"):
+            st.read_keys(0, t0, t1, 4)
+    with pytest.raises(ValueError, match="step"):
+        st.read_keys(0, 0, 8, 0)
     with pytest.raises(IndexError, match="is not inside"):  # sized by what is stored, never by t1 - t0
         st.native.read_range(0, 0, (1 << 62))
     with pytest.raises(IndexError, match="is not inside"):

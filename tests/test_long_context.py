@@ -93,7 +93,7 @@ def test_window_attention_in_query_tiles_equals_dense(monkeypatch, tile):
     (one token, sizes that do not divide a pass, one tile for all) gives dense attention. Passes of 13 tokens
     start inside the init window, mid-block and after the local window left rows behind."""
     from ktquest.kv import windows
-    assert windows.FLASH_CPU is not None  # torch 2.13's CPU flash kernel: the tiled path is the one tested
+    assert windows.FLASH_CPU is not None  # torch's CPU flash kernel: the tiled path is the one tested
     monkeypatch.setattr(windows, "FLASH_TILE", tile)
     cfg = full_budget("quest", kv_type="FP32")
     q, k, v = qkv(N=100)

@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch's idle OpenMP workers: GOMP_SPINCOUNT={spin or 'unset (libgomp default)'}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY') or 'unset'}")
     for r in rows:
-        r["gomp_spincount"] = spin
+        r["gomp_spincount"], r["omp_wait_policy"] = spin, os.environ.get("OMP_WAIT_POLICY")
     if a.json:
         write_json(a.json, rows)
     return 0

@@ -174,11 +174,14 @@ class KVStore:
     def read_keys(self, layer: int, t0: int, t1: int, step: int = 16384) -> torch.Tensor:
         """The keys of tokens [t0, t1) dequantised, [t1 - t0, KVH, D] fp32, read ``step`` tokens at a time, so
         that no fp32 copy of their values exists beside them (SnapKV's preselection reads one layer's keys
-        after prefill: 0.75 GiB for the bundled SmolLM2 at 1M tokens, and as much again for values it drops)."""
-        t0, t1 = check_int(t0, "t0"), check_int(t1, "t1")
-        if t0 > t1:
-            raise IndexError(f"read_keys: [{t0}, {t1}) is not a range of tokens")
-        k = torch.empty(t1 - t0, self.n_kv_heads, self.head_dim)
+        after prefill: 0.75 GiB for the bundled SmolLM2 at 1M tokens, and as much again for values it drops).
+        Unlike ``read_range`` not one read under the store's lock: a truncate from another thread between two
+        slabs would show (the cache's own thread appends and truncates, and reads this between)."""
+        t0, t1, step = check_int(t0, "t0"), check_int(t1, "t1"), check_int(step, "step", 1)
+        n = self._st.length(layer)  # (checks the layer)
+        if t0 > t1 or t1 > n:
+            raise IndexError(f"read_keys: [{t0}, {t1}) is not inside the {n} tokens of layer {layer}")
+        k = torch.empty(t1 - t0, self.n_kv_heads, self.head_dim, dtype=torch.float32)
         for a in range(t0, t1, step):
             b = min(t1, a + step)
             k[a - t0: b - t0] = torch.from_numpy(self._st.read_range(layer, a, b)[0])
