@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
 
@@ -378,11 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{paired_ratio(cell, (r.label, ctx), (flat, ctx)):.2f}x the flat scan's (median of "
                       f"per-round ratios); picks of {n} selections (the last prefill queries, every layer; {walked} "
                       f"of them walked the index): {n - differ} identical, {differ} differ")
-    spin = os.environ.get("GOMP_SPINCOUNT")
+    spin, policy = os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY")
     print(f"torch's idle OpenMP workers: GOMP_SPINCOUNT={spin or 'unset (libgomp default)'}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY') or 'unset'}")
+          f"OMP_WAIT_POLICY={policy or 'unset'}")
     for r in rows:
-        r["gomp_spincount"], r["omp_wait_policy"] = spin, os.environ.get("OMP_WAIT_POLICY")
+        r["gomp_spincount"], r["omp_wait_policy"] = spin, policy
     if a.json:
         write_json(a.json, rows)
     return 0

@@ -108,7 +108,7 @@ class DeviceWindows:
             outs, lses = [], []
             for t0 in range(0, T, FLASH_TILE):
                 t1 = min(T, t0 + FLASH_TILE)
-                w = g.width if g.mask is None else min(g.width, self._window_row(g.start + t1 - 1) + 1)
+                w = g.width if g.mask is None else self._window_row(g.start + t1 - 1) + 1  # (the last tile: W)
                 mask = None if g.mask is None else g.mask_rows[t0 * G: t1 * G, :w]  # [tile*G, w]
                 o, s = FLASH_CPU(qh[None, :, t0 * G: t1 * G], keys[None, :, :w], vals[None, :, :w], 0.0, False,
                                  attn_mask=mask, scale=self.scale)
