@@ -71,6 +71,8 @@ class KtquestRunner:
         self.eng = ktquest.load(model=str(model_path), config=load_config(config, overrides))
         self.tokenizer = self.eng.tokenizer
         self.state: dict[int, list] = {}  # context -> [cache, next token, its sampler, the tokens so far]
+        # context -> seconds of the first decode step after the prompt (SnapKV's preselection runs there)
+        self.first_step_s: dict[int, float] = {}
         # greedy (the tools' and tests' default) or the chat's sampling (CHAT_GENERATION: penalties, min-p...)
         self.gen = GenerationConfig(**CHAT_GENERATION) if sampling == "chat" else GenerationConfig()
         self.sampling = sampling
@@ -92,7 +94,9 @@ class KtquestRunner:
 
         logits = eng.prefill(tokens, cache, progress)
         t = time.perf_counter() - t0
-        tok = int(decode_one_token(eng.model, cache, int(logits.argmax())).argmax())  # warm-up step, not timed
+        t1 = time.perf_counter()  # the warm-up step: not in the decode rounds, timed on its own
+        tok = int(decode_one_token(eng.model, cache, int(logits.argmax())).argmax())
+        self.first_step_s[ctx] = time.perf_counter() - t1
         self.state[ctx] = [cache, tok, Sampler(self.gen), [int(t) for t in tokens[-64:]] + [tok]]
         return t
 
@@ -220,10 +224,13 @@ def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads:
                 cells[(r.label, ctx)] = dict(cells[(r.parent.label, ctx)], **r.row(), decode_rounds_tok_s=[])
                 continue
             t = r.prefill(ctx)
+            first = getattr(r, "first_step_s", {}).get(ctx)  # ktquest's first decode step after the prompt
             cells[(r.label, ctx)] = dict(r.row(), context=ctx, prefill_tok_s=ctx / t, prefill_s=t, threads=threads,
                                          decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[],
+                                         first_decode_s=first,
                                          peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-            print(f"{r.engine:>9} {r.label:>13} ctx {ctx:>7}: prefill {ctx / t:8.1f} tok/s", flush=True)
+            print(f"{r.engine:>9} {r.label:>13} ctx {ctx:>7}: prefill {ctx / t:8.1f} tok/s"
+                  + (f", first decode step {first:.2f} s" if first is not None else ""), flush=True)
     for i in range(rounds):
         for r in runners:
             for ctx in contexts:
