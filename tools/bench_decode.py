@@ -182,6 +182,7 @@ class LlamaCppRunner:
     def __init__(self, lc, model_path, max_len: int, threads: int, tokenizer):
         self.lc, self.model_path, self.max_len, self.threads, self.tokenizer = lc, model_path, max_len, threads, tokenizer
         self.state: dict[int, list] = {}
+        self.first_step_s: dict[int, float] = {}  # (no step of its own after the prompt: none timed)
 
     def prefill(self, ctx: int) -> float:
         tokens = context_tokens(self.tokenizer, ctx)
@@ -224,7 +225,7 @@ def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads:
                 cells[(r.label, ctx)] = dict(cells[(r.parent.label, ctx)], **r.row(), decode_rounds_tok_s=[])
                 continue
             t = r.prefill(ctx)
-            first = getattr(r, "first_step_s", {}).get(ctx)  # ktquest's first decode step after the prompt
+            first = r.first_step_s.get(ctx)  # the first decode step after the prompt, where the runner times one
             cells[(r.label, ctx)] = dict(r.row(), context=ctx, prefill_tok_s=ctx / t, prefill_s=t, threads=threads,
                                          decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[],
                                          first_decode_s=first,
