@@ -15,8 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ktquest import _C
 from ktquest.config_file import ConfigError, check_utf8, parse_override, read_config_file, show
+from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES, LINEAR_ANCHORS, MAX_STICKY_BLOCKS
 
 INT_MAX = 2**31 - 1  # every integer key but these two: the kernels take 32-bit sizes
 SEED_MAX = 2**63 - 1  # numpy's and torch's seeds both take a non-negative int64
@@ -41,12 +41,11 @@ def _check_threads(key: str, value: int, zero_means: str) -> None:
            f"has {os.cpu_count() or 1})")
 
 
-MAX_STICKY_BLOCKS = 64  # long_context.sticky_blocks at most (the store's kMaxStickyBlocks, tested equal)
 
 
 @dataclass(slots=True)
 class GenerationConfig:
-    """How the next token is drawn (``ktquest.sampling``). The schema's defaults are greedy, for the Python
+    """How the next token is drawn (``ktquest.native.sample``). The schema's defaults are greedy, for the Python
     API, the tools and the tests; ``ktquest chat`` starts from ``CHAT_GENERATION`` instead."""
 
     max_new_tokens: int = 256
@@ -86,11 +85,10 @@ CHAT_GENERATION = {"temperature": 0.3, "top_k": 40, "top_p": 0.95, "min_p": 0.1,
                    "repeat_last_n": 64}
 
 
-# The store's enums are named by the C++ store (one table each in cpp/); the schema takes their names.
-AnchorType = Literal[_C.ANCHOR_TYPES]
-LINEAR_ANCHORS: tuple[str, ...] = _C.LINEAR_ANCHORS  # a block's score is one dot product with its anchor row
-KVType = Literal[_C.KV_TYPES]
-HeadSelectMode = Literal[_C.HEAD_MODES]
+# The store's enums are named by the C++ store (ktquest.native.enums); the schema takes their names.
+AnchorType = Literal[ANCHOR_TYPES]
+KVType = Literal[KV_TYPES]
+HeadSelectMode = Literal[HEAD_MODES]
 
 
 @dataclass(slots=True)

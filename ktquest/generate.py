@@ -15,7 +15,6 @@ a reply (the logits of the last token are not used) keeps the cache a faithful t
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ from typing import Literal
 
 import torch
 
-from ktquest import _C
 from ktquest.config import GenerationConfig
-from ktquest.sampling import Sampler
+from ktquest.native.cpu import prefill_heap
+from ktquest.native.sample import Sampler
 
 StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
 
@@ -102,17 +101,6 @@ def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
             if on_progress is not None:
                 on_progress(min(done + chunk_size, n), n)
     return logits
-
-
-@contextlib.contextmanager
-def prefill_heap():
-    """The C heap's prefill settings while the block runs (its temporaries reused, not mapped afresh each
-    chunk), the decode settings after it and the heap trimmed (cpp/common/heap.h)."""
-    _C.prefill_heap(True)
-    try:
-        yield
-    finally:
-        _C.prefill_heap(False)
 
 
 def prefill_chunk(model, cache, chunk: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ def test_heap_threshold_fixed_at_import():
 
 
 PREFILL_HEAP_PROBE = MALLINFO + """
-from ktquest.generate import prefill_heap
+from ktquest.native.cpu import prefill_heap
 def mapped(n):  # bytes of an n-byte buffer that came by mmap (mallinfo2.hblkhd grows by them)
     before = libc.mallinfo2().hblkhd
     buf = np.ones(n, np.uint8)

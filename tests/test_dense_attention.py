@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ktquest import _C
-from ktquest.kv.attention import dense_decode_attention
 from ktquest.kv.dense import DenseKVCache
+from ktquest.native.attention import dense_decode_attention
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float):

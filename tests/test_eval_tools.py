@@ -87,7 +87,7 @@ def test_recall_matches_a_direct_computation(recall_tool):
     rec = _recorded(recall_tool, n=n, L=1, W=1, seed=1)
     lc = LongContextConfig(block_size=bs, init_windows_len=16, local_windows_len=32, second_select_num=3)
     rows, _ = recall_tool.measure(rec, n, lc, 3, 4, 1, ["QUEST"])
-    from ktquest.kv.store import KVStore
+    from ktquest.native.store import KVStore
 
     k, v = (t[:, :n] for t in rec.inner.layer_kv(0))  # [KVH, n, D]
     q = rec.query(0)[0]  # [H, D]

@@ -19,7 +19,7 @@ from test_kv_store import ANCHOR_CASES
 from ktquest import _C
 from ktquest.config import ConfigError, LongContextConfig, load_config
 from ktquest.kv.memory import store_bytes
-from ktquest.kv.store import KVStore
+from ktquest.native.store import KVStore
 
 # ---- torch references ----
 

@@ -18,7 +18,7 @@ import torch
 import ktquest
 from ktquest.kv import files
 from ktquest.kv.files import KVFileError
-from ktquest.kv.store import KVStore
+from ktquest.native.store import KVStore
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

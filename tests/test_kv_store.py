@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ktquest import _C
-from ktquest.kv.store import KVStore
+from ktquest.native.store import KVStore
 
 # ---- torch references ----
 

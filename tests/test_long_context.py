@@ -15,8 +15,8 @@ from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import candidate_copy_bytes, store_bytes
 from ktquest.kv.selection import ada_budgets
-from ktquest.kv.store import KVStore
 from ktquest.models.loader import load_model
+from ktquest.native.store import KVStore
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = ["quest", "ktransformers", "snapkv", "ada_snapkv", "ada_quest", "dynamic"]

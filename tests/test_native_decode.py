@@ -14,9 +14,9 @@ from ktquest import _C
 from ktquest.config import Config, load_config
 from ktquest.generate import decode_one_token, prefill
 from ktquest.kv.long_context import LongContextCache
-from ktquest.kv.store import KVStore
 from ktquest.models.loader import load_model
 from ktquest.native.decode import NativeDecoder, use_native_decode
+from ktquest.native.store import KVStore
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -184,7 +184,7 @@ def test_a_refused_decode_step_changes_nothing():
 
 
 def test_a_refused_token_rolls_back_every_layer(tiny_llama):
-    """decode_token_long_context is all or nothing: when layer i refuses the token (here its store is full),
+    """A planned token (decode_token_long_context) is all or nothing: when layer i refuses the token (here its store is full),
     the layers before it lose the token again (store length, window rows) and x is restored."""
     model, _ = load_model(tiny_llama.path, encoded=True)
     layers = NativeDecoder.build(model, threads=1).blocks
@@ -199,7 +199,7 @@ def test_a_refused_token_rolls_back_every_layer(tiny_llama):
     cs, sn = np.ones(d, np.float32), np.zeros(d, np.float32)
     x0, wins0 = x.copy(), [(w[0].copy(), w[1].copy()) for w in plan.windows]
     with pytest.raises(ValueError, match=f"layer {L - 1} holds 64 tokens"):
-        _C.decode_token_long_context(layers, x, cs, sn, plan.store, plan.windows, 0, 1, 0, 0, 0.125, 1, plan.steps)
+        plan.run(layers, x, cs, sn, 1)  # (the plan's own call: decode_token_long_context)
     assert [st.length(i) for i in range(L)] == [0] * (L - 1) + [64]
     assert np.array_equal(x, x0)
     for (k, v), (k0, v0) in zip(plan.windows, wins0):
@@ -265,7 +265,7 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
     x, cs = np.zeros(a.dim, np.float32), np.zeros(a.head_dim, np.float32)
     none, wins = plan.steps[0], plan.windows
 
-    def call(layers=layers, x=x, windows=wins, steps=[none] * L, store=plan.store):
+    def call(layers=layers, x=x, windows=wins, steps=[none] * L, store=plan.store.native):
         _C.decode_token_long_context(layers, x, cs, cs, store, windows, 0, 1, 0, 0, 0.125, 1, steps)
 
     with pytest.raises(ValueError, match=f"one per store layer \\({L}\\), got {L - 1}"):
@@ -275,7 +275,7 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
     with pytest.raises(TypeError, match=r"steps\[1\]: expected a StorePlan"):
         call(steps=[none, (0, None)])
     with pytest.raises(ValueError, match="blocks: expected 1 \\(shared\\) or n_kv_heads"):  # checked when planned
-        _C.StorePlan.attend(plan.store, np.zeros((a.n_kv_heads + 1, 2), np.int32))
+        _C.StorePlan.attend(plan.store.native, np.zeros((a.n_kv_heads + 1, 2), np.int32))
     elsewhere = KVStore(L, a.n_kv_heads, a.head_dim, max_seq_len=64, block_size=4)
     with pytest.raises(ValueError, match="a StorePlan made for another store"):
         call(steps=[none, _C.StorePlan.attend(elsewhere.native, np.zeros((1, 1), np.int32))])

@@ -1,4 +1,4 @@
-"""The sampler (ktquest/sampling.py over cpp/sample/sampler.h) against numpy references: each penalty, top-k /
+"""The sampler (ktquest/native/sample.py over cpp/sample/sampler.h) against numpy references: each penalty, top-k /
 top-p / min-p and their edges, the draw's distribution, seeds, both kernel paths; and the chat's default
 sampling on the bundled model."""
 
@@ -12,7 +12,7 @@ import torch
 
 import ktquest
 from ktquest.config import CHAT_GENERATION, ConfigError, GenerationConfig
-from ktquest.sampling import Sampler
+from ktquest.native.sample import Sampler
 
 # ---- numpy references (written from the definitions, one token at a time) ----
 

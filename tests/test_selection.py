@@ -8,6 +8,9 @@ then attend.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,7 +29,7 @@ from test_sparse_attention import (
 )
 
 from ktquest import _C
-from ktquest.kv.store import KVStore
+from ktquest.native.store import KVStore
 
 # ---- scores ----
 
@@ -431,14 +434,62 @@ def test_cached_candidates_attend_to_what_the_store_holds(force_scalar, mode, kv
 # ---- Ada-KV budgets (cpp/select/ada.h) ----
 
 
-def _ada_reference(scores: torch.Tensor, counts: list[int], total: int, alpha) -> list[int]:
-    """kv/selection.py's ada_budgets (exact fractions) on set s's first counts[s] scores (-inf after them)."""
-    from ktquest.kv.selection import ada_budgets
+def ada_budgets_reference(block_scores: torch.Tensor, total: int, alpha: float) -> torch.Tensor:
+    """The Ada-KV rule in exact fractions, the reference of cpp/select/ada.h: blocks per KV head.  block_scores: [KVH, NB] (-inf = not a candidate) -> LongTensor [KVH].
 
+    With cap_i the candidate blocks of head i and T = min(total, sum cap_i):
+    1. share s_i = head i's blocks among the global top T of all heads' scores (ties: lower head,
+       then lower block first);
+    2. b_i = s_i (1 - alpha) + u_i, where the uniform part alpha T is split evenly (u_i = alpha T / KVH)
+       except that a head never exceeds its cap: what a capped head cannot take is spread evenly over
+       the others (water-filling). Since s_i <= cap_i and sum cap_i >= T this always fits;
+    3. rounding (largest remainder): every head gets floor(b_i); the T - sum floor(b_i) blocks left
+       go one each to the heads with the largest fractional parts, ties to the lower head index.
+    The budgets sum to exactly T, each lies in [min(cap_i, floor(alpha T / KVH)), cap_i], alpha = 1 is
+    uniform and alpha = 0 the shares. The arithmetic is exact (fractions; alpha read as the nearest
+    fraction with denominator <= 10^6), so rounding never depends on float error.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"ada_budgets: alpha={alpha!r} is not allowed: a number in [0, 1]")
+    if total < 0:
+        raise ValueError(f"ada_budgets: total={total} is not allowed: an integer >= 0")
+    if torch.isnan(block_scores).any():
+        raise ValueError("ada_budgets: block_scores contain NaN")
+    KVH, NB = block_scores.shape
+    candidate = block_scores != float("-inf")  # [KVH, NB]
+    caps = candidate.sum(1).tolist()
+    T = min(total, sum(caps))
+    if T == 0:
+        return torch.zeros(KVH, dtype=torch.long)
+
+    flat = block_scores.detach().float().reshape(-1).cpu()  # [KVH * NB], head-major
+    top = torch.sort(flat, descending=True, stable=True).indices[:T]  # stable: lower flat index first on ties
+    shares = torch.bincount(top // NB, minlength=KVH).tolist()
+
+    a = Fraction(float(alpha)).limit_denominator(10**6)
+    base = [s * (1 - a) for s in shares]
+    room = [c - b for c, b in zip(caps, base)]
+    uniform = [Fraction(0)] * KVH
+    left, n_left = a * T, KVH
+    for i in sorted(range(KVH), key=lambda i: (room[i], i)):  # fill the smallest rooms first
+        uniform[i] = min(room[i], left / n_left)
+        left -= uniform[i]
+        n_left -= 1
+    b = [x + u for x, u in zip(base, uniform)]
+
+    budgets = [math.floor(x) for x in b]
+    rest = T - sum(budgets)  # in [0, KVH); the heads with the largest fractions have room for one more
+    for i in sorted(range(KVH), key=lambda i: (-(b[i] - budgets[i]), i))[:rest]:
+        budgets[i] += 1
+    return torch.tensor(budgets, dtype=torch.long)
+
+
+def _ada_reference(scores: torch.Tensor, counts: list[int], total: int, alpha) -> list[int]:
+    """ada_budgets_reference on set s's first counts[s] scores (-inf after them)."""
     s = scores.clone()
     for i, c in enumerate(counts):
         s[i, c:] = float("-inf")
-    return ada_budgets(s, total, alpha).tolist()
+    return ada_budgets_reference(s, total, alpha).tolist()
 
 
 @settings(max_examples=300, deadline=None)
@@ -464,6 +515,20 @@ def test_ada_budgets_equal_the_exact_python_rule(n_sets, N, total, alpha, tied, 
     got = _C.ada_budgets(scores.numpy(), torch.tensor(counts).numpy(), total, f.numerator, f.denominator).tolist()
     assert got == _ada_reference(scores, counts, total, alpha)
     assert sum(got) == min(total, sum(counts)) and all(0 <= b <= c for b, c in zip(got, counts))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_sets=st.integers(1, 8), N=st.integers(1, 40), total=st.integers(0, 120),
+       alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0, 1 / 3]), seed=st.integers(0, 10**6))
+def test_ada_budgets_of_the_facade_mark_non_candidates_by_minus_inf(n_sets, N, total, alpha, seed):
+    """native.store.ada_budgets (what SnapKV's preselection splits by): -inf marks a non-candidate anywhere in a
+    row, as the reference reads it; the facade packs each row's candidates in order for the store's rule."""
+    from ktquest.native.store import ada_budgets
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-2, 3, (n_sets, N), generator=g).float()
+    scores[torch.rand(n_sets, N, generator=g) < 0.3] = float("-inf")
+    assert ada_budgets(scores, total, alpha).tolist() == ada_budgets_reference(scores, total, alpha).tolist()
 
 
 def test_ada_budgets_refuse_bad_arguments():
@@ -517,9 +582,7 @@ def test_ada_selection_is_the_top_of_python_budgets(force_scalar, cached, index_
         for h in range(KVH):
             masked[h, cand[h]] = scores[h, cand[h]]
         total = k * KVH if isinstance(k, int) else sum(k)
-        from ktquest.kv.selection import ada_budgets
-
-        budgets = ada_budgets(masked, total, alpha).tolist()
+        budgets = ada_budgets_reference(masked, total, alpha).tolist()
         kw = dict(exclude_ranges=excl, allowed=allowed if cached else None, ada_alpha=alpha)
         for _ in range(2):  # (cached: the first call builds the copy, the second uses it)
             got = store.select(0, q, k, **kw)

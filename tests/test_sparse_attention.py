@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ktquest import _C
 from ktquest.kv.attention import merge_attention
-from ktquest.kv.store import KVStore
+from ktquest.native.store import KVStore
 
 # ---- torch references ----
 

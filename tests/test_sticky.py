@@ -15,7 +15,7 @@ from test_sparse_attention import FP32_ATOL, FP32_RTOL, ref_sparse, rows_of
 
 from ktquest import _C
 from ktquest.config import MAX_STICKY_BLOCKS, ConfigError, LongContextConfig
-from ktquest.kv.store import KVStore
+from ktquest.native.store import KVStore
 
 KVH, G, D, BS = 3, 3, 64, 8
 

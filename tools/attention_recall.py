@@ -3,7 +3,7 @@
 
 A dense prefill of the prompt records the queries of its last ``--queries`` tokens in every layer (the
 stand-in for decode steps right after the prompt). Then, per layer, the dense K (after RoPE) goes into a
-``ktquest.kv.store.KVStore`` once per anchor type, each query selects ``--budget`` blocks the way the config's
+``ktquest.native.store.KVStore`` once per anchor type, each query selects ``--budget`` blocks the way the config's
 long_context does (block_size, head_select_mode, the init and local windows excluded), and the dense
 softmax of that query (torch, fp32) says what fraction of its mass lies in what sparse attention would see:
 
@@ -45,7 +45,7 @@ from ktquest.config import load_config
 from ktquest.generate import prefill
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.selection import snapkv_token_scores
-from ktquest.kv.store import ANCHOR_TYPES, KVStore
+from ktquest.native.store import ANCHOR_TYPES, KVStore
 
 
 class RecordingCache:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from ktquest import _C
-from ktquest.kv.store import KV_TYPES, KVStore
+from ktquest.native.store import KV_TYPES, KVStore
 
 SHAPES = {"9/3/64": (9, 3, 64), "32/8/128": (32, 8, 128)}  # query heads / KV heads / head_dim
 BYTES_PER_VALUE = {"FP32": 4.0, "FP16": 2.0, "BF16": 2.0, "Q8_0": 1 + 4 / 32, "Q4_0": 0.5 + 4 / 32}

@@ -39,6 +39,7 @@ _peer.add_argument("--peer", default="llama.cpp")
 if _peer.parse_known_args()[0].peer == "none":
     ktquest.set_openmp_spin()
 import torch  # noqa: E402
+
 from ktquest.config import (  # noqa: E402
     CHAT_GENERATION,
     GenerationConfig,
@@ -47,7 +48,7 @@ from ktquest.config import (  # noqa: E402
 from ktquest.engine import make_cache  # noqa: E402
 from ktquest.formats.bundled import bundled_model_path, resolve_model  # noqa: E402
 from ktquest.generate import decode_one_token  # noqa: E402
-from ktquest.sampling import Sampler  # noqa: E402
+from ktquest.native.sample import Sampler  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}
 

@@ -40,8 +40,8 @@ from common import context_tokens, write_json
 import ktquest
 from ktquest.config import load_config
 from ktquest.generate import prefill
-from ktquest.kv.store import KVStore
 from ktquest.models.rope import rope_frequencies
+from ktquest.native.store import KVStore
 
 CHUNK = 1 << 16  # tokens per append (and per RoPE table chunk)
 

@@ -31,7 +31,7 @@ import ktquest  # noqa: E402
 from ktquest.config import CHAT_GENERATION, GenerationConfig  # noqa: E402
 from ktquest.formats.bundled import bundled_model_path  # noqa: E402
 from ktquest.generate import decode_one_token  # noqa: E402
-from ktquest.sampling import Sampler  # noqa: E402
+from ktquest.native.sample import Sampler  # noqa: E402
 
 MB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")

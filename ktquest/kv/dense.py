@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ktquest.kv.attention import dense_decode_attention
-from ktquest.kv.base import DenseTokenPlan
 from ktquest.kv.memory import check_dense_fits
+from ktquest.native.attention import dense_decode_attention
+from ktquest.native.plans import DenseTokenPlan
 
 GROW_TOKENS = 1024  # a layer's first capacity, and the multiple its capacities are rounded up to
 

@@ -33,13 +33,13 @@ import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig
 from ktquest.kv.attention import merge_attention
-from ktquest.kv.base import TokenPlan
 from ktquest.kv.layer_prefill import LongContextPromptLayers
 from ktquest.kv.long_context_state import LongContextFileState
 from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_tokens
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
-from ktquest.kv.store import KVStore
 from ktquest.kv.windows import DeviceWindows, PassGeometry
+from ktquest.native.plans import TokenPlan
+from ktquest.native.store import KVStore
 
 
 class LongContextCache(DeviceWindows, LongContextFileState):
@@ -362,7 +362,7 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         g = self.geo
         assert g.decode
         steps = self.planner.token_steps(g.loc0 // self.bs)
-        return TokenPlan(pos, self.store.native, self._win_np, self._window_row(pos), g.width, g.skip, self.scale,
+        return TokenPlan(pos, self.store, self._win_np, self._window_row(pos), g.width, g.skip, self.scale,
                          steps.plans, state=steps)
 
     def commit_decode(self, plan: TokenPlan) -> None:

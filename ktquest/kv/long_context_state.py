@@ -21,7 +21,7 @@ class LongContextFileState:
         p = self.planner
         arrays = {"win_k": self.win_k, "win_v": self.win_v, "q_win": p.q_win}
         for i in range(self.n_layers):
-            arrays[f"store{i}"] = torch.from_numpy(self.store.native.export_layer(i))
+            arrays[f"store{i}"] = torch.from_numpy(self.store.export_layer(i))
             if p.allowed[i] is not None:
                 arrays[f"allowed{i}"] = p.allowed[i]
             if p.presel_base[i] is not None:
@@ -49,7 +49,7 @@ class LongContextFileState:
         shapes = {"win_k": (tuple(self.win_k.shape), self.win_k.dtype), "win_v": (tuple(self.win_v.shape), self.dtype),
                   "q_win": (tuple(self.planner.q_win.shape), self.planner.q_win.dtype)}
         for i in range(self.n_layers):
-            shapes[f"store{i}"] = ((self.store.native.state_bytes(n),), torch.uint8)
+            shapes[f"store{i}"] = ((self.store.state_bytes(n),), torch.uint8)
             if allowed[i] is not None:
                 shapes[f"allowed{i}"] = (tuple(allowed[i]), torch.int32)
             if meta["presel"][i] is not None:
@@ -60,7 +60,7 @@ class LongContextFileState:
         self.reset()
         n = meta["pos"]
         for i in range(self.n_layers):
-            self.store.native.import_layer(i, n, arrays[f"store{i}"].numpy())
+            self.store.import_layer(i, n, arrays[f"store{i}"].numpy())
         self.win_k.copy_(arrays["win_k"])
         self.win_v.copy_(arrays["win_v"])
         self.pos, self.buf0 = n, meta["buf0"]

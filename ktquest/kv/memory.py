@@ -7,15 +7,16 @@ import os
 
 import torch
 
-from ktquest import _C
 from ktquest.config import Config, ConfigError, LongContextConfig
+from ktquest.native import store as native_store
+from ktquest.native.enums import Q8_GROUP
 
 
 def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int) -> int:
     """Bytes the DRAM store needs when full (K, V, scales, anchors, the index's group bounds): the layout the
     C++ store reserves."""
-    return _C.store_bytes(n_layers, n_kv_heads, head_dim, max_seq_len, lc.block_size, lc.kv_type, lc.anchor_type,
-                          lc.anchor_num, lc.index_group)
+    return native_store.store_bytes(n_layers, n_kv_heads, head_dim, max_seq_len, lc.block_size, lc.kv_type,
+                                    lc.anchor_type, lc.anchor_num, lc.index_group)
 
 
 def candidate_copy_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int,
@@ -28,8 +29,8 @@ def candidate_copy_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, 
         return 0
     picks = lc.second_select_num if lc.preselect_refresh else 0
     need = min(lc.preselect_block_count + picks, -(-max_seq_len // lc.block_size))
-    return _C.candidate_copy_bytes(n_layers, n_kv_heads, head_dim, lc.block_size, lc.kv_type, lc.anchor_type,
-                                   lc.int8_candidates, need, lc.head_select_mode)
+    return native_store.candidate_copy_bytes(n_layers, n_kv_heads, head_dim, lc.block_size, lc.kv_type,
+                                             lc.anchor_type, lc.int8_candidates, need, lc.head_select_mode)
 
 
 def available_ram() -> int:
@@ -174,9 +175,9 @@ def _size(n: int) -> str:
 
 def check_kv_type(lc: LongContextConfig, head_dim: int) -> None:
     """ConfigError unless the store's ``kv_type`` holds rows of ``head_dim`` (Q8_0/Q4_0: whole groups)."""
-    if lc.kv_type in ("Q8_0", "Q4_0") and head_dim % _C.Q8_GROUP:
+    if lc.kv_type in ("Q8_0", "Q4_0") and head_dim % Q8_GROUP:
         raise ConfigError(f"long_context.kv_type={lc.kv_type!r} is not allowed for this model: it quantises "
-                          f"groups of {_C.Q8_GROUP} along head_dim, and head_dim is {head_dim}; use FP16, BF16 "
+                          f"groups of {Q8_GROUP} along head_dim, and head_dim is {head_dim}; use FP16, BF16 "
                           f"or FP32")
 
 

@@ -23,8 +23,8 @@ import torch
 
 from ktquest.config import LongContextConfig
 from ktquest.kv.selection import snapkv_preselect
-from ktquest.kv.store import KVStore, Select
 from ktquest.native.args import padded_ids
+from ktquest.native.store import KVStore, Select
 
 
 @dataclass(slots=True)

@@ -11,19 +11,20 @@ the global top ``total`` is mixed with a uniform floor: b_i = s_i (1 - alpha) + 
 SEPARATE mode (non-candidate blocks scored -inf, ``count = second_select_num``).
 
 Query head h reads KV head h // (H / KVH) (the grouping of ``repeat_interleave``), so a KV head's
-score merges its query group by mean or max. Pure torch; everything is computed in fp32.
+score merges its query group by mean or max. Torch, in fp32; the budgets' split is the store's own
+(``ktquest.native.store.ada_budgets``, cpp/select/ada.h).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from fractions import Fraction
-from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
+
+from ktquest.native.store import ada_budgets
 
 if TYPE_CHECKING:
     from ktquest.config import LongContextConfig
@@ -33,15 +34,6 @@ GroupMerge = Literal["mean", "max"]
 # Keys per chunk in snapkv_token_scores: the logits of a chunk are [H, W, chunk] fp32
 # (32 heads x 32 queries x 4096 keys = 16 MiB).
 SNAPKV_CHUNK = 4096
-
-# alpha is read as the nearest fraction with a denominator up to this, so 0.2 means exactly 1/5.
-_ALPHA_DENOMINATOR = 10**6
-
-
-@lru_cache(maxsize=16)
-def alpha_fraction(alpha: float) -> Fraction:
-    """Ada-KV's alpha as the exact fraction every budget split uses (here and the store's, cpp/select/ada.h)."""
-    return Fraction(alpha).limit_denominator(_ALPHA_DENOMINATOR)
 
 
 def merge_group_scores(scores: torch.Tensor, n_kv_heads: int, how: GroupMerge = "mean") -> torch.Tensor:
@@ -134,56 +126,6 @@ def block_scores_from_tokens(
     t = token_scores[:, : n_blocks * block_size]
     t = F.pad(t, (0, n_blocks * block_size - t.shape[1]))
     return t.reshape(KVH, n_blocks, block_size).sum(-1)
-
-
-def ada_budgets(block_scores: torch.Tensor, total: int, alpha: float) -> torch.Tensor:
-    """Ada-KV blocks per KV head.  block_scores: [KVH, NB] (-inf = not a candidate) -> LongTensor [KVH].
-
-    With cap_i the candidate blocks of head i and T = min(total, sum cap_i):
-    1. share s_i = head i's blocks among the global top T of all heads' scores (ties: lower head,
-       then lower block first);
-    2. b_i = s_i (1 - alpha) + u_i, where the uniform part alpha T is split evenly (u_i = alpha T / KVH)
-       except that a head never exceeds its cap: what a capped head cannot take is spread evenly over
-       the others (water-filling). Since s_i <= cap_i and sum cap_i >= T this always fits;
-    3. rounding (largest remainder): every head gets floor(b_i); the T - sum floor(b_i) blocks left
-       go one each to the heads with the largest fractional parts, ties to the lower head index.
-    The budgets sum to exactly T, each lies in [min(cap_i, floor(alpha T / KVH)), cap_i], alpha = 1 is
-    uniform and alpha = 0 the shares. The arithmetic is exact (fractions; alpha read as the nearest
-    fraction with denominator <= 10^6), so rounding never depends on float error.
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"ada_budgets: alpha={alpha!r} is not allowed: a number in [0, 1]")
-    if total < 0:
-        raise ValueError(f"ada_budgets: total={total} is not allowed: an integer >= 0")
-    if torch.isnan(block_scores).any():
-        raise ValueError("ada_budgets: block_scores contain NaN")
-    KVH, NB = block_scores.shape
-    candidate = block_scores != float("-inf")  # [KVH, NB]
-    caps = candidate.sum(1).tolist()
-    T = min(total, sum(caps))
-    if T == 0:
-        return torch.zeros(KVH, dtype=torch.long)
-
-    flat = block_scores.detach().float().reshape(-1).cpu()  # [KVH * NB], head-major
-    top = torch.sort(flat, descending=True, stable=True).indices[:T]  # stable: lower flat index first on ties
-    shares = torch.bincount(top // NB, minlength=KVH).tolist()
-
-    a = alpha_fraction(float(alpha))
-    base = [s * (1 - a) for s in shares]
-    room = [c - b for c, b in zip(caps, base)]
-    uniform = [Fraction(0)] * KVH
-    left, n_left = a * T, KVH
-    for i in sorted(range(KVH), key=lambda i: (room[i], i)):  # fill the smallest rooms first
-        uniform[i] = min(room[i], left / n_left)
-        left -= uniform[i]
-        n_left -= 1
-    b = [x + u for x, u in zip(base, uniform)]
-
-    budgets = [math.floor(x) for x in b]
-    rest = T - sum(budgets)  # in [0, KVH); the heads with the largest fractions have room for one more
-    for i in sorted(range(KVH), key=lambda i: (-(b[i] - budgets[i]), i))[:rest]:
-        budgets[i] += 1
-    return torch.tensor(budgets, dtype=torch.long)
 
 
 def preselect_blocks(

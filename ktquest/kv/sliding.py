@@ -22,7 +22,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ktquest.kv.attention import dense_decode_attention
+from ktquest.native.attention import dense_decode_attention
 
 COMPACT_TOKENS = 256  # the buffer's slack: rows moved to the front once every this many tokens
 

@@ -4,13 +4,13 @@ A weight is either a torch tensor (``weights: dequantize``: the reference path, 
 ``QuantWeight``: the tensor as the GGUF file stores it (Q4_K, Q6_K, Q8_0, F16, ...), memory-mapped and
 read in place, never copied to fp32. On a ``QuantWeight``:
 
-- a few tokens (decode) take ``_C.gemv_matrix``: AVX2 integer dot products on the encoded rows, x quantized
+- a few tokens (decode) take ``native.matrix.gemv``: AVX2 integer dot products on the encoded rows, x quantized
   to int8 per 32 or 256 values as ggml does (``cpp/gemm/gemv_blocks.h``), or to int16 (``activations:
   int16``, the 32-value block types: 258 times less rounding);
 - a prefill chunk of K-quant rows (Q4_K, Q5_K, Q6_K) or 4/5-bit 32-value rows (Q4_0, Q4_1, Q5_0, Q5_1) takes
-  ``_C.gemm_int8``: x quantized to int8 as decode quantizes it, each weight row unpacked once per call
+  ``native.matrix.gemm_int8``: x quantized to int8 as decode quantizes it, each weight row unpacked once per call
   (``cpp/gemm/gemm_int8.h``);
-- any other prefill chunk dequantizes a panel of rows at a time (``_C.dequantize_matrix``, about 8 MB of fp32)
+- any other prefill chunk dequantizes a panel of rows at a time (``native.matrix.dequantize_matrix``, about 8 MB of fp32)
   and multiplies it with torch's fp32 GEMM: the transient panel is all the fp32 a layer ever holds.
 
 A fused projection (q | k | v, gate | up) is several tensors stacked by rows, each in its own encoding
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ktquest import _C
+from ktquest.native import matrix
 
 # Rows up to this many tokens take the GEMV path; longer chunks are compute-bound and take the GEMM.
 GEMV_MAX_TOKENS = 4
@@ -40,7 +40,7 @@ DEQUANT_THREADS_FROM = 1 << 22
 class QuantWeight:
     """A weight [out, in] in its GGUF encoding: parts of whole rows stacked in order.
 
-    parts: (type, uint8 [rows, row_bytes]) each, the type one of ``_C.GGML_TYPES`` (gguf's names), the array
+    parts: (type, uint8 [rows, row_bytes]) each, the type one of ``native.enums.GGML_TYPES`` (gguf's names), the array
     a view of the mapped file (read-only) or, for a type converted at load, its Q8_0 bytes.
     """
 
@@ -58,11 +58,11 @@ class QuantWeight:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """fp32 [len(ids), in]: the rows ``ids`` dequantized (an embedding lookup; one part only)."""
         (t, data), = self.parts
-        return _C.dequantize_rows(t, np.ascontiguousarray(data[ids]))
+        return matrix.dequantize_rows(t, np.ascontiguousarray(data[ids]))
 
     def dequantize(self) -> np.ndarray:
         """fp32 [out, in]: every row (tests, and the ``dequantize`` path)."""
-        return np.concatenate([_C.dequantize_rows(t, p) for t, p in self.parts])
+        return np.concatenate([matrix.dequantize_rows(t, p) for t, p in self.parts])
 
 
 def stack_rows(*ws: torch.Tensor | QuantWeight) -> torch.Tensor | QuantWeight:
@@ -83,7 +83,7 @@ class Linear(torch.nn.Module):
                  out_perm: torch.Tensor | None = None):
         super().__init__()
         self.quant: QuantWeight | None = weight if isinstance(weight, QuantWeight) else None
-        self.qm = None  # the native matrix of a QuantWeight (_C.QuantMatrix)
+        self.qm = None  # the native matrix of a QuantWeight (native.matrix.QuantMatrix)
         if out_perm is not None and self.quant is None:  # gathered where the weight's products are
             out_perm = out_perm.to(weight.device)
         self.register_buffer("out_perm", out_perm, persistent=False)
@@ -105,7 +105,7 @@ class Linear(torch.nn.Module):
         GEMV and in prefill's int8 GEMM where every part takes it. True: to int16 in decode where the type has
         such kernels (the 32-value block types), and every prefill chunk on fp32 x and dequantized panels."""
         b = None if self.bias is None else self.bias.detach().numpy()
-        self.qm = _C.QuantMatrix(list(self.quant.parts), b, x16=x16)
+        self.qm = matrix.QuantMatrix(list(self.quant.parts), b, x16=x16)
         # Prefill on int8 x: the int8 GEMM where it takes the matrix (cpp/gemm/gemm_int8.h: the K-quants, or the
         # 4/5-bit 32-value types, not mixed); otherwise dequantized panels.
         self._int8_gemm = not x16 and self.qm.int8_gemm
@@ -125,7 +125,7 @@ class Linear(torch.nn.Module):
             x = x.to(torch.float32).contiguous()
             if x.shape[0] <= GEMV_MAX_TOKENS:
                 y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-                _C.gemv_matrix(self.qm, x.numpy(), y.numpy(), self.threads)
+                matrix.gemv(self.qm, x.numpy(), y.numpy(), self.threads)
                 return y if self.out_perm is None else y.index_select(1, self.out_perm)
             return self._gemm(x)  # out_perm applied
         return y if self.out_perm is None else y.index_select(1, self.out_perm)
@@ -136,17 +136,17 @@ class Linear(torch.nn.Module):
         n, k = self.out_features, self.in_features
         if self._int8_gemm:
             y = torch.empty(x.shape[0], n, dtype=torch.float32)
-            _C.gemm_int8(self.qm, x.numpy(), y.numpy(), self.threads)
+            matrix.gemm_int8(self.qm, x.numpy(), y.numpy(), self.threads)
             return y if self.out_perm is None else y.index_select(1, self.out_perm)
         step = max(16, min(n, PANEL_VALUES // k))
         panel = _panel(step * k).view(step, k)
         if step == n:  # the whole matrix in one panel, its rows in out_perm's order: no gather of y after
-            _C.dequantize_matrix(self.qm, 0, n, panel.numpy(), self._dequant_threads(n * k), self._order)
+            matrix.dequantize_matrix(self.qm, 0, n, panel.numpy(), self._dequant_threads(n * k), self._order)
             return F.linear(x, panel, self._bias_in_order)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            _C.dequantize_matrix(self.qm, r0, r1, panel.numpy(), self._dequant_threads((r1 - r0) * k))
+            matrix.dequantize_matrix(self.qm, r0, r1, panel.numpy(), self._dequant_threads((r1 - r0) * k))
             b = None if self.bias is None else self.bias[r0:r1]
             y[:, r0:r1] = F.linear(x, panel[: r1 - r0], b)
         return y if self.out_perm is None else y.index_select(1, self.out_perm)

@@ -22,7 +22,6 @@ import gguf
 import numpy as np
 import torch
 
-from ktquest import _C
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.layers.linear import QuantWeight
@@ -37,6 +36,7 @@ from ktquest.models.args import (
 )
 from ktquest.models.gemma3 import Gemma3Transformer
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
+from ktquest.native.enums import GGML_TYPES
 
 
 @dataclass(slots=True)
@@ -171,7 +171,7 @@ def encoded_weight(contents: GGUFContents, name: str, converted: list[str]) -> Q
     raw = src.raw(name)
     rows, cols = src.shape(name)
     t = raw.tensor_type.name
-    if t not in _C.GGML_TYPES:
+    if t not in GGML_TYPES:
         if cols % 32:
             raise GGUFError(f"{contents.path}: tensor {name!r} has type {t}, which has no kernels, and rows of "
                             f"{cols} values cannot be re-encoded as Q8_0 (blocks of 32)")

@@ -22,6 +22,7 @@ import torch
 from ktquest import _C
 from ktquest.kv.base import KVCache
 from ktquest.layers.linear import set_threads
+from ktquest.native import matrix
 
 
 class NativeDecoder:
@@ -77,7 +78,7 @@ class NativeDecoder:
         xn = np.empty_like(x)
         _C.rms_norm(x, self.norm_w, self.eps, xn)
         logits = np.empty((1, self.head.out_features), np.float32)
-        _C.gemv_matrix(self.head, xn[None], logits, self.threads)
+        matrix.gemv(self.head, xn[None], logits, self.threads)
         return torch.from_numpy(logits[0])  # [V]
 
     def decode_blocks(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, cache: KVCache) -> None:

@@ -1,0 +1,34 @@
+"""The native code's process-wide settings: which kernels run (AVX2/FMA/F16C, picked from the CPU's features at
+run time, or the scalar twins when forced) and the C heap's settings while a prompt is read."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ktquest import _C
+
+
+def cpu_features() -> dict[str, bool]:
+    """The CPU's features as the kernels see them: {'avx2', 'fma', 'f16c'} -> bool."""
+    return _C.cpu_features()
+
+
+def use_avx2() -> bool:
+    """True when the AVX2/FMA/F16C kernels run (the CPU has them and the scalar twins are not forced)."""
+    return _C.use_avx2()
+
+
+def set_force_scalar(force: bool) -> None:
+    """Force the scalar kernels process-wide (KTQUEST_FORCE_SCALAR=1 at start does the same)."""
+    _C.set_force_scalar(bool(force))
+
+
+@contextlib.contextmanager
+def prefill_heap():
+    """The C heap's prefill settings while the block runs (its temporaries reused, not mapped afresh each
+    chunk), the decode settings after it and the heap trimmed (cpp/common/heap.h)."""
+    _C.prefill_heap(True)
+    try:
+        yield
+    finally:
+        _C.prefill_heap(False)
