@@ -19,25 +19,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ktquest.formats.chat_template import TemplateLimits
+from ktquest.sequence import common_prefix_len
+from ktquest.turn import (
+    ProgressCallback,
+    PromptTooLongError,
+    TextCallback,
+    TurnStats,
+    check_arg,
+    check_callbacks,
+)
 
 if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into the engine it was given
     from ktquest.engine import Engine
-
-TextCallback = Callable[[str], None]
-ProgressCallback = Callable[[int, int], None]
-
-
-@dataclass(slots=True)
-class TurnStats:
-    prompt_tokens: int  # tokens prefilled this turn (new to the cache)
-    new_tokens: int  # tokens generated, the stop token included
-    context_tokens: int  # tokens in the KV cache after the turn
-    max_seq_len: int
-    prefill_s: float
-    decode_s: float
-    prefill_tok_s: float
-    decode_tok_s: float
-    stopped_by: str  # "eos", "max_new_tokens", "max_seq_len" or "interrupted"
 
 
 @dataclass(slots=True)
@@ -68,7 +61,6 @@ class ChatSession:
         self.system = system
         self.document = document
         self.messages: list[dict[str, str]] = self._opening()  # as rendered, the system message included
-        self._fed: list[int] = []  # token ids at cache positions 0.. (valid up to cache.pos)
         self._turns: list[TurnStats] = []
 
     def send(self, user_text: str, on_text: TextCallback | None = None,
@@ -93,20 +85,13 @@ class ChatSession:
         messages = self.messages + [{"role": "user", "content": content}]
         tokens = encode_chat(eng, messages)
 
-        cache = eng.cache
-        if eng.cache_owner is not self:  # another session or a raw completion used the cache
-            cache.reset()
-            eng.cache_owner = self
-        # Keep the longest prefix the cache already holds; at least one token must be fed for logits.
-        keep = min(common_prefix_len(self._fed[:cache.pos], tokens), len(tokens) - 1)
-        cache.truncate(cache.rewind_point(keep))
-        self._fed = list(tokens)  # from here on, cache position i holds self._fed[i] for i < cache.pos
-        text, stats = eng.run(tokens, eng.config.generation, on_text, on_progress, should_stop,
-                               on_token=self._fed.append)
+        seq = eng.sequence
+        seq.claim(self)  # another session, the server or a raw completion used the cache: it starts afresh
+        cached = seq.rewind_for(tokens)
+        text, stats = eng.run(seq, tokens[cached:], eng.config.generation, on_text, on_progress, should_stop)
         if stats.new_tokens == 0 and stats.stopped_by == "interrupted":
             # interrupted before the reply began: the turn is dropped; what was read of it stays in the cache,
             # so the same message sent again reads only the rest
-            del self._fed[cache.pos:]
             return Reply(text="", stats=stats)
         self.messages = messages + [{"role": "assistant", "content": text}]
         self._turns.append(stats)
@@ -119,39 +104,33 @@ class ChatSession:
         raising KeyboardInterrupt) stops it, the chunks read kept (stats.stopped_by == "interrupted")."""
         eng = self.engine
         if self.document is None or any(m["role"] == "user" for m in self.messages):
-            return TurnStats(0, 0, eng.cache.pos, eng.max_seq_len, 0.0, 0.0, 0.0, 0.0, "max_new_tokens")
+            return TurnStats(0, 0, len(eng.sequence), eng.max_seq_len, 0.0, 0.0, 0.0, 0.0, "max_new_tokens")
         # the first message's tokens that do not depend on the message: the common prefix of two renderings
         a, b = (encode_chat(eng, self.messages + [{"role": "user", "content": f"{self.document}\n\n{x}"}])
                 for x in ("A", "B"))
         tokens = a[: common_prefix_len(a, b)]
         if not tokens:
-            return TurnStats(0, 0, eng.cache.pos, eng.max_seq_len, 0.0, 0.0, 0.0, 0.0, "max_new_tokens")
-        if eng.cache_owner is not self:
-            eng.cache.reset()
-            eng.cache_owner = self
-        eng.cache.truncate(eng.cache.rewind_point(min(common_prefix_len(self._fed[: eng.cache.pos], tokens),
-                                                       len(tokens) - 1)))
-        self._fed = list(tokens)
-        cache, n0, stopped_by = eng.cache, eng.cache.pos, "max_new_tokens"
+            return TurnStats(0, 0, len(eng.sequence), eng.max_seq_len, 0.0, 0.0, 0.0, 0.0, "max_new_tokens")
+        seq = eng.sequence
+        seq.claim(self)
+        n0, stopped_by = seq.rewind_for(tokens), "max_new_tokens"
         t0 = time.perf_counter()
         try:
-            eng.prefill(tokens[n0:], cache, on_progress)
+            eng.read(seq, tokens[n0:], on_progress)
         except KeyboardInterrupt:  # (raised by on_progress too) the chunks (slabs) read whole stay, as in generate
-            cache.truncate(cache.rewind_point(cache.pos))
             stopped_by = "interrupted"
         dt = time.perf_counter() - t0
-        del self._fed[cache.pos:]
-        n = cache.pos - n0
-        return TurnStats(n, 0, cache.pos, eng.max_seq_len, dt, 0.0, n / dt if dt > 0 else 0.0, 0.0, stopped_by)
+        n = len(seq) - n0
+        return TurnStats(n, 0, len(seq), eng.max_seq_len, dt, 0.0, n / dt if dt > 0 else 0.0, 0.0, stopped_by)
 
     def save(self, path: str | os.PathLike) -> int:
         """Write the conversation and its KV cache to a KV file (``Engine.load_session`` reads it back);
         returns the file's bytes. ValueError when the cache holds another conversation."""
         eng = self.engine
-        if eng.cache_owner is not self:
+        if eng.sequence.owner is not self:
             raise ValueError("nothing to save: the KV cache holds no turn of this conversation")
         chat = {"system": self.system, "document": self.document, "messages": self.messages}
-        return eng.save_kv(path, self._fed[: eng.cache.pos], {"chat": chat})
+        return eng.save_kv(path, eng.sequence, {"chat": chat})
 
     def reset(self, keep_cache: bool = False) -> None:
         """Forget the conversation (the system prompt and document stay for the next first turn).
@@ -161,15 +140,12 @@ class ChatSession:
         """
         self.messages = self._opening()
         self._turns = []
-        if keep_cache:
-            return
-        self._fed = []
-        if self.engine.cache_owner is self:
-            self.engine.cache.reset()
+        if not keep_cache and self.engine.sequence.owner is self:
+            self.engine.sequence.reset()
 
     def stats(self) -> SessionStats:
         eng = self.engine
-        held = eng.cache.pos if eng.cache_owner is self else 0
+        held = len(eng.sequence) if eng.sequence.owner is self else 0
         return SessionStats(turns=len(self._turns), context_tokens=held, max_seq_len=eng.max_seq_len,
                             kv_cache_bytes=eng.cache.nbytes(), load_s=eng.load_s,
                             prompt_tokens=sum(t.prompt_tokens for t in self._turns),
@@ -189,8 +165,6 @@ def encode_chat(eng: Engine, messages: list[dict[str, str]]) -> list[int]:
     limits = TemplateLimits.for_context(eng.max_seq_len)
     chars = sum(len(m["content"]) for m in messages)
     if chars > limits.max_chars:  # past what the template may render: said as what it is
-        from ktquest.engine import PromptTooLongError  # (ktquest.engine imports this module)
-
         raise PromptTooLongError(f"prompt too long: {chars:,} characters, more than the context of "
                                  f"{eng.max_seq_len} tokens (max_seq_len) can hold; shorten the prompt "
                                  "or raise max_seq_len")
@@ -198,27 +172,3 @@ def encode_chat(eng: Engine, messages: list[dict[str, str]]) -> list[int]:
                                            parse_special=eng.config.parse_special, limits=limits)
     eng.check_fits(len(tokens))
     return tokens
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def check_arg(name: str, value: object, types: type | tuple[type, ...]) -> None:
-    """TypeError unless ``value`` is an instance of ``types``: the Python API's check of its arguments."""
-    if not isinstance(value, types):
-        names = " or ".join("None" if t is type(None) else t.__name__ for t in
-                            (types if isinstance(types, tuple) else (types,)))
-        raise TypeError(f"{name} must be {names}, not {type(value).__name__}")
-
-
-def check_callbacks(**callbacks: object) -> None:
-    """TypeError unless each callback is None or callable."""
-    for name, f in callbacks.items():
-        if f is not None and not callable(f):
-            raise TypeError(f"{name} must be callable or None, not {type(f).__name__}")

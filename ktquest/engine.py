@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ktquest.chat import ChatSession, ProgressCallback, TextCallback, TurnStats, check_arg, check_callbacks
+from ktquest.chat import ChatSession
 from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
 from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
 from ktquest.formats.tokenizer import Tokenizer
@@ -34,12 +34,19 @@ from ktquest.layers.linear import set_x16
 from ktquest.models.args import RopeScaling, resolve_max_seq_len
 from ktquest.models.loader import build_model, read_gguf
 from ktquest.native.decode import use_native_decode
+from ktquest.sequence import Sequence
+from ktquest.turn import (
+    ProgressCallback,
+    PromptTooLongError,
+    TextCallback,
+    TurnStats,
+    check_arg,
+    check_callbacks,
+)
 
 PLAIN_CHAT_NOTICE = "ktquest: the model has no chat template: chatting as plain text continuation"
 
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit in the KV cache (``max_seq_len``); nothing was computed or changed."""
+__all__ = ["Engine", "PromptTooLongError", "load", "make_cache"]
 
 
 class Engine:
@@ -68,7 +75,8 @@ class Engine:
         use_native_decode(self.model, config.resolved_threads())
         self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
-        self.cache_owner: ChatSession | None = None  # the conversation whose tokens the cache holds
+        # The tokens the cache holds and whose conversation they are (a ChatSession, the server's worker)
+        self.sequence = Sequence(self.cache)
         self._said_plain_chat = False  # PLAIN_CHAT_NOTICE is said once, with the first chat session
         self._model_fingerprint: dict | None = None  # KV files: the model file's (computed at first use)
         self.load_s = time.perf_counter() - t0  # reading, building and caching: what a user waits for
@@ -91,9 +99,8 @@ class Engine:
             raise ValueError(f"prompt {show(prompt)} is empty: it encodes to no tokens, and generation continues "
                              f"from at least one")
         self.check_fits(len(tokens))
-        self.cache_owner = None
-        self.cache.reset()
-        text, _ = self.run(tokens, gen, on_text, on_progress, should_stop)
+        self.sequence.claim(None)  # a fresh cache
+        text, _ = self.run(self.sequence, tokens, gen, on_text, on_progress, should_stop)
         return text
 
     def chat_session(self, system: str | None = None, document: str | None = None) -> ChatSession:
@@ -110,38 +117,38 @@ class Engine:
     def load_session(self, path: str | os.PathLike) -> ChatSession:
         """The conversation a KV file holds (``ChatSession.save``), its cache loaded: the next message reads
         only itself. ``KVFileError`` as ``load_kv``, or for a file that holds no conversation."""
-        tokens, extra = self.load_kv(path)
+        _, extra = self.load_kv(path)
         chat = extra.get("chat")
         ok = isinstance(chat, dict) and all(isinstance(chat.get(k), (str, type(None))) for k in ("system", "document"))
         messages = chat.get("messages") if ok else None
         if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and
                                                    isinstance(m.get("content"), str) for m in messages)):
-            self.cache.reset()
+            self.sequence.reset()
             raise kv_files.KVFileError(f"{path}: holds a KV cache but no conversation (written by save_kv, not "
                                        "ChatSession.save)")
         session = self.chat_session(system=chat["system"], document=chat["document"])
         session.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        session._fed = tokens
-        self.cache_owner = session
+        self.sequence.owner = session  # the tokens loaded are its conversation's
         return session
 
     # ---- KV files ----
 
-    def save_kv(self, path: str | os.PathLike, tokens: list[int], extra: dict | None = None, cache=None) -> int:
-        """Write ``cache`` (the engine's by default), which holds ``tokens``, to a KV file (``ktquest.kv.files``)
+    def save_kv(self, path: str | os.PathLike, seq: Sequence | None = None, extra: dict | None = None) -> int:
+        """Write ``seq`` (the engine's by default: its tokens and its cache) to a KV file (``ktquest.kv.files``)
         with the model's and the config's fingerprints and ``extra`` (JSON-able); returns the file's bytes."""
-        cache = self.cache if cache is None else cache
-        if len(tokens) != cache.pos:
-            raise ValueError(f"save_kv: {len(tokens)} tokens given, the cache holds {cache.pos}")
+        seq = self.sequence if seq is None else seq
+        tokens, cache = seq.ids, seq.cache
         meta, arrays = cache.state()
         header = {"model": self._fingerprint(), "config": self.cache_config(), "cache": meta, "extra": extra or {}}
         return kv_files.save(path, header, {**arrays, "tokens": torch.tensor(tokens, dtype=torch.int32)})
 
-    def load_kv(self, path: str | os.PathLike, cache=None) -> tuple[list[int], dict]:
-        """Fill ``cache`` (the engine's by default) from a KV file; returns its tokens and ``extra``. A
-        ``KVFileError`` (a ValueError) names what is wrong: unreadable, truncated, corrupted, or written for
-        another model or a config whose cache differs; the cache is then empty."""
-        cache = self.cache if cache is None else cache
+    def load_kv(self, path: str | os.PathLike, seq: Sequence | None = None) -> tuple[list[int], dict]:
+        """Fill ``seq`` (the engine's by default) from a KV file: it becomes nobody's (``Sequence.owner``) and
+        holds the file's tokens; returns them and ``extra``. A ``KVFileError`` (a ValueError) names what is
+        wrong: unreadable, truncated, corrupted, or written for another model or a config whose cache differs;
+        the sequence is then empty."""
+        seq = self.sequence if seq is None else seq
+        cache = seq.cache
         header, arrays = kv_files.load(path)
         model, config = header.get("model"), header.get("config")
         if model != self._fingerprint():
@@ -158,14 +165,15 @@ class Engine:
                 (len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.tokenizer.vocab_size):
             raise kv_files.KVFileError(f"{path}: its token ids do not match its cache")
         kv_files.expect(path, arrays, shapes)
-        self.cache_owner = None
+        seq.claim(None)
         try:
             cache.load_state(meta, arrays)
+            seq.restored(tokens.tolist())
         except BaseException:
-            cache.reset()
+            seq.reset()
             raise
         extra = header.get("extra")
-        return tokens.tolist(), extra if isinstance(extra, dict) else {}
+        return seq.ids, extra if isinstance(extra, dict) else {}
 
     def cache_config(self) -> dict:
         """The config keys that shape the KV cache's contents and layout (a KV file must agree on each)."""
@@ -226,19 +234,27 @@ class Engine:
         return (self.cache.prefill_device_bytes(n) + chunk_activation_bytes(a, chunk, self.dtype.itemsize)
                 + tile + logits + self.max_seq_len * prompt_token_device_bytes(a))
 
-    def run(self, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
-             on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,
-             on_token: Callable[[int], None] | None = None, cache=None) -> tuple[str, TurnStats]:
-        """Feed ``tokens[cache.pos:]`` and generate after them; returns the reply text and its stats.
-        ``cache``: the engine's own (None), or another made by ``make_cache`` (the server's slots)."""
-        cache = self.cache if cache is None else cache
+    def read(self, seq: Sequence, tokens: list[int], on_progress: ProgressCallback | None = None) -> None:
+        """Read ``tokens`` after what ``seq`` holds, no reply (a document before any message). Ctrl-C (or
+        ``on_progress`` raising KeyboardInterrupt) propagates with the chunks read whole kept in ``seq``."""
+        seq.feeding(tokens)
+        try:
+            self.prefill(tokens, seq.cache, on_progress)
+        except KeyboardInterrupt:
+            seq.rewind(len(seq))  # a cut chunk (or slab) is not kept
+            raise
+        finally:
+            seq.settle()
+
+    def run(self, seq: Sequence, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
+            on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None) -> tuple[str, TurnStats]:
+        """Read ``tokens`` after what ``seq`` holds and generate after them; returns the reply text and its
+        stats. ``seq``: the engine's own, or another over a cache made by ``make_cache`` (the server's slots)."""
         stop_ids = self.tokenizer.stop_ids
         decoder = self.tokenizer.stream_decoder()
         reply: list[int] = []
 
         def token_arrived(t: int) -> None:
-            if on_token is not None:
-                on_token(t)
             if t in stop_ids:
                 return
             reply.append(t)
@@ -246,13 +262,13 @@ class Engine:
             if piece and on_text is not None:
                 on_text(piece)
 
-        r = generate(self.model, cache, tokens[cache.pos:], gen, set(stop_ids), self.config.chunk_size,
+        r = generate(self.model, seq, tokens, gen, set(stop_ids), self.config.chunk_size,
                      on_token=token_arrived, on_progress=on_progress, should_stop=should_stop,
                      order=self.config.prefill.order, slab_tokens=self.config.prefill.slab_tokens)
         rest = decoder.flush()
         if rest and on_text is not None:
             on_text(rest)
-        stats = TurnStats(prompt_tokens=r.n_prompt, new_tokens=len(r.tokens), context_tokens=cache.pos,
+        stats = TurnStats(prompt_tokens=r.n_prompt, new_tokens=len(r.tokens), context_tokens=len(seq),
                           max_seq_len=self.max_seq_len, prefill_s=r.prefill_s, decode_s=r.decode_s,
                           prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s, stopped_by=r.stopped_by)
         return self.tokenizer.decode(reply), stats

@@ -1,9 +1,10 @@
 """Generation: chunked prefill, one-token decode, sampling, and the loop that ties them together.
 
-The cache holds the conversation so far; ``generate`` appends one turn: it prefills the new prompt
-tokens at ``cache.pos`` and decodes after them. Invariant on return (also after Ctrl-C):
+A ``Sequence`` (ktquest/sequence.py) holds the conversation so far; ``generate`` appends one turn: it prefills
+the new prompt tokens after what the sequence holds and decodes after them. Invariant on return (also after
+Ctrl-C or an error):
 
-    cache.pos == pos_before + result.n_prompt + len(result.tokens)
+    seq.ids == ids_before + prompt_tokens[:result.n_prompt] + result.tokens
 
 i.e. every token in the cache was either given as a prompt or generated *and returned*. Ctrl-C while the
 prompt is read keeps the chunks read whole (``n_prompt`` of them: a turn sent again goes on from there; a
@@ -16,7 +17,8 @@ a reply (the logits of the last token are not used) keeps the cache a faithful t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +27,7 @@ import torch
 from ktquest.config import GenerationConfig
 from ktquest.native.cpu import prefill_heap
 from ktquest.native.sample import Sampler
+from ktquest.sequence import Sequence
 
 StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
 
@@ -46,7 +49,7 @@ class GenerationResult:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def _as_tokens(tokens: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def _as_tokens(tokens: abc.Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(tokens, dtype=torch.long, device=device).reshape(-1)
 
 
@@ -58,7 +61,7 @@ PrefillOrder = Literal["chunk", "layer"]
 
 
 @torch.inference_mode()
-def prefill(model, cache, tokens: Sequence[int] | torch.Tensor, chunk_size: int,
+def prefill(model, cache, tokens: abc.Sequence[int] | torch.Tensor, chunk_size: int,
             on_progress: Callable[[int, int], None] | None = None, order: PrefillOrder = "chunk",
             slab_tokens: int = 0) -> torch.Tensor:
     """Feed ``tokens`` [N] at cache.pos in chunks of ``chunk_size``; returns the last token's logits [V].
@@ -131,21 +134,23 @@ def decode_one_token(model, cache, token: int) -> torch.Tensor:
         torch.set_num_threads(n)
 
 
-def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: GenerationConfig,
+def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: GenerationConfig,
              stop_ids: set[int], chunk_size: int,
              on_token: Callable[[int], None] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
              should_stop: Callable[[], bool] | None = None, order: PrefillOrder = "chunk",
              slab_tokens: int = 0) -> GenerationResult:
-    """Prefill ``prompt_tokens`` at cache.pos, then sample until a stop id, max_new_tokens or a full cache.
+    """Prefill ``prompt_tokens`` after what ``seq`` holds, then sample until a stop id, max_new_tokens or a
+    full cache.
 
     ``order`` and ``slab_tokens``: how the prompt is read (``prefill``). Sampling is seeded from
     ``gen.seed``. ``should_stop()`` is polled between tokens; it and Ctrl-C
-    (KeyboardInterrupt) end generation with stopped_by="interrupted" and the cache invariant of the module
+    (KeyboardInterrupt) end generation with stopped_by="interrupted" and the invariant of the module
     docstring intact. The prompt must fit in the cache (ValueError otherwise, nothing changed).
     """
+    cache = seq.cache
     sampler = Sampler(gen)
-    pos0 = cache.pos
+    pos0 = len(seq)
     n_prompt = len(prompt_tokens)
     tokens: list[int] = []
     # What the penalties look back on: the reply's own tokens. (Penalizing the prompt's too, as llama.cpp
@@ -155,6 +160,7 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
     prefill_s = decode_s = 0.0
     stopped_by: StopReason = "max_new_tokens"
     t0 = time.perf_counter()
+    seq.feeding(prompt_tokens)
     try:
         logits = prefill(model, cache, prompt_tokens, chunk_size, on_progress, order, slab_tokens)
         prefill_s = time.perf_counter() - t0
@@ -167,6 +173,7 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
                 stopped_by = "max_seq_len"
                 break
             token = sampler(logits, history)
+            seq.feeding([token])
             logits = decode_one_token(model, cache, token)  # token is now in the cache
             tokens.append(token)
             history.append(token)
@@ -180,10 +187,11 @@ def generate(model, cache, prompt_tokens: Sequence[int] | torch.Tensor, gen: Gen
         stopped_by = "interrupted"
         if prefill_s == 0.0:  # while reading the prompt: the chunks read whole stay, the one cut short goes
             prefill_s = time.perf_counter() - t0
-            cache.truncate(cache.rewind_point(cache.pos))
-            n_prompt = max(0, cache.pos - pos0)
+            n_prompt = max(0, seq.rewind(len(seq)) - pos0)
         else:
             decode_s = time.perf_counter() - t0
-            cache.truncate(cache.rewind_point(min(cache.pos, pos0 + n_prompt + len(tokens))))
+            seq.rewind(pos0 + n_prompt + len(tokens))
+    finally:
+        seq.settle()
     return GenerationResult(tokens=tokens, n_prompt=n_prompt, prefill_s=prefill_s, decode_s=decode_s,
                             stopped_by=stopped_by)

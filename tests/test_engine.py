@@ -333,7 +333,7 @@ def test_wrong_arguments_are_refused_before_any_work(tiny, call, error, message)
     with pytest.raises(error) as info:
         call(tiny)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
-    assert (tiny.cache_owner, tiny.cache.pos) == (s, held)  # the conversation in the cache is intact
+    assert (tiny.sequence.owner, tiny.cache.pos) == (s, held)  # the conversation in the cache is intact
 
 
 def test_weights_that_cannot_fit_on_cuda_are_refused_up_front(tiny_llama, monkeypatch):

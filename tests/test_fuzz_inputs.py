@@ -321,7 +321,7 @@ def test_generate_arguments(engine, prompt, options, on_text):
                                    **options)
         except (TypeError, ValueError) as e:  # ValueError: ConfigError, PromptTooLongError, an empty prompt
             _one_line(e)
-            assert (engine.cache_owner, engine.cache.pos) == (session, held)  # refused before any work
+            assert (engine.sequence.owner, engine.cache.pos) == (session, held)  # refused before any work
         else:
             assert isinstance(text, str)
             event("generated")

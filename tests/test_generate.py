@@ -9,6 +9,7 @@ from ktquest.config import GenerationConfig
 from ktquest.generate import decode_one_token, generate, prefill
 from ktquest.kv.dense import DenseKVCache
 from ktquest.models.loader import load_model
+from ktquest.sequence import Sequence
 
 FP32_ATOL = 1e-4
 FP32_RTOL = 1e-4
@@ -42,10 +43,11 @@ def hf_greedy(hf, tokens: list[int], n: int) -> list[int]:
 def test_greedy_generation_matches_hf(llama):
     model, hf = llama
     cache = make_cache(model)
-    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=8), stop_ids=set(), chunk_size=4)
+    seq = Sequence(cache)
+    res = generate(model, seq, PROMPT, GenerationConfig(max_new_tokens=8), stop_ids=set(), chunk_size=4)
     assert res.tokens == hf_greedy(hf, PROMPT, 8)
     assert res.stopped_by == "max_new_tokens" and res.n_prompt == len(PROMPT)
-    assert cache.pos == len(PROMPT) + 8  # every returned token is in the cache
+    assert cache.pos == len(PROMPT) + 8 and seq.ids == PROMPT + res.tokens  # every returned token is in the cache
     assert res.prefill_s > 0 and res.decode_s > 0 and res.decode_tok_s > 0 and res.prefill_tok_s > 0
 
 
@@ -56,40 +58,42 @@ def test_stops_at_eos_and_keeps_it_in_the_cache(llama):
     first = expected.index(stop)
     cache = make_cache(model)
     streamed = []
-    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=20), stop_ids={stop, 10_000},
+    seq = Sequence(cache)
+    res = generate(model, seq, PROMPT, GenerationConfig(max_new_tokens=20), stop_ids={stop, 10_000},
                    chunk_size=64, on_token=streamed.append)
     assert res.stopped_by == "eos" and res.tokens == expected[: first + 1] == streamed
-    assert cache.pos == len(PROMPT) + len(res.tokens)
+    assert cache.pos == len(PROMPT) + len(res.tokens) and seq.ids == PROMPT + res.tokens
 
 
 def test_multi_turn_continues_the_cache(llama):
     """Two turns on one cache == one prefill of the whole transcript."""
     model, _ = llama
     gen = GenerationConfig(max_new_tokens=5)
-    cache = make_cache(model)
-    r1 = generate(model, cache, PROMPT, gen, set(), chunk_size=4)
+    seq = Sequence(make_cache(model))
+    r1 = generate(model, seq, PROMPT, gen, set(), chunk_size=4)
     turn2 = [11, 12, 13]
-    r2 = generate(model, cache, turn2, gen, set(), chunk_size=4)
-    fresh = make_cache(model)
+    r2 = generate(model, seq, turn2, gen, set(), chunk_size=4)
+    fresh = Sequence(make_cache(model))
     r = generate(model, fresh, PROMPT + r1.tokens + turn2, gen, set(), chunk_size=4)
-    assert r2.tokens == r.tokens and cache.pos == fresh.pos
+    assert r2.tokens == r.tokens and seq.ids == fresh.ids[:-len(r.tokens)] + r2.tokens
 
 
 def test_seeded_generation_is_reproducible(llama):
     model, _ = llama
     gen = GenerationConfig(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.95, seed=123)
-    runs = [generate(model, make_cache(model), PROMPT, gen, set(), chunk_size=3).tokens for _ in range(2)]
+    runs = [generate(model, Sequence(make_cache(model)), PROMPT, gen, set(), chunk_size=3).tokens for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_should_stop_interrupts(llama):
     model, _ = llama
     cache = make_cache(model)
+    seq = Sequence(cache)
     seen = []
-    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=20), set(), chunk_size=4,
+    res = generate(model, seq, PROMPT, GenerationConfig(max_new_tokens=20), set(), chunk_size=4,
                    on_token=seen.append, should_stop=lambda: len(seen) >= 3)
     assert res.stopped_by == "interrupted" and len(res.tokens) == 3
-    assert cache.pos == len(PROMPT) + 3
+    assert cache.pos == len(PROMPT) + 3 and seq.ids == PROMPT + seen
 
 
 class InterruptingCache(DenseKVCache):
@@ -113,11 +117,13 @@ def test_ctrl_c_during_decode_leaves_the_cache_consistent(llama, layer):
     model, _ = llama
     a = model.args
     cache = InterruptingCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, layer=layer, at=1 + 4)  # 5th forward
-    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=20), set(), chunk_size=64)
+    seq = Sequence(cache)
+    res = generate(model, seq, PROMPT, GenerationConfig(max_new_tokens=20), set(), chunk_size=64)
     assert res.stopped_by == "interrupted"
     assert len(res.tokens) == 3 and cache.pos == len(PROMPT) + 3  # the 4th token's pass was interrupted
+    assert seq.ids == PROMPT + res.tokens  # the 4th token, handed to the model, is not among them
     # The cache is a faithful transcript: carrying on gives what an uninterrupted run gives.
-    full = generate(model, make_cache(model), PROMPT, GenerationConfig(max_new_tokens=5), set(), 64)
+    full = generate(model, Sequence(make_cache(model)), PROMPT, GenerationConfig(max_new_tokens=5), set(), 64)
     assert res.tokens == full.tokens[:3]
     cache.at = -1
     assert int(decode_one_token(model, cache, full.tokens[3]).argmax()) == full.tokens[4]
@@ -132,20 +138,22 @@ def test_ctrl_c_during_prefill_keeps_the_chunks_read(llama, layer, kept):
     assert a.n_layers == 2
     cache = InterruptingCache(a.n_layers, a.n_kv_heads, a.head_dim, 64, layer=layer, at=3)
     prefill(model, cache, [1, 2, 3], chunk_size=8)  # an earlier turn: stays
-    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=5), set(), chunk_size=4)
+    seq = Sequence(cache, [1, 2, 3])
+    res = generate(model, seq, PROMPT, GenerationConfig(max_new_tokens=5), set(), chunk_size=4)
     assert res.stopped_by == "interrupted" and res.tokens == [] and res.n_prompt == kept
-    assert cache.pos == 3 + kept
+    assert cache.pos == 3 + kept and seq.ids == [1, 2, 3, *PROMPT[:kept]]
     # Going on from there gives what an uninterrupted run gives.
     cache.at = -1
-    rest = generate(model, cache, PROMPT[kept:], GenerationConfig(max_new_tokens=5), set(), chunk_size=4)
-    full = generate(model, make_cache(model), [1, 2, 3, *PROMPT], GenerationConfig(max_new_tokens=5), set(), 4)
+    rest = generate(model, seq, PROMPT[kept:], GenerationConfig(max_new_tokens=5), set(), chunk_size=4)
+    full = generate(model, Sequence(make_cache(model)), [1, 2, 3, *PROMPT], GenerationConfig(max_new_tokens=5),
+                    set(), 4)
     assert rest.tokens == full.tokens and rest.n_prompt == len(PROMPT) - kept
 
 
 def test_stops_when_the_cache_is_full(llama):
     model, _ = llama
     cache = make_cache(model, max_seq_len=len(PROMPT) + 4)
-    res = generate(model, cache, PROMPT, GenerationConfig(max_new_tokens=50), set(), chunk_size=4)
+    res = generate(model, Sequence(cache), PROMPT, GenerationConfig(max_new_tokens=50), set(), chunk_size=4)
     assert res.stopped_by == "max_seq_len" and len(res.tokens) == 4 and cache.pos == cache.max_seq_len
 
 
@@ -153,9 +161,10 @@ def test_prompt_that_does_not_fit_raises_before_any_work(llama):
     model, _ = llama
     cache = make_cache(model, max_seq_len=16)
     prefill(model, cache, PROMPT, chunk_size=4)
+    seq = Sequence(cache, PROMPT)
     with pytest.raises(ValueError, match=r"overflow.*max_seq_len=16"):
-        generate(model, cache, PROMPT, GenerationConfig(), set(), chunk_size=4)
-    assert cache.pos == len(PROMPT)
+        generate(model, seq, PROMPT, GenerationConfig(), set(), chunk_size=4)
+    assert cache.pos == len(PROMPT) and seq.ids == PROMPT
 
 
 # ---- the dense cache ----

@@ -156,7 +156,7 @@ def test_truncated_and_bit_flipped_files_refused(saved, tmp_path):
         bad = _damaged(path, tmp_path / "bad.kvq", at=at)
         with pytest.raises(KVFileError, match="not a KV file|corrupted|truncated"):
             eng.load_session(bad)
-        assert eng.cache.pos == before and eng.cache_owner is s, what  # the conversation is kept
+        assert eng.cache.pos == before and eng.sequence.owner is s, what  # the conversation is kept
     for size in (0, 10, 30, start, n - 1):
         with pytest.raises(KVFileError, match="not a KV file|truncated"):
             eng.load_session(_damaged(path, tmp_path / "bad.kvq", size=size))

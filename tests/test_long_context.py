@@ -390,6 +390,7 @@ def test_ctrl_c_in_prefill_keeps_whole_chunks_and_continues_as_dense(tiny, layer
     to its first layers is dropped), and reading on from there decodes dense's tokens."""
     from ktquest.config import GenerationConfig
     from ktquest.generate import generate
+    from ktquest.sequence import Sequence
 
     class Interrupting(LongContextCache):
         calls = 0
@@ -407,12 +408,13 @@ def test_ctrl_c_in_prefill_keeps_whole_chunks_and_continues_as_dense(tiny, layer
     cache = Interrupting(a, full_budget("quest", block_size=4, kv_type="FP32"), 256)
     prompt = (torch.arange(3, 60) * 7 % 250).tolist()
     gen = GenerationConfig(max_new_tokens=6)
-    res = generate(tiny, cache, prompt, gen, set(), chunk_size=16)
+    seq = Sequence(cache)
+    res = generate(tiny, seq, prompt, gen, set(), chunk_size=16)
     kept = 32 if layer == 0 else 48
-    assert (res.stopped_by, res.n_prompt, cache.pos) == ("interrupted", kept, kept)
+    assert (res.stopped_by, res.n_prompt, cache.pos, seq.ids) == ("interrupted", kept, kept, prompt[:kept])
     assert all(cache.store.length(i) == kept for i in range(a.n_layers))
-    rest = generate(tiny, cache, prompt[kept:], gen, set(), chunk_size=16)
-    full = generate(tiny, DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 256), prompt, gen, set(), 16)
+    rest = generate(tiny, seq, prompt[kept:], gen, set(), chunk_size=16)
+    full = generate(tiny, Sequence(DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 256)), prompt, gen, set(), 16)
     assert rest.tokens == full.tokens
 
 

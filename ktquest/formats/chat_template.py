@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -31,9 +30,11 @@ import jinja2.sandbox
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, optimizeconst
 
-from ktquest.formats.template_bounds import (
+from ktquest.formats.template_bounds import (  # noqa: F401 - DEFAULT_MAX_* are this module's too
     _BUDGET,
     DEFAULT_MAX_CHARS,
+    DEFAULT_MAX_SECONDS,
+    TemplateLimits,
     _bounded_filter,
     _Budget,
     _check_format,
@@ -48,23 +49,9 @@ from ktquest.formats.template_bounds import (
     _tick,
 )
 
-DEFAULT_MAX_SECONDS = 5.0
-
 
 class ChatTemplateError(ValueError):
     """The model's chat template failed or went past its bounds; the message is one line: what and where."""
-
-
-@dataclass(frozen=True, slots=True)
-class TemplateLimits:
-    max_chars: int = DEFAULT_MAX_CHARS  # output, and any value inside the render
-    max_seconds: float = DEFAULT_MAX_SECONDS
-
-    @classmethod
-    def for_context(cls, max_seq_len: int) -> TemplateLimits:
-        """Room for any prompt that a context of ``max_seq_len`` tokens could hold (32 characters a token,
-        8 times English text's average), and never less than the default."""
-        return cls(max_chars=max(DEFAULT_MAX_CHARS, 32 * max_seq_len))
 
 
 DEFAULT_LIMITS = TemplateLimits()

@@ -11,21 +11,32 @@ import string
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
+from dataclasses import dataclass
 from types import GeneratorType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jinja2.utils import Namespace
 
-if TYPE_CHECKING:
-    from ktquest.formats.chat_template import TemplateLimits
-
 DEFAULT_MAX_CHARS = 4 * 2**20
+DEFAULT_MAX_SECONDS = 5.0
 _ITEM = 8  # a container's item costs at least this many characters (its pointer)
 _MAX_DEPTH = 64  # values nested deeper are refused (a namespace holding itself)
 _MAX_INT_BITS = 2**16  # integers built by * and ** (a 10**10**10 would run for hours in one C call)
 _MAX_JSON_INDENT = 16
 _MAX_SLOW_FILTER_INPUT = 2**16  # striptags and urlize: regexes that may take quadratic time
 _MAX_SUM_ITEMS = 4096  # |sum over lists or strings copies the partial sum at each item: quadratic
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateLimits:
+    max_chars: int = DEFAULT_MAX_CHARS  # output, and any value inside the render
+    max_seconds: float = DEFAULT_MAX_SECONDS
+
+    @classmethod
+    def for_context(cls, max_seq_len: int) -> TemplateLimits:
+        """Room for any prompt that a context of ``max_seq_len`` tokens could hold (32 characters a token,
+        8 times English text's average), and never less than the default."""
+        return cls(max_chars=max(DEFAULT_MAX_CHARS, 32 * max_seq_len))
 
 
 # ---- the budget of the render in progress ----

@@ -222,7 +222,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         counters = {**worker.snapshot(), "refused": refused}
         return {"status": "ok", "model": model_id, "mode": engine.config.mode, "max_seq_len": engine.max_seq_len,
                 "running_or_waiting": inside, "queue": gate.limit - 1,
-                "slots": [s.cache.pos for s in worker.slots], **counters}
+                "slots": [len(s.seq) for s in worker.slots], **counters}
     return app
 
 

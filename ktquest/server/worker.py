@@ -19,23 +19,19 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ktquest.chat import common_prefix_len
 from ktquest.config import GenerationConfig
 from ktquest.engine import Engine, make_cache
+from ktquest.sequence import Sequence
 
 SIMILAR = 0.5  # a slot is this conversation's when the common prefix holds at least this share of its tokens
 
 
 @dataclass(slots=True)
 class Slot:
-    cache: object  # a KVCache
-    fed: list[int] = field(default_factory=list)  # token ids at cache positions 0.. (valid up to cache.pos)
+    seq: Sequence  # the conversation it keeps: its tokens and its KV cache
     used: float = 0.0  # time.monotonic() of its last request
-
-    def held(self) -> list[int]:
-        return self.fed[: self.cache.pos]
 
 
 @dataclass(slots=True)
@@ -109,8 +105,8 @@ class Worker:
             raise ValueError(f"slots={slots} must be >= 1")
         self.engine = engine
         self.n_slots = slots
-        self.slots = [Slot(engine.cache)]
-        engine.cache_owner = None  # chat sessions of this engine start afresh: the server owns the cache
+        engine.sequence.claim(self)  # the engine's cache is the first slot's (a chat session claims it back afresh)
+        self.slots = [Slot(engine.sequence)]
         self.counters = Counters()
         self.lock = threading.Lock()  # guards counters read from the HTTP side
 
@@ -118,28 +114,28 @@ class Worker:
         """The first slot starts from a KV file's tokens (``Engine.load_kv``: a document read once, by any
         ktquest); returns how many."""
         slot = self.slots[0]
-        slot.fed, _ = self.engine.load_kv(path, cache=slot.cache)
+        self.engine.load_kv(path, slot.seq)
+        slot.seq.owner = self
         slot.used = time.monotonic()
-        return len(slot.fed)
+        return len(slot.seq)
 
     def pick(self, tokens: list[int]) -> tuple[Slot, int]:
         """The slot for ``tokens`` and the common prefix it holds (see the module docstring)."""
-        def shared(s: Slot) -> int:
-            return common_prefix_len(s.held(), tokens)
-
-        best = max(self.slots, key=lambda s: (shared(s), s.used))
-        n = shared(best)
-        if n and n >= SIMILAR * len(best.held()):
+        best = max(self.slots, key=lambda s: (s.seq.shared(tokens), s.used))
+        n = best.seq.shared(tokens)
+        if n and n >= SIMILAR * len(best.seq):
             return best, n
-        empty = [s for s in self.slots if s.cache.pos == 0]
+        empty = [s for s in self.slots if len(s.seq) == 0]
         if empty:
             return empty[0], 0
         if len(self.slots) < self.n_slots:
             eng = self.engine
-            self.slots.append(Slot(make_cache(eng.config, eng.args, eng.max_seq_len, eng.device, eng.dtype)))
+            seq = Sequence(make_cache(eng.config, eng.args, eng.max_seq_len, eng.device, eng.dtype))
+            seq.owner = self
+            self.slots.append(Slot(seq))
             return self.slots[-1], 0
         lru = min(self.slots, key=lambda s: s.used)
-        return lru, shared(lru)
+        return lru, lru.seq.shared(tokens)
 
     def complete(self, tokens: list[int], gen: GenerationConfig, stops: list[str] = (),
                  on_text: Callable[[str], None] | None = None,
@@ -148,12 +144,12 @@ class Worker:
         comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens."""
         eng = self.engine
         eng.check_fits(len(tokens))
-        slot, shared = self.pick(tokens)
+        slot, _ = self.pick(tokens)
         slot.used = time.monotonic()
-        cache = slot.cache
-        cache.truncate(cache.rewind_point(min(shared, len(tokens) - 1)))  # at least one token is fed
-        cached = cache.pos
-        slot.fed = list(tokens)
+        seq = slot.seq
+        if seq.owner is not self:  # a chat session of this engine took the first slot's cache: it starts afresh
+            seq.claim(self)
+        cached = seq.rewind_for(tokens)
         stop = StopText(list(stops))
         is_cancelled = cancelled or (lambda: False)
 
@@ -166,9 +162,7 @@ class Worker:
             if is_cancelled():
                 raise KeyboardInterrupt  # between chunks: the chunks read stay (generate's invariant)
 
-        _, stats = eng.run(tokens, gen, text_arrived, progress, lambda: stop.hit or is_cancelled(),
-                              on_token=slot.fed.append, cache=cache)
-        del slot.fed[cache.pos:]
+        _, stats = eng.run(seq, tokens[cached:], gen, text_arrived, progress, lambda: stop.hit or is_cancelled())
         rest = "" if stop.hit else stop.flush()
         if rest and on_text is not None:
             on_text(rest)
