@@ -117,21 +117,9 @@ def prefill_chunk(model, cache, chunk: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode_one_token(model, cache, token: int) -> torch.Tensor:
-    """Feed one token at cache.pos; returns its logits [V]."""
-    if model.native is not None:  # CPU, Q8_0 weights: no torch op at all on the way (ktquest.native.decode)
-        return model.native.decode(token, cache)
-    x = torch.tensor([token], dtype=torch.long, device=_device(model))  # [1]
-    if x.device.type != "cpu":
-        return model(x, cache.pos, cache)[0]
-    # On the CPU a decode step is a few hundred tiny torch ops around the native GEMV and attention
-    # (which use their own thread pool): each op would pay a fork/join of torch's threads for
-    # microseconds of work, so torch runs them on one thread.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return model(x, cache.pos, cache)[0]
-    finally:
-        torch.set_num_threads(n)
+    """Feed one token at cache.pos; returns its logits [V] (the model's decode step: ``models.llama.DecodeStep``,
+    native on the CPU with GGUF-encoded weights, the forward pass elsewhere)."""
+    return model.decoder.decode(token, cache)
 
 
 def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: GenerationConfig,

@@ -18,7 +18,9 @@ import ktquest
 from ktquest.config import ConfigError
 from ktquest.formats.gguf import GGUFError
 from ktquest.layers.linear import Linear
+from ktquest.models.llama import TorchDecoder
 from ktquest.models.loader import load_model
+from ktquest.native.decode import NativeDecoder
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def shaped_tiny(tmp_path_factory, tokenizer_gguf):  # noqa: F811
 def test_shaped_model_greedy_tokens_match_the_dequantized_reference(shaped_tiny, activations):
     ref = ktquest.load(shaped_tiny, weights="dequantize", max_seq_len=256, chunk_size=16)
     enc = ktquest.load(shaped_tiny, weights="gguf", activations=activations, max_seq_len=256, chunk_size=16)
-    assert enc.model.native is not None and ref.model.native is None
+    assert isinstance(enc.model.decoder, NativeDecoder) and isinstance(ref.model.decoder, TorchDecoder)
     texts = [eng.generate("the cat sat on the mat and then", max_new_tokens=24, temperature=0)
              for eng in (ref, enc)]
     assert texts[0] == texts[1] and len(texts[0]) > 0

@@ -15,6 +15,7 @@ from ktquest.config import Config, ConfigError
 from ktquest.engine import PromptTooLongError
 from ktquest.formats.gguf import GGUFError
 from ktquest.kv.dense import DenseKVCache
+from ktquest.native.decode import NativeDecoder
 
 QUESTION = "What is the capital of France?"
 GOLDEN_REPLY = "The capital of France is Paris."  # the same as HF transformers' Llama on these weights
@@ -58,7 +59,7 @@ def test_golden_reply_on_the_default_gguf_weights(bundled_gguf):
     # decode step native, prefill on dequantized panels.
     eng = ktquest.load(bundled_gguf, max_seq_len=256, max_new_tokens=16)
     assert eng.config.weights == "auto" and eng.weights == "gguf" and eng.device.type == "cpu"
-    assert eng.model.native is not None and eng.model.layers[0].attn.wqkv.quant.parts[0][0] == "Q4_1"
+    assert isinstance(eng.model.decoder, NativeDecoder) and eng.model.layers[0].attn.wqkv.quant.parts[0][0] == "Q4_1"
     assert eng.chat_session().send(QUESTION).text == GOLDEN_REPLY
 
 

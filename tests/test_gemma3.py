@@ -17,8 +17,9 @@ from ktquest.engine import make_cache
 from ktquest.generate import decode_one_token, prefill
 from ktquest.kv import sliding
 from ktquest.kv.sliding import HybridCache
+from ktquest.models.llama import TorchDecoder
 from ktquest.models.loader import load_model
-from ktquest.native.decode import NativeDecoder
+from ktquest.native.decode import NativeDecoder, use_native_decode
 
 
 def cache_for(model, cfg: Config = Config(chunk_size=16), max_seq_len: int = 128):
@@ -41,7 +42,7 @@ def test_logits_match_hf(tiny_gemma3, encoded):
     position's logits (the sliding layers' windows and RoPE, the global layers' whole past)."""
     path, hf = tiny_gemma3
     model, _ = load_model(path, encoded=encoded)
-    model.native = NativeDecoder.build(model, threads=2)  # the decode steps' native path when encoded
+    use_native_decode(model, threads=2)  # the decode steps' native path when encoded
     tokens = prompt_ids(60, model.args.vocab_size)
     with torch.inference_mode():
         expected = hf(tokens[None]).logits[0]  # [60, V]
@@ -58,8 +59,8 @@ def test_native_decode_matches_the_torch_block(tiny_gemma3):
     model, _ = load_model(tiny_gemma3.path, encoded=True)
     tokens = prompt_ids(50, model.args.vocab_size)
     runs = []
-    for native in (None, NativeDecoder.build(model, threads=2)):
-        model.native = native
+    for decoder in (TorchDecoder(model), NativeDecoder.build(model, threads=2)):
+        model.decoder = decoder
         cache = cache_for(model)
         with torch.inference_mode():
             prefill(model, cache, tokens[:30], chunk_size=16)

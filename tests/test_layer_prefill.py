@@ -142,11 +142,11 @@ def assert_same_store(a: LongContextCache, b: LongContextCache) -> None:
         torch.testing.assert_close(va, vb, atol=2e-5, rtol=1e-5)
     # The device windows: the init window's rows, and the local window's positions (which rows hold them
     # depends on when each cache compacted its buffer)
-    init, lo = min(a.init_end, a.pos), max(a._local_start(a.pos), a.init_end)
-    for wa, wb in ((a.win_k, b.win_k), (a.win_v, b.win_v)):
+    init, lo = min(a.init_end, a.pos), max(a.windows.local_start(a.pos), a.init_end)
+    for wa, wb in ((a.windows.k, b.windows.k), (a.windows.v, b.windows.v)):
         torch.testing.assert_close(wa[:, :, :init], wb[:, :, :init], atol=2e-5, rtol=1e-5)
         if a.pos > lo:
-            ra, rb = a._window_row(lo), b._window_row(lo)
+            ra, rb = a.windows.row(lo), b.windows.row(lo)
             torch.testing.assert_close(wa[:, :, ra: ra + a.pos - lo], wb[:, :, rb: rb + a.pos - lo], atol=2e-5,
                                        rtol=1e-5)
     span = a.planner.q_win_span
@@ -183,8 +183,8 @@ def test_a_prompt_after_a_truncation_inside_the_local_window(tiny_llama, order):
     tok = int(decode_one_token(model, cache, 7).argmax())
     for _ in range(12):  # decode moves the window's buffer on
         tok = int(decode_one_token(model, cache, tok).argmax())
-    n = cache.buf0 + 1
-    assert cache._local_start(n) < cache.buf0 <= n  # the case
+    n = cache.windows.buf0 + 1
+    assert cache.windows.local_start(n) < cache.windows.buf0 <= n  # the case
     cache.truncate(n)
     tokens = (first + [7])[:n] if n <= 91 else None
     assert tokens is not None
@@ -256,7 +256,7 @@ def test_the_workspace_is_one_layer_of_the_prompt_and_is_freed(tiny_llama, monke
     for n, nbytes, workspace, p in seen:
         assert workspace == 2 * a.n_kv_heads * n * a.head_dim * 4  # one layer's K/V of the slab
         # reported: that, each layer's last min(W, n) queries, the past windows gathered for a chunk
-        rows = 2 * a.n_kv_heads * (n + cache.win_k.shape[2]) + a.n_layers * min(W, n) * a.n_heads
+        rows = 2 * a.n_kv_heads * (n + cache.windows.k.shape[2]) + a.n_layers * min(W, n) * a.n_heads
         assert nbytes == cache.prefill_device_bytes(n) == rows * a.head_dim * 4
         assert p.k is None and p.v is None  # freed once the slab is in the store
 

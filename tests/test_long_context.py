@@ -92,12 +92,13 @@ def test_window_attention_in_query_tiles_equals_dense(monkeypatch, tile):
     """The windows' flash attention runs in query tiles, each against its last query's key columns: any tile
     (one token, sizes that do not divide a pass, one tile for all) gives dense attention. Passes of 13 tokens
     start inside the init window, mid-block and after the local window left rows behind."""
-    from ktquest.kv import windows
-    assert windows.FLASH_CPU is not None  # torch's CPU flash kernel: the tiled path is the one tested
-    monkeypatch.setattr(windows, "FLASH_TILE", tile)
+    from ktquest.kv import long_context_pass
+    monkeypatch.setattr(long_context_pass, "FLASH_TILE", tile)
     cfg = full_budget("quest", kv_type="FP32")
     q, k, v = qkv(N=100)
-    out = run(LongContextCache(ARGS, cfg, 256), q, k, v, 13, 91, n_layers=3)
+    cache = LongContextCache(ARGS, cfg, 256)
+    assert cache.placement.flash  # torch's CPU flash kernel: the tiled path is the one tested
+    out = run(cache, q, k, v, 13, 91, n_layers=3)
     torch.testing.assert_close(out, dense_ref(q, k, v), atol=TOL["FP32"], rtol=TOL["FP32"])
 
 
@@ -226,7 +227,7 @@ def test_a_chunk_larger_than_the_context_does_not_size_the_window():
     """No pass is longer than max_seq_len: chunk_size 16384 with max_seq_len 256 is a chunk of 256."""
     cfg = dataclasses.replace(sparse_cfg(), chunk_size=16384)
     cache = LongContextCache(ARGS, cfg, 256)
-    assert cache.chunk_size == 256 and cache.win_k.shape[2] == 8 + 16 + 8 + 256  # init + local + block + chunk
+    assert cache.chunk_size == 256 and cache.windows.k.shape[2] == 8 + 16 + 8 + 256  # init + local + block + chunk
     q, k, v = qkv(N=256)
     run(cache, q, k, v, 256, 250, n_layers=3)  # a 250-token pass in one chunk, then decode to the end
     assert cache.pos == 256
@@ -456,8 +457,8 @@ def test_a_truncate_inside_the_local_window_keeps_every_position_attended():
     q, k, v = qkv(N=120)
     cache = LongContextCache(ARGS, cfg, 256)
     run(cache, q[:100], k[:100], v[:100], 16, 64, n_layers=ARGS.n_layers)  # 64 prefilled, 36 decoded
-    n = cache.buf0 + 1
-    assert cache._local_start(n) < cache.buf0 < n
+    n = cache.windows.buf0 + 1
+    assert cache.windows.local_start(n) < cache.windows.buf0 < n
     cache.truncate(n)
     out = [cache.attend(i, q[n: n + 3], k[n: n + 3], v[n: n + 3], n) for i in range(ARGS.n_layers)][0]
     torch.testing.assert_close(out, dense_ref(q[: n + 3], k[: n + 3], v[: n + 3])[n:], atol=TOL["FP32"],
@@ -475,10 +476,10 @@ def test_a_pass_cut_after_it_compacted_the_windows_leaves_every_position_attende
     cache = LongContextCache(ARGS, cfg, 256)
     run(cache, q[:64], k[:64], v[:64], 16, 64, n_layers=ARGS.n_layers)
     if cut == "before the store":
-        cache._begin_pass(64, 16)  # the pass's geometry, then an error in layer 0's attention
+        cache.begin_pass(64, 16)  # the pass's geometry, then an error in layer 0's attention
     else:
         cache.attend(0, q[64:80], k[64:80], v[64:80], 64)  # layer 0 only: the pass is cut there
-    assert cache.buf0 > cache._local_start(64)
+    assert cache.windows.buf0 > cache.windows.local_start(64)
     if cut == "truncate":
         cache.truncate(64)
     out = [cache.attend(i, q[64:67], k[64:67], v[64:67], 64) for i in range(ARGS.n_layers)][0]

@@ -10,6 +10,7 @@ import torch
 
 from ktquest.generate import decode_one_token, prefill
 from ktquest.kv.dense import DenseKVCache
+from ktquest.models.llama import TorchDecoder
 from ktquest.models.loader import load_model
 from ktquest.native.decode import NativeDecoder
 
@@ -200,13 +201,13 @@ def test_native_decode_matches_the_torch_block(tiny_model):
     model, _ = load_model(path, encoded=True)
     tokens = prompt_ids(40, model.args.vocab_size)
     runs = []
-    for native in (None, NativeDecoder.build(model, threads=2)):
-        model.native = native
+    for decoder in (TorchDecoder(model), NativeDecoder.build(model, threads=2)):
+        model.decoder = decoder
         cache = make_cache(model, 64)
         with torch.inference_mode():
             prefill(model, cache, tokens[:30], chunk_size=16)
             runs.append(torch.stack([decode_one_token(model, cache, int(tokens[i])) for i in range(30, 40)]))
-    model.native = None
+    model.decoder = TorchDecoder(model)
     # fp32 throughout; the native RMSNorm sums in double and the RoPE/SwiGLU loops round in another order.
     torch.testing.assert_close(runs[1], runs[0], atol=FP32_ATOL, rtol=FP32_RTOL)
 

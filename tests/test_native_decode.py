@@ -355,7 +355,7 @@ def test_a_prompts_last_chunk_of_one_token_is_read_exactly(tiny_llama, name):
     candidates as the prompt read in chunks that end otherwise, and the same tokens after."""
     model, _ = load_model(tiny_llama.path, encoded=True)
     use_native_decode(model, 2)
-    assert model.native is not None
+    assert isinstance(model.decoder, NativeDecoder)
     lc = dict(block_size=4, init_windows_len=4, local_windows_len=8, second_select_num=2, preselect_block_count=4,
               dense_layer_num=0, kv_type="FP16", anchor_num=2)
     cfg = dataclasses.replace(preset(name, **lc), chunk_size=32, max_seq_len=256)

@@ -25,6 +25,7 @@ from common import context_tokens  # noqa: E402
 
 import ktquest  # noqa: E402
 from ktquest.config import load_config  # noqa: E402
+from ktquest.native.decode import NativeDecoder  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = ktquest.load(config=load_config(a.config, sets))
     if eng.config.mode != "long_context":
         ap.error(f"--config {a.config}: mode is {eng.config.mode!r}, not long_context")
-    if eng.model.native is None:
+    if not isinstance(eng.model.decoder, NativeDecoder):
         ap.error("the native decode step is off (weights: dequantize, or not on the CPU): nothing to profile")
     torch.set_num_threads(a.threads)
     cache, store = eng.cache, eng.cache.store
@@ -72,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
 
     timed = TimedCache()
     for _ in range(3):  # warm-up
-        tok = int(eng.model.native.decode(tok, timed, planned=False).argmax())
+        tok = int(eng.model.decoder.decode(tok, timed, planned=False).argmax())
     attn_s.clear()
     stage_ms.clear()
     t0 = time.perf_counter()
     for _ in range(a.tokens):
-        tok = int(eng.model.native.decode(tok, timed, planned=False).argmax())
+        tok = int(eng.model.decoder.decode(tok, timed, planned=False).argmax())
     total = time.perf_counter() - t0
     n = a.tokens
     print(f"{a.config}, context {a.context}, {a.threads} threads: {n / total:.1f} tok/s, {total / n * 1e3:.2f} ms/token")

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ktquest.kv.memory import check_dense_fits
+from ktquest.kv.placement import Placement
 from ktquest.native.attention import dense_decode_attention
 from ktquest.native.plans import DenseTokenPlan
 
@@ -35,15 +36,15 @@ class DenseKVCache:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
         check_dense_fits(n_layers, n_kv_heads, head_dim, max_seq_len, torch.device(device), dtype)
         self.n_layers, self.max_seq_len = n_layers, max_seq_len
-        self.device = torch.device(device)
+        self.placement = Placement.of(device, dtype)
+        self.device = self.placement.device
         shape = (1, n_kv_heads, min(max_seq_len, GROW_TOKENS), head_dim)
         self._k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]  # [1, KVH, cap, D]
         self._v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]  # [1, KVH, cap, D]
         self.pos = 0
         self._np: list | None = None  # numpy views of the layers for the native decode plan
-        # CPU fp32 decode goes to the C++ split-K kernel (kv/attention.dense_decode_attention): SDPA read a decode
-        # step's K/V at a fraction of the DRAM bandwidth the kernel streams them at.
-        self._native_decode = self.device.type == "cpu" and dtype == torch.float32
+        # CPU fp32 decode goes to the C++ split-K kernel (native.attention.dense_decode_attention): SDPA read a
+        # decode step's K/V at a fraction of the DRAM bandwidth the kernel streams them at.
         self.threads = max(1, threads)
         self.scale = head_dim ** -0.5
         self._mask_key: tuple[int, int] | None = None
@@ -75,7 +76,7 @@ class DenseKVCache:
         k_all, v_all = self._k[layer_idx], self._v[layer_idx]  # [1, KVH, cap, D]
         k_all[:, :, start_pos:end] = k.transpose(0, 1)  # [KVH, T, D]
         v_all[:, :, start_pos:end] = v.transpose(0, 1)
-        if t == 1 and self._native_decode:  # decode: the one query sees every position
+        if t == 1 and self.placement.native:  # decode: the one query sees every position
             out, _ = dense_decode_attention(q[0], k_all[0], v_all[0], end, self.scale, self.threads)
             return out[None]  # [1, H, D]
         keys, values = k_all[:, :, :end], v_all[:, :, :end]  # [1, KVH, end, D]
@@ -143,7 +144,7 @@ class DenseKVCache:
     def plan_decode(self, pos: int) -> DenseTokenPlan | None:
         """The whole decode token at ``pos`` in one native call (``KVCache.plan_decode``), every layer grown to
         hold it first; None off the CPU in fp32 (the token then goes block by block through ``attend``)."""
-        if not self._native_decode:
+        if not self.placement.native:
             return None
         if not 0 <= pos <= self.pos or pos >= self.max_seq_len:
             self._raise_bad_positions(pos, pos + 1)

@@ -23,108 +23,113 @@ probabilities) read the prompt chunk by chunk (``prefill.order: chunk``; the con
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from ktquest.kv.attention import attention_lse, merge_attention
-
-if TYPE_CHECKING:
-    from ktquest.kv.long_context import LongContextCache
+from ktquest.kv.long_context_pass import Shape
+from ktquest.kv.plan import DecodePlanner
+from ktquest.kv.windows import Windows
+from ktquest.native.store import KVStore
 
 SLAB_TO_STORE = 4096  # tokens a layer's K/V cross to the store at a time (bounds the host copy)
 
 
-class LongContextPromptLayers:
-    """A prompt of ``n`` tokens at ``start`` read layer by layer into a ``LongContextCache`` (the protocol:
-    ``KVCache.prompt_layers``). Where the past's keys lie and how a layer's windows move are the cache's
-    (``_past``, ``_window_to``); this reads the prompt and keeps what undoes it."""
+def workspace_bytes(shape: Shape, windows: Windows, q_window: int, n: int) -> int:
+    """Device bytes a layer-major prompt of ``n`` tokens holds beside the cache: its K/V of one layer, each
+    layer's last ``q_window`` prompt queries kept for the planner, and the past's windows gathered for a chunk."""
+    rows = 2 * shape.n_kv_heads * (n + windows.k.shape[2]) + len(windows.k) * min(q_window, n) * shape.n_heads
+    return rows * shape.head_dim * windows.k.element_size()
 
-    def __init__(self, cache: LongContextCache, start: int, n: int):
-        c = cache
-        if c.cfg.prefill.mode != "exact" or c.lc.anchor_type == "DYNAMIC":
+
+class LongContextPromptLayers:
+    """A prompt of ``n`` tokens at ``start`` read layer by layer into a long-context cache's parts (the protocol:
+    ``KVCache.prompt_layers``; the cache has dropped what it held from ``start`` on). Where the past's keys lie
+    and how a layer's windows move are the windows' (``Windows.past``, ``move_to``); this reads the prompt and
+    keeps what undoes it. ``on_done(end)``: every layer holds the prompt."""
+
+    def __init__(self, shape: Shape, windows: Windows, store: KVStore, planner: DecodePlanner, start: int, n: int,
+                 on_done: Callable[[int], None]):
+        if shape.prefill.mode != "exact" or shape.dynamic:
             raise ValueError("layer-major prefill reads a prompt exactly with linear anchors (prefill.mode: exact, "
                              "anchor_type not DYNAMIC)")
-        end = start + n
         if n < 1:
             raise ValueError(f"layer-major prompt: {n} tokens")
-        c._write_from(start, n)
-        if c.buf0 > max(c.init_end, c._local_start(start)):  # _write_from puts buf0 back to <= it
-            raise ValueError(f"long-context cache: its window buffer starts at {c.buf0}, past the local window "
-                             f"of position {start}")
-        self.cache, self.start, self.end, self.n = c, start, end, n
-        self.init_rows, self.local_rows, self.lb = c._past(start)
+        if windows.buf0 > windows.local_start(start):  # the cache's write_from puts buf0 back to <= it
+            raise ValueError(f"long-context cache: its window buffer starts at {windows.buf0}, past the local "
+                             f"window of position {start}")
+        self.shape, self.windows, self.store, self.planner = shape, windows, store, planner
+        self.start, self.end, self.n, self._on_done = start, start + n, n, on_done
+        self.init_rows, self.local_rows, self.lb = windows.past(start, shape.ib)
+        p = shape.placement
         # The workspace: this layer's prompt K/V, [KVH, n, D] each, on the device
-        self.k = torch.empty(c.KVH, n, c.D, device=c.device, dtype=c.dtype)
+        self.k = torch.empty(shape.n_kv_heads, n, shape.head_dim, device=p.device, dtype=p.dtype)
         self.v = torch.empty_like(self.k)
-        self.device_bytes = c.prefill_device_bytes(n)  # the workspace and the queries in q_tail
-        self._W = c.planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in done())
-        self.q_tail: list[torch.Tensor | None] = [None] * c.n_layers
+        self._W = planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in done())
+        self.device_bytes = workspace_bytes(shape, windows, self._W, n)
+        self.q_tail: list[torch.Tensor | None] = [None] * len(windows.k)
         self._saved: list[tuple] = []  # per layer moved: the window rows it overwrote (abort puts them back)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
         """``KVCache.attend`` for the layer being read: q [T, H, D], k/v [T, KVH, D] at start_pos.. -> [T, H, D]."""
-        c, T = self.cache, q.shape[0]
+        s, T = self.shape, q.shape[0]
         j = start_pos - self.start  # the chunk's first workspace row
         if layer != len(self._saved) or not 0 <= j <= self.n - T:
             raise ValueError(f"layer-major prompt: layer {layer} at positions {start_pos}..{start_pos + T - 1}, "
                              f"but layer {len(self._saved)} reads positions {self.start}..{self.end - 1}")
-        KVH, G, D = c.KVH, c.G, c.D
+        KVH, G, D = s.n_kv_heads, s.group, s.head_dim
         self.k[:, j: j + T] = k.transpose(0, 1)
         self.v[:, j: j + T] = v.transpose(0, 1)
         qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]: rows (t, g)
         # ---- the chunk itself, causal: K/V repeated to the H query heads ([H, T, D], one chunk's worth) ----
         kc = self.k[:, j: j + T].repeat_interleave(G, 0)
         vc = self.v[:, j: j + T].repeat_interleave(G, 0)
-        out, lse = attention_lse(q.transpose(0, 1), kc, vc, c.scale, causal=True)  # [H, T, D], [H, T] fp32
+        out, lse = attention_lse(q.transpose(0, 1), kc, vc, s.scale, causal=True)  # [H, T, D], [H, T] fp32
         out = out.view(KVH, G, T, D).transpose(1, 2).reshape(KVH, T * G, D)
         lse = lse.view(KVH, G, T).transpose(1, 2).reshape(KVH, T * G)
         # (each part merged as soon as it is made: device memory holds one part beside the union)
         if j > 0:  # ---- the prompt before the chunk ----
-            out, lse = merge_attention(out, lse, *attention_lse(qh, self.k[:, :j], self.v[:, :j], c.scale))
+            out, lse = merge_attention(out, lse, *attention_lse(qh, self.k[:, :j], self.v[:, :j], s.scale))
         a, b = self.local_rows  # ---- the past's windows ----
         if self.init_rows or b > a:
-            wk, wv = c.win_k[layer], c.win_v[layer]  # [KVH, rows, D]
-            keys = torch.cat([wk[:, : self.init_rows], wk[:, a:b]], 1)  # [KVH, <= init + local, D]
-            vals = torch.cat([wv[:, : self.init_rows], wv[:, a:b]], 1)
-            out, lse = merge_attention(out, lse, *attention_lse(qh, keys, vals, c.scale))
+            keys, vals = self.windows.gather(layer, self.init_rows, self.local_rows)  # [KVH, <= init + local, D]
+            out, lse = merge_attention(out, lse, *attention_lse(qh, keys, vals, s.scale))
             del keys, vals
-        if self.lb > c.ib:  # ---- the past's context blocks, read in place from DRAM ----
-            qs = qh.float().reshape(KVH * T * G, D).cpu().contiguous()
-            o, s = c.store.attend(layer, qs, c._all_blocks[c.ib: self.lb])
-            o, s = o.view(KVH, T * G, D).to(c.device), s.view(KVH, T * G).to(c.device)
-            out, lse = merge_attention(out, lse, o, s)
+        if self.lb > s.ib:  # ---- the past's context blocks, read in place from DRAM ----
+            qs = s.placement.to_host(qh.float().reshape(KVH * T * G, D))
+            o, sc = self.store.attend(layer, qs, s.all_blocks[s.ib: self.lb])
+            o, sc = s.placement.to_device(o.view(KVH, T * G, D)), s.placement.to_device(sc.view(KVH, T * G))
+            out, lse = merge_attention(out, lse, o, sc)
         tail = q if self.q_tail[layer] is None else torch.cat([self.q_tail[layer], q])
         self.q_tail[layer] = tail[-self._W:].clone()
-        return out.view(KVH, T, G, D).transpose(0, 1).reshape(T, c.H, D).to(q.dtype)
+        return out.view(KVH, T, G, D).transpose(0, 1).reshape(T, s.n_heads, D).to(q.dtype)
 
     def layer_done(self, layer: int) -> None:
         """The layer read the whole prompt: its K/V to the store (in slabs), its windows to the prompt's end."""
-        c = self.cache
+        p = self.shape.placement
         for a in range(0, self.n, SLAB_TO_STORE):
             b = min(self.n, a + SLAB_TO_STORE)
-            c.store.append(layer, self.k[:, a:b].transpose(0, 1).contiguous().cpu(),
-                           self.v[:, a:b].transpose(0, 1).contiguous().cpu())
-        self._saved.append(c._window_rows(layer, self.start))  # (before they move: abort puts them back)
-        c._window_to(layer, self.start, self.k, self.v)
+            self.store.append(layer, p.to_host(self.k[:, a:b].transpose(0, 1)), p.to_host(self.v[:, a:b].transpose(0, 1)))
+        self._saved.append(self.windows.saved_rows(layer, self.start))  # (before they move: abort puts them back)
+        self.windows.move_to(layer, self.start, self.k, self.v)
 
     def done(self) -> None:
         """Every layer read the prompt: the cache holds it; the workspace is freed."""
-        c = self.cache
-        if len(self._saved) != c.n_layers:
-            raise ValueError(f"layer-major prompt: {len(self._saved)} of {c.n_layers} layers read it")
-        c.planner.begin_prefill()  # (as a chunk-order pass: selections are stale, SnapKV preselects again)
+        n_layers = len(self.windows.k)
+        if len(self._saved) != n_layers:
+            raise ValueError(f"layer-major prompt: {len(self._saved)} of {n_layers} layers read it")
+        self.planner.begin_prefill()  # (as a chunk-order pass: selections are stale, SnapKV preselects again)
         for layer, q in enumerate(self.q_tail):
-            c.planner.record_queries(layer, q, self.end - q.shape[0])
-        c.planner.queries_recorded(self.start, self.n)
-        c.buf0 = max(c.init_end, c._local_start(self.end))
-        c.pos = self.end
+            self.planner.record_queries(layer, q, self.end - q.shape[0])
+        self.planner.queries_recorded(self.start, self.n)
+        self.windows.moved(self.end)
+        self._on_done(self.end)
         self.k = self.v = self._saved = None
 
     def abort(self) -> None:
         """The read stopped part-way: the cache holds exactly what it held before the prompt."""
-        c = self.cache
-        c.store.truncate(-1, self.start)
+        self.store.truncate(-1, self.start)
         for layer, saved in enumerate(self._saved):
-            c._window_back(layer, saved)
+            self.windows.put_back(layer, saved)
         self.k = self.v = self._saved = None

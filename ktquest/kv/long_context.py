@@ -11,17 +11,11 @@ The windows are block aligned, so the partition of the keys is exact (no token i
     blocks [ib, lb)     context        the store's operator; decode selects among these (minus preselection)
     blocks [lb, ...)    local window   lb = floor((n - local_windows_len) / block_size), n = tokens after the pass
 
-The device window buffers and their attention are ``kv/windows.py``'s.
-
-A prompt's passes stay exact (a last chunk of one token too: ``begin_prompt`` tells it from a decode
-step): the chunk's queries attend to the context blocks through ``store.attend``
-with the queries regrouped as [KVH, T * G] "heads" (every query of a KV head's group, every context
-block), so past K/V are read in place from DRAM in their stored type: nothing is copied back to the
-device and nothing is dequantised into a buffer. It reads each past token once per chunk, i.e.
-O(N^2 / chunk_size) token reads for an N-token prompt, the same O(N^2) work as dense attention.
-
-Which context blocks a decode step attends to is the planner's (``kv/plan.py``); on the CPU a whole decode
-token is planned here (``plan_decode``) and run by ``ktquest.native.decode`` in one native call.
+This module composes the parts and keeps the ``KVCache`` protocol: the device windows (``kv/windows.py``), the
+store, the decode planner (``kv/plan.py``: which context blocks a decode step attends) and the execution of a
+pass (``kv/long_context_pass.py``). A prompt's passes stay exact (a last chunk of one token too:
+``begin_prompt`` tells it from a decode step); on the CPU a whole decode token is planned here
+(``plan_decode``) and run by ``ktquest.native.decode`` in one native call.
 """
 
 from __future__ import annotations
@@ -32,17 +26,17 @@ import math
 import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig
-from ktquest.kv.attention import merge_attention
-from ktquest.kv.layer_prefill import LongContextPromptLayers
-from ktquest.kv.long_context_state import LongContextFileState
+from ktquest.kv import long_context_pass as passes
+from ktquest.kv.layer_prefill import LongContextPromptLayers, workspace_bytes
 from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_tokens
+from ktquest.kv.placement import Placement
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
-from ktquest.kv.windows import DeviceWindows, PassGeometry
+from ktquest.kv.windows import PassGeometry, Windows
 from ktquest.native.plans import TokenPlan
 from ktquest.native.store import KVStore
 
 
-class LongContextCache(DeviceWindows, LongContextFileState):
+class LongContextCache:
     """A ``KVCache`` (kv/base.py) over a DRAM block store and device windows: see the module docstring."""
 
     def __init__(self, args, cfg: Config, max_seq_len: int, device: str | torch.device = "cpu",
@@ -50,43 +44,35 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         lc = cfg.long_context
         self.lc, self.cfg = lc, cfg
         self.n_layers, self.max_seq_len = args.n_layers, max_seq_len
-        self.H, self.KVH, self.D = args.n_heads, args.n_kv_heads, args.head_dim
-        self.G = self.H // self.KVH
-        check_kv_type(lc, self.D)
+        H, KVH, D = args.n_heads, args.n_kv_heads, args.head_dim
+        check_kv_type(lc, D)
         if lc.init_windows_len + lc.local_windows_len > max_seq_len:
             raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
                               f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
         check_store_fits(lc, args, max_seq_len, cfg.chunk_size, layer_major_tokens(cfg, max_seq_len))
-        self.device, self.dtype = torch.device(device), dtype
-        self.bs = lc.block_size
-        self.ib = -(-lc.init_windows_len // self.bs)  # init window blocks
-        self.init_end = self.ib * self.bs
+        self.placement = Placement.of(device, dtype)
+        bs = lc.block_size
+        ib = -(-lc.init_windows_len // bs)  # init window blocks
+        self.init_end = ib * bs
         # No pass is longer than the cache: a chunk_size past max_seq_len must not size the window buffer
         self.chunk_size = min(cfg.chunk_size, max_seq_len)
-        self.cap = lc.local_windows_len + self.bs + self.chunk_size  # local buffer capacity, tokens
         threads = lc.threads_num or cfg.resolved_threads()
         try:  # the RAM check passed, yet the reservation can still fail (strict overcommit, address space)
-            self.store = KVStore(self.n_layers, self.KVH, self.D, max_seq_len, self.bs, lc.kv_type, lc.anchor_type,
+            self.store = KVStore(self.n_layers, KVH, D, max_seq_len, bs, lc.kv_type, lc.anchor_type,
                                  lc.anchor_num, threads, lc.int8_candidates, lc.index_group, lc.quest_centre,
                                  lc.sticky_blocks)
         except MemoryError as e:
             raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}; lower max_seq_len") from None
-        shape = (self.n_layers, self.KVH, self.init_end + self.cap, self.D)
-        self.win_k = torch.zeros(shape, device=self.device, dtype=dtype)  # [L, KVH, init_end + cap, D]
-        self.win_v = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.scale = 1.0 / math.sqrt(self.D)
-        self.threads = threads
-        # A CPU fp32 decode step is native (cpp/decode/layer_step: window, store part and LSE merge in one call);
-        # DYNAMIC anchors need the attention probabilities, which only the explicit torch path returns.
-        self._native_decode = self.device.type == "cpu" and dtype == torch.float32 and lc.anchor_type != "DYNAMIC"
-        # numpy views of each layer's window buffers for the native decode calls (the buffers are never replaced)
-        self._win_np = [(self.win_k[i].numpy(), self.win_v[i].numpy()) for i in range(self.n_layers)] \
-            if self._native_decode else None
-        self._all_blocks = torch.arange(-(-max_seq_len // self.bs), dtype=torch.int32)  # [max_blocks]
-        self._out = torch.empty(self.H, self.D)  # decode: the store part, fp32 [H, D]
-        self._lse = torch.empty(self.H)  # [H]
-        self.planner = DecodePlanner(lc, self.store, self.n_layers, self.H, self.D, self.ib, self._all_blocks,
-                                     self.device, dtype, max_seq_len)
+        cap = lc.local_windows_len + bs + self.chunk_size  # the local part's rows
+        self.windows = Windows(self.n_layers, KVH, D, self.init_end, lc.local_windows_len, bs, cap, self.placement)
+        dynamic = lc.anchor_type == "DYNAMIC"
+        all_blocks = torch.arange(-(-max_seq_len // bs), dtype=torch.int32)  # [max_blocks]
+        # A CPU fp32 decode step is native (window, store part and LSE merge in one call: cpp/decode/); DYNAMIC
+        # anchors need the attention probabilities, which only the explicit torch path returns.
+        self.shape = passes.Shape(H, KVH, D, bs, ib, 1.0 / math.sqrt(D), threads, self.placement,
+                                  self.placement.native and not dynamic, dynamic, cfg.prefill, all_blocks)
+        self.planner = DecodePlanner(lc, self.store, self.n_layers, H, D, ib, all_blocks, self.placement.device,
+                                     dtype, max_seq_len)
         self.reset()
 
     # ---- bookkeeping ----
@@ -101,20 +87,20 @@ class LongContextCache(DeviceWindows, LongContextFileState):
 
     def prompt_layers(self, start: int, n: int) -> LongContextPromptLayers:
         """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``; kv/layer_prefill.py)."""
-        return LongContextPromptLayers(self, start, n)
+        self.write_from(start, n)
+        return LongContextPromptLayers(self.shape, self.windows, self.store, self.planner, start, n,
+                                       self._prompt_read)
 
     def prefill_device_bytes(self, n: int) -> int:
         """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer, each layer's last
         prompt queries kept for the planner, and the past's windows gathered for a chunk (kv/layer_prefill.py)."""
-        W = min(self.planner.q_win.shape[1], n)
-        rows = 2 * self.KVH * (n + self.win_k.shape[2]) + self.n_layers * W * self.H
-        return rows * self.D * self.win_k.element_size()
+        return workspace_bytes(self.shape, self.windows, self.planner.q_win.shape[1], n)
 
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""
         self.store.truncate(-1, 0)
         self.pos = 0
-        self.buf0 = self.init_end  # position of window index init_end
+        self.windows.reset()
         self.geo = PassGeometry()
         self.exact_from = self.max_seq_len  # begin_prompt: queries from it on read every block
         self.prompt_end = 0  # begin_prompt: a one-token pass that ends by it is a prompt's, not a decode step
@@ -158,29 +144,11 @@ class LongContextCache(DeviceWindows, LongContextFileState):
             raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
         self.store.truncate(-1, n)  # also drops what an interrupted pass appended to the first layers
         self.prompt_end = min(self.prompt_end, n)
-        self._window_back_to(n)  # (n == pos too: a cut pass may have compacted past n's local window)
+        self.windows.refill(n, self.store)  # (n == pos too: a cut pass may have compacted past n's local window)
         if n == self.pos:
             return
         self.pos = n
         self.planner.truncated(n)
-
-    def _window_back_to(self, n: int) -> None:
-        """With ``n`` tokens held, the buffer holds the local window of n again (``buf0`` <= its start):
-        where it starts past it (after a truncate, or after a prompt's pass that compacted up to its own
-        local window and was cut), the rows it still holds move right and the positions [loc0, buf0) come
-        from the store."""
-        loc0 = self._local_start(n)  # >= init_end: with n <= init_end the init window holds them all
-        if loc0 >= self.buf0:
-            return
-        ie, kept = self.init_end, max(0, n - self.buf0)
-        shift, m = self.buf0 - loc0, min(n, self.buf0) - loc0
-        for layer in range(self.n_layers if loc0 < n else 0):
-            for buf in (self.win_k, self.win_v):
-                buf[layer, :, ie + shift: ie + shift + kept] = buf[layer, :, ie: ie + kept].clone()
-            k, v = self.store.read_range(layer, loc0, loc0 + m)  # [m, KVH, D] fp32
-            self.win_k[layer, :, ie: ie + m] = k.transpose(0, 1).to(self.win_k)
-            self.win_v[layer, :, ie: ie + m] = v.transpose(0, 1).to(self.win_v)
-        self.buf0 = loc0
 
     def nbytes(self) -> int:
         """KV bytes held: the DRAM store's blocks in use, its copy of the candidates, the device windows."""
@@ -188,11 +156,11 @@ class LongContextCache(DeviceWindows, LongContextFileState):
 
     def device_kv_bytes(self) -> int:
         """Bytes of K/V held on the device (the windows; fixed at construction)."""
-        return self.win_k.nbytes + self.win_v.nbytes + self.planner.q_win.nbytes
+        return self.windows.nbytes + self.planner.q_win.nbytes
 
     # ---- the pass ----
 
-    def _write_from(self, start: int, T: int) -> None:
+    def write_from(self, start: int, T: int) -> None:
         """Positions [start, start + T) are written next (by a pass or a layer-major prompt): the cache drops
         what it holds from ``start`` on, and what an interrupted pass left; ValueError where they cannot go."""
         if start != self.pos:
@@ -203,55 +171,24 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         elif self.store.length(0) != start:  # a pass interrupted half-way: drop its first layers' tokens
             self.store.truncate(-1, start)
             self.planner.pass_abandoned()
-        self._window_back_to(start)  # a pass cut after it compacted (even before it stored anything)
+        self.windows.refill(start, self.store)  # a pass cut after it compacted (even before it stored anything)
         if start + T > self.max_seq_len:
             raise ValueError(f"KV cache overflow: positions {start}..{start + T - 1} do not fit in "
                              f"max_seq_len={self.max_seq_len} (the cache holds {self.pos} tokens)")
 
-    def _begin_pass(self, start: int, T: int) -> None:
-        """Geometry for positions [start, start + T), set up once (at layer 0) for every layer."""
-        self._write_from(start, T)
+    def begin_pass(self, start: int, T: int) -> PassGeometry:
+        """Positions [start, start + T) are read next by every layer: their geometry, set up once (at layer
+        0); a decode step (one token past the prompt) or a prompt's pass."""
+        self.write_from(start, T)
         if T > self.chunk_size:
             raise ValueError(f"long-context cache: {T} tokens in one pass exceed chunk_size={self.chunk_size}")
-        # The local window of this pass: strictly the last local_windows_len tokens of start + T, but never
-        # past the store's full blocks (a context block must be in the store before the chunk).
-        loc0 = max(self.init_end, min(self._local_start(start + T), start // self.bs * self.bs))
-        # Compact (move [loc0, start) to the front of the local part) when the pass would not fit, in a
-        # prompt's pass of several tokens whenever rows left the window (then the window attention scores
-        # no dead rows; at most local_windows_len rows move, none in million.yaml's full prefill chunks),
-        # or in decode once a quarter of the window is dead weight that every step would read and mask.
-        # (A cut pass leaves buf0 at its loc0, past the local window of the positions held: _window_back_to.)
-        if (start + T - self.buf0 > self.cap or (T > 1 and loc0 > self.buf0)
-                or (T == 1 and loc0 - self.buf0 > max(self.bs, self.cap // 4))):
-            m, off = start - loc0, self.init_end + loc0 - self.buf0
-            for buf in (self.win_k, self.win_v):
-                buf[:, :, self.init_end: self.init_end + m] = buf[:, :, off: off + m].clone()
-            self.buf0 = loc0
-        width = self.init_end + start + T - self.buf0 if start + T > self.init_end else start + T
-        # Additive mask [T, W]: query start+i sees window index j iff its position p(j) <= start+i and
-        # p(j) is in the init window or in [loc0, ...). Decode sees every index but the dropped ones.
-        drop = loc0 - self.buf0 if start >= self.init_end else 0  # positions [buf0, loc0) left the window
-        skip = (0, 0)
         decode = T == 1 and start + T > self.prompt_end
+        self.geo = self.windows.begin_pass(start, T, decode, self.shape.group, not self.shape.native_decode)
         if decode:
-            mask = None
-            if drop > 0:
-                skip = (self.init_end, self.init_end + drop)
-            if drop > 0 and not self._native_decode:  # the native kernel skips the stretch itself
-                mask = torch.zeros(1, width, device=self.device)
-                mask[:, skip[0]: skip[1]] = float("-inf")
-        else:
-            j = torch.arange(width, device=self.device)
-            p = torch.where(j < self.init_end, j, self.buf0 + j - self.init_end)  # [W] positions
-            qpos = torch.arange(start, start + T, device=self.device)[:, None]  # [T, 1]
-            ok = (p[None, :] <= qpos) & ((p < self.init_end) | (p >= loc0))[None, :]
-            mask = torch.zeros(T, width, device=self.device).masked_fill_(~ok, float("-inf"))
-        rows = None if mask is None else mask.repeat_interleave(self.G, 0)  # [T*G, W]
-        self.geo = PassGeometry(start, T, loc0, mask, rows, width, skip, decode)
-        if not decode:
-            self.planner.begin_prefill()
-        else:
             self.planner.begin_decode()
+        else:
+            self.planner.begin_prefill()
+        return self.geo
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> torch.Tensor:
@@ -261,109 +198,36 @@ class LongContextCache(DeviceWindows, LongContextFileState):
         torch on one thread: ``generate.decode_one_token`` sets it for the whole step.)
         """
         T = q.shape[0]
-        if layer_idx == 0:
-            self._begin_pass(start_pos, T)
-        g = self.geo
-        if g.decode and self._native_decode:
-            return self._decode_native(layer_idx, q, k, v, start_pos)
-        # ---- device part: init + local windows + this chunk, dense ----
-        w0 = self._window_row(start_pos)
-        self.win_k[layer_idx, :, w0: w0 + T] = k.transpose(0, 1)
-        self.win_v[layer_idx, :, w0: w0 + T] = v.transpose(0, 1)
-        out_w, lse_w, probs = self._window_attention(layer_idx, q, g)  # [T, H, D], [T, H] fp32
-        imp = None
-        if self.lc.anchor_type == "DYNAMIC":  # a token's importance: the attention the chunk's queries give it
-            imp = probs.view(self.KVH, T, self.G, -1)[..., w0: w0 + T].sum((1, 2)).t().float().cpu().contiguous()
-        # ---- store part: the context blocks [ib, lb) ----
-        lb = g.loc0 // self.bs
-        if lb > self.ib:
-            if g.decode:
-                out_s, lse_s = self._decode_context(layer_idx, q, lb)
-                out_s, lse_s = out_s.to(self.device)[None], lse_s.to(self.device)[None]
-            else:
-                out_s, lse_s = self._prefill_context(layer_idx, q, lb)
-            out_w, _ = merge_attention(out_w, lse_w, out_s, lse_s)
-        # ---- the chunk goes to the store (after attention: the store part never sees it) ----
-        kc, vc = k.contiguous(), v.contiguous()
-        if kc.device.type != "cpu":
-            kc, vc = kc.cpu(), vc.cpu()
-        self.store.append(layer_idx, kc, vc, imp)
-        if not g.decode:
-            self.planner.record_queries(layer_idx, q, start_pos)
+        g = self.begin_pass(start_pos, T) if layer_idx == 0 else self.geo
+        if g.decode and self.shape.native_decode:
+            out = passes.decode_native(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v)
+        else:
+            out = passes.attend_layer(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v,
+                                      self.exact_from)
         if layer_idx == self.n_layers - 1:
             self.pos = start_pos + T
             if not g.decode:
                 self.planner.queries_recorded(start_pos, T)
-        return out_w.to(q.dtype)
+        return out
 
-    def _prefill_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of every chunk query to the context blocks [ib, lb) (all of them, or with sparse prefill
-        those ``_prefill_blocks`` picks), read in place from DRAM."""
-        T = q.shape[0]
-        blocks = self._prefill_blocks(layer, q, lb)  # [n]: every block; [KVH, n]: sparse picks
-        cut = min(max(self.exact_from - self.geo.start, 0), T)  # queries [cut, T): the prompt's exact tail
-        if blocks.dim() == 1 or cut == T:
-            return self._read_context(layer, q, blocks)
-        every = self._all_blocks[self.ib: lb]
-        (o1, s1), (o2, s2) = self._read_context(layer, q[:cut], blocks), self._read_context(layer, q[cut:], every)
-        return torch.cat([o1, o2]), torch.cat([s1, s2])
+    def _prompt_read(self, end: int) -> None:
+        """A layer-major prompt ending at ``end`` is in every layer (``LongContextPromptLayers.done``)."""
+        self.pos = end
 
-    def _read_context(self, layer: int, q: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D] attends the store's ``blocks`` of ``layer`` ([KVH, n] per KV head, or [n] for every
-        head): (out [T, H, D], lse [T, H]) fp32 on the device."""
-        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
-        # Query "head" (kvh, t, g) reads KV head kvh: the store's grouping h // (H' / KVH) with H' = KVH*T*G.
-        qs = q.float().reshape(T, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * T * G, D).cpu().contiguous()
-        out, lse = self.store.attend(layer, qs, blocks)
-        out = out.view(KVH, T, G, D).permute(1, 0, 2, 3).reshape(T, self.H, D)
-        lse = lse.view(KVH, T, G).permute(1, 0, 2).reshape(T, self.H)
-        return out.to(self.device), lse.to(self.device)
-
-    def _prefill_blocks(self, layer: int, q: torch.Tensor, lb: int) -> torch.Tensor:
-        """The context blocks a prefill chunk attends. Exact prefill (and sparse before ``prefill.exact_tokens``,
-        while the context holds at most ``prefill.blocks`` blocks, or in a chunk within the prompt's last
-        ``prefill.exact_tail`` tokens: ``begin_prompt``): every block of [ib, lb), [n]. (A chunk that
-        reaches into that tail takes the sparse picks; ``_prefill_context`` gives its tail queries every
-        block.) Sparse: per KV
-        head the ``prefill.blocks`` blocks whose anchor scores, summed over ``select_queries`` of the chunk's
-        queries (spread over it, its last included) and their query heads, are highest, plus the chunk's length
-        of blocks just before the local window (the local window ends with the chunk, so its first queries
-        would otherwise see no recent token before themselves): [KVH, n] int32, ascending, -1 padded. The
-        choice is the store's selection, pruned by the hierarchical index when ``index_group`` > 0 (a chunk
-        then scores the N / (block_size * index_group) group bounds and the blocks of the groups that may hold
-        a pick, not all N / block_size blocks)."""
-        pf = self.cfg.prefill
-        if (pf.mode != "sparse" or self.geo.start < pf.exact_tokens or lb - self.ib <= pf.blocks
-                or self.geo.start >= self.exact_from):
-            return self._all_blocks[self.ib: lb]
-        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D
-        R = min(pf.select_queries, T)
-        pick = torch.linspace(0, T - 1, R).round().long()  # [R]
-        qs = q[pick].float().reshape(R, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * R * G, D).cpu().contiguous()
-        picked = self.store.select(layer, qs, pf.blocks, "SEPARATE", [(0, self.ib), (lb, self.store.n_blocks(layer))])
-        recent = torch.arange(max(self.ib, lb - -(-T // self.bs)), lb).expand(KVH, -1)  # [KVH, <= T / bs]
-        blocks = torch.cat([picked.long(), recent], 1)
-        big = torch.iinfo(torch.int64).max  # the -1 padding and the repeats sort last, then become -1
-        blocks = blocks.masked_fill(blocks < 0, big).sort(dim=1).values
-        blocks[:, 1:].masked_fill_(blocks[:, 1:] == blocks[:, :-1], big)
-        blocks = blocks.sort(dim=1).values
-        return blocks.masked_fill_(blocks == big, -1).to(torch.int32).contiguous()
-
-    # ---- decode: which context blocks ----
+    # ---- decode: a whole token planned ----
 
     def plan_decode(self, pos: int) -> TokenPlan | None:
         """The native plan of a decode token at ``pos`` (``KVCache.plan_decode``): every layer's window
         geometry and store part (``DecodePlanner.token_steps``). None where the native path does not apply
         (a GPU, DYNAMIC anchors) or the token is a prompt's (``begin_prompt``: read exactly, through
         ``attend``)."""
-        if not self._native_decode or pos < self.prompt_end:
+        if not self.shape.native_decode or pos < self.prompt_end:
             return None
-        self._begin_pass(pos, 1)
-        g = self.geo
+        g = self.begin_pass(pos, 1)
         assert g.decode
-        steps = self.planner.token_steps(g.loc0 // self.bs)
-        return TokenPlan(pos, self.store, self._win_np, self._window_row(pos), g.width, g.skip, self.scale,
-                         steps.plans, state=steps)
+        steps = self.planner.token_steps(g.loc0 // self.shape.block_size)
+        return TokenPlan(pos, self.store, self.windows.views, g.w0, g.width, g.skip, self.shape.scale, steps.plans,
+                         state=steps)
 
     def commit_decode(self, plan: TokenPlan) -> None:
         """The token of ``plan`` is in every layer."""
@@ -390,34 +254,43 @@ class LongContextCache(DeviceWindows, LongContextFileState):
 
     def context_blocks(self) -> tuple[int, int]:
         """The context blocks [ib, lb) of the last pass: between the init window and the local window."""
-        return self.ib, self.geo.loc0 // self.bs
+        return self.shape.ib, self.geo.loc0 // self.shape.block_size
 
-    def _decode_native(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       start_pos: int) -> torch.Tensor:
-        """attend() for one token on the CPU in one native call (cpp/decode/layer_step.h): window write, dense window
-        attention, the store part as the planner says, LSE merge and the store append. q [1, H, D] -> [1, H, D]."""
-        qc = q[0].contiguous()  # [H, D]
-        lb = self.geo.loc0 // self.bs
-        blocks, select = self.planner.plan(layer, lb) if lb > self.ib else (None, None)
-        g = self.geo
-        out = torch.empty(1, self.H, self.D)
-        ids = self.store.decode_step(layer, qc, k[0].contiguous(), v[0].contiguous(), self.win_k[layer],
-                                     self.win_v[layer], self._window_row(start_pos), g.width, g.skip, self.scale, self.threads, out[0],
-                                     blocks, select)
-        if ids is not None:
-            self.planner.record(layer, ids, lb)
-        if layer == self.n_layers - 1:
-            self.pos = start_pos + 1
-        return out
+    # ---- KV files (kv/files.py) ----
 
-    def _decode_context(self, layer: int, q: torch.Tensor, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [1, H, D] -> (out [H, D], lse [H]) fp32 on the CPU over the selected context blocks."""
-        qc = q[0].float()
-        qc = (qc.cpu() if qc.device.type != "cpu" else qc).contiguous()  # [H, D]
-        blocks, select = self.planner.plan(layer, lb)
-        if select is None:
-            return self.store.attend(layer, qc, blocks, self._out, self._lse)
-        out, lse, ids = self.store.select_attend(layer, qc, select.k, select.mode, select.exclude_ranges,
-                                                 select.allowed, self._out, self._lse, select.ada_alpha)
-        self.planner.record(layer, ids, lb)
-        return out, lse
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a KV file keeps: each layer's store state as bytes (its blocks in use: K/V tiles, anchors, the
+        index), the device windows, and the planner's (the last prefill queries and SnapKV's candidates). A
+        cache between passes (``pos`` tokens in every layer)."""
+        if self.store.length(0) != self.pos:  # a pass interrupted half-way: dropped, as the next pass would
+            self.store.truncate(-1, self.pos)
+        meta, arrays = self.planner.state()
+        arrays |= {"win_k": self.windows.k, "win_v": self.windows.v}
+        for i in range(self.n_layers):
+            arrays[f"store{i}"] = torch.from_numpy(self.store.export_layer(i))
+        return {"pos": self.pos, "buf0": self.windows.buf0, **meta}, arrays
+
+    def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
+        """The arrays ``load_state`` takes for ``meta``: name -> (shape, dtype); KVFileError for a bad ``meta``."""
+        from ktquest.kv.files import KVFileError, check_meta
+
+        n = check_meta(path, meta, "pos", 0, self.max_seq_len)
+        check_meta(path, meta, "buf0", self.init_end, max(self.init_end, n))
+        shapes = self.planner.state_shapes(meta, n)
+        if shapes is None:
+            raise KVFileError(f"{path}: the long-context cache's planner state is not allowed here")
+        w = self.windows.k
+        shapes |= {"win_k": (tuple(w.shape), w.dtype), "win_v": (tuple(w.shape), w.dtype)}
+        for i in range(self.n_layers):
+            shapes[f"store{i}"] = ((self.store.state_bytes(n),), torch.uint8)
+        return shapes
+
+    def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
+        """The cache becomes what ``state`` gave (shapes checked by the caller, ``files.expect``)."""
+        self.reset()
+        n = meta["pos"]
+        for i in range(self.n_layers):
+            self.store.import_layer(i, n, arrays[f"store{i}"].numpy())
+        self.windows.load(arrays["win_k"], arrays["win_v"], meta["buf0"])
+        self.planner.load_state(meta, arrays)
+        self.pos = n

@@ -318,6 +318,57 @@ class DecodePlanner:
         self._set_allowed(layer, torch.from_numpy(padded_ids(rows, "candidates", len(rows))), lb)
         self._token_steps = None  # a kept plan names the candidates as they were
 
+    # ---- what a KV file keeps (kv/files.py) ----
+
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The last prefill queries and SnapKV's candidates (the selections of the last decode step are not
+        kept: the next pass prefills, which drops them): (scalars, arrays)."""
+        arrays = {"q_win": self.q_win}
+        for i in range(self.n_layers):
+            if self.allowed[i] is not None:
+                arrays[f"allowed{i}"] = self.allowed[i]
+            if self.presel_base[i] is not None:
+                arrays[f"presel{i}"] = torch.from_numpy(self.presel_base[i][0])
+        meta = {"q_win_span": list(self.q_win_span),
+                "allowed": [None if a is None else list(a.shape) for a in self.allowed],
+                "allowed_lb": list(self.allowed_lb), "presel_pending": list(self.presel_pending),
+                "decode_step": self.decode_step, "refreshed": list(self.refreshed),
+                "presel": [None if b is None else [*b[0].shape, b[1]] for b in self.presel_base]}
+        return meta, arrays
+
+    def state_shapes(self, meta: dict, n: int) -> dict[str, tuple] | None:
+        """The arrays ``load_state`` takes for ``meta`` of a cache of ``n`` tokens (name -> (shape, dtype)), or
+        None where ``meta`` is not a planner's state of this cache."""
+        span, allowed = meta.get("q_win_span"), meta.get("allowed")
+        lists = [meta.get(k) for k in ("allowed", "allowed_lb", "presel_pending")]
+        if not (all(isinstance(x, list) and len(x) == self.n_layers for x in lists) and isinstance(span, list)
+                and len(span) == 2 and all(type(x) is int and 0 <= x <= n for x in span) and
+                all(a is None or (isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a))
+                    for a in allowed) and type(meta.get("decode_step")) is int
+                and _refresh_state_ok(meta, self.n_layers, n)):
+            return None
+        shapes = {"q_win": (tuple(self.q_win.shape), self.q_win.dtype)}
+        for i in range(self.n_layers):
+            if allowed[i] is not None:
+                shapes[f"allowed{i}"] = (tuple(allowed[i]), torch.int32)
+            if meta["presel"][i] is not None:
+                shapes[f"presel{i}"] = (tuple(meta["presel"][i][:2]), torch.int32)
+        return shapes
+
+    def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
+        """The planner becomes what ``state`` gave (shapes checked by ``state_shapes``)."""
+        self.reset()
+        self.q_win.copy_(arrays["q_win"])
+        self.q_win_span = tuple(meta["q_win_span"])
+        for i in range(self.n_layers):
+            if meta["allowed"][i] is not None:
+                self._set_allowed(i, arrays[f"allowed{i}"].clone(), meta["allowed_lb"][i])
+        self.presel_pending = list(meta["presel_pending"])
+        self.decode_step = meta["decode_step"]
+        self.refreshed = list(meta["refreshed"])
+        self.presel_base = [None if b is None else (arrays[f"presel{i}"].numpy().copy(), b[2])
+                            for i, b in enumerate(meta["presel"])]
+
     # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
 
     def record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
@@ -355,3 +406,14 @@ class DecodePlanner:
             allowed[i, : len(s)] = s.to(torch.int32)
         self._set_allowed(layer, allowed, nb)
         self.presel_base[layer], self.refreshed[layer] = (allowed.numpy(), nb), self.decode_step
+
+
+def _refresh_state_ok(meta: dict, n_layers: int, n: int) -> bool:
+    """The planner's refresh state in a KV file: per layer the decode step of its last refresh (<= the file's),
+    and SnapKV's own pick ([n_sets, N, lb] of the ``presel<i>`` array, or None)."""
+    refreshed, presel = meta.get("refreshed"), meta.get("presel")
+    return (isinstance(refreshed, list) and len(refreshed) == n_layers
+            and all(type(x) is int and 0 <= x <= meta["decode_step"] for x in refreshed)
+            and isinstance(presel, list) and len(presel) == n_layers
+            and all(b is None or (isinstance(b, list) and len(b) == 3 and all(type(x) is int for x in b)
+                                  and b[0] >= 1 and b[1] >= 1 and 0 <= b[2] <= n) for b in presel))

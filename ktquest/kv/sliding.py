@@ -22,6 +22,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from ktquest.kv.placement import Placement
 from ktquest.native.attention import dense_decode_attention
 
 COMPACT_TOKENS = 256  # the buffer's slack: rows moved to the front once every this many tokens
@@ -46,7 +47,7 @@ class WindowKV:
         self.hi = [0] * n_layers
         self.scale = head_dim ** -0.5
         self.threads = threads
-        self._native_decode = torch.device(device).type == "cpu" and dtype == torch.float32
+        self.placement = Placement.of(device, dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] at positions start..start+T-1 -> out [T, H, D]: each query attends the
@@ -56,7 +57,7 @@ class WindowKV:
         if start > self.hi[layer] or lo < self.base[layer]:
             raise ValueError(f"sliding window of layer {layer}: cannot attend from position {start}: it holds "
                              f"positions {self.base[layer]}..{self.hi[layer] - 1}")
-        if t == 1 and self._native_decode:  # decode: the window is rows [end - window, end) - base
+        if t == 1 and self.placement.native:  # decode: the window is rows [end - window, end) - base
             self._store(layer, k, v, start)
             b = self.base[layer]
             out, _ = dense_decode_attention(q[0], self.k[layer], self.v[layer], end - b, self.scale,

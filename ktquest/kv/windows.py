@@ -1,13 +1,14 @@
-"""The long-context cache's device windows: the initial (sink) window and the local window of each layer, kept
-on the device and attended there densely (``LongContextCache``, kv/long_context.py, holds them; this mixin
-reads its ``win_k``/``win_v``, ``init_end``, ``buf0``, ``bs``, ``lc``, ``H``/``KVH``/``G``/``D``, ``scale``
-and ``device``).
+"""The long-context cache's device windows: every layer's initial (sink) window and local window, kept on the
+device and attended there densely (``LongContextCache``, kv/long_context.py, owns one ``Windows``).
 
-Window buffer, per layer: ``win_k/win_v [L, KVH, init_end + cap, D]``: index p < init_end holds position p;
-index init_end + j holds position buf0 + j (buf0 block aligned, <= the local start). It is compacted (the
-local window moved to the front) when a pass would not fit, in a prompt's pass of several tokens whose
-window left rows behind, and in decode only once a quarter of it is dead, so decode appends in place;
-capacity = local_windows_len + block_size + chunk_size, independent of the prompt length.
+Buffer, per layer: ``k/v [L, KVH, init_end + cap, D]``: index p < init_end holds position p; index init_end + j
+holds position buf0 + j (buf0 block aligned, <= the local window's start). It is compacted (the local window
+moved to the front) when a pass would not fit, in a prompt's pass of several tokens whose window left rows
+behind, and in decode only once a quarter of it is dead, so decode appends in place; capacity = cap =
+local_windows_len + block_size + chunk_size, independent of the prompt length.
+
+A pass's geometry (where its rows go, which rows each of its queries sees) is a ``PassGeometry``, made once for
+every layer by ``begin_pass``. The windows' attention is the pass's (kv/long_context_pass.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ktquest.kv.attention import FLASH_CPU
-
-FLASH_TILE = 64  # query tokens per flash call of _window_attention
+from ktquest.kv.placement import Placement
 
 
 @dataclass(slots=True)
@@ -33,106 +32,162 @@ class PassGeometry:
     width: int = 0  # W: window buffer indexes 0..W-1 in use
     skip: tuple[int, int] = (0, 0)  # decode: window indexes [a, b) that left the window (the mask's -inf)
     decode: bool = False  # a decode step (one token past the prompt): it selects; a prompt's pass reads every block
+    w0: int = 0  # the pass's first row
 
 
-class DeviceWindows:
-    """Where positions lie in the window buffers, their moves, and the dense attention over them."""
+class Windows:
+    """Every layer's init and local window on the device (see the module docstring): where positions lie in the
+    buffers, their moves, and what the KV files keep of them."""
 
-    def _local_start(self, n: int) -> int:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, init_end: int, local_len: int,
+                 block_size: int, cap: int, placement: Placement):
+        self.init_end, self.local_len, self.bs, self.cap = init_end, local_len, block_size, cap
+        self.placement = placement
+        shape = (n_layers, n_kv_heads, init_end + cap, head_dim)
+        self.k = torch.zeros(shape, device=placement.device, dtype=placement.dtype)  # [L, KVH, init_end + cap, D]
+        self.v = torch.zeros(shape, device=placement.device, dtype=placement.dtype)
+        # numpy views of each layer's buffers for the native decode calls (the buffers are never replaced)
+        self.views = [(self.k[i].numpy(), self.v[i].numpy()) for i in range(n_layers)] if placement.native else None
+        self.buf0 = init_end  # position of row init_end
+
+    def reset(self) -> None:
+        self.buf0 = self.init_end
+
+    def load(self, k: torch.Tensor, v: torch.Tensor, buf0: int) -> None:
+        """The buffers and their first local position as a KV file kept them (shapes checked by its reader)."""
+        self.k.copy_(k)
+        self.v.copy_(v)
+        self.buf0 = buf0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    # ---- where positions lie ----
+
+    def local_start(self, n: int) -> int:
         """First position of the local window when n tokens are held (block aligned, >= init_end)."""
-        return max(self.init_end, (n - self.lc.local_windows_len) // self.bs * self.bs)
+        return max(self.init_end, (n - self.local_len) // self.bs * self.bs)
 
-    def _window_row(self, pos: int) -> int:
-        """Row of position ``pos`` in the window buffers: positions below init_end map to themselves, later
-        ones to init_end + pos - buf0 (buf0 = init_end then)."""
+    def row(self, pos: int) -> int:
+        """Row of position ``pos`` in the buffers: positions below init_end map to themselves, later ones to
+        init_end + pos - buf0."""
         return self.init_end + pos - self.buf0 if pos >= self.init_end else pos
 
-    def _past(self, start: int) -> tuple[int, tuple[int, int], int]:
-        """Where the keys of the positions before ``start`` (<= pos) lie, disjoint and together all of them: window
-        rows [0, init_rows) and [a, b) on the device, the store's context blocks [ib, lb)."""
+    def past(self, start: int, ib: int) -> tuple[int, tuple[int, int], int]:
+        """Where the keys of the positions before ``start`` lie, disjoint and together all of them: rows
+        [0, init_rows) and [a, b) of the buffers, the store's context blocks [ib, lb)."""
         if start <= self.init_end:
-            return start, (0, 0), self.ib
-        loc0 = max(self.buf0, min(self._local_start(start), start // self.bs * self.bs))
-        return self.init_end, (self._window_row(loc0), self._window_row(start)), loc0 // self.bs
+            return start, (0, 0), ib
+        loc0 = max(self.buf0, min(self.local_start(start), start // self.bs * self.bs))
+        return self.init_end, (self.row(loc0), self.row(start)), loc0 // self.bs
 
-    def _window_rows(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the local-window rows of layer ``layer`` that hold positions [buf0, start): what
-        ``_window_to`` overwrites and ``_window_back`` puts back."""
-        rows = slice(self.init_end, self._window_row(start))
-        return self.win_k[layer, :, rows].clone(), self.win_v[layer, :, rows].clone()
+    # ---- a pass ----
 
-    def _window_to(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``layer``'s windows as they stand after positions [start, start + n) with K/V k, v [KVH, n, D]
-        (the layer held positions [.., start)): the init window's rows, and the local window [buf, start + n)
-        with buf = ``_local_start(start + n)``, from row init_end on. ``buf0`` is the caller's to set once
-        every layer moved."""
+    def begin_pass(self, start: int, T: int, decode: bool, group: int, mask_skip: bool) -> PassGeometry:
+        """The geometry of a pass over positions [start, start + T) (held: [0, start)), the buffers compacted
+        first where it says so. group: query heads per KV head (the mask's rows); mask_skip: a decode step's
+        skipped stretch as a mask too (the native kernel skips it by itself)."""
+        ie, bs, dev = self.init_end, self.bs, self.placement.device
+        # The local window of this pass: strictly the last local_len tokens of start + T, but never past the
+        # store's full blocks (a context block must be in the store before the chunk).
+        loc0 = max(ie, min(self.local_start(start + T), start // bs * bs))
+        # Compact (move [loc0, start) to the front of the local part) when the pass would not fit, in a
+        # prompt's pass of several tokens whenever rows left the window (then the window attention scores
+        # no dead rows; at most local_len rows move, none in million.yaml's full prefill chunks), or in decode
+        # once a quarter of the window is dead weight that every step would read and mask. (A cut pass leaves
+        # buf0 at its loc0, past the local window of the positions held: ``refill``.)
+        if (start + T - self.buf0 > self.cap or (T > 1 and loc0 > self.buf0)
+                or (T == 1 and loc0 - self.buf0 > max(bs, self.cap // 4))):
+            m, off = start - loc0, ie + loc0 - self.buf0
+            for buf in (self.k, self.v):
+                buf[:, :, ie: ie + m] = buf[:, :, off: off + m].clone()
+            self.buf0 = loc0
+        width = ie + start + T - self.buf0 if start + T > ie else start + T
+        # Additive mask [T, W]: query start+i sees window index j iff its position p(j) <= start+i and p(j) is
+        # in the init window or in [loc0, ...). Decode sees every index but the dropped ones.
+        drop = loc0 - self.buf0 if start >= ie else 0  # positions [buf0, loc0) left the window
+        skip = (0, 0)
+        if decode:
+            mask = None
+            if drop > 0:
+                skip = (ie, ie + drop)
+            if drop > 0 and mask_skip:
+                mask = torch.zeros(1, width, device=dev)
+                mask[:, skip[0]: skip[1]] = float("-inf")
+        else:
+            j = torch.arange(width, device=dev)
+            p = torch.where(j < ie, j, self.buf0 + j - ie)  # [W] positions
+            qpos = torch.arange(start, start + T, device=dev)[:, None]  # [T, 1]
+            ok = (p[None, :] <= qpos) & ((p < ie) | (p >= loc0))[None, :]
+            mask = torch.zeros(T, width, device=dev).masked_fill_(~ok, float("-inf"))
+        rows = None if mask is None else mask.repeat_interleave(group, 0)  # [T*G, W]
+        return PassGeometry(start, T, loc0, mask, rows, width, skip, decode, self.row(start))
+
+    def write(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, KVH, D] into rows [row, row + T) of ``layer``."""
+        T = k.shape[0]
+        self.k[layer, :, row: row + T] = k.transpose(0, 1)
+        self.v[layer, :, row: row + T] = v.transpose(0, 1)
+
+    def refill(self, n: int, store) -> None:
+        """With ``n`` tokens held, the buffers hold the local window of n again (``buf0`` <= its start): where
+        they start past it (after a truncate, or after a prompt's pass that compacted up to its own local
+        window and was cut), the rows they still hold move right and positions [loc0, buf0) come from the
+        store (``KVStore.read_range``)."""
+        loc0 = self.local_start(n)  # >= init_end: with n <= init_end the init window holds them all
+        if loc0 >= self.buf0:
+            return
+        ie, kept = self.init_end, max(0, n - self.buf0)
+        shift, m = self.buf0 - loc0, min(n, self.buf0) - loc0
+        for layer in range(self.k.shape[0] if loc0 < n else 0):
+            for buf in (self.k, self.v):
+                buf[layer, :, ie + shift: ie + shift + kept] = buf[layer, :, ie: ie + kept].clone()
+            k, v = store.read_range(layer, loc0, loc0 + m)  # [m, KVH, D] fp32
+            self.k[layer, :, ie: ie + m] = k.transpose(0, 1).to(self.k)
+            self.v[layer, :, ie: ie + m] = v.transpose(0, 1).to(self.v)
+        self.buf0 = loc0
+
+    # ---- a prompt read layer by layer (kv/layer_prefill.py) ----
+
+    def gather(self, layer: int, init_rows: int, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of ``layer``'s rows [0, init_rows) and [a, b): keys, values [KVH, n, D]."""
+        a, b = rows
+        k, v = self.k[layer], self.v[layer]  # [KVH, rows, D]
+        return torch.cat([k[:, :init_rows], k[:, a:b]], 1), torch.cat([v[:, :init_rows], v[:, a:b]], 1)
+
+    def saved_rows(self, layer: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of ``layer``'s local rows that hold positions [buf0, start): what ``move_to`` overwrites and
+        ``put_back`` restores."""
+        rows = slice(self.init_end, self.row(start))
+        return self.k[layer, :, rows].clone(), self.v[layer, :, rows].clone()
+
+    def move_to(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``layer``'s windows as they stand after positions [start, start + n) with K/V k, v [KVH, n, D] (the
+        layer held positions [.., start)): the init window's rows, and the local window [buf, start + n) with
+        buf = ``local_start(start + n)``, from row init_end on. ``buf0`` moves once every layer moved
+        (``moved``)."""
         end, ie = start + k.shape[1], self.init_end
-        wk, wv = self.win_k[layer], self.win_v[layer]  # [KVH, rows, D]
+        wk, wv = self.k[layer], self.v[layer]  # [KVH, rows, D]
         if start < ie:  # prompt positions in the init window: rows = positions
             m = min(end, ie) - start
             wk[:, start: start + m], wv[:, start: start + m] = k[:, :m], v[:, :m]
         if end > ie:
-            buf = self._local_start(end)
+            buf = self.local_start(end)
             if buf < start:  # its positions before the prompt move to the front (their rows lie further right)
-                src = self._window_row(buf)
+                src = self.row(buf)
                 wk[:, ie: ie + start - buf] = wk[:, src: src + start - buf].clone()
                 wv[:, ie: ie + start - buf] = wv[:, src: src + start - buf].clone()
             first = max(start, buf)
             wk[:, ie + first - buf: ie + end - buf] = k[:, first - start:]
             wv[:, ie + first - buf: ie + end - buf] = v[:, first - start:]
 
-    def _window_back(self, layer: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Undo ``_window_to`` with what ``_window_rows`` copied before it (buf0 unchanged since)."""
+    def moved(self, end: int) -> None:
+        """Every layer ``move_to`` the positions up to ``end``: row init_end holds the local window's start."""
+        self.buf0 = max(self.init_end, self.local_start(end))
+
+    def put_back(self, layer: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Undo ``move_to`` with what ``saved_rows`` copied before it (buf0 unchanged since)."""
         n = saved[0].shape[1]
-        self.win_k[layer, :, self.init_end: self.init_end + n] = saved[0]
-        self.win_v[layer, :, self.init_end: self.init_end + n] = saved[1]
-
-    def _window_attention(self, layer: int, q: torch.Tensor, g: PassGeometry):
-        """Dense attention over the device windows: (out [T, H, D], lse [T, H], probs [KVH, T*G, W] or None).
-
-        Rows are ordered (t, g) per KV head, so the [T, W] mask broadcasts over G without a copy, and for
-        T = 1 every reshape is a view. CPU fp32 (not DYNAMIC, which needs probs): torch's flash kernel in query
-        tiles of FLASH_TILE tokens, each against the columns its last query sees; probs None. Otherwise a
-        baddbmm or bmm, one exp pass for the softmax and its log-sum-exp, and one bmm.
-        """
-        T, KVH, G, D = q.shape[0], self.KVH, self.G, self.D  # (a CPU fp32 decode step takes _decode_native)
-        keys = self.win_k[layer, :, : g.width]  # [KVH, W, D]
-        vals = self.win_v[layer, :, : g.width]
-        qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]
-        if FLASH_CPU is not None and self.device.type == "cpu" and self.lc.anchor_type != "DYNAMIC" \
-                and keys.dtype == torch.float32:
-            # torch's fused CPU flash attention returns the LSE too: 2-3x faster than the explicit ops below.
-            # Query tiles of FLASH_TILE tokens, each against the key columns its last query sees ([0, w)): a
-            # prompt chunk's causal square costs about half of one masked call (torch's CPU flash skips no
-            # block of a mask, and with is_causal not the upper half of a 512-square either).
-            outs, lses = [], []
-            for t0 in range(0, T, FLASH_TILE):
-                t1 = min(T, t0 + FLASH_TILE)
-                w = g.width if g.mask is None else self._window_row(g.start + t1 - 1) + 1  # (the last tile: W)
-                mask = None if g.mask is None else g.mask_rows[t0 * G: t1 * G, :w]  # [tile*G, w]
-                o, s = FLASH_CPU(qh[None, :, t0 * G: t1 * G], keys[None, :, :w], vals[None, :, :w], 0.0, False,
-                                 attn_mask=mask, scale=self.scale)
-                outs.append(o)
-                lses.append(s)
-            out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
-            out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
-            return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), None
-        if keys.dtype != torch.float32:
-            qh, keys, vals = qh.float(), keys.float(), vals.float()
-        if g.mask is None:  # decode, nothing to hide
-            s = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)  # [KVH, G, W]
-        elif T == 1:
-            s = torch.baddbmm(g.mask, qh, keys.transpose(1, 2), alpha=self.scale)  # mask [1, W] broadcasts
-        else:
-            s = torch.bmm(qh, keys.transpose(1, 2)).mul_(self.scale)  # [KVH, T*G, W]
-            s.view(KVH, T, G, g.width).add_(g.mask[:, None, :])
-        # softmax and its log-sum-exp in one exp pass, in place (torch.logsumexp would run its own exp over a
-        # temporary of the scores' size): [KVH, T*G, W]
-        m = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(s.dtype).min)  # a row of -inf keeps m finite
-        probs = s.sub_(m).exp_()
-        total = probs.sum(-1, keepdim=True)  # >= 1 in every row that has an unmasked key
-        probs.div_(total)
-        lse = (m + total.log()).squeeze(-1)  # [KVH, T*G]
-        out = torch.bmm(probs, vals)  # [KVH, T*G, D]
-        out = out.view(KVH, T, G, D).transpose(0, 1).reshape(T, self.H, D)
-        return out, lse.view(KVH, T, G).transpose(0, 1).reshape(T, self.H), probs
+        self.k[layer, :, self.init_end: self.init_end + n] = saved[0]
+        self.v[layer, :, self.init_end: self.init_end + n] = saved[1]

@@ -14,6 +14,7 @@ in their GGUF encoding runs the same math natively: ``ktquest.native.decode``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,36 @@ class TransformerWeights:
     # The gather from the file's q | k | v rows to the Hugging Face order, int64 [(H + 2 KVH) * D] (llama
     # files: models/loader.qk_perm), or None.
     qkv_perm: torch.Tensor | None = None
+
+
+class DecodeStep(Protocol):
+    """One decode token through the model: ``decode(token, cache)`` feeds ``token`` at ``cache.pos`` and
+    returns its logits [V]. Two implementations: ``TorchDecoder`` (the model's forward pass: CUDA, dequantized
+    weights) and ``ktquest.native.decode.NativeDecoder`` (the CPU on GGUF-encoded weights)."""
+
+    def decode(self, token: int, cache: KVCache) -> torch.Tensor: ...
+
+
+class TorchDecoder:
+    """The decode step as the model's forward pass of one token."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    def decode(self, token: int, cache: KVCache) -> torch.Tensor:
+        model = self.model
+        x = torch.tensor([token], dtype=torch.long, device=model.device)  # [1]
+        if x.device.type != "cpu":
+            return model(x, cache.pos, cache)[0]
+        # On the CPU a decode step is a few hundred tiny torch ops around the native GEMV and attention (which
+        # use their own thread pool): each op would pay a fork/join of torch's threads for microseconds of
+        # work, so torch runs them on one thread.
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return model(x, cache.pos, cache)[0]
+        finally:
+            torch.set_num_threads(n)
 
 
 # ---- layers ----
@@ -153,9 +184,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.stack([s for _, s in tables]), persistent=False)
         self.layer_rope = [1 if args.swa_layers and args.swa_layers[i] else 0 for i in range(args.n_layers)]
         self.emb_scale = args.emb_scale
-        # The CPU decode step's native stages (ktquest.native.decode.NativeDecoder), or None: the engine
-        # sets it when the weights are in their GGUF encoding; ``generate.decode_one_token`` then uses it.
-        self.native = None
+        # The decode step (``generate.decode_one_token``): this model's forward pass for one token, or the native
+        # step on the weights in their GGUF encoding (ktquest.native.decode.NativeDecoder), which
+        # ``native.decode.use_native_decode`` sets where it applies: one contract, ``DecodeStep``.
+        self.decoder: DecodeStep = TorchDecoder(self)
 
     def check_positions(self, start_pos: int, t: int) -> None:
         """ValueError unless positions start_pos..start_pos+t-1 are within the RoPE tables."""

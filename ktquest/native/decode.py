@@ -94,10 +94,13 @@ class NativeDecoder:
 
 
 def use_native_decode(model, threads: int) -> None:
-    """Give ``model`` its native CPU decode step (``model.native``) where its weights are in their GGUF
-    encoding, and every Linear ``threads``; None otherwise (torch ops on the dequantized weights)."""
+    """Give every Linear of ``model`` ``threads``, and the model its native CPU decode step (``model.decoder``)
+    where its weights are in their GGUF encoding; elsewhere it keeps its forward pass (``TorchDecoder``). The
+    one place the decode step is chosen."""
     set_threads(model, threads)
-    model.native = NativeDecoder.build(model, threads)
+    native = NativeDecoder.build(model, threads)
+    if native is not None:
+        model.decoder = native
 
 
 def _linears(block) -> list:
