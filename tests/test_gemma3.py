@@ -29,9 +29,11 @@ def cache_for(model, cfg: Config = Config(chunk_size=16), max_seq_len: int = 128
 def test_args_from_the_file(tiny_gemma3):
     model, _ = load_model(tiny_gemma3.path)
     a, cfg = model.args, tiny_gemma3.hf_model.config
-    assert a.arch == "gemma3" and a.qk_norm and a.post_norms and a.activation == "gelu_tanh"
-    assert a.swa_layers == tuple(t == "sliding_attention" for t in cfg.layer_types)
-    assert a.sliding_window == cfg.sliding_window and a.emb_scale == cfg.hidden_size ** 0.5
+    assert a.arch == "gemma3" and all(b.qk_norm and b.sandwich_norms and b.ffn == "geglu" for b in a.blocks)
+    kinds = {"full_attention": "global", "sliding_attention": "sliding"}
+    assert tuple(b.attention for b in a.blocks) == tuple(kinds[t] for t in cfg.layer_types)
+    assert all(b.window == (cfg.sliding_window if b.attention == "sliding" else 0) for b in a.blocks)
+    assert all(b.rope == (b.attention == "sliding") for b in a.blocks) and a.emb_scale == cfg.hidden_size ** 0.5
     assert (a.rope_theta, a.rope_theta_local) == (1e6, 10000.0)
     assert isinstance(cache_for(model), HybridCache)
 
@@ -91,7 +93,7 @@ def test_window_buffer_slides_and_rewinds(tiny_models, monkeypatch):
     tokens = prompt_ids(100, model.args.vocab_size, seed=4)
     cache = cache_for(model, Config(chunk_size=8, sliding_window_keep=8))
     w = cache.windows
-    assert w.rows == model.args.sliding_window - 1 + 8 + 4  # a buffer of 19 rows for 100 positions
+    assert w.rows == w.window - 1 + 8 + 4 and w.window == model.args.blocks[0].window  # 19 rows for 100 positions
     with torch.inference_mode():
         ref = [model(tokens[:1], 0, cache)] + [decode_one_token(model, cache, int(t))[None] for t in tokens[1:]]
     assert w.base[0] > 0 and cache.pos == 100
@@ -159,8 +161,8 @@ def test_bad_files_and_layers_are_refused(tiny_models, tiny_bpe, tmp_path):
         _C.DecodeLayer(*args, q_norm=norm)
     with pytest.raises(ValueError, match=rf"post_ffn_norm: expected shape \[{a.dim}\]"):
         _C.DecodeLayer(*args, post_ffn_norm=np.ones(a.head_dim, np.float32))
-    with pytest.raises(ValueError, match="activation='relu' is not allowed"):
-        _C.DecodeLayer(*args, activation="relu")
+    with pytest.raises(ValueError, match="ffn='relu' is not allowed"):
+        _C.DecodeLayer(*args, ffn="relu")
 
 
 # ---- the bundled Gemma 3 270M ----
@@ -177,7 +179,7 @@ def test_bundled_gemma3_golden(bundled_gemma3, mode):
     a = eng.args
     assert (a.arch, a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim, a.vocab_size) == \
         ("gemma3", 18, 640, 4, 1, 256, 2048, 262144)
-    assert (a.sliding_window, a.global_layers, a.rope_theta, a.context_length) == (512, (5, 11, 17), 1e6, 32768)
+    assert (a.blocks[0].window, a.global_layers, a.rope_theta, a.context_length) == (512, (5, 11, 17), 1e6, 32768)
     assert eng.tokenizer.chat_template is None
     assert eng.generate("The capital of France is") == " the capital of the country of France. It is the largest"
     units = [FILLER[i % len(FILLER)] for i in range(260)]

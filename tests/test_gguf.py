@@ -147,7 +147,7 @@ def test_tiny_llama_args_and_metadata(tiny_llama, tiny_bpe):
     a, spec = c.args, TINY_SPECS["llama"]
     assert (a.arch, a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim) == \
         ("llama", spec.n_layers, spec.dim, spec.n_heads, spec.n_kv_heads, spec.dim // spec.n_heads, spec.ffn)
-    assert (a.vocab_size, a.context_length, a.rope_scaling, a.qkv_bias, a.tie_embeddings) == \
+    assert (a.vocab_size, a.context_length, a.rope_scaling, a.blocks[0].qkv_bias, a.tie_embeddings) == \
         (len(tiny_bpe.tokens), spec.ctx, None, False, False)
     assert a.norm_eps == pytest.approx(spec.eps) and a.rope_theta == spec.rope_theta
     md = c.metadata
@@ -161,7 +161,7 @@ def test_tiny_llama_args_and_metadata(tiny_llama, tiny_bpe):
 
 def test_qwen2_args(tiny_qwen2):
     a = read_gguf(tiny_qwen2.path).args
-    assert a.arch == "qwen2" and a.qkv_bias and a.tie_embeddings
+    assert a.arch == "qwen2" and all(b.qkv_bias for b in a.blocks) and a.tie_embeddings
 
 
 def test_rope_scaling_args(tiny_models):
@@ -178,12 +178,12 @@ def test_qk_perm_inverts_the_converter(n_heads, n_kv_heads):
     """The gather the model applies to a llama file's q | k | v projection undoes the converter's permutation
     of q and k (per head) and leaves v."""
     d = 8
-    a = SimpleNamespace(arch="llama", n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d)
+    a = SimpleNamespace(permuted_qk=True, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((h * d, 5)).astype(np.float32) for h in (n_heads, n_kv_heads, n_kv_heads))
     in_file = np.concatenate([permute_qk(q, n_heads), permute_qk(k, n_kv_heads), v])
     np.testing.assert_array_equal(in_file[qk_perm(a).numpy()], np.concatenate([q, k, v]))
-    assert qk_perm(SimpleNamespace(arch="qwen2")) is None
+    assert qk_perm(SimpleNamespace(permuted_qk=False)) is None
 
 
 # ---- bad inputs: GGUFError names the file and the problem ----

@@ -27,7 +27,7 @@ def test_internlm2_args_and_layout(tiny_models):
     assert (a.arch, a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim, a.context_length) == \
         ("internlm2", spec.n_layers, spec.dim, spec.n_heads, spec.n_kv_heads, spec.dim // spec.n_heads,
          spec.ffn, spec.ctx)
-    assert (a.rope_scaling, a.qkv_bias, a.tie_embeddings) == (None, False, False)
+    assert (a.rope_scaling, a.blocks[0].qkv_bias, a.tie_embeddings, a.permuted_qk) == (None, False, False, True)
     assert c.metadata["general.architecture"] == "internlm2" and "internlm2.vocab_size" not in c.metadata
     assert qk_perm(a) is not None  # Q/K rows interleaved by the converter, as llama's
 

@@ -179,7 +179,7 @@ def test_bundled_model_greedy_next_token(bundled_gguf):
     a = contents.args
     assert (a.arch, a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim, a.vocab_size) == \
         ("llama", 30, 576, 9, 3, 64, 1536, 49152)
-    assert (a.rope_theta, a.context_length, a.tie_embeddings, a.qkv_bias) == (100000.0, 8192, True, False)
+    assert (a.rope_theta, a.context_length, a.tie_embeddings, a.blocks[0].qkv_bias) == (100000.0, 8192, True, False)
     # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", as ids.
     ids = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
     picks = []

@@ -85,7 +85,7 @@ void DecodeLayer::out(const float* attn, float* x, int n_threads) {
   for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
   rms_norm(x, w_.ffn_norm, dim, w_.eps, xn_.data());
   gemv_matrix(w_.w_gate_up, xn_.data(), 1, h_.data(), n_threads);
-  if (w_.act == Activation::SILU) {
+  if (w_.ffn == FfnKind::SWIGLU) {
     for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = silu(gate) * up
       const float g = h_[i];
       h_[i] = g / (1.f + std::exp(-g)) * h_[ffn + i];

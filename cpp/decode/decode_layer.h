@@ -7,6 +7,7 @@
 //   (attention: the cache's, between the stages: dense or long-context)
 //   out stage:  a = Wo attn [; a = rmsnorm(a) * post_attn_norm];  x += a;  xn = rmsnorm(x) * ffn_norm;
 //               [g | u] = Wgu xn;  f = Wdown (act(g) * u) [; f = rmsnorm(f) * post_ffn_norm];  x += f
+//               (act: silu for SWIGLU, tanh-GELU for GEGLU)
 //
 // The same math as ktquest/models/llama.py (pre-norm residual block, SwiGLU, rotate-half RoPE whose sin
 // table carries the rotate-half sign) and, with the bracketed parts and act = tanh-GELU, as
@@ -22,7 +23,8 @@
 
 namespace ktq {
 
-enum class Activation : int { SILU = 0, GELU_TANH = 1 };  // the gate's: SwiGLU (llama) or GeGLU (gemma)
+// The gated FFN's kind (ktquest/models/block.py's BlockSpec.ffn): silu(gate) * up or tanh-GELU(gate) * up.
+enum class FfnKind : int { SWIGLU = 0, GEGLU = 1 };
 
 struct DecodeLayerWeights {
   const float* attn_norm = nullptr;  // [dim]
@@ -33,7 +35,7 @@ struct DecodeLayerWeights {
   const float* k_norm = nullptr;
   const float* post_attn_norm = nullptr;
   const float* post_ffn_norm = nullptr;
-  Activation act = Activation::SILU;
+  FfnKind ffn = FfnKind::SWIGLU;
   float eps = 1e-5f;
   QuantMatrix wqkv;       // [(H + 2 KVH) * D, dim]: rows q | k | v
   std::vector<int32_t> qkv_perm;  // empty, or [(H + 2 KVH) * D]: qkv[i] = projection[qkv_perm[i]]

@@ -54,7 +54,7 @@ void bind_decode(py::module_& m) {
                        const py::handle& wo, const py::handle& w_gate_up, const py::handle& w_down, int n_heads,
                        int n_kv_heads, int head_dim, const py::handle& qkv_perm, const py::handle& q_norm,
                        const py::handle& k_norm, const py::handle& post_attn_norm, const py::handle& post_ffn_norm,
-                       const std::string& activation) {
+                       const std::string& ffn) {
              const HeadShape hs = head_shape(n_heads, n_kv_heads, head_dim);  // ValueError / OverflowError
              auto L = std::make_unique<PyDecodeLayer>();
              auto an = array_arg<float>(attn_norm, "attn_norm", {-1});
@@ -88,12 +88,12 @@ void bind_decode(py::module_& m) {
              w.k_norm = optional_norm(k_norm, "k_norm", head_dim);
              w.post_attn_norm = optional_norm(post_attn_norm, "post_attn_norm", dim);
              w.post_ffn_norm = optional_norm(post_ffn_norm, "post_ffn_norm", dim);
-             if (activation == "silu")
-               w.act = Activation::SILU;
-             else if (activation == "gelu_tanh")
-               w.act = Activation::GELU_TANH;
+             if (ffn == "swiglu")
+               w.ffn = FfnKind::SWIGLU;
+             else if (ffn == "geglu")
+               w.ffn = FfnKind::GEGLU;
              else
-               throw py::value_error("activation='" + activation + "' is not allowed: 'silu' or 'gelu_tanh'");
+               throw py::value_error("ffn='" + ffn + "' is not allowed: 'swiglu' or 'geglu'");
              w.n_heads = n_heads;
              w.n_kv_heads = n_kv_heads;
              w.head_dim = head_dim;
@@ -104,7 +104,7 @@ void bind_decode(py::module_& m) {
            py::arg("w_gate_up"), py::arg("w_down"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
            py::arg("qkv_perm") = py::none(), py::kw_only(), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none(), py::arg("post_attn_norm") = py::none(),
-           py::arg("post_ffn_norm") = py::none(), py::arg("activation") = "silu")
+           py::arg("post_ffn_norm") = py::none(), py::arg("ffn") = "swiglu")
       .def("qkv", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj, const py::handle& sin_obj,
                      const py::handle& out_obj, int n_threads) {
              const int64_t D = L.layer->weights().head_dim;

@@ -71,7 +71,7 @@ def chunk_activation_bytes(args, tokens: int, elem: int = 4) -> int:
     ffn = getattr(args, "ffn_dim", 4 * dim)
     hd, kvd = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     attn = (6 * hd + 2 * kvd + dim) * elem + (4 * (hd + args.n_heads) + 2 * (hd + kvd)) * 4
-    window = getattr(args, "sliding_window", 0)
+    window = max((b.window for b in getattr(args, "blocks", ())), default=0)  # the widest sliding layer's
     if window:
         attn = max(attn, (4 * hd + 2 * kvd + dim) * elem + args.n_heads * (tokens + window) * 13)
     return tokens * (3 * dim * elem + max(attn, (3 * ffn + dim) * elem))

@@ -30,7 +30,8 @@ COMPACT_TOKENS = 256  # the buffer's slack: rows moved to the front once every t
 
 def global_args(args):
     """``args`` as the global layers' cache sees them: ``n_layers`` = the global layers."""
-    return dataclasses.replace(args, n_layers=len(args.global_layers))
+    g = args.global_layers
+    return dataclasses.replace(args, n_layers=len(g), blocks=tuple(args.blocks[i] for i in g))
 
 
 class WindowKV:
@@ -142,11 +143,14 @@ class HybridCache:
         """keep: positions each sliding layer keeps past its window (raised to a chunk by the caller)."""
         self.main = main
         self.max_seq_len = main.max_seq_len
-        swa = [i for i in range(args.n_layers) if args.swa_layers[i]]
+        swa = [i for i, b in enumerate(args.blocks) if b.attention == "sliding"]
+        windows = {args.blocks[i].window for i in swa}
+        if len(windows) != 1:
+            raise ValueError(f"HybridCache: the sliding layers' windows are {sorted(windows)}: one window is kept")
         # model layer -> (is sliding, index in its cache)
         self.route = {layer: (False, j) for j, layer in enumerate(args.global_layers)}
         self.route |= {layer: (True, j) for j, layer in enumerate(swa)}
-        self.windows = WindowKV(len(swa), args.n_kv_heads, args.head_dim, args.sliding_window,
+        self.windows = WindowKV(len(swa), args.n_kv_heads, args.head_dim, windows.pop(),
                                 min(keep, self.max_seq_len), device, dtype, threads)
         self.last_layer = args.n_layers - 1
         self.pos = 0

@@ -14,23 +14,10 @@ import numpy as np
 
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFFile, GGUFTensors
+from ktquest.models.block import BlockSpec
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "internlm2", "gemma3")
-
-# llama.cpp's tensor names, shared by the archs (internlm2's converter splits the fused wqkv into
-# attn_q/attn_k/attn_v): model field -> GGUF name (blocks under "blk.{i}.").
+# llama.cpp's names of the tensors outside the blocks: model field -> GGUF name (a block's: models/block.py)
 MODEL_TENSORS = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
-BLOCK_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
-                 "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
-                 "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
-BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
-# gemma3's extra norms: QK-norm ([head_dim], before RoPE) and the post-attention / post-FFN norms ([dim])
-GEMMA3_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-                  "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"}
-# gemma3: one global-attention layer in every GEMMA3_SWA_PATTERN (the rest slide over a window), and the
-# local layers' RoPE base (llama.cpp's defaults; the file names neither)
-GEMMA3_SWA_PATTERN = 6
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # Per-frequency RoPE divisors [head_dim // 2]: llama3's, and LongRoPE's two sets (Phi-3's converter)
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -75,22 +62,16 @@ class ModelArgs:
     rope_theta: float
     context_length: int
     rope_scaling: RopeScaling | None
-    qkv_bias: bool
     tie_embeddings: bool
-    # gemma3 (defaults: llama / qwen2). sliding_window > 0: the layers flagged in swa_layers attend only the
-    # last sliding_window positions (the query's own included), with RoPE of base rope_theta_local, unscaled.
-    sliding_window: int = 0
-    swa_layers: tuple[bool, ...] = ()
-    rope_theta_local: float = 10000.0
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
-    post_norms: bool = False  # RMSNorm of the attention's and the FFN's outputs before the residual adds
-    activation: Literal["silu", "gelu_tanh"] = "silu"  # the FFN's gate: SwiGLU or GeGLU
+    blocks: tuple[BlockSpec, ...]  # [n_layers]: each layer's block, as its family builds it (models/block.py)
+    permuted_qk: bool = False  # the converter interleaved each q/k head's rows for ggml's RoPE (models/loader.qk_perm)
+    rope_theta_local: float = 10000.0  # RoPE table 1's base (the sliding layers': BlockSpec.rope), unscaled
     emb_scale: float = 1.0  # the embeddings' multiplier (gemma: sqrt(dim))
 
     @property
     def global_layers(self) -> tuple[int, ...]:
         """The layers that attend every position (all of them but the sliding-window ones)."""
-        return tuple(i for i in range(self.n_layers) if not (self.swa_layers and self.swa_layers[i]))
+        return tuple(i for i, b in enumerate(self.blocks) if b.attention == "global")
 
     @property
     def n_params(self) -> int:
@@ -115,7 +96,7 @@ def _factor_tensor(path: Path, tensors: GGUFTensors, name: str, head_dim: int) -
     return tuple(float(x) for x in values)
 
 
-def _rope_scaling(m: _Metadata, arch: str, tensors: GGUFTensors, head_dim: int) -> RopeScaling | None:
+def _rope_scaling(m: Metadata, arch: str, tensors: GGUFTensors, head_dim: int) -> RopeScaling | None:
     path = m.path
     kind = m.string(f"{arch}.rope.scaling.type", "none")
     freq_factors, long, short = (_factor_tensor(path, tensors, n, head_dim) for n in ROPE_FACTOR_TENSORS)
@@ -164,7 +145,7 @@ _INT_MAX = 2**31 - 1  # sizes reach the kernels as 32-bit ints
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-class _Metadata:
+class Metadata:
     """Typed, range-checked reads of a file's metadata: each failure a ``GGUFError`` naming the file, the key,
     the value and what is allowed."""
 
@@ -221,7 +202,7 @@ _TOKENIZER_FLAGS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_toke
                     "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces")
 
 
-def _check_tokenizer(m: _Metadata, vocab_size: int) -> None:
+def _check_tokenizer(m: Metadata, vocab_size: int) -> None:
     """The tokenizer's keys have their types, its lists match the model's vocabulary, its merges join tokens
     of it, and its special token ids are in it (checked here, so the tokenizer libraries only ever see
     well-formed input)."""
@@ -268,15 +249,25 @@ def _is_finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def model_args(f: GGUFFile) -> ModelArgs:
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What one architecture adds to the keys every architecture has (``model_args`` reads those): its GGUF
+    names (``archs``), and ``read(m, tensors, arch, n_layers, dim)`` -> the ModelArgs fields it sets itself,
+    ``blocks`` (one ``BlockSpec`` a layer) among them. One per model file (models/llama.py, models/gemma3.py)."""
+
+    archs: tuple[str, ...]
+    read: Callable[[Metadata, GGUFTensors, str, int, int], dict[str, Any]]
+
+
+def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
     """The hyper-parameters of the model in ``f``, from its metadata (and the tensors a key may be missing
-    for), each checked against what the model code can run."""
+    for), each checked against what the model code can run; ``families``: architecture name -> its Family."""
     path, tensors = f.path, f.tensors
-    m = _Metadata(path, f.metadata)
+    m = Metadata(path, f.metadata)
     arch = m.string("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in families:
         raise GGUFError(f"{path}: unsupported architecture {show(arch)} "
-                        f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+                        f"(supported: {', '.join(families)})")
     dim = m.integer(f"{arch}.embedding_length", 1)
     n_heads = m.integer(f"{arch}.attention.head_count", 1)
     n_kv_heads = m.integer(f"{arch}.attention.head_count_kv", 1, n_heads, default=n_heads)
@@ -320,17 +311,6 @@ def model_args(f: GGUFFile) -> ModelArgs:
         rope_theta=m.number(f"{arch}.rope.freq_base", 1.0, default=10000.0),
         context_length=m.integer(f"{arch}.context_length", 1),
         rope_scaling=_rope_scaling(m, arch, tensors, head_dim),
-        # qwen2 always has Q/K/V biases; a llama file may carry them too.
-        qkv_bias=arch == "qwen2" or f"blk.0.{BIAS_TENSORS['bq']}" in tensors,
         tie_embeddings=MODEL_TENSORS["output"] not in tensors,
-        **(_gemma3_args(m, n_layers, dim) if arch == "gemma3" else {}),
+        **families[arch].read(m, tensors, arch, n_layers, dim),
     )
-
-
-def _gemma3_args(m: _Metadata, n_layers: int, dim: int) -> dict[str, Any]:
-    """gemma3's fields of ModelArgs: its sliding window and which layers use it, and the block's extras."""
-    window = m.integer("gemma3.attention.sliding_window", 1)
-    pattern = m.integer("gemma3.attention.sliding_window_pattern", 1, default=GEMMA3_SWA_PATTERN)
-    return dict(sliding_window=window, swa_layers=tuple((i + 1) % pattern != 0 for i in range(n_layers)),
-                rope_theta_local=GEMMA3_LOCAL_ROPE_THETA, qk_norm=True, post_norms=True,
-                activation="gelu_tanh", emb_scale=math.sqrt(dim))

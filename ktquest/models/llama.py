@@ -1,5 +1,6 @@
-"""The llama family (``llama``, ``qwen2``, ``internlm2``): Transformer -> Block -> Attention / FeedForward /
-RMSNorm, and the skeleton other families build on (``models/gemma3.py``).
+"""The transformer every family runs: Transformer -> Block -> Attention / FeedForward / RMSNorm, each block as
+its ``BlockSpec`` says (models/block.py); and the llama family (``llama``, ``qwen2``, ``internlm2``), whose
+``FAMILY`` reads its blocks from a GGUF file's metadata (models/gemma3.py is another family).
 
 Batch size is always 1, so activations are [T, ...] with no batch dimension. Weights arrive in the
 Hugging Face layout under the model's own names (``models/loader.py`` maps GGUF names and un-permutes
@@ -20,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ktquest.formats.gguf import GGUFTensors
 from ktquest.kv.base import KVCache
 from ktquest.layers.linear import Embedding, Linear, QuantWeight, stack_rows
-from ktquest.models.args import ModelArgs, resolve_max_seq_len
+from ktquest.models.args import Family, Metadata, ModelArgs, resolve_max_seq_len
+from ktquest.models.block import BIAS_TENSORS, BlockSpec
 from ktquest.models.rope import apply_rope, rope_tables, rope_variants
 
 Matrix = torch.Tensor | QuantWeight  # a dequantized tensor, or the file's encoding read in place
@@ -41,12 +44,12 @@ class BlockWeights:
     w_gate: Matrix  # [ffn, dim]
     w_up: Matrix  # [ffn, dim]
     w_down: Matrix  # [dim, ffn]
-    bq: torch.Tensor | None = None  # [H*D] (qwen2)
+    bq: torch.Tensor | None = None  # [H*D] (BlockSpec.qkv_bias)
     bk: torch.Tensor | None = None  # [KVH*D]
     bv: torch.Tensor | None = None  # [KVH*D]
-    q_norm: torch.Tensor | None = None  # [D] (gemma3: models/gemma3.py)
+    q_norm: torch.Tensor | None = None  # [D] (BlockSpec.qk_norm)
     k_norm: torch.Tensor | None = None  # [D]
-    post_attn_norm: torch.Tensor | None = None  # [dim]
+    post_attn_norm: torch.Tensor | None = None  # [dim] (BlockSpec.sandwich_norms)
     post_ffn_norm: torch.Tensor | None = None  # [dim]
 
 
@@ -106,68 +109,81 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, w: BlockWeights, qkv_perm: torch.Tensor | None):
+    """q, k, v from one fused projection [q (H*D) | k (KVH*D) | v (KVH*D)], gathered into the rotate-half order,
+    with the block's biases and QK-norm (``BlockSpec``); attention is the cache's."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, spec: BlockSpec, w: BlockWeights,
+                 qkv_perm: torch.Tensor | None):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        # One fused projection: rows [q (H*D) | k (KVH*D) | v (KVH*D)], gathered into the rotate-half order.
-        bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv])
+        bqkv = torch.cat([w.bq, w.bk, w.bv]) if spec.qkv_bias else None
         self.wqkv = Linear(stack_rows(w.wq, w.wk, w.wv), bqkv, out_perm=qkv_perm)
         self.wo = Linear(w.wo)
+        self.q_norm = RMSNorm(w.q_norm, args.norm_eps) if spec.qk_norm else None  # [D]
+        self.k_norm = RMSNorm(w.k_norm, args.norm_eps) if spec.qk_norm else None  # [D]
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(t, h + 2 * kvh, d)  # [T, H + 2*KVH, D]
-        qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, D]: q and k rotated in one go
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]  # [T, H, D], [T, KVH, D], [T, KVH, D]
-        out = cache.attend(self.layer_idx, q, k, v, start_pos)  # [T, H, D]
+        if self.q_norm is None:
+            qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, D]: q and k rotated in one go
+            q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)  # [T, H, D]
+            k = apply_rope(self.k_norm(qkv[:, h: h + kvh]), cos, sin)  # [T, KVH, D]
+        out = cache.attend(self.layer_idx, q, k, qkv[:, h + kvh:], start_pos)  # [T, H, D]
         return self.wo(out.reshape(t, h * d))  # [T, dim]
 
 
 class FeedForward(nn.Module):
     """Gated: down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act = silu (SwiGLU) or
-    tanh-GELU (GeGLU, gemma)."""
+    tanh-GELU (GeGLU)."""
 
-    def __init__(self, w_gate: Matrix, w_up: Matrix, w_down: Matrix, activation: str = "silu"):
+    def __init__(self, w_gate: Matrix, w_up: Matrix, w_down: Matrix, kind: str = "swiglu"):
         super().__init__()
         self.w_gate_up = Linear(stack_rows(w_gate, w_up))  # [2*ffn, dim]
         self.w_down = Linear(w_down)  # [dim, ffn]
-        self.activation = activation
+        self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, ffn] each
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
         return self.w_down(act.mul_(up))
 
 
 class Block(nn.Module):
+    """Pre-norm residual block as its ``BlockSpec`` says: x + attn(norm(x)), then h + ffn(norm(h)), each
+    sublayer's output normed first where the spec has sandwich norms."""
+
     def __init__(self, args: ModelArgs, layer_idx: int, w: BlockWeights, qkv_perm: torch.Tensor | None):
         super().__init__()
+        spec = args.blocks[layer_idx]
         self.attn_norm = RMSNorm(w.attn_norm, args.norm_eps)
-        self.attn = Attention(args, layer_idx, w, qkv_perm)
+        self.attn = Attention(args, layer_idx, spec, w, qkv_perm)
         self.ffn_norm = RMSNorm(w.ffn_norm, args.norm_eps)
-        self.ffn = FeedForward(w.w_gate, w.w_up, w.w_down)
+        self.ffn = FeedForward(w.w_gate, w.w_up, w.w_down, spec.ffn)
+        self.post_attn_norm = RMSNorm(w.post_attn_norm, args.norm_eps) if spec.sandwich_norms else None
+        self.post_ffn_norm = RMSNorm(w.post_ffn_norm, args.norm_eps) if spec.sandwich_norms else None
         self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), start_pos, cos, sin, cache)
-        return h + self.ffn(self.ffn_norm(h))
+        a = self.attn(self.attn_norm(x), start_pos, cos, sin, cache)
+        h = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        f = self.ffn(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class Transformer(nn.Module):
-    """Token ids -> logits.  Built by ``models/loader.py`` from a GGUF file.
-
-    The skeleton every family shares (embedding, blocks, final norm, head, RoPE tables); a family's file
-    subclasses it with its own ``block`` (``models/gemma3.py``)."""
-
-    block = Block  # the family's block: (args, layer_idx, BlockWeights, qkv_perm) -> nn.Module
+    """Token ids -> logits.  Built by ``models/loader.py`` from a GGUF file: embedding, the blocks (each as its
+    ``BlockSpec`` says), final norm, head, RoPE tables."""
 
     def __init__(self, args: ModelArgs, weights: TransformerWeights, max_seq_len: int = 0):
         super().__init__()
         self.args = args
-        self.layers = nn.ModuleList(self.block(args, i, w, weights.qkv_perm) for i, w in enumerate(weights.layers))
+        self.layers = nn.ModuleList(Block(args, i, w, weights.qkv_perm) for i, w in enumerate(weights.layers))
         self.norm = RMSNorm(weights.norm, args.norm_eps)
         tied = weights.output is None
         table = weights.tok_embeddings
@@ -178,11 +194,11 @@ class Transformer(nn.Module):
         # The activations' dtype and device (fp32 on the CPU where the weights are encoded).
         self.dtype, self.device = weights.norm.dtype, weights.norm.device
         # RoPE tables [n_tables, S, D]: one, or (gemma3) the global layers' and the sliding layers'
-        # (layer_rope[i]: layer i's table)
+        # (layer_rope[i]: layer i's table, BlockSpec.rope)
         tables = [rope_tables(a, self.max_seq_len, self.dtype, self.device) for a in rope_variants(args)]
         self.register_buffer("rope_cos", torch.stack([c for c, _ in tables]), persistent=False)
         self.register_buffer("rope_sin", torch.stack([s for _, s in tables]), persistent=False)
-        self.layer_rope = [1 if args.swa_layers and args.swa_layers[i] else 0 for i in range(args.n_layers)]
+        self.layer_rope = [b.rope for b in args.blocks]
         self.emb_scale = args.emb_scale
         # The decode step (``generate.decode_one_token``): this model's forward pass for one token, or the native
         # step on the weights in their GGUF encoding (ktquest.native.decode.NativeDecoder), which
@@ -242,3 +258,16 @@ class Transformer(nn.Module):
             prompt.abort()
             raise
         return self.output(self.norm(x[-1:].to(self.device)))[0]  # [V]
+
+
+# ---- the family: llama, qwen2, internlm2 ----
+
+
+def _family_args(m: Metadata, tensors: GGUFTensors, arch: str, n_layers: int, dim: int) -> dict:
+    """Every block alike: pre-norm, SwiGLU, global attention; q/k/v biases in qwen2 (and any llama file that
+    carries them). llama's and internlm2's converters interleave q/k rows for ggml's RoPE."""
+    spec = BlockSpec(qkv_bias=arch == "qwen2" or f"blk.0.{BIAS_TENSORS['bq']}" in tensors)
+    return {"blocks": (spec,) * n_layers, "permuted_qk": arch in ("llama", "internlm2")}
+
+
+FAMILY = Family(archs=("llama", "qwen2", "internlm2"), read=_family_args)

@@ -25,18 +25,15 @@ import torch
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.layers.linear import QuantWeight
-from ktquest.models.args import (
-    BIAS_TENSORS,
-    BLOCK_TENSORS,
-    GEMMA3_TENSORS,
-    MODEL_TENSORS,
-    ModelArgs,
-    RopeScaling,
-    model_args,
-)
-from ktquest.models.gemma3 import Gemma3Transformer
+from ktquest.models import gemma3, llama
+from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
+from ktquest.models.block import VECTORS
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
 from ktquest.native.enums import GGML_TYPES
+
+# The architectures ktquest reads: GGUF name -> its family (models/<family>.py). Adding one is a family file and
+# its line here (docs/design.md, "Adding an architecture").
+FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, gemma3.FAMILY) for arch in f.archs}
 
 
 @dataclass(slots=True)
@@ -52,23 +49,13 @@ class GGUFContents:
     metadata: dict[str, Any]
 
 
-def _block_tensors(a: ModelArgs) -> dict[str, str]:
-    """A block's tensors: model field -> GGUF name under "blk.{i}." (the biases only when the file has them,
-    gemma3's norms for gemma3)."""
-    return BLOCK_TENSORS | (BIAS_TENSORS if a.qkv_bias else {}) | (GEMMA3_TENSORS if a.arch == "gemma3" else {})
-
-
 def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs under its GGUF name, [rows, cols] (biases only when ``a.qkv_bias``)."""
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    """Every tensor the model needs under its GGUF name, [rows, cols] (each block's as its BlockSpec says)."""
     model = {"tok_embeddings": (a.vocab_size, a.dim), "norm": (a.dim,), "output": (a.vocab_size, a.dim)}
-    block = {"attn_norm": (a.dim,), "wq": (q, a.dim), "wk": (kv, a.dim), "wv": (kv, a.dim), "wo": (a.dim, q),
-             "ffn_norm": (a.dim,), "w_gate": (a.ffn_dim, a.dim), "w_up": (a.ffn_dim, a.dim),
-             "w_down": (a.dim, a.ffn_dim), "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (a.head_dim,),
-             "k_norm": (a.head_dim,), "post_attn_norm": (a.dim,), "post_ffn_norm": (a.dim,)}
     shapes = {n: model[f] for f, n in MODEL_TENSORS.items() if f != "output" or not a.tie_embeddings}
-    for i in range(a.n_layers):
-        shapes |= {f"blk.{i}.{n}": block[f] for f, n in _block_tensors(a).items()}
+    for i, spec in enumerate(a.blocks):
+        block = spec.shapes(a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.ffn_dim)
+        shapes |= {f"blk.{i}.{n}": block[f] for f, n in spec.tensors().items()}
     return shapes
 
 
@@ -79,7 +66,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
     so a bad file fails fast with a ``GGUFError`` naming the tensor, the expected and the found shape.
     """
     f = open_gguf(path)
-    args, tensors = model_args(f), f.tensors
+    args, tensors = model_args(f, FAMILIES), f.tensors
     for name, expected in _expected_shapes(args).items():
         if name not in tensors:
             raise GGUFError(f"{f.path}: missing tensor {name!r} (expected shape {list(expected)})")
@@ -93,9 +80,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
 # ---- model weights ----
 
 
-PERMUTED_QK_ARCHS = ("llama", "internlm2")  # converters that interleave q/k rows (ggml's NORM RoPE)
-
-
 def qk_perm(a: ModelArgs) -> torch.Tensor | None:
     """The gather that takes a llama or internlm2 file's q | k | v projection to the Hugging Face order, or
     None (qwen2).
@@ -104,7 +88,7 @@ def qk_perm(a: ModelArgs) -> torch.Tensor | None:
     for ggml's interleaved RoPE. The model rotates halves (pair i = dims i and i + D/2), so output j of a
     head is read from row 2 (j % (D/2)) + j // (D/2) of the file's; v is in order. int64 [(H + 2 KVH) * D].
     """
-    if a.arch not in PERMUTED_QK_ARCHS:
+    if not a.permuted_qk:
         return None
     d = a.head_dim
     j = torch.arange(d)
@@ -147,11 +131,11 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
     def matrix(name: str) -> torch.Tensor | QuantWeight:
         return encoded_weight(contents, name, converted) if encoded else tensor(name)
 
-    small = {"attn_norm", "ffn_norm", "bq", "bk", "bv", *GEMMA3_TENSORS}  # the vectors: dequantized in both cases (fp32 encoded)
+    # the vectors (norms, biases): dequantized in both cases (fp32 on the CPU when encoded)
     vector = (lambda n: tensor(n, torch.float32, "cpu")) if encoded else tensor
-    layers = [BlockWeights(**{f: (vector if f in small else matrix)(f"blk.{i}.{n}")
-                              for f, n in _block_tensors(a).items()})
-              for i in range(a.n_layers)]
+    layers = [BlockWeights(**{f: (vector if f in VECTORS else matrix)(f"blk.{i}.{n}")
+                              for f, n in spec.tensors().items()})
+              for i, spec in enumerate(a.blocks)]
     weights = TransformerWeights(
         tok_embeddings=matrix(MODEL_TENSORS["tok_embeddings"]),
         norm=vector(MODEL_TENSORS["norm"]),
@@ -238,5 +222,4 @@ def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtyp
     args = contents.args
     if rope_scaling is not None:
         args = dataclasses.replace(args, rope_scaling=rope_scaling)
-    family = Gemma3Transformer if args.arch == "gemma3" else Transformer
-    return family(args, weights, max_seq_len=max_seq_len).eval()
+    return Transformer(args, weights, max_seq_len=max_seq_len).eval()

@@ -53,7 +53,7 @@ def rope_frequencies(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, float
 def rope_variants(args: ModelArgs) -> list[ModelArgs]:
     """The RoPE each table is made for: the model's, and for sliding-window layers (gemma3) a second of base
     ``rope_theta_local`` without scaling (the file's scaling stretches the global layers only)."""
-    if not any(args.swa_layers):
+    if not any(b.rope == 1 for b in args.blocks):
         return [args]
     return [args, dataclasses.replace(args, rope_theta=args.rope_theta_local, rope_scaling=None)]
 

@@ -22,6 +22,7 @@ import torch
 from ktquest import _C
 from ktquest.kv.base import KVCache
 from ktquest.layers.linear import set_threads
+from ktquest.models.block import BlockSpec
 from ktquest.native import matrix
 
 
@@ -33,7 +34,7 @@ class NativeDecoder:
 
     def __init__(self, model, threads: int):
         self.threads = max(1, threads)
-        self.blocks = [_decode_layer(b, model.args) for b in model.layers]  # [n_layers] _C.DecodeLayer
+        self.blocks = [_decode_layer(b, spec) for b, spec in zip(model.layers, model.args.blocks)]  # [n_layers] _C.DecodeLayer
         a = model.args
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.emb = model.tok_embeddings  # Embedding of a QuantWeight [V, dim]
@@ -108,9 +109,9 @@ def _linears(block) -> list:
     return [block.attn.wqkv, block.attn.wo, block.ffn.w_gate_up, block.ffn.w_down]
 
 
-def _decode_layer(block, args) -> object:
-    """A block's native decode stages (cpp/decode/): its norms and its Linear layers' matrices (and gemma3's
-    QK-norms, post-norms and GeGLU)."""
+def _decode_layer(block, spec: BlockSpec) -> object:
+    """A block's native decode stages (cpp/decode/decode_layer.h) as its ``BlockSpec`` says: its norms and its
+    Linear layers' matrices, the QK-norms and sandwich norms where it has them, its FFN kind."""
     a = block.attn
     perm = a.wqkv.out_perm
 
@@ -118,10 +119,10 @@ def _decode_layer(block, args) -> object:
         return norm.weight.detach().numpy()
 
     extras = {}
-    if args.qk_norm:
+    if spec.qk_norm:
         extras |= dict(q_norm=w(a.q_norm), k_norm=w(a.k_norm))
-    if args.post_norms:
+    if spec.sandwich_norms:
         extras |= dict(post_attn_norm=w(block.post_attn_norm), post_ffn_norm=w(block.post_ffn_norm))
     return _C.DecodeLayer(w(block.attn_norm), w(block.ffn_norm), block.attn_norm.eps, *(m.qm for m in _linears(block)),
                           a.n_heads, a.n_kv_heads, a.head_dim, None if perm is None else perm.to(torch.int32).numpy(),
-                          activation=args.activation, **extras)
+                          ffn=spec.ffn, **extras)
