@@ -325,9 +325,13 @@ def _child(group: str, n_examples: int) -> None:
         windows = [(np.zeros((KVH, rows, D), F32), np.zeros((KVH, rows, D), F32)) for _ in range(n_layers)]
         plan = _C.StorePlan.none() if s.n_blocks(0) == 0 or data.draw(st.booleans()) else \
             _C.StorePlan.attend(s, np.zeros((1, 1), I32))
-        args = [[layer] * n_layers, x, cs, sn, s, windows, data.draw(st.integers(0, rows - 1), label="w0"), rows, 0,
-                0, data.draw(st.sampled_from([0.25, math.nan])), 1, [plan] * n_layers]
-        call("decode_token_long_context", _C.decode_token_long_context, *maybe_mutate(data, args))
+        layers = [("store", k, v, plan) for k, v in windows]
+        if data.draw(st.booleans(), label="dense_layer"):  # a dense layer beside the store's: one store layer short
+            layers.append(("dense", *windows[0], data.draw(st.integers(-1, rows), label="row"), 0, 0))
+        args = [[layer] * len(layers), x, cs[None], sn[None], np.zeros(len(layers), I32), layers,
+                data.draw(st.sampled_from([0.25, math.nan])), 1, s, data.draw(st.integers(0, rows - 1), label="w0"),
+                rows, 0, 0]
+        call("decode_token", _C.decode_token, *maybe_mutate(data, args))
 
     def sample(data):
         """SampleParams from drawn knobs, then sample / sample_distribution on drawn logits and histories."""

@@ -70,6 +70,39 @@ def test_native_decode_matches_the_torch_block(tiny_gemma3):
     torch.testing.assert_close(runs[1], runs[0], atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
+@pytest.mark.parametrize("mode", ["dense", "quest", "snapkv"])
+def test_a_planned_token_equals_the_block_by_block_one(tiny_gemma3, monkeypatch, mode):
+    """Gemma 3 plans a native token like the others (HybridCache.plan_decode: the sliding layers' windows as
+    dense layers, with table 1 of RoPE, beside the global layers' dense cache or store): its logits and the
+    tokens after it are the block-by-block path's, also once the window buffer compacted."""
+    from ktquest.kv import sliding
+    from ktquest.native.plans import TokenPlan
+
+    monkeypatch.setattr(sliding, "COMPACT_TOKENS", 4)
+    ran = []
+    run = TokenPlan.run
+    monkeypatch.setattr(TokenPlan, "run", lambda plan, *args: (ran.append(plan), run(plan, *args))[1])
+    model, _ = load_model(tiny_gemma3.path, encoded=True)
+    native = NativeDecoder.build(model, threads=2)
+    cfg = Config(chunk_size=16) if mode == "dense" else \
+        dataclasses.replace(full_budget(mode, block_size=4, kv_type="FP32"), max_seq_len=128)
+    cfg = dataclasses.replace(cfg, sliding_window_keep=1)  # (a chunk is kept: 16 positions past the window)
+    prompt = prompt_ids(40, model.args.vocab_size, seed=3)
+    runs = []
+    for planned in (False, True):
+        cache = cache_for(model, cfg)
+        with torch.inference_mode():
+            prefill(model, cache, prompt, 16)
+            runs.append(torch.stack([native.decode(tok % model.args.vocab_size, cache, planned=planned)
+                                     for tok in (5, 9, 11, 200, 7, 31, 2, 17, 23, 40, 1, 8)]))
+        assert cache.pos == len(prompt) + 12 and min(cache.windows.base) > 0  # the buffers slid
+    torch.testing.assert_close(runs[1], runs[0], atol=1e-4, rtol=1e-4)
+    assert len(ran) == 12  # every token of the second run in one native call
+    kinds = [layer[0] for layer in ran[-1].layers]
+    sliding_layers = [b.attention == "sliding" for b in model.args.blocks]
+    assert kinds == ["dense" if s or mode == "dense" else "store" for s in sliding_layers]
+
+
 @pytest.mark.parametrize("name", ["quest", "snapkv"])
 def test_long_context_full_budget_equals_dense(tiny_gemma3, name):
     """long_context on the global layers with a budget covering every block = dense, past the windows."""

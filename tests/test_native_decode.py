@@ -16,6 +16,7 @@ from ktquest.generate import decode_one_token, prefill
 from ktquest.kv.long_context import LongContextCache
 from ktquest.models.loader import load_model
 from ktquest.native.decode import NativeDecoder, use_native_decode
+from ktquest.native.plans import dense_layer
 from ktquest.native.store import KVStore
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -184,8 +185,8 @@ def test_a_refused_decode_step_changes_nothing():
 
 
 def test_a_refused_token_rolls_back_every_layer(tiny_llama):
-    """A planned token (decode_token_long_context) is all or nothing: when layer i refuses the token (here its store is full),
-    the layers before it lose the token again (store length, window rows) and x is restored."""
+    """A planned token (_C.decode_token) is all or nothing: when layer i refuses the token (here its store is
+    full), the layers before it lose the token again (store length, window rows) and x is restored."""
     model, _ = load_model(tiny_llama.path, encoded=True)
     layers = NativeDecoder.build(model, threads=1).blocks
     a, L = model.args, model.args.n_layers
@@ -196,13 +197,14 @@ def test_a_refused_token_rolls_back_every_layer(tiny_llama):
     kvh, d = a.n_kv_heads, a.head_dim
     st.append(L - 1, torch.randn(64, kvh, d), torch.randn(64, kvh, d))  # the last layer's store is full
     x = np.random.default_rng(0).standard_normal(a.dim).astype(np.float32)
-    cs, sn = np.ones(d, np.float32), np.zeros(d, np.float32)
-    x0, wins0 = x.copy(), [(w[0].copy(), w[1].copy()) for w in plan.windows]
+    cs, sn = np.ones((1, d), np.float32), np.zeros((1, d), np.float32)
+    windows = [(layer[1], layer[2]) for layer in plan.layers]  # ('store', win_k, win_v, step)
+    x0, wins0 = x.copy(), [(k.copy(), v.copy()) for k, v in windows]
     with pytest.raises(ValueError, match=f"layer {L - 1} holds 64 tokens"):
-        plan.run(layers, x, cs, sn, 1)  # (the plan's own call: decode_token_long_context)
+        plan.run(layers, x, cs, sn, np.zeros(L, np.int32), 1)
     assert [st.length(i) for i in range(L)] == [0] * (L - 1) + [64]
     assert np.array_equal(x, x0)
-    for (k, v), (k0, v0) in zip(plan.windows, wins0):
+    for (k, v), (k0, v0) in zip(windows, wins0):
         assert np.array_equal(k, k0) and np.array_equal(v, v0)
 
 
@@ -254,33 +256,46 @@ def test_decode_layer_takes_any_even_head_dim():
 
 
 def test_native_token_step_checks_every_layer_first(tiny_llama):
-    """decode_token_long_context checks every layer's arguments before the first layer runs."""
+    """_C.decode_token checks every layer's arguments before the first layer runs."""
 
     model, _ = load_model(tiny_llama.path, encoded=True)
-    layers = NativeDecoder.build(model, threads=1).blocks
+    blocks = NativeDecoder.build(model, threads=1).blocks
     a, L = model.args, model.args.n_layers
     cache = LongContextCache(a, preset("quest", block_size=4, init_windows_len=4, local_windows_len=8), 64)
     st = cache.store
     plan = cache.plan_decode(0)  # the first token: the window alone, no context block
-    x, cs = np.zeros(a.dim, np.float32), np.zeros(a.head_dim, np.float32)
-    none, wins = plan.steps[0], plan.windows
+    x, cs = np.zeros(a.dim, np.float32), np.zeros((1, a.head_dim), np.float32)
+    rope = np.zeros(L, np.int32)
+    (_, wk, wv, none), *_ = plan.layers
+    wins = [(layer[1], layer[2]) for layer in plan.layers]
 
-    def call(layers=layers, x=x, windows=wins, steps=[none] * L, store=plan.store.native):
-        _C.decode_token_long_context(layers, x, cs, cs, store, windows, 0, 1, 0, 0, 0.125, 1, steps)
+    def call(blocks=blocks, x=x, layers=None, store=st.native, rope=rope, cos=cs):
+        layers = [("store", k, v, none) for k, v in wins] if layers is None else layers
+        _C.decode_token(blocks, x, cos, cos, rope, layers, 0.125, 1, store, 0, 1, 0, 0)
 
-    with pytest.raises(ValueError, match=f"one per store layer \\({L}\\), got {L - 1}"):
-        call(layers=layers[:-1])
-    with pytest.raises(TypeError, match=r"layers\[1\]: expected a DecodeLayer"):
-        call(layers=[layers[0], "not a layer"])
-    with pytest.raises(TypeError, match=r"steps\[1\]: expected a StorePlan"):
-        call(steps=[none, (0, None)])
+    with pytest.raises(ValueError, match=f"one layer plan per block .* got {L - 1} and {L}"):
+        call(blocks=blocks[:-1])
+    with pytest.raises(TypeError, match=r"blocks\[1\]: expected a DecodeLayer"):
+        call(blocks=[blocks[0], "not a layer"])
+    with pytest.raises(TypeError, match=r"layers\[1\]\[3\]: expected a StorePlan"):
+        call(layers=[("store", wk, wv, none), ("store", wk, wv, (0, None))])
     with pytest.raises(ValueError, match="blocks: expected 1 \\(shared\\) or n_kv_heads"):  # checked when planned
-        _C.StorePlan.attend(plan.store.native, np.zeros((a.n_kv_heads + 1, 2), np.int32))
+        _C.StorePlan.attend(st.native, np.zeros((a.n_kv_heads + 1, 2), np.int32))
     elsewhere = KVStore(L, a.n_kv_heads, a.head_dim, max_seq_len=64, block_size=4)
     with pytest.raises(ValueError, match="a StorePlan made for another store"):
-        call(steps=[none, _C.StorePlan.attend(elsewhere.native, np.zeros((1, 1), np.int32))])
-    with pytest.raises(ValueError, match=r"windows\[0\]: expected a tuple"):
-        call(windows=[wins[0][0]] + wins[1:])
+        call(layers=[("store", wk, wv, none), ("store", wk, wv,
+                                                _C.StorePlan.attend(elsewhere.native, np.zeros((1, 1), np.int32)))])
+    with pytest.raises(ValueError, match=r"layers\[0\]: expected \('dense'"):
+        call(layers=[wins[0][0]] + [("store", k, v, none) for k, v in wins[1:]])
+    with pytest.raises(ValueError, match=r"layers: 1 store layers, the store has 2"):
+        call(layers=[("store", wk, wv, none), ("dense", wk, wv, 0, 0, 0)])
+    with pytest.raises(ValueError, match=r"a store layer, but no store was given"):
+        call(store=None)
+    with pytest.raises(ValueError, match=r"rope\[1\]=1: expected a table of cos/sin, 0..0"):
+        call(rope=np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match=r"sin: expected shape"):
+        _C.decode_token(blocks, x, cs, np.zeros((2, a.head_dim), np.float32), rope,
+                        [("store", k, v, none) for k, v in wins], 0.125, 1, st.native, 0, 1, 0, 0)
     with pytest.raises(ValueError, match=r"x: expected shape"):
         call(x=np.zeros(a.dim + 1, np.float32))
     other = KVStore(L, a.n_kv_heads + 1, a.head_dim, max_seq_len=64, block_size=4)
@@ -292,7 +307,7 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
 
 
 def test_dense_token_in_one_call_matches_the_block_by_block_path(tiny_model):
-    """A dense cache's token in one native call (DenseKVCache.plan_decode -> _C.decode_token_dense) gives the
+    """A dense cache's token in one native call (DenseKVCache.plan_decode -> _C.decode_token) gives the
     logits and the cache of the block-by-block path (qkv stage, cache.attend, out stage), across a growth of
     the cache's capacity (GROW_TOKENS)."""
     from ktquest.kv import dense
@@ -329,22 +344,31 @@ def test_dense_token_in_one_call_matches_the_block_by_block_path(tiny_model):
         dense.GROW_TOKENS = old
 
 
-def test_decode_token_dense_checks_its_arguments(tiny_llama):
+def test_decode_token_checks_its_dense_layers(tiny_llama):
     model, _ = load_model(tiny_llama.path, encoded=True)
-    layers = NativeDecoder.build(model, threads=1).blocks
+    blocks = NativeDecoder.build(model, threads=1).blocks
     a = model.args
-    caches = [(np.zeros((a.n_kv_heads, 8, a.head_dim), np.float32),) * 2 for _ in layers]
-    x, cs = np.zeros(a.dim, np.float32), np.zeros(a.head_dim, np.float32)
-    with pytest.raises(ValueError, match="one cache per layer"):
-        _C.decode_token_dense(layers, x, cs, cs, caches[:-1], 0, 0.125, 1)
-    with pytest.raises(ValueError, match=r"caches\[0\]: 8 rows, pos 8 is past them"):
-        _C.decode_token_dense(layers, x, cs, cs, caches, 8, 0.125, 1)
+    caches = [(np.zeros((a.n_kv_heads, 8, a.head_dim), np.float32),) * 2 for _ in blocks]
+    x, cs = np.zeros(a.dim, np.float32), np.zeros((1, a.head_dim), np.float32)
+    rope = np.zeros(len(blocks), np.int32)
+
+    def call(layers, scale=0.125):
+        _C.decode_token(blocks, x, cs, cs, rope, layers, scale, 1)
+
+    with pytest.raises(ValueError, match="one layer plan per block"):
+        call([dense_layer(k, v, 0) for k, v in caches[:-1]])
+    with pytest.raises(ValueError, match=r"layers\[0\]: row w0=8 and skip \[0, 0\) must satisfy"):
+        call([dense_layer(k, v, 8) for k, v in caches])
+    with pytest.raises(ValueError, match=r"layers\[0\]: row w0=3 and skip \[2, 5\) must satisfy"):
+        call([dense_layer(k, v, 3, (2, 5)) for k, v in caches])
+    with pytest.raises(TypeError, match=r"layers\[0\].w0: expected an integer"):
+        call([("dense", *caches[0], 1.5, 0, 0)] + [dense_layer(k, v, 0) for k, v in caches[1:]])
     bad = [(np.zeros((a.n_kv_heads, 8, a.head_dim + 1), np.float32),) * 2] + caches[1:]
-    with pytest.raises(ValueError, match=r"caches\[0\].k: expected shape"):
-        _C.decode_token_dense(layers, x, cs, cs, bad, 0, 0.125, 1)
+    with pytest.raises(ValueError, match=r"layers\[0\].k: expected shape"):
+        call([dense_layer(k, v, 0) for k, v in bad])
     with pytest.raises(ValueError, match="scale"):
-        _C.decode_token_dense(layers, x, cs, cs, caches, 0, float("nan"), 1)
-    _C.decode_token_dense(layers, x, cs, cs, caches, 7, 0.125, 1)
+        call([dense_layer(k, v, 0) for k, v in caches], float("nan"))
+    call([dense_layer(k, v, 7, (2, 5)) for k, v in caches])
     assert np.isfinite(x).all()
 
 

@@ -1,8 +1,13 @@
-// A token's decode on the CPU, top to bottom, as plain C++: for each layer, the block's qkv stage
-// (decode_layer.h), the layer's attention on its q/k/v (long_context: layer_step.h; dense: the whole cache,
-// attn/dense_attn.h), and the block's out stage; x is carried from layer to layer. The binding only checks
-// the arguments, builds the LayerSteps and calls these without the GIL.
+// A token's decode on the CPU, top to bottom, as plain C++: for each layer, the block's qkv stage with the
+// layer's RoPE row (decode_layer.h), the layer's attention on its q/k/v, and the block's out stage; x is carried
+// from layer to layer. A layer attends as its TokenLayer says:
+//   DENSE  a dense K/V buffer of its own (ktquest/kv/dense.py's layers, kv/sliding.py's sliding windows): the
+//          token's k/v written at row w0, rows [0, w0] attended but [skip0, skip1) (attn/dense_attn.h);
+//   STORE  a layer of the long-context store: its window buffer and store part (layer_step.h).
+// The binding only checks the arguments, builds the TokenLayers and calls this without the GIL.
 #pragma once
+
+#include <cstdint>
 
 #include "decode/decode_layer.h"
 #include "decode/layer_step.h"
@@ -10,30 +15,31 @@
 
 namespace ktq {
 
-// One block of layer `layer` of the store: qkv of x (cos/sin: [D] the token's RoPE row), q checked finite
-// (std::invalid_argument before anything is written, as the store would), layer_step, out; x [dim] is
-// updated in place to the block's output. The layer's heads must match the store's.
-void block_step(DecodeLayer& block, KVStore& st, int layer, const LayerStep& step, float* x, const float* cos,
-                const float* sin, float scale, int n_threads);
+enum class LayerKind : int { DENSE = 0, STORE = 1 };
 
-// The whole token: block_step(*blocks[i], st, i, steps[i], ...) for i = 0 .. n_layers - 1 of the store.
-// A step's blocks may be an earlier step's out_ids: they are read after that step wrote them.
-// All or nothing: when a layer throws, the layers before it are rolled back (their window rows and store
-// lengths as before the token) and x is restored, then the error propagates.
-void decode_token(DecodeLayer* const* blocks, const LayerStep* steps, KVStore& st, float* x, const float* cos,
-                  const float* sin, float scale, int n_threads);
-
-// One layer's dense KV cache: K and V [KVH, cap, D] fp32, head-major (ktquest/kv/dense.py).
-struct DenseKV {
+struct DenseStep {  // one layer's dense cache: K and V [KVH, rows, D] fp32, head-major
   float* k = nullptr;
   float* v = nullptr;
-  int64_t cap = 0;
+  int64_t rows = 0;
+  int64_t w0 = 0;                // the token's row: rows [0, w0] are attended ...
+  int64_t skip0 = 0, skip1 = 0;  // ... but [skip0, skip1) (the positions that left a sliding window)
 };
 
-// The whole token on dense caches: for i = 0 .. n_layers - 1, blocks[i]'s qkv stage, k/v written at row pos of
-// kv[i], attention over rows [0, pos] (scale), the out stage. pos < cap. A layer whose q is not finite throws
-// std::invalid_argument; x is then restored (rows written at pos are past the cache's length: harmless).
-void decode_token_dense(DecodeLayer* const* blocks, const DenseKV* kv, int n_layers, int64_t pos, float* x,
-                        const float* cos, const float* sin, float scale, int n_threads);
+struct TokenLayer {
+  LayerKind kind = LayerKind::DENSE;
+  int rope = 0;          // the layer's RoPE table: its row is cos/sin + rope * head_dim
+  DenseStep dense;       // DENSE
+  int store_layer = -1;  // STORE: the store's layer, and its step
+  LayerStep step;
+};
+
+// The whole token: layers[i] for i = 0 .. n_layers - 1, blocks[i] its block; cos/sin: [n_tables, D] the token's
+// RoPE rows. st: the store of the STORE layers (null when there are none). A STORE step's blocks may be an
+// earlier step's out_ids: they are read after that step wrote them. A layer whose q is not finite throws
+// std::invalid_argument before it writes anything. All or nothing: when a layer throws, the STORE layers
+// before it are rolled back (their window rows and store lengths as before the token) and x is restored (a
+// DENSE layer's row w0 lies past what its cache holds: nothing to undo), then the error propagates.
+void decode_token(DecodeLayer* const* blocks, const TokenLayer* layers, int n_layers, KVStore* st, float* x,
+                  const float* cos, const float* sin, float scale, int n_threads);
 
 }  // namespace ktq

@@ -1,4 +1,4 @@
-// The bindings' shared argument checks. Arrays arrive as numpy views of torch tensors (ktquest/kv/store.py makes
+// The bindings' shared argument checks. Arrays arrive as numpy views of torch tensors (ktquest/native/store.py makes
 // them); every one is checked for dtype, shape and C-contiguity before the GIL is released, with a message
 // naming the argument, what was expected and what came. Sizes that must be positive are checked here
 // (check_positive), size products with common/checked.h (OverflowError) and scalars with common/finite.h.
@@ -78,6 +78,18 @@ py::tuple names_tuple(const char* const (&names)[N]) {
 
 // A size from the caller (an argument, an array's dimension) that must be >= 1: ValueError naming it, before it
 // reaches a division or a loop bound (a head_dim of 0 was a SIGFPE). Size products: common/checked.h.
+// An integer item of a Python sequence (not a bool): TypeError naming it otherwise.
+inline int64_t int_item(const py::handle& seq, size_t i, const std::string& what) {
+  const py::handle o = seq[py::int_(i)];
+  if (!py::isinstance<py::int_>(o) || py::isinstance<py::bool_>(o))
+    throw py::type_error(what + ": expected an integer, got " + py::str(py::type::of(o)).cast<std::string>());
+  try {
+    return o.cast<int64_t>();
+  } catch (const py::cast_error&) {
+    throw py::value_error(what + ": " + py::str(o).cast<std::string>() + " does not fit in 64 bits");
+  }
+}
+
 inline int64_t check_positive(int64_t v, const char* what) {
   if (v < 1) throw py::value_error(std::string(what) + " must be >= 1, got " + std::to_string(v));
   return v;

@@ -144,109 +144,102 @@ void bind_decode(py::module_& m) {
         }, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("out"),
         "out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] for x, w, out [n] fp32 (the decode stages' RMSNorm).");
 
-  m.def("decode_token_long_context", [](const py::list& layers, const py::handle& x_obj, const py::handle& cos_obj,
-                                        const py::handle& sin_obj, KVStore& st, const py::list& windows,
-                                        int64_t w0, int64_t width, int64_t skip0, int64_t skip1, float scale,
-                                        int n_threads, const py::list& steps) {
-          const int n = st.config().n_layers;
-          if (int(py::len(layers)) != n || int(py::len(windows)) != n || int(py::len(steps)) != n)
-            throw py::value_error("layers, windows and steps: expected one per store layer (" + std::to_string(n) +
-                                  "), got " + std::to_string(py::len(layers)) + ", " +
-                                  std::to_string(py::len(windows)) + " and " + std::to_string(py::len(steps)));
+  m.def("decode_token", [](const py::list& blocks_obj, const py::handle& x_obj, const py::handle& cos_obj,
+                           const py::handle& sin_obj, const py::handle& rope_obj, const py::list& layers_obj,
+                           float scale, int n_threads, const py::object& store_obj, int64_t w0, int64_t width,
+                           int64_t skip0, int64_t skip1) {
+          const int n = int(py::len(blocks_obj));
+          if (n < 1 || int(py::len(layers_obj)) != n)
+            throw py::value_error("blocks and layers: expected one layer plan per block (at least one), got " +
+                                  std::to_string(n) + " and " + std::to_string(py::len(layers_obj)));
+          check_threads(n_threads);
+          check_finite(scale, "scale");
+          KVStore* st = store_obj.is_none() ? nullptr : &store_obj.cast<KVStore&>();
           // Every argument of every layer is checked before the first layer runs.
           std::vector<PyDecodeLayer*> ls(n);
-          std::vector<StepArgs> args(n);
           for (int i = 0; i < n; ++i) {
-            if (!py::isinstance<PyDecodeLayer>(layers[i]))
-              throw py::type_error("layers[" + std::to_string(i) + "]: expected a DecodeLayer, got " +
-                                   py::str(py::type::of(layers[i])).cast<std::string>());
-            ls[i] = &layers[i].cast<PyDecodeLayer&>();
-            layer_check(*ls[i], st, i);
-            if (ls[i]->layer->dim() != ls[0]->layer->dim())
-              throw py::value_error("layer " + std::to_string(i) + ": dim " + std::to_string(ls[i]->layer->dim()) +
-                                    ", layer 0 has " + std::to_string(ls[0]->layer->dim()));
-            const py::handle w = windows[i], s = steps[i];
-            if (!py::isinstance<py::tuple>(w) || py::len(w) != 2)
-              throw py::value_error("windows[" + std::to_string(i) + "]: expected a tuple (win_k, win_v)");
-            if (!py::isinstance<StorePlan>(s))
-              throw py::type_error("steps[" + std::to_string(i) + "]: expected a StorePlan, got " +
-                                   py::str(py::type::of(s)).cast<std::string>());
-            const py::tuple wt = py::reinterpret_borrow<py::tuple>(w);
-            step_args(st, args[i], ls[i]->layer->weights().n_heads, wt[0], wt[1], w0, width, skip0, skip1,
-                         n_threads, s.cast<const StorePlan&>());
+            if (!py::isinstance<PyDecodeLayer>(blocks_obj[i]))
+              throw py::type_error("blocks[" + std::to_string(i) + "]: expected a DecodeLayer, got " +
+                                   py::str(py::type::of(blocks_obj[i])).cast<std::string>());
+            ls[i] = &blocks_obj[i].cast<PyDecodeLayer&>();
+            if (ls[i]->layer->dim() != ls[0]->layer->dim() ||
+                ls[i]->layer->weights().head_dim != ls[0]->layer->weights().head_dim)
+              throw py::value_error("blocks[" + std::to_string(i) + "]: dim " + std::to_string(ls[i]->layer->dim()) +
+                                    " and head_dim " + std::to_string(ls[i]->layer->weights().head_dim) +
+                                    ", block 0 has " + std::to_string(ls[0]->layer->dim()) + " and " +
+                                    std::to_string(ls[0]->layer->weights().head_dim));
           }
           const int D = ls[0]->layer->weights().head_dim;
           auto x = array_arg<float>(x_obj, "x", {ls[0]->layer->dim()});
-          auto c = array_arg<float>(cos_obj, "cos", {D});
-          auto s = array_arg<float>(sin_obj, "sin", {D});
+          auto c = array_arg<float>(cos_obj, "cos", {-1, D});
+          auto s = array_arg<float>(sin_obj, "sin", {c.shape(0), D});
+          auto rope = array_arg<int32_t>(rope_obj, "rope", {n});
           if (!x.writeable()) throw py::value_error("x: must be writeable");
-          std::vector<DecodeLayer*> blocks(n);
-          std::vector<LayerStep> layer_steps(n);
-          for (int i = 0; i < n; ++i) blocks[i] = ls[i]->layer.get(), layer_steps[i] = args[i].step;
-          float* xp = x.mutable_data();
-          const float *cp = c.data(), *sp = s.data();
-          py::gil_scoped_release nogil;
-          decode_token(blocks.data(), layer_steps.data(), st, xp, cp, sp, scale, n_threads);
-        }, py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("store"), py::arg("windows"),
-        py::arg("w0"), py::arg("width"), py::arg("skip0"), py::arg("skip1"), py::arg("scale"), py::arg("n_threads"),
-        py::arg("steps"),
-        "A whole token's long_context decode through every block in one call (cpp/decode/token_step.h): for "
-        "layer i = 0..n_layers-1 of the store, layers[i] (a DecodeLayer) makes q/k/v from x, the layer's step "
-        "attends its window windows[i] = (win_k, win_v) and the store part steps[i] (a StorePlan), and the "
-        "block's out stage updates x in place; all arguments are checked first. A step's blocks may be an "
-        "earlier step's out_ids (read after that step wrote them).");
-
-  m.def("decode_token_dense", [](const py::list& layers, const py::handle& x_obj, const py::handle& cos_obj,
-                                 const py::handle& sin_obj, const py::list& caches, int64_t pos, float scale,
-                                 int n_threads) {
-          const int n = int(py::len(layers));
-          if (n < 1 || int(py::len(caches)) != n)
-            throw py::value_error("layers and caches: expected one cache per layer (at least one), got " +
-                                  std::to_string(n) + " and " + std::to_string(py::len(caches)));
-          check_threads(n_threads);
-          check_finite(scale, "scale");
-          if (pos < 0) throw py::value_error("pos: must be >= 0, got " + std::to_string(pos));
-          // Every argument of every layer is checked before the first layer runs.
-          std::vector<DecodeLayer*> blocks(n);
-          std::vector<DenseKV> kv(n);
-          std::vector<py::array_t<float>> keep;
+          std::vector<TokenLayer> layers(n);
+          std::vector<StepArgs> args(n);  // the STORE layers' window arrays, alive for the call
+          std::vector<py::array_t<float>> keep;  // the DENSE layers' arrays
+          int store_layers = 0;
           for (int i = 0; i < n; ++i) {
-            const std::string at = "[" + std::to_string(i) + "]";
-            if (!py::isinstance<PyDecodeLayer>(layers[i]))
-              throw py::type_error("layers" + at + ": expected a DecodeLayer, got " +
-                                   py::str(py::type::of(layers[i])).cast<std::string>());
-            blocks[i] = layers[i].cast<PyDecodeLayer&>().layer.get();
-            const DecodeLayerWeights& w = blocks[i]->weights();
-            if (blocks[i]->dim() != blocks[0]->dim())
-              throw py::value_error("layers" + at + ": dim " + std::to_string(blocks[i]->dim()) + ", layer 0 has " +
-                                    std::to_string(blocks[0]->dim()));
-            const py::handle c = caches[i];
-            if (!py::isinstance<py::tuple>(c) || py::len(c) != 2)
-              throw py::value_error("caches" + at + ": expected a tuple (k, v)");
-            auto k = array_arg<float>(c[py::int_(0)], ("caches" + at + ".k").c_str(), {w.n_kv_heads, -1, w.head_dim});
-            auto v = array_arg<float>(c[py::int_(1)], ("caches" + at + ".v").c_str(),
-                                      {w.n_kv_heads, k.shape(1), w.head_dim});
-            if (!k.writeable() || !v.writeable()) throw py::value_error("caches" + at + ": must be writeable");
-            if (pos >= k.shape(1))
-              throw py::value_error("caches" + at + ": " + std::to_string(k.shape(1)) + " rows, pos " +
-                                    std::to_string(pos) + " is past them");
-            kv[i] = {k.mutable_data(), v.mutable_data(), k.shape(1)};
-            keep.push_back(k), keep.push_back(v);
+            const std::string at = "layers[" + std::to_string(i) + "]";
+            TokenLayer& L = layers[i];
+            const DecodeLayerWeights& w = ls[i]->layer->weights();
+            L.rope = rope.data()[i];
+            if (L.rope < 0 || L.rope >= c.shape(0))
+              throw py::value_error("rope[" + std::to_string(i) + "]=" + std::to_string(L.rope) + ": expected a table "
+                                    "of cos/sin, 0.." + std::to_string(c.shape(0) - 1));
+            const py::handle o = layers_obj[i];
+            const bool tuple = py::isinstance<py::tuple>(o) && py::len(o) >= 1 && py::isinstance<py::str>(o[py::int_(0)]);
+            const std::string kind = tuple ? o[py::int_(0)].cast<std::string>() : "";
+            if (kind == "dense" && py::len(o) == 6) {
+              auto k = array_arg<float>(o[py::int_(1)], (at + ".k").c_str(), {w.n_kv_heads, -1, D});
+              auto v = array_arg<float>(o[py::int_(2)], (at + ".v").c_str(), {w.n_kv_heads, k.shape(1), D});
+              if (!k.writeable() || !v.writeable()) throw py::value_error(at + ": k/v must be writeable");
+              const int64_t r = int_item(o, 3, at + ".w0"), a = int_item(o, 4, at + ".skip0"),
+                            b = int_item(o, 5, at + ".skip1");
+              if (r < 0 || r >= k.shape(1) || a < 0 || b < a || b > r)
+                throw py::value_error(at + ": row w0=" + std::to_string(r) + " and skip [" + std::to_string(a) + ", " +
+                                      std::to_string(b) + ") must satisfy 0 <= skip0 <= skip1 <= w0 < " +
+                                      std::to_string(k.shape(1)) + " (the buffer's rows)");
+              L.kind = LayerKind::DENSE;
+              L.dense = DenseStep{k.mutable_data(), v.mutable_data(), k.shape(1), r, a, b};
+              keep.push_back(k), keep.push_back(v);
+            } else if (kind == "store" && py::len(o) == 4) {
+              if (st == nullptr) throw py::value_error(at + ": a store layer, but no store was given");
+              if (store_layers >= st->config().n_layers)
+                throw py::value_error(at + ": store layer " + std::to_string(store_layers) + ", the store has " +
+                                      std::to_string(st->config().n_layers));
+              layer_check(*ls[i], *st, i);
+              const py::handle p = o[py::int_(3)];
+              if (!py::isinstance<StorePlan>(p))
+                throw py::type_error(at + "[3]: expected a StorePlan, got " + py::str(py::type::of(p)).cast<std::string>());
+              step_args(*st, args[i], w.n_heads, o[py::int_(1)], o[py::int_(2)], w0, width, skip0, skip1, n_threads,
+                        p.cast<const StorePlan&>());
+              L.kind = LayerKind::STORE;
+              L.store_layer = store_layers++;
+              L.step = args[i].step;
+            } else {
+              throw py::value_error(at + ": expected ('dense', k, v, w0, skip0, skip1) or ('store', win_k, win_v, "
+                                    "plan)");
+            }
           }
-          const int D = blocks[0]->weights().head_dim;
-          auto x = array_arg<float>(x_obj, "x", {blocks[0]->dim()});
-          auto c = array_arg<float>(cos_obj, "cos", {D});
-          auto s = array_arg<float>(sin_obj, "sin", {D});
-          if (!x.writeable()) throw py::value_error("x: must be writeable");
+          if (st != nullptr && store_layers != st->config().n_layers)
+            throw py::value_error("layers: " + std::to_string(store_layers) + " store layers, the store has " +
+                                  std::to_string(st->config().n_layers) + " (one per store layer)");
+          std::vector<DecodeLayer*> blocks(n);
+          for (int i = 0; i < n; ++i) blocks[i] = ls[i]->layer.get();
           float* xp = x.mutable_data();
           const float *cp = c.data(), *sp = s.data();
           py::gil_scoped_release nogil;
-          decode_token_dense(blocks.data(), kv.data(), n, pos, xp, cp, sp, scale, n_threads);
-        }, py::arg("layers"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("pos"),
-        py::arg("scale"), py::arg("n_threads"),
-        "A whole token's dense decode through every block in one call (cpp/decode/token_step.h): layer i makes "
-        "q/k/v from x, writes k/v at row pos of caches[i] = (k, v) [KVH, cap, D], attends rows [0, pos] and "
-        "updates x in place; all arguments are checked first.");
+          decode_token(blocks.data(), layers.data(), n, st, xp, cp, sp, scale, n_threads);
+        }, py::arg("blocks"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rope"), py::arg("layers"),
+        py::arg("scale"), py::arg("n_threads"), py::arg("store") = py::none(), py::arg("w0") = 0,
+        py::arg("width") = 0, py::arg("skip0") = 0, py::arg("skip1") = 0,
+        "A whole decode token through every block in one call (cpp/decode/token_step.h): block i makes q/k/v from x "
+        "with RoPE row rope[i] of cos/sin [n_tables, D], attends as layers[i] says, and updates x in place: "
+        "('dense', k, v, w0, skip0, skip1) writes k/v at row w0 of k/v [KVH, rows, D] and attends rows [0, w0] "
+        "but [skip0, skip1); ('store', win_k, win_v, plan) is the next layer of `store`: its window rows [0, width) "
+        "but [skip0, skip1) with the token at row w0, and the store part `plan` (a StorePlan). Every argument is "
+        "checked first; all or nothing.");
 }
 
 }  // namespace ktq::python

@@ -42,7 +42,7 @@ StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max
 }  // namespace
 
 void bind_kv_store(py::module_& m) {
-  py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest/kv/store.py).")
+  py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest/native/store.py).")
       .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                        const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
                        bool int8_candidates, int index_group, float quest_centre, int sticky_blocks) {

@@ -14,7 +14,7 @@ void check_param(const char* name, double x, bool ok, const char* allowed) {
   if (!ok) throw py::value_error(std::string(name) + " must be " + allowed + ", got " + std::to_string(x));
 }
 
-// SampleParams, checked once (ktquest/sampling.py makes one a generation).
+// SampleParams, checked once (ktquest/native/sample.py makes one a generation).
 SampleParams make_params(int64_t top_k, float top_p, float min_p, float temperature, float repeat_penalty,
                          float frequency_penalty, float presence_penalty) {
   check_param("top_k", double(top_k), top_k >= 0, ">= 0 (0: off)");

@@ -1,7 +1,7 @@
 // ktquest._C: the only code that knows Python lives in this folder. Every entry point checks dtype, shape and
 // contiguity of its arguments, raises ValueError/IndexError with a message naming what is wrong, then
-// releases the GIL and calls the raw-pointer C++ code. Users never call ktquest._C directly: see
-// ktquest/kv/store.py and ktquest/native/decode.py.
+// releases the GIL and calls the raw-pointer C++ code. Users never call ktquest._C directly: ktquest/native/ is
+// the one door to it (tests/test_structure.py holds the package to that).
 #include <pybind11/pybind11.h>
 
 #include "python/bind.h"

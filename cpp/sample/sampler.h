@@ -3,7 +3,7 @@
 //
 //     penalties (repeat, frequency, presence over the recent ids) -> top-k -> top-p -> min-p -> temperature -> draw
 //
-// ktquest/sampling.py calls it once a token; its numpy twin (the reference) is in tests/test_sampling.py.
+// ktquest/native/sample.py calls it once a token; its numpy twin (the reference) is in tests/test_sampling.py.
 // Only the top-k scan runs over the whole vocabulary, so only it has an AVX2 twin (sampler_avx2.cpp); every
 // other step works on the k candidates.
 #pragma once

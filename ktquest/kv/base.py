@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ktquest.native.plans import DenseTokenPlan, TokenPlan
+from ktquest.native.plans import TokenPlan
 
 
 class PromptLayers(Protocol):
@@ -66,18 +66,18 @@ class KVCache(Protocol):
         """Device bytes that ``prompt_layers`` for ``n`` tokens holds beside the cache."""
         ...
 
-    def plan_decode(self, pos: int) -> TokenPlan | DenseTokenPlan | None:
+    def plan_decode(self, pos: int) -> TokenPlan | None:
         """The native plan of one decode token at ``pos``, or None when this cache cannot plan it ahead (its
         attention needs the token's query first: the decode step then goes block by block through
         ``attend``). A plan begins the token's pass in the cache (window geometry, the planner's counters),
         so each plan is followed by exactly one ``commit_decode`` or ``abort_decode``."""
         ...
 
-    def commit_decode(self, plan: TokenPlan | DenseTokenPlan) -> None:
+    def commit_decode(self, plan: TokenPlan) -> None:
         """The planned token ran in every layer."""
         ...
 
-    def abort_decode(self, plan: TokenPlan | DenseTokenPlan) -> None:
+    def abort_decode(self, plan: TokenPlan) -> None:
         """The planned token raised part-way (some layers may hold it)."""
         ...
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ktquest.kv.memory import check_dense_fits
 from ktquest.kv.placement import Placement
 from ktquest.native.attention import dense_decode_attention
-from ktquest.native.plans import DenseTokenPlan
+from ktquest.native.plans import TokenPlan, dense_layer
 
 GROW_TOKENS = 1024  # a layer's first capacity, and the multiple its capacities are rounded up to
 
@@ -141,7 +141,7 @@ class DenseKVCache:
     def begin_prompt(self, end: int) -> None:
         """(Every prompt is read exactly.)"""
 
-    def plan_decode(self, pos: int) -> DenseTokenPlan | None:
+    def plan_decode(self, pos: int) -> TokenPlan | None:
         """The whole decode token at ``pos`` in one native call (``KVCache.plan_decode``), every layer grown to
         hold it first; None off the CPU in fp32 (the token then goes block by block through ``attend``)."""
         if not self.placement.native:
@@ -153,13 +153,13 @@ class DenseKVCache:
                 self._grow(i, pos + 1)
         if self._np is None:  # numpy views of every layer, made again only when a layer grew
             self._np = [(k[0].numpy(), v[0].numpy()) for k, v in zip(self._k, self._v)]
-        return DenseTokenPlan(pos, self._np, self.scale)
+        return TokenPlan(pos, [dense_layer(k, v, pos) for k, v in self._np], self.scale)
 
-    def commit_decode(self, plan: DenseTokenPlan) -> None:
+    def commit_decode(self, plan: TokenPlan) -> None:
         """The token of ``plan`` is in every layer."""
         self.pos = plan.pos + 1
 
-    def abort_decode(self, plan: DenseTokenPlan) -> None:
+    def abort_decode(self, plan: TokenPlan) -> None:
         """The token of ``plan`` raised part-way: rows at ``plan.pos`` may be written, past ``pos``: nothing to
         undo."""
 

@@ -32,7 +32,7 @@ from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_token
 from ktquest.kv.placement import Placement
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
 from ktquest.kv.windows import PassGeometry, Windows
-from ktquest.native.plans import TokenPlan
+from ktquest.native.plans import TokenPlan, store_layer
 from ktquest.native.store import KVStore
 
 
@@ -73,6 +73,7 @@ class LongContextCache:
                                   self.placement.native and not dynamic, dynamic, cfg.prefill, all_blocks)
         self.planner = DecodePlanner(lc, self.store, self.n_layers, H, D, ib, all_blocks, self.placement.device,
                                      dtype, max_seq_len)
+        self._planned: tuple = (None, None)  # (the planner's TokenSteps, their layers as a TokenPlan takes them)
         self.reset()
 
     # ---- bookkeeping ----
@@ -226,8 +227,9 @@ class LongContextCache:
         g = self.begin_pass(pos, 1)
         assert g.decode
         steps = self.planner.token_steps(g.loc0 // self.shape.block_size)
-        return TokenPlan(pos, self.store, self.windows.views, g.w0, g.width, g.skip, self.shape.scale, steps.plans,
-                         state=steps)
+        if steps is not self._planned[0]:  # (the planner keeps its steps while the context end stays)
+            self._planned = (steps, [store_layer(k, v, step) for (k, v), step in zip(self.windows.views, steps.plans)])
+        return TokenPlan(pos, self._planned[1], self.shape.scale, self.store, g.w0, g.width, g.skip, state=steps)
 
     def commit_decode(self, plan: TokenPlan) -> None:
         """The token of ``plan`` is in every layer."""

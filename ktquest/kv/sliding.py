@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ktquest.kv.placement import Placement
 from ktquest.native.attention import dense_decode_attention
+from ktquest.native.plans import TokenPlan, dense_layer
 
 COMPACT_TOKENS = 256  # the buffer's slack: rows moved to the front once every this many tokens
 
@@ -49,6 +50,8 @@ class WindowKV:
         self.scale = head_dim ** -0.5
         self.threads = threads
         self.placement = Placement.of(device, dtype)
+        # numpy views of each layer's buffers for the native decode plan (the buffers are never replaced)
+        self._np = [(self.k[i].numpy(), self.v[i].numpy()) for i in range(n_layers)] if self.placement.native else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] at positions start..start+T-1 -> out [T, H, D]: each query attends the
@@ -76,19 +79,41 @@ class WindowKV:
         return out[0].transpose(0, 1)  # [T, H, D]
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Positions start..end-1 into the layer's rows; past ``rows``, the oldest positions make way (the
-        newest ``rows - COMPACT_TOKENS`` are kept, moved to the front)."""
-        end, b = start + k.shape[0], self.base[layer]
+        """Positions start..end-1 into the layer's rows (``_make_room`` first)."""
+        end = start + k.shape[0]
+        b = self._make_room(layer, start, end)
+        first = max(start, b)  # a chunk longer than the buffer keeps its newest positions
+        self.k[layer, :, first - b: end - b] = k[first - start:].transpose(0, 1)
+        self.v[layer, :, first - b: end - b] = v[first - start:].transpose(0, 1)
+        self.hi[layer] = end
+
+    def _make_room(self, layer: int, start: int, end: int) -> int:
+        """Rows for positions [start, end): past ``rows``, the oldest positions make way (the newest
+        ``rows - COMPACT_TOKENS`` are kept, moved to the front). Returns the layer's base."""
+        b = self.base[layer]
         if end - b > self.rows:
             nb = end - (self.rows - COMPACT_TOKENS)  # the new base
             if nb < start:  # positions [nb, start) stay: to the front
                 for buf in (self.k, self.v):
                     buf[layer, :, : start - nb] = buf[layer, :, nb - b: start - b].clone()
             b = self.base[layer] = nb
-        first = max(start, b)  # a chunk longer than the buffer keeps its newest positions
-        self.k[layer, :, first - b: end - b] = k[first - start:].transpose(0, 1)
-        self.v[layer, :, first - b: end - b] = v[first - start:].transpose(0, 1)
-        self.hi[layer] = end
+        return b
+
+    def plan_decode(self, pos: int) -> list[tuple]:
+        """Every layer's part of a native decode token at ``pos`` (``native.plans.dense_layer``: its buffers, the
+        token's row, the positions before its window skipped); ``decoded`` once the token ran."""
+        out = []
+        for layer, (k, v) in enumerate(self._np):
+            if pos != self.hi[layer] or max(0, pos - self.window + 1) < self.base[layer]:
+                raise ValueError(f"sliding window of layer {layer}: cannot decode position {pos}: it holds "
+                                 f"positions {self.base[layer]}..{self.hi[layer] - 1}")
+            b = self._make_room(layer, pos, pos + 1)
+            out.append(dense_layer(k, v, pos - b, (0, max(0, pos + 1 - self.window - b))))
+        return out
+
+    def decoded(self, pos: int) -> None:
+        """The token planned at ``pos`` is in every layer."""
+        self.hi = [pos + 1] * len(self.hi)
 
     def can_rewind(self, n: int) -> bool:
         """Whether every layer still holds the window of a query at position n (positions n-window+1..n-1)."""
@@ -185,14 +210,29 @@ class HybridCache:
         the sliding layers' windows kept to undo an interrupted prompt."""
         return self.main.prefill_device_bytes(n) + self.windows.nbytes()
 
-    def plan_decode(self, pos: int) -> None:
-        """None: a decode token goes block by block through ``attend`` (each layer has its own RoPE table)."""
-        return None
+    def plan_decode(self, pos: int) -> TokenPlan | None:
+        """The native plan of a decode token at ``pos`` (``KVCache.plan_decode``): the global layers' part as their
+        cache plans it, the sliding layers' windows as dense layers beside it, in the model's layer order. None
+        where the global cache plans none (a GPU, DYNAMIC anchors, a prompt's token)."""
+        if not self.windows.placement.native or pos != self.pos:
+            return None
+        main = self.main.plan_decode(pos)
+        if main is None:
+            return None
+        sliding = self.windows.plan_decode(pos)
+        layers = [sliding[j] if is_sliding else main.layers[j] for is_sliding, j in
+                  (self.route[i] for i in range(self.last_layer + 1))]
+        return TokenPlan(pos, layers, main.scale, main.store, main.w0, main.width, main.skip, state=main)
 
-    def commit_decode(self, plan) -> None:
-        raise AssertionError("HybridCache plans no decode token")
+    def commit_decode(self, plan: TokenPlan) -> None:
+        """The token of ``plan`` is in every layer."""
+        self.main.commit_decode(plan.state)
+        self.windows.decoded(plan.pos)
+        self.pos = plan.pos + 1
 
-    abort_decode = commit_decode
+    def abort_decode(self, plan: TokenPlan) -> None:
+        """The token of ``plan`` raised part-way (the sliding layers' rows past their positions are unused)."""
+        self.main.abort_decode(plan.state)
 
     def begin_prompt(self, end: int) -> None:
         self.main.begin_prompt(end)

@@ -8,10 +8,10 @@
 
 The same math as ``ktquest.models.llama`` on the layers' ``QuantWeight`` matrices (``layers/linear.py``), with
 no torch op on the way: between tokens the caches are cold (the weights streamed through them) and a torch
-op then costs 100-200 us. Where the cache can plan the token ahead (``KVCache.plan_decode``: a
-dense cache; dense windows with fixed block lists or fresh selections, Ada-KV budgets included), every
-block runs in one native call; where it cannot (a GPU, DYNAMIC anchors, several RoPE tables), the blocks
-run one by one around ``cache.attend``.
+op then costs 100-200 us. Where the cache can plan the token ahead (``KVCache.plan_decode``: a dense
+cache; dense windows with fixed block lists or fresh selections, Ada-KV budgets included; sliding windows
+beside either), every block runs in one native call, each with its own RoPE table; where it cannot (a GPU,
+DYNAMIC anchors), the blocks run one by one around ``cache.attend``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class NativeDecoder:
         self.emb_scale = model.emb_scale
         self.cos, self.sin = model.rope_cos.numpy(), model.rope_sin.numpy()  # [n_tables, S, D]
         self.layer_rope = model.layer_rope  # [n_layers]: each layer's table
+        self.rope = np.asarray(model.layer_rope, np.int32)
         self.norm_w, self.eps = model.norm.weight.detach().numpy(), model.norm.eps  # [dim]
         self.head = model.output.qm  # _C.QuantMatrix [V, dim]
         self.check_positions = model.check_positions
@@ -65,11 +66,12 @@ class NativeDecoder:
         x = self.emb.quant.rows(np.array([token]))[0]  # [dim]
         if self.emb_scale != 1.0:
             x *= np.float32(self.emb_scale)
-        cos, sin = self.cos[:, pos], self.sin[:, pos]  # [n_tables, D]: the token's RoPE rows
+        # [n_tables, D]: the token's RoPE rows (a copy of a few floats where there are several tables)
+        cos, sin = np.ascontiguousarray(self.cos[:, pos]), np.ascontiguousarray(self.sin[:, pos])
         plan = cache.plan_decode(pos) if planned else None
-        if plan is not None:  # every block in one native call (one RoPE table: caches with several never plan)
+        if plan is not None:  # every block in one native call
             try:
-                plan.run(self.blocks, x, cos[0], sin[0], self.threads)
+                plan.run(self.blocks, x, cos, sin, self.rope, self.threads)
             except BaseException:
                 cache.abort_decode(plan)
                 raise
