@@ -131,7 +131,7 @@ def tiny_bpe() -> TinyBPE:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str  # "llama" | "qwen2" | "internlm2" | "gemma3"
+    arch: str  # "llama" | "qwen2" | "internlm2" | "qwen3" | "gemma3"
     tied: bool
     rope: dict | None = None  # HF rope_parameters beyond the default
     dim: int = 64
@@ -144,6 +144,11 @@ class TinySpec:
     eps: float = 1e-5
     window: int = 0  # gemma3: the sliding window ...
     swa_pattern: int = 0  # ... on all layers but every swa_pattern-th (0: llama.cpp's 6, no metadata key)
+    head_dim: int = 0  # 0: dim // n_heads (qwen3 sets its own)
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
 
 
 TINY_SPECS = {
@@ -162,6 +167,8 @@ TINY_SPECS = {
         "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64,
         "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 1.5 * i for i in range(8)]}),
     "internlm2": TinySpec("internlm2", tied=False),
+    # QK-norm, no biases, a head_dim that is not dim / n_heads (as Qwen3's 128 at any width)
+    "qwen3": TinySpec("qwen3", tied=True, head_dim=32, rope_theta=1e6, eps=1e-6),
 }
 
 
@@ -180,8 +187,8 @@ def _gemma3_config(spec: TinySpec, vocab_size: int):
     pattern = spec.swa_pattern or 6
     return Gemma3TextConfig(
         vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn, num_hidden_layers=spec.n_layers,
-        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads, head_dim=spec.dim // spec.n_heads,
-        max_position_embeddings=spec.ctx, rms_norm_eps=spec.eps, query_pre_attn_scalar=spec.dim // spec.n_heads,
+        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads, head_dim=spec.hd,
+        max_position_embeddings=spec.ctx, rms_norm_eps=spec.eps, query_pre_attn_scalar=spec.hd,
         sliding_window=spec.window, pad_token_id=0, bos_token_id=None, eos_token_id=None,
         layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                      for i in range(spec.n_layers)],
@@ -192,7 +199,15 @@ def _gemma3_config(spec: TinySpec, vocab_size: int):
 def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     """A random HF model (InternLM2: ``tiny_internlm2``'s); every parameter (norms and biases too) is random
     so each one is tested. The weights depend on the architecture and sizes only, not on ``spec.rope``."""
-    from transformers import Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if spec.arch == "internlm2":
@@ -201,8 +216,10 @@ def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.M
         model = Gemma3ForCausalLM(_gemma3_config(spec, vocab_size)).eval()
     else:
         config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[spec.arch]
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[spec.arch]
         cfg = config_cls(
+            **({"head_dim": spec.hd} if spec.arch == "qwen3" else {}),
             vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
             num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
             num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
@@ -228,7 +245,7 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def llama3_rope_freqs(spec: TinySpec) -> np.ndarray:
     """The converter's rope_freqs.weight for llama3 rope scaling: per-frequency divisors [D/2]."""
     r = spec.rope
-    d = spec.dim // spec.n_heads
+    d = spec.hd
     freqs = 1.0 / (spec.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     low_wavelen = r["original_max_position_embeddings"] / r["low_freq_factor"]
     high_wavelen = r["original_max_position_embeddings"] / r["high_freq_factor"]
@@ -268,6 +285,8 @@ def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.n
                   "self_attn.k_norm": "attn_k_norm"}
         sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
         out["output_norm.weight"] = sd["model.norm.weight"]
+    if spec.arch == "qwen3":
+        names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for i in range(spec.n_layers):
         for hf_name, g_name in names.items():
             for kind in ("weight", "bias"):
@@ -303,9 +322,10 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
     }
     if a == "llama":
         md[f"{a}.vocab_size"] = vocab_size
-        md[f"{a}.rope.dimension_count"] = spec.dim // spec.n_heads
+        md[f"{a}.rope.dimension_count"] = spec.hd
+    if a in ("gemma3", "qwen3"):
+        md[f"{a}.attention.key_length"] = md[f"{a}.attention.value_length"] = spec.hd
     if a == "gemma3":
-        md[f"{a}.attention.key_length"] = md[f"{a}.attention.value_length"] = spec.dim // spec.n_heads
         md[f"{a}.attention.sliding_window"] = spec.window
         if spec.swa_pattern:
             md[f"{a}.attention.sliding_window_pattern"] = spec.swa_pattern

@@ -76,6 +76,17 @@ def test_cache_accepts_non_contiguous_views():
 # ---- the model vs Hugging Face transformers ----
 
 
+def test_qwen3_blocks_from_the_file(tiny_models):
+    """qwen3 (models/qwen3.py): every block has QK-norm and no biases; head_dim is the file's key_length, not
+    dim / n_heads; q/k rows are in order (no qk permutation)."""
+    model, _ = load_model(tiny_models("qwen3").path)
+    a = model.args
+    assert a.arch == "qwen3" and a.head_dim == 32 and a.dim // a.n_heads == 16 and not a.permuted_qk
+    assert all(b.qk_norm and not b.qkv_bias and not b.sandwich_norms and b.attention == "global" and
+               b.ffn == "swiglu" for b in a.blocks)
+    assert model.layers[0].attn.q_norm is not None and model.layers[0].attn.wqkv.bias is None
+
+
 def test_logits_match_hf(tiny_model):
     """Prefill in uneven chunks with every position's logits, then decode steps, vs one HF forward. The
     model is built for the cache's 64 tokens (LongRoPE picks its factors by it, HF by the 48 it sees)."""

@@ -25,7 +25,7 @@ import torch
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.layers.linear import QuantWeight
-from ktquest.models import gemma3, llama
+from ktquest.models import gemma3, llama, qwen3
 from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
 from ktquest.models.block import VECTORS
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
@@ -33,7 +33,7 @@ from ktquest.native.enums import GGML_TYPES
 
 # The architectures ktquest reads: GGUF name -> its family (models/<family>.py). Adding one is a family file and
 # its line here (docs/design.md, "Adding an architecture").
-FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, gemma3.FAMILY) for arch in f.archs}
+FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, qwen3.FAMILY, gemma3.FAMILY) for arch in f.archs}
 
 
 @dataclass(slots=True)
