@@ -63,14 +63,24 @@ class DenseKVCache:
             self._raise_bad_positions(start_pos, end)
         if end > self._k[layer_idx].shape[2]:
             self._grow(layer_idx, end)
-        out = self._attend(layer_idx, q, k, v, start_pos)
+        out = self.write_attend(layer_idx, q, k, v, start_pos)
         if layer_idx == self.n_layers - 1:
             self.pos = end
         return out
 
-    def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                start_pos: int) -> torch.Tensor:
-        """``attend`` without its checks: the layer holds rows up to start_pos + T."""
+    def reserve(self, start: int, end: int) -> None:
+        """Positions [start, end) are written next (start <= pos, end <= max_seq_len; ValueError naming them
+        otherwise): every layer grows to hold them first."""
+        if start > self.pos or end > self.max_seq_len or start < 0:
+            self._raise_bad_positions(start, end)
+        for i in range(self.n_layers):
+            if end > self._k[i].shape[2]:
+                self._grow(i, end)
+
+    def write_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     start_pos: int) -> torch.Tensor:
+        """``attend`` without its checks and without moving ``pos``: the layer holds rows up to start_pos + T
+        (``reserve``)."""
         t = q.shape[0]
         end = start_pos + t
         k_all, v_all = self._k[layer_idx], self._v[layer_idx]  # [1, KVH, cap, D]
@@ -146,11 +156,7 @@ class DenseKVCache:
         hold it first; None off the CPU in fp32 (the token then goes block by block through ``attend``)."""
         if not self.placement.native:
             return None
-        if not 0 <= pos <= self.pos or pos >= self.max_seq_len:
-            self._raise_bad_positions(pos, pos + 1)
-        for i in range(self.n_layers):
-            if pos >= self._k[i].shape[2]:
-                self._grow(i, pos + 1)
+        self.reserve(pos, pos + 1)
         if self._np is None:  # numpy views of every layer, made again only when a layer grew
             self._np = [(k[0].numpy(), v[0].numpy()) for k, v in zip(self._k, self._v)]
         return TokenPlan(pos, [dense_layer(k, v, pos) for k, v in self._np], self.scale)
@@ -166,6 +172,10 @@ class DenseKVCache:
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""
         self.pos = 0
+
+    def prompt_read(self, end: int) -> None:
+        """A layer-major prompt ending at ``end`` is in every layer (``DensePromptLayers.done``)."""
+        self.pos = end
 
     def rewind_point(self, n: int) -> int:
         """``KVCache.rewind_point``: every prefix is kept exactly."""
@@ -213,13 +223,11 @@ class DensePromptLayers:
 
     def __init__(self, cache: DenseKVCache, start: int, n: int):
         end = start + n
-        if n < 1 or not 0 <= start <= cache.pos or end > cache.max_seq_len:
-            cache._raise_bad_positions(start, end)
-        for i in range(cache.n_layers):
-            if end > cache._k[i].shape[2]:
-                cache._grow(i, end)
+        if n < 1:
+            raise ValueError(f"layer-major prompt: {n} tokens")
+        cache.reserve(start, end)
+        cache.truncate(start)  # rows past start are overwritten
         self.cache, self.start, self.end = cache, start, end
-        cache.pos = start  # rows past start are overwritten
         self.device_bytes = 0
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -228,14 +236,14 @@ class DensePromptLayers:
         if not (self.start <= start_pos and start_pos + q.shape[0] <= self.end):
             raise ValueError(f"layer-major prompt: positions {start_pos}..{start_pos + q.shape[0] - 1} are outside "
                              f"the prompt's {self.start}..{self.end - 1}")
-        return self.cache._attend(layer_idx, q, k, v, start_pos)
+        return self.cache.write_attend(layer_idx, q, k, v, start_pos)
 
     def layer_done(self, layer_idx: int) -> None:
         """Layer ``layer_idx`` read the whole prompt."""
 
     def done(self) -> None:
         """Every layer read the prompt: the cache holds it."""
-        self.cache.pos = self.end
+        self.cache.prompt_read(self.end)
 
     def abort(self) -> None:
         """The read stopped part-way: the cache holds what it held before the prompt."""

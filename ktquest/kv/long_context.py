@@ -90,7 +90,7 @@ class LongContextCache:
         """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``; kv/layer_prefill.py)."""
         self.write_from(start, n)
         return LongContextPromptLayers(self.shape, self.windows, self.store, self.planner, start, n,
-                                       self._prompt_read)
+                                       self.prompt_read)
 
     def prefill_device_bytes(self, n: int) -> int:
         """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer, each layer's last
@@ -211,7 +211,7 @@ class LongContextCache:
                 self.planner.queries_recorded(start_pos, T)
         return out
 
-    def _prompt_read(self, end: int) -> None:
+    def prompt_read(self, end: int) -> None:
         """A layer-major prompt ending at ``end`` is in every layer (``LongContextPromptLayers.done``)."""
         self.pos = end
 

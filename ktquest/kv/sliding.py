@@ -255,6 +255,10 @@ class HybridCache:
         self.main.reset()
         self.pos = 0
 
+    def prompt_read(self, end: int) -> None:
+        """A layer-major prompt ending at ``end`` is in every layer (``HybridPromptLayers.done``)."""
+        self.pos = end
+
     def nbytes(self) -> int:
         return self.main.nbytes() + self.windows.nbytes()
 
@@ -310,7 +314,7 @@ class HybridPromptLayers:
 
     def done(self) -> None:
         self.main.done()
-        self.cache.pos = self.end
+        self.cache.prompt_read(self.end)
         self._saved = None
 
     def abort(self) -> None:
