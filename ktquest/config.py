@@ -179,7 +179,7 @@ class PrefillConfig:
     """How a prompt is read. ``mode`` (long_context): ``exact`` (every chunk attends every past token: O(N^2)) or
     ``sparse`` (past ``exact_tokens``, each chunk attends its windows exactly and, per KV head, the ``blocks``
     context blocks that ``select_queries`` of its queries score highest, and the stretch just before its
-    local window: O(N); kv/long_context.py ``_prefill_blocks``). ``order`` (either cache): chunk-major or
+    local window: O(N); kv/long_context_pass.py ``prefill_blocks``). ``order`` (either cache): chunk-major or
     layer-major (``generate.prefill``)."""
 
     mode: Literal["exact", "sparse"] = "exact"

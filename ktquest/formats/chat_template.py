@@ -31,22 +31,22 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, optimizeconst
 
 from ktquest.formats.template_bounds import (  # noqa: F401 - DEFAULT_MAX_* are this module's too
-    _BUDGET,
+    BUDGET,
     DEFAULT_MAX_CHARS,
     DEFAULT_MAX_SECONDS,
+    Budget,
+    Exceeded,
     TemplateLimits,
-    _bounded_filter,
-    _Budget,
-    _check_format,
-    _check_mul,
-    _check_pow,
-    _check_printf,
-    _check_text_method,
-    _checked,
-    _Exceeded,
-    _need,
-    _size,
-    _tick,
+    bounded_filter,
+    check_format,
+    check_mul,
+    check_pow,
+    check_printf,
+    check_text_method,
+    checked_call,
+    need_room,
+    tick_budget,
+    value_size,
 )
 
 
@@ -76,8 +76,8 @@ class ChatTemplate:
 
         Streams the output and stops past ``limits``; an empty or all-blank result is an error too.
         """
-        budget = _Budget(limits)
-        token = _BUDGET.set(budget)
+        budget = Budget(limits)
+        token = BUDGET.set(budget)
         pieces: list[str] = []
         n = 0
         stream = self._template.generate(**variables)
@@ -85,14 +85,14 @@ class ChatTemplate:
             for piece in stream:
                 n += len(piece)
                 if n > limits.max_chars:
-                    raise _Exceeded(f"the output passed {limits.max_chars:,} characters")
+                    raise Exceeded(f"the output passed {limits.max_chars:,} characters")
                 budget.tick()
                 pieces.append(piece)
         except Exception as e:  # noqa: BLE001 - the template is the file's code: any failure is the template's
             raise ChatTemplateError(_describe(e)) from None
         finally:
             stream.close()
-            _BUDGET.reset(token)
+            BUDGET.reset(token)
         text = "".join(pieces)
         if not text.strip():
             raise ChatTemplateError("chat template: it rendered an empty prompt")
@@ -153,47 +153,47 @@ class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.filters["tojson"] = _tojson
-        self.filters = {name: _bounded_filter(name, f) for name, f in self.filters.items()}
+        self.filters = {name: bounded_filter(name, f) for name, f in self.filters.items()}
 
     # every value printed by {{ }}, before it becomes text
     def _finalize(self, value: Any) -> Any:
-        return _checked(value, _tick())
+        return checked_call(value, tick_budget())
 
     def tick_iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
         for item in iterable:
-            _tick()
+            tick_budget()
             yield item
 
     def join_checked(self, values: tuple) -> str:
-        cap = _tick()
-        _need(sum(_size(v, cap) for v in values), cap, "'~'")
+        cap = tick_budget()
+        need_room(sum(value_size(v, cap) for v in values), cap, "'~'")
         return "".join(map(str, values))
 
     def concat(self, pieces: Iterable[str]) -> str:  # type: ignore[override]
         """Every buffer the template renders into (macro output, ``{% set %}`` blocks, filter blocks)."""
         pieces = list(pieces)
-        _need(sum(map(len, pieces)), _tick(), "a block")
+        need_room(sum(map(len, pieces)), tick_budget(), "a block")
         return "".join(pieces)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        cap = _tick()
+        cap = tick_budget()
         if operator == "*":
-            _check_mul(left, right, cap)
+            check_mul(left, right, cap)
         elif operator == "**":
-            _check_pow(left, right)
+            check_pow(left, right)
         elif operator == "%" and isinstance(left, (str, bytes)):
-            _check_printf(left, right, cap)
+            check_printf(left, right, cap)
         elif operator == "+" and isinstance(left, (str, bytes, list, tuple)):
-            _need(_size(left, cap) + _size(right, cap), cap, "'+'")
-        return _checked(super().call_binop(context, operator, left, right), cap)
+            need_room(value_size(left, cap) + value_size(right, cap), cap, "'+'")
+        return checked_call(super().call_binop(context, operator, left, right), cap)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
-        cap = _tick()
-        return _checked(super().getattr(obj, attribute), cap)
+        cap = tick_budget()
+        return checked_call(super().getattr(obj, attribute), cap)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
-        cap = _tick()
-        return _checked(super().getitem(obj, argument), cap)
+        cap = tick_budget()
+        return checked_call(super().getitem(obj, argument), cap)
 
     def wrap_str_format(self, value: Any) -> Any:
         fmt = super().wrap_str_format(value)
@@ -203,21 +203,21 @@ class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
         @functools.wraps(fmt)
         def checked_format(*args: Any, **kwargs: Any) -> str:
-            cap = _tick()
+            cap = tick_budget()
             if is_map and args and isinstance(args[0], Mapping):
-                _check_format(text, (), args[0], cap)
+                check_format(text, (), args[0], cap)
             else:
-                _check_format(text, args, kwargs, cap)
-            return _checked(fmt(*args, **kwargs), cap)
+                check_format(text, args, kwargs, cap)
+            return checked_call(fmt(*args, **kwargs), cap)
 
         return checked_format
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: PYI063 - jinja2's
-        cap = _tick()
+        cap = tick_budget()
         owner = getattr(__obj, "__self__", None)
         if isinstance(owner, (str, bytes, bytearray)) and callable(__obj):
-            args = _check_text_method(owner, getattr(__obj, "__name__", ""), args, kwargs, cap)
-        return _checked(super().call(__context, __obj, *args, **kwargs), cap)
+            args = check_text_method(owner, getattr(__obj, "__name__", ""), args, kwargs, cap)
+        return checked_call(super().call(__context, __obj, *args, **kwargs), cap)
 
 
 def _raise_exception(message: str) -> None:
@@ -233,7 +233,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 
 def _describe(e: BaseException) -> str:
-    if isinstance(e, _Exceeded):
+    if isinstance(e, Exceeded):
         what = str(e)
     elif isinstance(e, RecursionError):
         what = "recursion too deep (a macro that calls itself?)"

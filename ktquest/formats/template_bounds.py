@@ -1,6 +1,6 @@
 """The bounds of a chat template's render (``formats/chat_template.py``): the budget of the render in
 progress (a deadline and a size cap, per thread/task), the size of values, and the checks of the
-operations that can amplify, each measured before it runs. A bound hit is ``_Exceeded``."""
+operations that can amplify, each measured before it runs. A bound hit is ``Exceeded``."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ class TemplateLimits:
 # ---- the budget of the render in progress ----
 
 
-class _Exceeded(Exception):
+class Exceeded(Exception):
     """A bound of TemplateLimits was hit (the message says which)."""
 
 
-class _Budget:
+class Budget:
     __slots__ = ("deadline", "limits")
 
     def __init__(self, limits: TemplateLimits):
@@ -55,23 +55,23 @@ class _Budget:
 
     def tick(self) -> None:
         if time.monotonic() > self.deadline:
-            raise _Exceeded(f"it ran longer than {self.limits.max_seconds:g} s")
+            raise Exceeded(f"it ran longer than {self.limits.max_seconds:g} s")
 
 
 # The render in progress, per thread/task. None while compiling (jinja folds constant filter calls then).
-_BUDGET: ContextVar[_Budget | None] = ContextVar("ktquest_chat_template_budget", default=None)
+BUDGET: ContextVar[Budget | None] = ContextVar("ktquest_chat_template_budget", default=None)
 
 
-def _tick() -> int:
+def tick_budget() -> int:
     """Check the deadline; returns the size cap."""
-    budget = _BUDGET.get()
+    budget = BUDGET.get()
     if budget is None:
         return DEFAULT_MAX_CHARS
     budget.tick()
     return budget.limits.max_chars
 
 
-def _size(value: Any, cap: int, depth: int = 0) -> int:
+def value_size(value: Any, cap: int, depth: int = 0) -> int:
     """Characters ``value`` takes as text (containers: their items'), counted until past ``cap``."""
     if isinstance(value, (str, bytes, bytearray)):
         return len(value)
@@ -88,74 +88,74 @@ def _size(value: Any, cap: int, depth: int = 0) -> int:
     else:
         return _ITEM  # ranges, functions, macros, undefined, loop objects: their text is short
     if depth >= _MAX_DEPTH:
-        raise _Exceeded(f"a value nested more than {_MAX_DEPTH} deep")
+        raise Exceeded(f"a value nested more than {_MAX_DEPTH} deep")
     total = 0
     for item in items:
-        total += max(_ITEM, _size(item, cap - total, depth + 1))
+        total += max(_ITEM, value_size(item, cap - total, depth + 1))
         if total > cap:
             break
     return total
 
 
-def _need(n: int, cap: int, what: str) -> None:
+def need_room(n: int, cap: int, what: str) -> None:
     if n > cap:
-        raise _Exceeded(f"{what} would build more than {cap:,} characters")
+        raise Exceeded(f"{what} would build more than {cap:,} characters")
 
 
-def _checked(value: Any, cap: int) -> Any:
-    if not isinstance(value, (GeneratorType, Iterator)) and _size(value, cap) > cap:
-        raise _Exceeded(f"a value of more than {cap:,} characters")
+def checked_call(value: Any, cap: int) -> Any:
+    if not isinstance(value, (GeneratorType, Iterator)) and value_size(value, cap) > cap:
+        raise Exceeded(f"a value of more than {cap:,} characters")
     return value
 
 
 # ---- checks of the operations that can amplify ----
 
 
-def _check_mul(left: Any, right: Any, cap: int) -> None:
+def check_mul(left: Any, right: Any, cap: int) -> None:
     if isinstance(left, int) and isinstance(right, int):
         if left.bit_length() + right.bit_length() > _MAX_INT_BITS:
-            raise _Exceeded(f"'*' would build an integer of more than {_MAX_INT_BITS} bits")
+            raise Exceeded(f"'*' would build an integer of more than {_MAX_INT_BITS} bits")
         return
     for seq, n in ((left, right), (right, left)):
         if isinstance(n, int) and isinstance(seq, (str, bytes, list, tuple)) and n > 0:
-            _need(_size(seq, cap) * n, cap, "'*'")
+            need_room(value_size(seq, cap) * n, cap, "'*'")
 
 
-def _check_pow(base: Any, exp: Any) -> None:
+def check_pow(base: Any, exp: Any) -> None:
     if isinstance(base, int) and isinstance(exp, int) and exp > 0 and abs(base) > 1 \
             and (abs(base).bit_length() - 1) * exp > _MAX_INT_BITS:
-        raise _Exceeded(f"'**' would build an integer of more than {_MAX_INT_BITS} bits")
+        raise Exceeded(f"'**' would build an integer of more than {_MAX_INT_BITS} bits")
 
 
 _PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?([a-zA-Z%])")
 
 
-def _check_printf(fmt: str | bytes, args: Any, cap: int) -> None:
+def check_printf(fmt: str | bytes, args: Any, cap: int) -> None:
     """``fmt % args``: its text, each field's width and precision, and the arguments' text."""
     if isinstance(fmt, bytes):
         fmt = fmt.decode("latin-1")
     fields = _PRINTF_FIELD.findall(fmt)
     if any(w == "*" or p == "*" for w, p, _ in fields):
-        raise _Exceeded("'%' with '*' widths is not allowed")
+        raise Exceeded("'%' with '*' widths is not allowed")
     values = list(args.values()) if isinstance(args, Mapping) else list(args) if isinstance(args, tuple) \
         else [args]
-    biggest = max((_size(v, cap) for v in values), default=0)
-    _need(len(fmt) + sum(int(w or 0) + int(p or 0) + biggest for w, p, _ in fields), cap, "'%'")
+    biggest = max((value_size(v, cap) for v in values), default=0)
+    need_room(len(fmt) + sum(int(w or 0) + int(p or 0) + biggest for w, p, _ in fields), cap, "'%'")
 
 
-def _check_format(fmt: str, args: tuple, kwargs: Mapping, cap: int) -> None:
+def check_format(fmt: str, args: tuple, kwargs: Mapping, cap: int) -> None:
     """``fmt.format(*args, **kwargs)``: each field takes at most its width and precision plus the largest
     argument."""
-    biggest = max((_size(v, cap) for v in (*args, *kwargs.values())), default=0)
+    biggest = max((value_size(v, cap) for v in (*args, *kwargs.values())), default=0)
     total = 0
     for literal, field, spec, _ in string.Formatter().parse(fmt):
         total += len(literal)
         if field is None:
             continue
         if spec and "{" in spec:
-            raise _Exceeded("format fields with nested '{}' widths are not allowed")
+            raise Exceeded("format fields with nested '{}' widths are not allowed")
         total += biggest + sum(int(d) for d in re.findall(r"\d+", spec or ""))
-    _need(total, cap, "format()")
+    need_room(total, cap, "format()")
 
 
 def _replace_size(s: str | bytes, old: Any, new: Any, count: Any) -> int:
@@ -168,57 +168,57 @@ def _replace_size(s: str | bytes, old: Any, new: Any, count: Any) -> int:
 
 
 def _join_size(sep: Any, items: list, cap: int) -> int:
-    return sum(_size(x, cap) for x in items) + _size(sep, cap) * max(0, len(items) - 1)
+    return sum(value_size(x, cap) for x in items) + value_size(sep, cap) * max(0, len(items) - 1)
 
 
-def _check_text_method(s: str | bytes | bytearray, name: str, args: tuple, kwargs: dict, cap: int) -> tuple:
+def check_text_method(s: str | bytes | bytearray, name: str, args: tuple, kwargs: dict, cap: int) -> tuple:
     """Methods of a string that can build a longer one; returns ``args`` (an iterable to join: as a list)."""
     def arg(i: int, key: str, default: Any) -> Any:
         return args[i] if len(args) > i else kwargs.get(key, default)
 
     if name in ("center", "ljust", "rjust", "zfill"):
         width = arg(0, "width", 0)
-        _need(max(len(s), width if isinstance(width, int) else 0), cap, f"{name}()")
+        need_room(max(len(s), width if isinstance(width, int) else 0), cap, f"{name}()")
     elif name == "expandtabs":
         tabsize = arg(0, "tabsize", 8)
         tabs = s.count("\t" if isinstance(s, str) else b"\t")
-        _need(len(s) + tabs * max(0, int(tabsize)), cap, "expandtabs()")
+        need_room(len(s) + tabs * max(0, int(tabsize)), cap, "expandtabs()")
     elif name == "replace":
         size = _replace_size(s, arg(0, "old", None), arg(1, "new", None), arg(2, "count", -1))
-        _need(size, cap, "replace()")
+        need_room(size, cap, "replace()")
     elif name == "join" and args:
         items = list(args[0])
-        _need(_join_size(s, items, cap), cap, "join()")
+        need_room(_join_size(s, items, cap), cap, "join()")
         return (items, *args[1:])
     elif name == "translate" and args:
         table = args[0]
-        longest = max((_size(v, cap) for v in table.values()), default=1) if isinstance(table, Mapping) else 1
-        _need(len(s) * max(1, longest), cap, "translate()")
+        longest = max((value_size(v, cap) for v in table.values()), default=1) if isinstance(table, Mapping) else 1
+        need_room(len(s) * max(1, longest), cap, "translate()")
     return args
 
 
 def _filter_checks(name: str, a: dict[str, Any], cap: int) -> None:
     """Filters that can build much more than they are given, checked on their bound arguments ``a``."""
     if name == "center":
-        _need(max(_size(a["value"], cap), a["width"] if isinstance(a["width"], int) else 0), cap, "center")
+        need_room(max(value_size(a["value"], cap), a["width"] if isinstance(a["width"], int) else 0), cap, "center")
     elif name == "indent":
         s, width = str(a["s"]), a["width"]
         width = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
-        _need(len(s) + (s.count("\n") + 1) * max(0, width), cap, "indent")
+        need_room(len(s) + (s.count("\n") + 1) * max(0, width), cap, "indent")
     elif name == "wordwrap":
         wrap = a["wrapstring"] if isinstance(a["wrapstring"], str) else "\n"
-        _need(_size(a["s"], cap) * (1 + len(wrap)), cap, "wordwrap")
+        need_room(value_size(a["s"], cap) * (1 + len(wrap)), cap, "wordwrap")
     elif name == "replace":
-        _need(_replace_size(str(a["s"]), a["old"], a["new"], a["count"]), cap, "replace")
+        need_room(_replace_size(str(a["s"]), a["old"], a["new"], a["count"]), cap, "replace")
     elif name == "format":
-        _check_printf(str(a["value"]), a["kwargs"] or a["args"], cap)
+        check_printf(str(a["value"]), a["kwargs"] or a["args"], cap)
     elif name in ("batch", "slice"):
         n = a["linecount"] if name == "batch" else a["slices"]
-        _need(n * _ITEM if isinstance(n, int) else 0, cap, name)
+        need_room(n * _ITEM if isinstance(n, int) else 0, cap, name)
     elif name == "tojson" and isinstance(a["indent"], int) and a["indent"] > _MAX_JSON_INDENT:
-        raise _Exceeded(f"tojson(indent={a['indent']}): at most {_MAX_JSON_INDENT}")
-    elif name in ("striptags", "urlize") and _size(a["value"], cap) > _MAX_SLOW_FILTER_INPUT:
-        raise _Exceeded(f"{name} is limited to {_MAX_SLOW_FILTER_INPUT:,} characters")
+        raise Exceeded(f"tojson(indent={a['indent']}): at most {_MAX_JSON_INDENT}")
+    elif name in ("striptags", "urlize") and value_size(a["value"], cap) > _MAX_SLOW_FILTER_INPUT:
+        raise Exceeded(f"{name} is limited to {_MAX_SLOW_FILTER_INPUT:,} characters")
 
 
 _MATERIALIZED = {"join": "value", "sum": "iterable"}  # filters whose iterable is measured first (made a list)
@@ -226,13 +226,13 @@ _CHECKED_FILTERS = {"center", "indent", "wordwrap", "replace", "format", "batch"
                     "striptags", "urlize", *_MATERIALIZED}
 
 
-def _bounded_filter(name: str, func: Any) -> Any:
+def bounded_filter(name: str, func: Any) -> Any:
     """``func`` with the deadline and the size of its result checked, and the checks of ``_filter_checks``."""
     if name not in _CHECKED_FILTERS:
         @functools.wraps(func)  # keeps jinja2's pass_context / pass_environment marks
         def measured(*args: Any, **kwargs: Any) -> Any:
-            cap = _tick()
-            return _checked(func(*args, **kwargs), cap)
+            cap = tick_budget()
+            return checked_call(func(*args, **kwargs), cap)
 
         return measured
     signature = inspect.signature(func)  # of the plain function: jinja2's async variants wrap it
@@ -241,7 +241,7 @@ def _bounded_filter(name: str, func: Any) -> Any:
 
     @functools.wraps(func)
     def bounded(*args: Any, **kwargs: Any) -> Any:
-        cap = _tick()
+        cap = tick_budget()
         bound = signature.bind(*args[lead:], **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -249,10 +249,10 @@ def _bounded_filter(name: str, func: Any) -> Any:
             key = _MATERIALIZED[name]
             a[key] = items = list(a[key])
             if name == "join":
-                _need(_join_size(a["d"], items, cap), cap, "join")
+                need_room(_join_size(a["d"], items, cap), cap, "join")
             elif not isinstance(a["start"], (int, float)) and len(items) > _MAX_SUM_ITEMS:
-                raise _Exceeded(f"sum of more than {_MAX_SUM_ITEMS} lists or strings")
+                raise Exceeded(f"sum of more than {_MAX_SUM_ITEMS} lists or strings")
         _filter_checks(name, a, cap)
-        return _checked(func(*args[:lead], *bound.args, **bound.kwargs), cap)
+        return checked_call(func(*args[:lead], *bound.args, **bound.kwargs), cap)
 
     return bounded
