@@ -174,7 +174,7 @@ def _read_and_save(session, path: str, err: Console) -> None:
 def _save(session, path: str, err: Console) -> None:
     t0 = time.perf_counter()
     n = session.save(path)
-    err.print(f"[dim]saved {session.engine.cache.pos:,} tokens of KV to {escape(path)} ({n / 2**20:,.1f} MiB, "
+    err.print(f"[dim]saved {len(session.engine.sequence):,} tokens of KV to {escape(path)} ({n / 2**20:,.1f} MiB, "
               f"{time.perf_counter() - t0:.2f} s)[/]")
 
 
@@ -270,7 +270,7 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None) 
                         _save(session, path, console)
                     else:
                         session = engine.load_session(path)
-                        console.print(f"[dim]loaded {escape(path)}: {engine.cache.pos:,} tokens, "
+                        console.print(f"[dim]loaded {escape(path)}: {len(engine.sequence):,} tokens, "
                                       f"{len(session.messages)} messages[/]")
                 except USER_ERRORS as e:
                     console.print(f"[red]{escape(_one_line(e))}[/]")

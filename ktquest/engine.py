@@ -128,7 +128,7 @@ class Engine:
                                        "ChatSession.save)")
         session = self.chat_session(system=chat["system"], document=chat["document"])
         session.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        self.sequence.owner = session  # the tokens loaded are its conversation's
+        self.sequence.adopt(session)  # the tokens loaded are its conversation's
         return session
 
     # ---- KV files ----
@@ -137,7 +137,7 @@ class Engine:
         """Write ``seq`` (the engine's by default: its tokens and its cache) to a KV file (``ktquest.kv.files``)
         with the model's and the config's fingerprints and ``extra`` (JSON-able); returns the file's bytes."""
         seq = self.sequence if seq is None else seq
-        tokens, cache = seq.ids, seq.cache
+        tokens, cache = seq.ids, seq.cache  # (ValueError where the cache moved outside its sequence)
         meta, arrays = cache.state()
         header = {"model": self._fingerprint(), "config": self.cache_config(), "cache": meta, "extra": extra or {}}
         return kv_files.save(path, header, {**arrays, "tokens": torch.tensor(tokens, dtype=torch.int32)})
@@ -146,7 +146,7 @@ class Engine:
         """Fill ``seq`` (the engine's by default) from a KV file: it becomes nobody's (``Sequence.owner``) and
         holds the file's tokens; returns them and ``extra``. A ``KVFileError`` (a ValueError) names what is
         wrong: unreadable, truncated, corrupted, or written for another model or a config whose cache differs;
-        the sequence is then empty."""
+        the sequence is then unchanged (refused before anything is read into it) or empty."""
         seq = self.sequence if seq is None else seq
         cache = seq.cache
         header, arrays = kv_files.load(path)
@@ -209,11 +209,13 @@ class Engine:
                 f"(max_seq_len) and the reply needs room too; shorten the prompt or raise max_seq_len")
 
     def prefill(self, tokens, cache=None, on_progress: ProgressCallback | None = None) -> torch.Tensor:
-        """Read ``tokens`` at ``cache.pos`` (the engine's cache, or one made by ``make_cache``) as the config says
-        (chunk_size, prefill.order, prefill.slab_tokens); returns the last token's logits [V]."""
+        """Read ``tokens`` at ``cache.pos`` as the config says (chunk_size, prefill.order, prefill.slab_tokens);
+        returns the last token's logits [V]. ``cache``: one made by ``make_cache`` (the tools' own), or None:
+        the engine's, through its sequence (``read``)."""
+        if cache is None:
+            return self.read(self.sequence, tokens, on_progress)
         p = self.config.prefill
-        return prefill(self.model, self.cache if cache is None else cache, tokens, self.config.chunk_size,
-                       on_progress, p.order, p.slab_tokens)
+        return prefill(self.model, cache, tokens, self.config.chunk_size, on_progress, p.order, p.slab_tokens)
 
     def prefill_device_bytes(self) -> int:
         """The device memory a layer-major prefill (``prefill.order: layer``) holds beside the weights and the
@@ -234,12 +236,13 @@ class Engine:
         return (self.cache.prefill_device_bytes(n) + chunk_activation_bytes(a, chunk, self.dtype.itemsize)
                 + tile + logits + self.max_seq_len * prompt_token_device_bytes(a))
 
-    def read(self, seq: Sequence, tokens: list[int], on_progress: ProgressCallback | None = None) -> None:
-        """Read ``tokens`` after what ``seq`` holds, no reply (a document before any message). Ctrl-C (or
-        ``on_progress`` raising KeyboardInterrupt) propagates with the chunks read whole kept in ``seq``."""
+    def read(self, seq: Sequence, tokens: list[int], on_progress: ProgressCallback | None = None) -> torch.Tensor:
+        """Read ``tokens`` after what ``seq`` holds, no reply (a document before any message); returns the last
+        token's logits [V]. Ctrl-C (or ``on_progress`` raising KeyboardInterrupt) propagates with the chunks
+        read whole kept in ``seq``."""
         seq.feeding(tokens)
         try:
-            self.prefill(tokens, seq.cache, on_progress)
+            return self.prefill(tokens, seq.cache, on_progress)
         except KeyboardInterrupt:
             seq.rewind(len(seq))  # a cut chunk (or slab) is not kept
             raise

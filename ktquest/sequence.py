@@ -47,15 +47,20 @@ class Sequence:
 
     @property
     def ids(self) -> list[int]:
-        """The token ids the cache holds, positions 0..len(self)-1 (a copy)."""
+        """The token ids the cache holds, positions 0..len(self)-1 (a copy). ValueError where the cache moved on
+        outside this sequence (its ids are unknown)."""
+        if len(self._ids) < self.cache.pos:
+            raise ValueError(f"the cache holds {self.cache.pos} tokens, its sequence knows {len(self._ids)}: it "
+                             "was fed outside its Sequence")
         return self._ids[: self.cache.pos]
 
     def __len__(self) -> int:
         return self.cache.pos
 
     def shared(self, tokens: Ids[int]) -> int:
-        """How many leading ``tokens`` the cache already holds."""
-        return common_prefix_len(self._ids[: self.cache.pos], tokens)
+        """How many leading ``tokens`` the cache already holds (none known where it was fed outside this
+        sequence)."""
+        return common_prefix_len(self._ids[: self.cache.pos], tokens) if len(self._ids) >= self.cache.pos else 0
 
     # ---- moving the cache's position (the only code that does) ----
 
@@ -63,6 +68,10 @@ class Sequence:
         """The sequence becomes ``owner``'s conversation; another's (or nobody's: None) tokens are forgotten."""
         if owner is None or owner is not self.owner:
             self.reset()
+        self.owner = owner
+
+    def adopt(self, owner: object | None) -> None:
+        """The tokens it holds become ``owner``'s conversation as they are (a KV file loaded for it)."""
         self.owner = owner
 
     def rewind_for(self, tokens: Ids[int]) -> int:

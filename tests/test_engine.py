@@ -219,6 +219,25 @@ def test_chunked_prefill_and_progress(tiny):
     assert (second.text, second.stats.context_tokens) == (fresh.text, fresh.stats.context_tokens)
 
 
+def test_the_engines_prefill_goes_through_its_sequence(tiny, tmp_path):
+    """Engine.prefill of the engine's own cache records its tokens in the engine's Sequence, so a KV file saved
+    after it loads back; a cache fed outside its Sequence is refused when saved (its ids are unknown), not
+    written as a file no engine could load."""
+    from ktquest.generate import prefill
+
+    tokens = tiny.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    tiny.sequence.claim(None)
+    tiny.prefill(tokens)
+    assert tiny.sequence.ids == tokens and tiny.cache.pos == len(tokens)
+    tiny.save_kv(tmp_path / "a.kvq")
+    assert tiny.load_kv(tmp_path / "a.kvq")[0] == tokens
+    prefill(tiny.model, tiny.cache, tokens[:3], 8)  # the cache moves on, its sequence does not know
+    with pytest.raises(ValueError, match="fed outside its Sequence"):
+        tiny.save_kv(tmp_path / "b.kvq")
+    assert not (tmp_path / "b.kvq").exists()
+    tiny.sequence.claim(None)
+
+
 def test_tiny_prompt_too_long(tiny):
     with pytest.raises(PromptTooLongError, match="context holds 256"):
         tiny.chat_session().send("dog " * 300)

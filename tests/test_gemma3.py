@@ -103,6 +103,33 @@ def test_a_planned_token_equals_the_block_by_block_one(tiny_gemma3, monkeypatch,
     assert kinds == ["dense" if s or mode == "dense" else "store" for s in sliding_layers]
 
 
+def test_a_plan_the_windows_refuse_is_aborted(tiny_gemma3, monkeypatch):
+    """HybridCache.plan_decode begins the global cache's plan first: when the sliding windows then refuse the
+    token, that plan is aborted (each plan is committed or aborted) and the cache stays as it was."""
+    model, _ = load_model(tiny_gemma3.path, encoded=True)
+    cfg = dataclasses.replace(full_budget("quest", block_size=4, kv_type="FP32"), max_seq_len=128)
+    cache = cache_for(model, cfg)
+    native = NativeDecoder.build(model, threads=1)
+    with torch.inference_mode():
+        prefill(model, cache, prompt_ids(30, model.args.vocab_size), 16)
+        native.decode(5, cache)
+    aborted = []
+    abort = cache.main.abort_decode
+    monkeypatch.setattr(cache.main, "abort_decode", lambda plan: (aborted.append(plan), abort(plan))[1])
+
+    def refuse(pos):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(cache.windows, "plan_decode", refuse)
+    with pytest.raises(ValueError, match="refused"):
+        cache.plan_decode(cache.pos)
+    assert len(aborted) == 1 and aborted[0].pos == 31 and cache.pos == 31
+    monkeypatch.undo()
+    with torch.inference_mode():
+        native.decode(7, cache)  # the next plan of the same token runs
+    assert cache.pos == 32
+
+
 @pytest.mark.parametrize("name", ["quest", "snapkv"])
 def test_long_context_full_budget_equals_dense(tiny_gemma3, name):
     """long_context on the global layers with a budget covering every block = dense, past the windows."""

@@ -229,3 +229,17 @@ def test_the_default_context_is_capped(tmp_path, model_parts):
     assert resolve_max_seq_len(args, 1 << 20) == 1 << 20  # asked for: the fit check decides
     small = read_gguf(write_model(tmp_path / "256.gguf", md, tensors)).args
     assert resolve_max_seq_len(small, 0) == 256
+
+
+def test_a_family_describes_every_block(tiny_llama):
+    """A family's ``read`` returns one BlockSpec a layer; any other count is a GGUFError naming the family."""
+    from ktquest.formats.gguf import open_gguf
+    from ktquest.models.args import Family, model_args
+    from ktquest.models.block import BlockSpec
+
+    f = open_gguf(tiny_llama.path)
+    assert len(model_args(f, {"llama": Family(("llama",), lambda *a: {"blocks": (BlockSpec(),) * 2})}).blocks) == 2
+    for blocks in ((BlockSpec(),), (BlockSpec(),) * 3, None, ("not a spec",) * 2):
+        family = Family(("llama",), lambda *a, b=blocks: {"blocks": b})
+        with pytest.raises(GGUFError, match="the llama family made .* block description"):
+            model_args(f, {"llama": family})

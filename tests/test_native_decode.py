@@ -301,6 +301,8 @@ def test_native_token_step_checks_every_layer_first(tiny_llama):
     other = KVStore(L, a.n_kv_heads + 1, a.head_dim, max_seq_len=64, block_size=4)
     with pytest.raises(ValueError, match="KV heads"):
         call(store=other.native)
+    with pytest.raises(TypeError, match="store: expected a KVStore or None, got"):
+        call(store=st)  # the facade, not the native store
     assert all(st.length(i) == 0 for i in range(L))  # nothing ran
     call()  # the same call with good arguments: one token in every layer's store
     assert all(st.length(i) == 1 for i in range(L))
@@ -368,7 +370,11 @@ def test_decode_token_checks_its_dense_layers(tiny_llama):
         call([dense_layer(k, v, 0) for k, v in bad])
     with pytest.raises(ValueError, match="scale"):
         call([dense_layer(k, v, 0) for k, v in caches], float("nan"))
-    call([dense_layer(k, v, 7, (2, 5)) for k, v in caches])
+    with pytest.raises(TypeError, match=r"layers\[0\].skip0: expected an integer, got <class 'bool'>"):
+        call([("dense", *caches[0], 1, False, 0)] + [dense_layer(k, v, 0) for k, v in caches[1:]])
+    with pytest.raises(ValueError, match=r"layers\[0\].w0: .* does not fit in 64 bits"):
+        call([("dense", *caches[0], 2**64, 0, 0)] + [dense_layer(k, v, 0) for k, v in caches[1:]])
+    call([dense_layer(k, v, np.int64(7), (np.int32(2), 5)) for k, v in caches])  # numpy integers are integers
     assert np.isfinite(x).all()
 
 

@@ -1,4 +1,4 @@
-"""SnapKV preselection and Ada-KV budgets (ktquest/kv/selection.py) against naive torch references."""
+"""SnapKV preselection (ktquest/kv/selection.py) and its Ada-KV budgets against naive torch references."""
 
 import math
 from fractions import Fraction

@@ -86,6 +86,25 @@ def test_slots_keep_recent_conversations(tiny_llama):
     assert one.complete(x, GREEDY).cached_tokens < 5  # y took the only slot: x is read again
 
 
+def test_a_slot_a_chat_session_took_is_free_to_the_server(tiny_llama):
+    """The first slot is the engine's own cache: a chat session of the engine may take it. The server's next
+    request then neither reuses the chat's tokens nor loses its own conversation kept in another slot."""
+    engine = _engine(tiny_llama.path, {})
+    x = _prompt(engine, DOC, "where did the cat sit?")
+    y = _prompt(engine, "a completely different text about birds " * 8, "what about birds?")
+    worker = Worker(engine, slots=2)
+    worker.complete(x, GREEDY)  # slot 0
+    worker.complete(y, GREEDY)  # slot 1
+    chat = engine.chat_session(document=DOC)  # the chat's tokens begin as x's do
+    chat.send("where did the cat sit?")
+    assert engine.sequence.owner is chat and worker.slots[0].seq is engine.sequence
+    again = worker.complete(y, GREEDY)
+    assert again.cached_tokens == len(y) - 1  # slot 1 kept y
+    r = worker.complete(x, GREEDY)  # slot 0 is the chat's: read afresh, as a cold cache answers
+    assert r.cached_tokens == 0 and engine.sequence.owner is worker
+    assert r.text == Worker(_engine(tiny_llama.path, {})).complete(x, GREEDY).text
+
+
 @pytest.mark.parametrize("mode", ["dense", "snapkv"])
 def test_cancelled_mid_reply_keeps_the_cache_consistent(tiny_llama, mode):
     worker = Worker(_engine(tiny_llama.path, MODES[mode]))

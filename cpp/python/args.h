@@ -76,20 +76,23 @@ py::tuple names_tuple(const char* const (&names)[N]) {
   return t;
 }
 
-// A size from the caller (an argument, an array's dimension) that must be >= 1: ValueError naming it, before it
-// reaches a division or a loop bound (a head_dim of 0 was a SIGFPE). Size products: common/checked.h.
-// An integer item of a Python sequence (not a bool): TypeError naming it otherwise.
+// An integer item of a Python sequence (an int, or anything with __index__ such as numpy's; not a bool):
+// TypeError naming it otherwise, ValueError past 64 bits.
 inline int64_t int_item(const py::handle& seq, size_t i, const std::string& what) {
-  const py::handle o = seq[py::int_(i)];
-  if (!py::isinstance<py::int_>(o) || py::isinstance<py::bool_>(o))
+  const py::object o = seq[py::int_(i)];
+  if (!PyIndex_Check(o.ptr()) || py::isinstance<py::bool_>(o))
     throw py::type_error(what + ": expected an integer, got " + py::str(py::type::of(o)).cast<std::string>());
+  const py::int_ n = py::reinterpret_steal<py::int_>(PyNumber_Index(o.ptr()));
+  if (!n) throw py::error_already_set();
   try {
-    return o.cast<int64_t>();
+    return n.cast<int64_t>();
   } catch (const py::cast_error&) {
     throw py::value_error(what + ": " + py::str(o).cast<std::string>() + " does not fit in 64 bits");
   }
 }
 
+// A size from the caller (an argument, an array's dimension) that must be >= 1: ValueError naming it, before it
+// reaches a division or a loop bound (a head_dim of 0 was a SIGFPE). Size products: common/checked.h.
 inline int64_t check_positive(int64_t v, const char* what) {
   if (v < 1) throw py::value_error(std::string(what) + " must be >= 1, got " + std::to_string(v));
   return v;

@@ -1,4 +1,4 @@
-// ---- a block's decode stages, a layer's and a whole token's long_context step (cpp/decode/) ----
+// ---- a block's decode stages and a whole token through every block, dense or store layers (cpp/decode/) ----
 #include <memory>
 #include <string>
 #include <vector>
@@ -128,7 +128,8 @@ void bind_decode(py::module_& m) {
              py::gil_scoped_release nogil;
              L.layer->out(ap, xp, n_threads);
            }, py::arg("attn"), py::arg("x"), py::arg("n_threads"),
-           "x [dim] += Wo attn [H * D], then x += the SwiGLU FFN of RMSNorm(x), in place.");
+           "x [dim] += Wo attn [H * D] (post-attention-normed with sandwich norms), then x += the gated FFN "
+           "(SwiGLU or GeGLU) of RMSNorm(x) (post-FFN-normed likewise), in place.");
 
   m.def("rms_norm", [](const py::handle& x_obj, const py::handle& w_obj, float eps, const py::handle& out_obj) {
           auto x = array_arg<float>(x_obj, "x", {-1});
@@ -154,6 +155,9 @@ void bind_decode(py::module_& m) {
                                   std::to_string(n) + " and " + std::to_string(py::len(layers_obj)));
           check_threads(n_threads);
           check_finite(scale, "scale");
+          if (!store_obj.is_none() && !py::isinstance<KVStore>(store_obj))
+            throw py::type_error("store: expected a KVStore or None, got " +
+                                 py::str(py::type::of(store_obj)).cast<std::string>());
           KVStore* st = store_obj.is_none() ? nullptr : &store_obj.cast<KVStore&>();
           // Every argument of every layer is checked before the first layer runs.
           std::vector<PyDecodeLayer*> ls(n);

@@ -1,6 +1,6 @@
 // Ada-KV's split of a layer's selection budget over its KV heads (Feng et al., "Ada-KV", 2024): a head
 // whose attention is concentrated needs few blocks, one whose attention is spread needs many. The rule is
-// ktquest/kv/selection.py's ada_budgets, exactly (the tests compare the two):
+// tests/test_selection.py's ada_budgets_reference (exact fractions), exactly (the tests compare the two):
 //
 //   T = min(total, every set's candidates); share s_i = set i's candidates among the best T of all sets'
 //   scores (equal scores: the lower set, then the earlier candidate); b_i = s_i (1 - alpha) + u_i, the

@@ -3,7 +3,7 @@
 Layout: per layer, k, v: [1, KVH, capacity, D], head-major. ``layer_kv(l)[0][:, :n]`` is then a [KVH, n, D]
 view with unit stride along D and each head's keys contiguous, which SDPA reads in place: the past is never
 copied or re-laid out per step, and decode streams each head's keys from memory in order (on the CPU through
-the C++ kernel of ``kv.attention.dense_decode_attention``, elsewhere SDPA). Appending a chunk is a
+the C++ kernel of ``native.attention.dense_decode_attention``, elsewhere SDPA). Appending a chunk is a
 small strided copy of [T, KVH, D] into [KVH, T, D]. GQA is SDPA's ``enable_gqa`` (no expanded K/V copy).
 
 Memory on demand: a layer's capacity starts at ``GROW_TOKENS`` and grows as the conversation does, by half

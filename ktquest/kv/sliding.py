@@ -219,7 +219,11 @@ class HybridCache:
         main = self.main.plan_decode(pos)
         if main is None:
             return None
-        sliding = self.windows.plan_decode(pos)
+        try:
+            sliding = self.windows.plan_decode(pos)
+        except BaseException:  # (a plan begun is committed or aborted: KVCache.plan_decode)
+            self.main.abort_decode(main)
+            raise
         layers = [sliding[j] if is_sliding else main.layers[j] for is_sliding, j in
                   (self.route[i] for i in range(self.last_layer + 1))]
         return TokenPlan(pos, layers, main.scale, main.store, main.w0, main.width, main.skip, state=main)

@@ -312,5 +312,16 @@ def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
         context_length=m.integer(f"{arch}.context_length", 1),
         rope_scaling=_rope_scaling(m, arch, tensors, head_dim),
         tie_embeddings=MODEL_TENSORS["output"] not in tensors,
-        **families[arch].read(m, tensors, arch, n_layers, dim),
+        **_family_fields(families[arch], m, tensors, arch, n_layers, dim),
     )
+
+
+def _family_fields(family: Family, m: Metadata, tensors: GGUFTensors, arch: str, n_layers: int,
+                   dim: int) -> dict[str, Any]:
+    """The fields ``family`` reads, its ``blocks`` checked: one BlockSpec a layer."""
+    fields = family.read(m, tensors, arch, n_layers, dim)
+    blocks = fields.get("blocks")
+    if not (isinstance(blocks, tuple) and len(blocks) == n_layers and all(isinstance(b, BlockSpec) for b in blocks)):
+        raise GGUFError(f"{m.path}: the {arch} family made {len(blocks) if isinstance(blocks, tuple) else blocks!r} "
+                        f"block description(s) for {n_layers} blocks")
+    return fields

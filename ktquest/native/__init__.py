@@ -2,6 +2,7 @@
 which checks its arguments once (``args.py``) and hands raw arrays to the binding. Nothing else in ktquest
 imports ``_C``.
 
+    args.py       the argument checks (dtype, shape, contiguity, device) in front of the calls
     enums.py      the store's enums and the kernels' constants, named by C++ (no torch: the config reads them)
     cpu.py        the CPU's features, the forced scalar kernels, the C heap's prefill settings
     matrix.py     GGUF-encoded matrices: GEMV, int8 GEMM, dequantization

@@ -40,8 +40,7 @@ class NativeDecoder:
         self.emb = model.tok_embeddings  # Embedding of a QuantWeight [V, dim]
         self.emb_scale = model.emb_scale
         self.cos, self.sin = model.rope_cos.numpy(), model.rope_sin.numpy()  # [n_tables, S, D]
-        self.layer_rope = model.layer_rope  # [n_layers]: each layer's table
-        self.rope = np.asarray(model.layer_rope, np.int32)
+        self.rope = np.asarray(model.layer_rope, np.int32)  # [n_layers]: each layer's table
         self.norm_w, self.eps = model.norm.weight.detach().numpy(), model.norm.eps  # [dim]
         self.head = model.output.qm  # _C.QuantMatrix [V, dim]
         self.check_positions = model.check_positions
@@ -90,7 +89,7 @@ class NativeDecoder:
         h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = torch.from_numpy(self._qkv).view(1, h + 2 * kvh, d)  # [1, H + 2*KVH, D], q and k rotated
         q, k, v = qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]  # [1, H, D], [1, KVH, D], [1, KVH, D]
-        for i, (block, r) in enumerate(zip(self.blocks, self.layer_rope)):
+        for i, (block, r) in enumerate(zip(self.blocks, self.rope)):
             block.qkv(x, cos[r], sin[r], self._qkv, self.threads)
             out = cache.attend(i, q, k, v, pos)  # [1, H, D]
             block.out(out.reshape(-1).contiguous().numpy(), x, self.threads)

@@ -309,7 +309,7 @@ class KVStore:
 
     @staticmethod
     def _ada(alpha: float | None) -> tuple[int, int] | None:
-        """ada_alpha as the binding's (num, den): ``kv/selection.py``'s alpha_fraction, as ada_budgets reads it."""
+        """ada_alpha as the binding's (num, den): ``alpha_fraction``, as ``ada_budgets`` reads it."""
         if alpha is None:
             return None
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
@@ -369,7 +369,7 @@ class KVStore:
         """Top-k blocks by anchor score (ties: the lower block id). Candidates: every block, or ``allowed``
         (one id list per KV head, or one list for SHARED), minus the half-open block ``exclude_ranges``.
         k: an int, or one per KV head (SEPARATE). ada_alpha: the sum of k split over the sets by Ada-KV
-        (cpp/select/ada.h; ``kv/selection.py``'s ada_budgets over these scores). Returns int32 ascending ids,
+        (cpp/select/ada.h: ``ada_budgets`` over these scores). Returns int32 ascending ids,
         -1 padded: [KVH, cols] (SEPARATE) or [cols] (SHARED)."""
         qn = self._q(q)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)

@@ -115,27 +115,30 @@ class Worker:
         ktquest); returns how many."""
         slot = self.slots[0]
         self.engine.load_kv(path, slot.seq)
-        slot.seq.owner = self
+        slot.seq.adopt(self)
         slot.used = time.monotonic()
         return len(slot.seq)
 
     def pick(self, tokens: list[int]) -> tuple[Slot, int]:
         """The slot for ``tokens`` and the common prefix it holds (see the module docstring)."""
-        best = max(self.slots, key=lambda s: (s.seq.shared(tokens), s.used))
-        n = best.seq.shared(tokens)
+        def shared(s: Slot) -> int:  # (a slot a chat session of this engine took holds nothing of the server's)
+            return s.seq.shared(tokens) if s.seq.owner is self else 0
+
+        best = max(self.slots, key=lambda s: (shared(s), s.used))
+        n = shared(best)
         if n and n >= SIMILAR * len(best.seq):
             return best, n
-        empty = [s for s in self.slots if len(s.seq) == 0]
+        empty = [s for s in self.slots if len(s.seq) == 0 or s.seq.owner is not self]
         if empty:
             return empty[0], 0
         if len(self.slots) < self.n_slots:
             eng = self.engine
             seq = Sequence(make_cache(eng.config, eng.args, eng.max_seq_len, eng.device, eng.dtype))
-            seq.owner = self
+            seq.adopt(self)
             self.slots.append(Slot(seq))
             return self.slots[-1], 0
         lru = min(self.slots, key=lambda s: s.used)
-        return lru, lru.seq.shared(tokens)
+        return lru, shared(lru)
 
     def complete(self, tokens: list[int], gen: GenerationConfig, stops: list[str] = (),
                  on_text: Callable[[str], None] | None = None,
