@@ -521,9 +521,9 @@ def test_ada_budgets_equal_the_exact_python_rule(n_sets, N, total, alpha, tied, 
 @given(n_sets=st.integers(1, 8), N=st.integers(1, 40), total=st.integers(0, 120),
        alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0, 1 / 3]), seed=st.integers(0, 10**6))
 def test_ada_budgets_of_the_facade_mark_non_candidates_by_minus_inf(n_sets, N, total, alpha, seed):
-    """native.store.ada_budgets (what SnapKV's preselection splits by): -inf marks a non-candidate anywhere in a
+    """native.ada.ada_budgets (what SnapKV's preselection splits by): -inf marks a non-candidate anywhere in a
     row, as the reference reads it; the facade packs each row's candidates in order for the store's rule."""
-    from ktquest.native.store import ada_budgets
+    from ktquest.native.ada import ada_budgets
 
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(-2, 3, (n_sets, N), generator=g).float()

@@ -8,14 +8,14 @@ import os
 import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig
-from ktquest.native import store as native_store
+from ktquest.native import sizes as native_sizes
 from ktquest.native.enums import Q8_GROUP
 
 
 def store_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int) -> int:
     """Bytes the DRAM store needs when full (K, V, scales, anchors, the index's group bounds): the layout the
     C++ store reserves."""
-    return native_store.store_bytes(n_layers, n_kv_heads, head_dim, max_seq_len, lc.block_size, lc.kv_type,
+    return native_sizes.store_bytes(n_layers, n_kv_heads, head_dim, max_seq_len, lc.block_size, lc.kv_type,
                                     lc.anchor_type, lc.anchor_num, lc.index_group)
 
 
@@ -29,7 +29,7 @@ def candidate_copy_bytes(lc: LongContextConfig, n_layers: int, n_kv_heads: int, 
         return 0
     picks = lc.second_select_num if lc.preselect_refresh else 0
     need = min(lc.preselect_block_count + picks, -(-max_seq_len // lc.block_size))
-    return native_store.candidate_copy_bytes(n_layers, n_kv_heads, head_dim, lc.block_size, lc.kv_type,
+    return native_sizes.candidate_copy_bytes(n_layers, n_kv_heads, head_dim, lc.block_size, lc.kv_type,
                                              lc.anchor_type, lc.int8_candidates, need, lc.head_select_mode)
 
 

@@ -12,7 +12,7 @@ SEPARATE mode (non-candidate blocks scored -inf, ``count = second_select_num``).
 
 Query head h reads KV head h // (H / KVH) (the grouping of ``repeat_interleave``), so a KV head's
 score merges its query group by mean or max. Torch, in fp32; the budgets' split is the store's own
-(``ktquest.native.store.ada_budgets``, cpp/select/ada.h).
+(``ktquest.native.ada.ada_budgets``, cpp/select/ada.h).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
-from ktquest.native.store import ada_budgets
+from ktquest.native.ada import ada_budgets
 
 if TYPE_CHECKING:
     from ktquest.config import LongContextConfig

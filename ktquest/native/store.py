@@ -7,9 +7,8 @@ block anchors kept up to date as tokens arrive. A decode step of one layer is on
 
 which scores the candidate blocks from their anchors, keeps the top ``k`` (per KV head, or shared), and
 attends to them: ``out [H, D]`` and ``lse [H]`` in fp32, to be merged with attention computed elsewhere
-(the initial and local windows) by ``ktquest.kv.attention.merge_attention``. Also here: the bytes a store of a
-config reserves (``store_bytes``, ``candidate_copy_bytes``) and Ada-KV's split of a budget over KV heads
-(``ada_budgets``), each the C++ store's own computation.
+(the initial and local windows) by ``ktquest.kv.attention.merge_attention``. The bytes a store of a config
+reserves are ``native/sizes.py``'s; Ada-KV's split of a budget over KV heads is ``native/ada.py``'s.
 
 Every argument is checked here (torch dtype, shape, contiguity, device) and again in the binding; errors
 are ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument, never a crash.
@@ -19,68 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from ktquest import _C
+from ktquest.native.ada import alpha_fraction
 from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, padded_ids
 from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES
 
-# Ada-KV's alpha is read as the nearest fraction with a denominator up to this (cpp/select/ada.h's kAdaMaxDen),
-# so 0.2 means exactly 1/5 and every budget split rounds the same way.
-ADA_MAX_DENOMINATOR = 10**6
-
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
-
-
-@lru_cache(maxsize=16)
-def alpha_fraction(alpha: float) -> Fraction:
-    """Ada-KV's alpha as the exact fraction every budget split uses (cpp/select/ada.h)."""
-    return Fraction(alpha).limit_denominator(ADA_MAX_DENOMINATOR)
-
-
-def ada_budgets(block_scores: torch.Tensor, total: int, alpha: float) -> torch.Tensor:
-    """Ada-KV blocks per set (cpp/select/ada.h, the rule the store's selection splits its budget by).
-
-    block_scores: [n_sets, NB] fp32 (-inf = not a candidate) -> int64 [n_sets]: ``min(total, candidates)``
-    blocks split by each set's share of the best scores, a uniform share ``alpha`` of them spread evenly but
-    never past a set's candidates; exact integer arithmetic (alpha read as ``alpha_fraction``)."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"ada_budgets: alpha={alpha!r} is not allowed: a number in [0, 1]")
-    total = check_int(total, "total")
-    s = block_scores.detach().float().cpu()
-    if s.dim() != 2:
-        raise ValueError(f"ada_budgets: block_scores must be [n_sets, n_blocks], got shape {list(s.shape)}")
-    if torch.isnan(s).any():
-        raise ValueError("ada_budgets: block_scores contain NaN")
-    # The native rule takes each set's candidates in order, first: -inf (not a candidate) sorts last, stably.
-    cand = s != float("-inf")  # [n_sets, NB]
-    order = torch.sort(cand.to(torch.uint8), dim=1, descending=True, stable=True).indices
-    packed = torch.gather(s, 1, order).contiguous()
-    counts = cand.sum(1).to(torch.int64)
-    f = alpha_fraction(float(alpha))
-    return torch.from_numpy(_C.ada_budgets(packed.numpy(), counts.numpy(), total, f.numerator,
-                                           f.denominator)).long()
-
-
-def store_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int, block_size: int, kv_type: str,
-                anchor_type: str, anchor_num: int, index_group: int = 0) -> int:
-    """Bytes a full store of this config reserves (K, V, scales, anchors, the index's group bounds): the layout
-    the C++ store reserves its regions from (cpp/kvstore/layout.h)."""
-    return _C.store_bytes(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type, anchor_type, anchor_num,
-                          index_group)
-
-
-def candidate_copy_bytes(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, kv_type: str,
-                         anchor_type: str, int8_candidates: bool, n_candidates: int, head_mode: str) -> int:
-    """Bytes of the store's copy of ``n_candidates`` preselected blocks per layer and set of KV heads (their
-    K/V tiles and anchor rows, with the room the copy keeps for later blocks)."""
-    return _C.candidate_copy_bytes(n_layers, n_kv_heads, head_dim, block_size, kv_type, anchor_type,
-                                   int8_candidates, n_candidates, head_mode)
 
 
 @dataclass(slots=True, frozen=True)
