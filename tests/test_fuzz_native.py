@@ -21,7 +21,7 @@ import sys
 import pytest
 
 ALLOWED = (ValueError, TypeError, IndexError, MemoryError, OverflowError)
-GROUPS = {"sizes": 400, "kv_store": 300, "dense": 400, "gemv": 300, "decode": 200, "sample": 400}
+GROUPS = {"sizes": 400, "kv_store": 300, "import": 300, "dense": 400, "gemv": 300, "decode": 200, "sample": 400}
 TIMEOUT_S = 120  # a group takes seconds; a hang fails the test instead of blocking CI
 PEAK_RSS_MIB = 1024  # a child stays near 60 MiB; a runaway allocation the OOM killer would not reach fails here
 
@@ -259,6 +259,138 @@ def _child(group: str, n_examples: int) -> None:
                 call("cand_nbytes", s.cand_nbytes)
                 call("last_timing", s.last_timing)
 
+    def import_state(data):
+        """A layer's state from untrusted bytes (KVStore.import_layer: KV files). A valid export of a small store
+        (every kv_type and anchor type, with and without the index, filled and maybe cut back), then one field
+        set to an edge (an anchor count or a DYNAMIC position: -1, 0, A, A + 1, the block's rows, 2**31 - 1, ...;
+        a non-finite value in any region), random bytes, another length (0, 1, block_size +- 1, max_seq_len,
+        max_seq_len + 1, 2**63 - 1, ...) or a wrong byte count; imported into a fresh store through the public
+        API, then a drawn sequence of the operations that read the layer. The contract: the import is a
+        ValueError with a message (the layer stays empty) or works, and every operation after it works."""
+        import torch
+
+        from ktquest.native.store import KVStore, Select
+
+        kv = data.draw(st.sampled_from(list(_C.KV_TYPES)), label="kv_type")
+        an = data.draw(st.sampled_from(list(_C.ANCHOR_TYPES)), label="anchor_type")
+        bs = data.draw(st.sampled_from([1, 2, 4, 7, 8]), label="block_size")
+        A = {"QUEST": 2, "BLOCK_MAX": 1, "BLOCK_MEAN": 1}.get(an) or \
+            data.draw(st.integers(1, min(bs, 4)), label="A")
+        KVH, D, G = data.draw(st.integers(1, 2), label="kvh"), 32, data.draw(st.integers(1, 2), label="G")
+        cap = data.draw(st.integers(1, 40), label="max_seq_len")
+        cfg = {"block_size": bs, "kv_type": kv, "anchor_type": an, "anchor_num": A,
+               "int8_candidates": an in _C.LINEAR_ANCHORS and data.draw(st.booleans(), label="int8"),
+               "index_group": data.draw(st.sampled_from([0, 1, 2, 3]), label="index_group"),
+               "sticky_blocks": data.draw(st.sampled_from([0, 1]), label="sticky")}
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+
+        def tokens(T):  # k, v [T, KVH, D], importance [T, KVH] (DYNAMIC)
+            k = torch.from_numpy(rng.standard_normal((T, KVH, D)).astype(F32))
+            imp = torch.from_numpy(rng.standard_normal((T, KVH)).astype(F32)) if an == "DYNAMIC" else None
+            return k, k * 0.5, imp
+
+        src = KVStore(1, KVH, D, cap, **cfg)
+        T = data.draw(st.integers(0, cap), label="T")
+        src.append(0, *tokens(T))
+        if T and data.draw(st.booleans(), label="cut"):  # DYNAMIC then keeps fewer anchors than rows
+            src.truncate(0, data.draw(st.integers(0, T), label="cut_to"))
+        n, state = src.length(0), src.export_layer(0).copy()
+        regions = {r: p for r, p in src.state_regions(n).items() if p[0][1] > 0}
+
+        def put(region, value, dtype, index=None):  # value at an element of one head's piece of a region
+            off, size = regions[region][data.draw(st.integers(0, KVH - 1), label="head")]
+            item = np.dtype(dtype).itemsize
+            i = data.draw(st.integers(0, size // item - 1), label="index") if index is None else index
+            state[off + i * item: off + (i + 1) * item] = np.array([value], dtype).view(np.uint8)
+
+        how = data.draw(st.sampled_from(["none", "count", "count", "pos", "value", "value", "bytes", "length",
+                                         "size"]), label="mutation")
+        length = n
+        if how == "count" and "n_anchor" in regions or how == "pos" and "pos" in regions:
+            b = data.draw(st.integers(0, src.n_blocks(0) - 1), label="block")
+            rows = min(bs, n - b * bs)
+            edge = data.draw(st.sampled_from([-1, 0, 1, A - 1, A, A + 1, rows - 1, rows, rows + 1, bs + 1,
+                                              2**31 - 1, -(2**31)]), label="edge")
+            j = data.draw(st.integers(0, A - 1), label="slot")
+            put("pos" if how == "pos" else "n_anchor", edge, np.int32, b * A + j if how == "pos" else b)
+        elif how == "value" and regions:
+            region = data.draw(st.sampled_from(sorted(regions)), label="region")
+            dtype = {"sums": np.float64, "bounds": np.float16, "n_anchor": np.int32, "pos": np.int32,
+                     "anchors": np.float16 if src.anchor_elem_bytes == 2 else np.float32,
+                     "kv": np.float16 if kv in ("FP16", "BF16") else np.float32}.get(region, np.float32)
+            values = {np.int32: [-1, 2**31 - 1, -(2**31)], np.float16: [math.nan, math.inf, -math.inf, 65504.0]}
+            value = data.draw(st.sampled_from(values.get(dtype, [math.nan, math.inf, -math.inf, 1e38, -0.0])),
+                              label="value")
+            put(region, value, dtype)
+        elif how == "bytes" and state.size:
+            for _ in range(data.draw(st.integers(1, 8), label="n_spots")):
+                at = data.draw(st.integers(0, state.size - 1), label="at")
+                state[at: at + 4] = rng.integers(0, 256, len(state[at: at + 4]), dtype=np.uint8)
+        elif how == "length":
+            length = data.draw(st.sampled_from([0, 1, bs - 1, bs, bs + 1, cap, cap + 1, n - 1, n + 1, 2**31 - 1,
+                                                2**63 - 1]), label="length")
+            if 0 <= length <= cap and data.draw(st.booleans(), label="resize"):  # the bytes of that length
+                size = src.state_bytes(length)
+                fill = rng.integers(0, 256, size, dtype=np.uint8) if data.draw(st.booleans(), label="noise") else \
+                    np.zeros(size, np.uint8)
+                fill[: min(size, state.size)] = state[:size]
+                state = fill
+        elif how == "size":
+            state = data.draw(st.sampled_from([state[:-1], np.append(state, np.uint8(0)), state[:0],
+                                               np.concatenate([state, state])]), label="size").copy()
+
+        dst = KVStore(1, KVH, D, cap, **cfg)
+        print(f"import_layer({how}: length {length}, {state.size} bytes, {kv} {an} A={A} bs={bs})",
+              file=sys.stderr, flush=True)
+        try:
+            dst.import_layer(0, length, state)
+            calls["ok"] += 1
+            k, v = dst.read(0)  # what was taken is a store appends can make: finite rows, counts in [0, A]
+            counts = dst.anchors(0)[1]
+            assert bool(torch.isfinite(k).all() and torch.isfinite(v).all()), "non-finite rows imported"
+            assert bool(((counts >= 0) & (counts <= A)).all()), f"anchor counts {counts.tolist()} imported"
+        except ValueError as e:  # nothing else: the layer stays empty
+            assert str(e) and dst.length(0) == 0, (e, dst.length(0))
+            calls["refused"] += 1
+
+        # ---- the operations that read the layer: each must work on what the import left ----
+        modes = list(_C.HEAD_MODES)
+        for _ in range(data.draw(st.integers(1, 6), label="n_ops")):
+            op = data.draw(st.sampled_from(["scores", "select", "select_attend", "attend", "read", "truncate",
+                                            "append", "decode"]), label="op")
+            q = torch.from_numpy(rng.standard_normal((KVH * G, D)).astype(F32))
+            mode = data.draw(st.sampled_from(modes), label="mode")
+            nb, length = dst.n_blocks(0), dst.length(0)
+            allowed = None
+            if nb and data.draw(st.booleans(), label="candidates"):  # SnapKV's list: the candidate cache
+                ids = list(range(0, nb, 2))
+                allowed = ids if mode == "SHARED" else [ids] * KVH
+            k = data.draw(st.integers(0, 3), label="k")
+            print(f"  {op} ({mode}, {length} tokens)", file=sys.stderr, flush=True)
+            if op == "scores":
+                dst.block_scores(0, q, mode)
+                if cfg["index_group"]:
+                    dst.group_bounds(0, q, mode)
+                    dst.bounds(0)
+            elif op == "select":
+                dst.select(0, q, k, mode, allowed=allowed)
+            elif op == "select_attend":
+                dst.select_attend(0, q, k, mode, allowed=allowed)
+            elif op == "attend":
+                dst.attend(0, q, torch.arange(nb, dtype=torch.int32))
+            elif op == "read":
+                dst.read(0)
+                dst.anchors(0)
+            elif op == "truncate":
+                dst.truncate(0, data.draw(st.integers(0, length), label="to"))
+            elif length < cap and op == "append":
+                dst.append(0, *tokens(data.draw(st.integers(1, cap - length), label="T")))
+            elif length < cap:
+                win = torch.from_numpy(rng.standard_normal((KVH, 3, D)).astype(F32))
+                kv1, _, _ = tokens(2)
+                dst.decode_step(0, q, kv1[0], kv1[1], win, win.clone(), 0, 3, (0, 0), D**-0.5, 1,
+                                torch.empty(KVH * G, D), select=Select(k=2, mode=mode, allowed=allowed))
+
     def dense(data):
         KVH = pick(data, "kvh", st.integers(1, 4), [0], odds=20)
         G = pick(data, "G", st.integers(1, 4), [0], odds=20)
@@ -358,8 +490,8 @@ def _child(group: str, n_examples: int) -> None:
         assert tok is None or 0 <= tok < args[0].size, (tok, describe(args[0]))  # a token of the logits given
         call("sample_distribution", _C.sample_distribution, *maybe_mutate(data, [logits, recent, params]))
 
-    groups = {"sizes": sizes, "kv_store": kv_store, "dense": dense, "gemv": gemv, "decode": decode,
-              "sample": sample}
+    groups = {"sizes": sizes, "kv_store": kv_store, "import": import_state, "dense": dense, "gemv": gemv,
+              "decode": decode, "sample": sample}
 
     @settings(max_examples=n_examples, derandomize=True, database=None, deadline=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))

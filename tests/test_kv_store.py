@@ -391,3 +391,147 @@ def test_native_binding_checks_arrays_without_the_facade():
         st.append(0, "not an array", k, "float32", None)
     with pytest.raises(ValueError, match="shape"):
         st.append(0, k, k[:2], "float32", None)
+
+
+# ---- a layer's state from untrusted bytes (import_layer: KV files) ----
+
+
+def exercise(store: KVStore, layer: int = 0, seed: int = 0) -> None:
+    """Every operation that reads a layer's blocks: scores, the index, selection, attention, read-back, a decode
+    step (window + store part, then its token appended), a truncate and an append into the last block."""
+    from ktquest.native.store import Select
+
+    KVH, D = store.n_kv_heads, store.head_dim
+    q = randn(2 * KVH, D, seed=seed)
+    store.block_scores(layer, q)
+    store.block_scores(layer, q, "SHARED")
+    if store.index_group:
+        store.group_bounds(layer, q)
+    store.select(layer, q, 2)
+    store.select_attend(layer, q, 3, "SHARED")
+    store.attend(layer, q, torch.arange(store.n_blocks(layer), dtype=torch.int32))
+    store.read(layer)
+    store.anchors(layer)
+    if store.index_group:
+        store.bounds(layer)
+    n = store.length(layer)
+    if n < store.max_seq_len:
+        win = randn(KVH, 3, D, seed=seed + 1)
+        kv = randn(2, KVH, D, seed=seed + 2)
+        store.decode_step(layer, q, kv[0], kv[1], win, win.clone(), 0, 3, (0, 0), D**-0.5, 1,
+                          torch.empty(2 * KVH, D), select=Select(k=2))
+        store.truncate(layer, n // 2)
+        store.append(layer, kv[:1], kv[1:], torch.ones(1, KVH) if store.anchor_type == "DYNAMIC" else None)
+        store.select_attend(layer, q, 2)
+
+
+def exported_layer(anchor_type="FIXED", anchor_num=3, kv_type="FP32", index_group=2, T=21, bs=8, **kw):
+    """A store of 2 KV heads (blocks of 8 tokens: the last of T = 21 holds 5) and its layer 0 as bytes."""
+    store = KVStore(1, 2, 32, 64, block_size=bs, kv_type=kv_type, anchor_type=anchor_type, anchor_num=anchor_num,
+                    index_group=index_group, **kw)
+    k, v = randn(T, 2, 32, seed=11), randn(T, 2, 32, seed=12)
+    store.append(0, k, v, randn(T, 2, seed=13) if anchor_type == "DYNAMIC" else None)
+    return store, store.export_layer(0)
+
+
+def poke(state: np.ndarray, store: KVStore, n: int, region: str, head: int, byte: int, value, dtype) -> np.ndarray:
+    """A copy of ``state`` (n tokens) with ``value`` as ``dtype`` written at byte ``byte`` of the head's piece of
+    ``region``: offsets from the store's own layout (state_regions)."""
+    off, size = store.state_regions(n)[region][head]
+    raw = np.array([value], dtype=dtype).view(np.uint8)
+    assert 0 <= byte and byte + raw.size <= size
+    out = state.copy()
+    out[off + byte: off + byte + raw.size] = raw
+    return out
+
+
+def kv_byte(store: KVStore, n: int, block: int, row: int, dim: int, v: bool = False) -> int:
+    """Byte of element ``dim`` of token row ``row`` of ``block``'s K (V) tile in a head's ``kv`` piece."""
+    tile = store.state_regions(n)["kv"][0][1] // (2 * store.n_blocks(0))  # [nb, 2, tile] per head
+    elem = {"FP32": 4, "FP16": 2, "BF16": 2}[store.kv_type]
+    return (2 * block + v) * tile + (row * store.head_dim + dim) * elem
+
+
+NAN16, INF16 = np.uint16(0x7E00).view(np.float16), np.float16(np.inf)
+IMPORT_CASES = {  # name: (store, region, head, byte in the head's piece, value, dtype, message)
+    # counts that index memory: the scorers read n_anchor rows of a block's anchors (a huge count: SIGSEGV)
+    "fixed count huge": ({}, "n_anchor", 1, 0, 2**31 - 1, np.int32, r"kv head 1, block 0 .*n_anchor=2147483647"),
+    "fixed count -1": ({}, "n_anchor", 0, 8, -1, np.int32, r"block 2 \(5 tokens\): n_anchor=-1 .*FIXED .* are 2"),
+    "fixed count of a full block in a partial one": ({}, "n_anchor", 0, 8, 3, np.int32, "n_anchor=3 .* are 2$"),
+    "dynamic count A+1": ({"anchor_type": "DYNAMIC"}, "n_anchor", 1, 4, 4, np.int32, r"n_anchor=4 .* are 0\.\.3"),
+    "dynamic count -2**31": ({"anchor_type": "DYNAMIC"}, "n_anchor", 0, 0, -(2**31), np.int32,
+                             "n_anchor=-2147483648"),
+    "block_max count": ({"anchor_type": "BLOCK_MAX", "anchor_num": 1}, "n_anchor", 0, 4, 2**30, np.int32,
+                        "BLOCK_MAX anchors of a block of 8 tokens are 1"),
+    "quest count": ({"anchor_type": "QUEST", "anchor_num": 2}, "n_anchor", 1, 0, 0, np.int32, "n_anchor=0"),
+    # DYNAMIC positions are rows of their block; importances finite or -inf
+    "dynamic pos past the block": ({"anchor_type": "DYNAMIC"}, "pos", 0, (2 * 3 + 0) * 4, 5, np.int32,
+                                   r"block 2 \(5 tokens\): pos\[0\]=5 is not a row of the block \(0\.\.4\)"),
+    "dynamic pos -1": ({"anchor_type": "DYNAMIC"}, "pos", 1, 4, -1, np.int32, r"pos\[1\]=-1"),
+    "dynamic imp nan": ({"anchor_type": "DYNAMIC"}, "imp", 0, 0, np.nan, np.float32, r"imp\[0\]=nan"),
+    # values the operations compute with: finite, as append keeps them
+    "fixed anchor inf": ({}, "anchors", 1, (3 * 32 + 32 + 5) * 4, np.inf, np.float32,
+                         "block 1 .*anchor 1 holds a non-finite value at dim 5"),
+    "fp16 quest anchor nan": ({"anchor_type": "QUEST", "anchor_num": 2, "kv_type": "FP16"}, "anchors", 0, 2 * 40,
+                              NAN16, np.float16, "anchor 1 holds a non-finite value at dim 8"),
+    "block_mean sums nan": ({"anchor_type": "BLOCK_MEAN", "anchor_num": 1}, "sums", 0, (2 * 32 + 3) * 8, np.nan,
+                            np.float64, "block 2 .*key sums hold a non-finite value at dim 3"),
+    "fp16 key inf": ({"kv_type": "FP16"}, "kv", 1, ("k", 2, 4, 7), INF16, np.float16,
+                     "kv head 1, block 2 .*k holds a non-finite value at token 20, dim 7"),
+    "fp32 value nan": ({}, "kv", 0, ("v", 0, 0, 0), np.nan, np.float32,
+                       "v holds a non-finite value at token 0, dim 0"),
+    "q8 scale past fp32": ({"kv_type": "Q8_0"}, "kv", 0, None, 1e37, np.float32, "k scale .* of token 0, dims 0"),
+    "index bound nan": ({}, "bounds", 1, 2 * 33, NAN16, np.float16,
+                        r"kv head 1, index group 0: its max bound is NaN at dim 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(IMPORT_CASES))
+def test_import_refuses_a_state_appends_cannot_make(case):
+    """A KV file's store bytes are untrusted (their checksums can be recomputed): a count, position or value no
+    append makes is a ValueError naming the layer, KV head, block and value; the layer stays empty and every
+    operation on the store works. Before these checks a huge anchor count crashed the next selection."""
+    kw, region, head, byte, value, dtype, match = IMPORT_CASES[case]
+    src, state = exported_layer(**kw)
+    n = src.length(0)
+    if isinstance(byte, tuple):  # a K/V element: (k or v, block, row, dim)
+        byte = kv_byte(src, n, *byte[1:], v=byte[0] == "v")
+    elif byte is None:  # block 0's K tile scales (Q8_0): after the block's rows of D int8
+        byte = src.block_size * src.head_dim
+    bad = poke(state, src, n, region, head, byte, value, dtype)
+    dst = KVStore(1, 2, 32, 64, block_size=8, kv_type=src.kv_type, anchor_type=src.anchor_type,
+                  anchor_num=src.anchor_num, index_group=2)
+    with pytest.raises(ValueError, match=r"import_layer: layer 0, (kv head \d.*)?" + match):
+        dst.import_layer(0, n, bad)
+    assert dst.length(0) == 0  # nothing was copied
+    exercise(dst)
+    dst.truncate(0, 0)
+    dst.import_layer(0, n, state)  # the state as exported: the same store
+    q = randn(4, 32, seed=3)
+    assert torch.equal(dst.block_scores(0, q), src.block_scores(0, q))
+    assert all(torch.equal(a, b) for a, b in zip(dst.select_attend(0, q, 2), src.select_attend(0, q, 2)))
+
+
+@pytest.mark.parametrize("anchor_type", ["FIXED", "DYNAMIC"])
+def test_import_takes_every_state_appends_and_truncates_make(anchor_type):
+    """The checks refuse no state the store makes: every length of a store filled and cut back (DYNAMIC keeps
+    fewer anchors than rows after a truncate), exported and imported, is the same store."""
+    src, _ = exported_layer(anchor_type, T=40, index_group=3)
+    for n in (39, 33, 32, 31, 17, 9, 8, 3, 1, 0):
+        src.truncate(0, n)
+        dst = KVStore(1, 2, 32, 40, block_size=8, kv_type="FP32", anchor_type=anchor_type, anchor_num=3,
+                      index_group=3)
+        dst.import_layer(0, n, src.export_layer(0))
+        assert torch.equal(dst.anchors(0)[1], src.anchors(0)[1])
+        exercise(dst, seed=n)
+
+
+def test_import_refusal_leaves_a_filled_layer_as_it_was():
+    src, state = exported_layer("DYNAMIC")
+    dst, _ = exported_layer("DYNAMIC", T=9)
+    before = dst.read(0)
+    bad = poke(state, src, 21, "n_anchor", 0, 0, 99, np.int32)
+    with pytest.raises(ValueError, match="n_anchor=99"):
+        dst.import_layer(0, 21, bad)
+    assert dst.length(0) == 9 and all(torch.equal(a, b) for a, b in zip(dst.read(0), before))
+    exercise(dst)

@@ -6,15 +6,21 @@
 #   PYTHON=.venv/bin/python bash tools/sanitize.sh            # the operator and store tests (a few minutes)
 #   PYTHON=... bash tools/sanitize.sh -k fuzz                  # extra arguments go to pytest
 # Needs g++ with libasan/libubsan (Debian: g++), and the project's build and test dependencies in $PYTHON.
-# Not part of the default test run: the instrumented module is several times slower.
+# Not part of pytest's default run (the instrumented module is several times slower); .ci/run runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 OUT=${KTQ_SANITIZE_DIR:-$ROOT/build/sanitize}
 export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"  # the venv's cmake and ninja
+CXX=${CXX:-g++}
+for lib in libasan.so libubsan.so libstdc++.so; do  # (-print-file-name echoes a name it does not find)
+  [[ -f "$($CXX -print-file-name=$lib)" ]] ||
+    { echo "sanitize.sh: $CXX has no $lib: install g++ with its sanitizers (Debian: apt-get install g++)" >&2; exit 1; }
+done
 
 # 1. The instrumented module.
+mkdir -p "$OUT"  # (a clean clone has no build/ before pip installs)
 cmake -S "$ROOT" -B "$OUT/build" -G Ninja -DKTQ_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')" \
   -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" > "$OUT.cmake.log"
@@ -32,7 +38,6 @@ SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # 3. The tests, libasan first in the process and libstdc++ with it (python does not link it: ASan's __cxa_throw
 #    interceptor needs it at start-up). Leak checks are off (the interpreter's own allocations). pytest captures
 #    sys.stderr only, so a report reaches the terminal before the process aborts.
-CXX=${CXX:-g++}
 export LD_PRELOAD="$($CXX -print-file-name=libasan.so) $($CXX -print-file-name=libstdc++.so)"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"

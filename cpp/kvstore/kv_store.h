@@ -81,9 +81,18 @@ class KVStore {
   // StoreConfig (max_seq_len aside) needs to hold the layer exactly. layer_bytes(layer, len): their size for
   // `len` tokens.
   size_t state_bytes(int64_t len) const;
+  // Where the state of `len` tokens keeps each region: one piece per (region, KV head), in the state's order
+  // (name: kv, anchors, n_anchor, sums, imp, pos, bounds; regions the store does not have are absent).
+  struct StatePiece {
+    const char* name;
+    int head;
+    size_t offset, bytes;
+  };
+  std::vector<StatePiece> state_pieces(int64_t len) const;
   void export_layer(int layer, uint8_t* out, size_t n) const;  // n == state_bytes(length(layer)), else throws
-  // The layer becomes `len` tokens read from `in` (n == state_bytes(len), len <= max_seq_len, else
-  // std::invalid_argument and nothing changed); the candidate copies of the layer are invalidated.
+  // The layer becomes `len` tokens read from `in` (a KV file's bytes: untrusted). Throws std::invalid_argument,
+  // with nothing changed, unless n == state_bytes(len), len <= max_seq_len and the state is one that appends
+  // and truncates can make (check_state); the candidate copies of the layer are invalidated.
   void import_layer(int layer, int64_t len, const uint8_t* in, size_t n);
 
   // ---- the decode operations (kv_store_decode.cpp) ----
@@ -119,6 +128,11 @@ class KVStore {
   void check_rows(const void* k, const void* v, InType in, int64_t T, const float* importance) const;
   // Tokens [t0, t1) of L dequantised into k, v (with mu_ held, the range checked).
   void read_locked(const StoreLayer& L, int64_t t0, int64_t t1, float* k, float* v) const;
+  // import_layer's checks of a state of `len` tokens at `in` (kv_store_io.cpp), before anything is copied:
+  // every value a later operation indexes with or loops to (anchor counts, DYNAMIC positions) is in range and
+  // every value it computes with is finite, as append keeps them; std::invalid_argument naming the layer, the
+  // KV head, the block and the value.
+  void check_state(int layer, int64_t len, const uint8_t* in) const;
   // Throws std::invalid_argument unless q [H, D] has a positive multiple of KVH heads, all finite.
   void check_q(const float* q, int H) const;
   void check_index() const;  // std::invalid_argument unless the store has an index

@@ -144,6 +144,12 @@ void bind_kv_store(py::module_& m) {
       .def("n_groups", &KVStore::n_groups, py::arg("layer"))
       .def("state_bytes", &KVStore::state_bytes, py::arg("length"),
            "Bytes of a layer's state (export_layer) when it holds `length` tokens.")
+      .def("state_pieces", [](const KVStore& st, int64_t length) {
+        py::list out;
+        for (const KVStore::StatePiece& p : st.state_pieces(length))
+          out.append(py::make_tuple(p.name, p.head, p.offset, p.bytes));
+        return out;
+      }, py::arg("length"), "[(region, kv head, offset, bytes)] of a layer's state of `length` tokens, in order.")
       .def("export_layer", [](const KVStore& st, int layer) {
         py::array_t<uint8_t> out(py::ssize_t(st.state_bytes(st.length(layer))));
         uint8_t* p = out.mutable_data();

@@ -126,13 +126,24 @@ class KVStore:
         """Bytes of one layer's state (``export_layer``) when it holds ``n`` tokens."""
         return self._st.state_bytes(check_int(n, "n"))
 
+    def state_regions(self, n: int) -> dict[str, list[tuple[int, int]]]:
+        """Where a layer's state of ``n`` tokens keeps each region (``kv``, ``anchors``, ``n_anchor``, and
+        ``sums``, ``imp``, ``pos``, ``bounds`` where the store has them): region -> one (offset, bytes) per KV
+        head, each the head's entries of every block in use (``bounds``: of every index group), in the order of
+        cpp/kvstore/layout.h."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for name, _head, offset, nbytes in self._st.state_pieces(check_int(n, "n")):
+            out.setdefault(name, []).append((offset, nbytes))
+        return out
+
     def export_layer(self, layer: int) -> np.ndarray:
         """Layer ``layer``'s blocks in use as bytes (K/V tiles, anchors, the index): uint8 [state_bytes(n)]."""
         return self._st.export_layer(layer)
 
     def import_layer(self, layer: int, n: int, data: np.ndarray) -> None:
-        """Layer ``layer`` becomes the ``n`` tokens ``export_layer`` gave as ``data`` (uint8); every count and
-        offset in it is checked by the store before it is used."""
+        """Layer ``layer`` becomes the ``n`` tokens ``export_layer`` gave as ``data`` (uint8). The bytes are
+        untrusted (a KV file's): every count, position and value in them is checked by the store before it copies
+        any, and ValueError (naming the layer, KV head, block and value) leaves the layer as it was."""
         self._st.import_layer(layer, check_int(n, "n"), data)
 
     # ---- contents ----
