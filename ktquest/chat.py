@@ -125,7 +125,9 @@ class ChatSession:
 
     def save(self, path: str | os.PathLike) -> int:
         """Write the conversation and its KV cache to a KV file (``Engine.load_session`` reads it back);
-        returns the file's bytes. ValueError when the cache holds another conversation."""
+        returns the file's bytes. ValueError when the cache holds another conversation; ``KVFileError`` (a
+        ValueError) for a path a KV file may not be written to (``Engine.check_kv_path``: the model or config
+        file, anything but a new path, an empty file or a KV file)."""
         eng = self.engine
         if eng.sequence.owner is not self:
             raise ValueError("nothing to save: the KV cache holds no turn of this conversation")

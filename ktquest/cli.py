@@ -1,11 +1,11 @@
 """``ktquest chat``: a terminal chat with streaming replies, prefill progress and per-reply speed.
 
 Interactive by default (``/reset``, ``/stats``, ``/exit`` or EOF quit). Nothing ends a conversation but
-quitting: Ctrl-C stops a reply (the partial reply is kept) and is otherwise ignored, and a turn that fails
-(the chat template's error, a prompt too long for the context, ...) prints one line and the conversation
-goes on without that message. ``--message TEXT`` answers once for scripts: the reply on stdout, the stats
-on stderr. Errors are one line, ``ktquest: error: ...``, on stderr and exit code 2; Ctrl-C while loading or
-answering ``--message`` exits with 130.
+quitting: Ctrl-C stops a reply (the partial reply is kept) or a /save or /load (the conversation goes on as it
+was) and is otherwise ignored, and a turn that fails (the chat template's error, a prompt too long for the
+context, ...) prints one line and the conversation goes on without that message. ``--message TEXT`` answers
+once for scripts: the reply on stdout, the stats on stderr. Errors are one line, ``ktquest: error: ...``, on
+stderr and exit code 2; Ctrl-C while loading or answering ``--message`` exits with 130.
 """
 
 from __future__ import annotations
@@ -145,6 +145,9 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
     with err.status("loading the model...", spinner="dots") if err.is_terminal and args.message is None \
             else contextlib.nullcontext():
         engine = load(args.model, cfg)
+        engine.config_path = Path(args.config) if args.config else None  # never written over by a KV file
+        if args.save_kv:
+            engine.check_kv_path(args.save_kv)  # a path it may not write is refused now, not after the reading
         session = engine.load_session(args.load_kv) if args.load_kv else \
             engine.chat_session(system=args.system, document=document)
     save_at_end = args.save_kv
@@ -254,7 +257,7 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None) 
                     line = console.input("[bold green]>>> [/]")
             except EOFError:
                 console.print()
-                return _save_at_end(session, save_at_end, err)
+                return _save_at_end(session, save_at_end, err, ctrl_c)
             except KeyboardInterrupt:
                 console.print("\n[dim]/exit or Ctrl-D quits[/]")
                 continue
@@ -262,18 +265,9 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None) 
             if not text:
                 continue
             if text in ("/exit", "/quit"):
-                return _save_at_end(session, save_at_end, err)
+                return _save_at_end(session, save_at_end, err, ctrl_c)
             if text.startswith(("/save ", "/load ")):
-                path = text[6:].strip()
-                try:
-                    if text.startswith("/save"):
-                        _save(session, path, console)
-                    else:
-                        session = engine.load_session(path)
-                        console.print(f"[dim]loaded {escape(path)}: {len(engine.sequence):,} tokens, "
-                                      f"{len(session.messages)} messages[/]")
-                except USER_ERRORS as e:
-                    console.print(f"[red]{escape(_one_line(e))}[/]")
+                session = _kv_command(engine, session, text, console, ctrl_c)
                 continue
             if text.startswith("/") and " " not in text:
                 if text in commands:
@@ -294,11 +288,39 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None) 
                               "message was dropped")
 
 
-def _save_at_end(session, path: str | None, err: Console) -> int:
+def _kv_command(engine, session, text: str, console: Console, ctrl_c: CtrlC):
+    """``/save FILE`` or ``/load FILE``; returns the session the chat goes on with. A failure is one line and
+    Ctrl-C stops the command: either way the conversation goes on as it was (a file is loaded whole before
+    it replaces anything; a Ctrl-C landing as the cache is filled leaves the conversation's messages, read
+    again with the next one)."""
+    path, held = text[6:].strip(), engine.sequence.owner is session
+    try:
+        with ctrl_c.prompt():  # Ctrl-C raises in here, as at the prompt
+            if text.startswith("/save"):
+                _save(session, path, console)
+                return session
+            loaded = engine.load_session(path)
+    except KeyboardInterrupt:
+        again = "; its KV cache is read again with the next message" if held and engine.sequence.owner is not session \
+            else ""
+        console.print(f"\n[yellow]interrupted: {text[1:5]} stopped, the conversation goes on as it was{again}[/]")
+        return session
+    except USER_ERRORS as e:
+        console.print(f"[red]{escape(_one_line(e))}[/]")
+        return session
+    console.print(f"[dim]loaded {escape(path)}: {len(engine.sequence):,} tokens, {len(loaded.messages)} messages[/]")
+    return loaded
+
+
+def _save_at_end(session, path: str | None, err: Console, ctrl_c: CtrlC) -> int:
     if path is None:
         return 0
     try:
-        _save(session, path, err)
+        with ctrl_c.prompt():  # Ctrl-C: not saved, exit 130
+            _save(session, path, err)
+    except KeyboardInterrupt:
+        print(f"ktquest: interrupted: the KV cache was not saved to {path}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except USER_ERRORS as e:
         print(f"ktquest: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE

@@ -18,6 +18,7 @@ from ktquest.config import Config, ConfigError, GenerationConfig, load_config, s
 from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
 from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate, prefill
+from ktquest.kv import compat as kv_compat
 from ktquest.kv import files as kv_files
 from ktquest.kv.attention import fused_scratch_bytes, lse_tile_bytes, tiled_attention
 from ktquest.kv.dense import DenseKVCache
@@ -52,10 +53,12 @@ __all__ = ["Engine", "PromptTooLongError", "load", "make_cache"]
 class Engine:
     """A loaded model ready to generate.  Build with ``ktquest.load``."""
 
-    def __init__(self, config: Config, model_path: Path):
+    def __init__(self, config: Config, model_path: Path, config_path: Path | None = None):
+        """``config_path``: the YAML file ``config`` was read from, if any (never written over by a KV file)."""
         t0 = time.perf_counter()
         self.config = config
         self.model_path = model_path
+        self.config_path = config_path
         torch.set_num_threads(config.resolved_threads())
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
@@ -116,18 +119,13 @@ class Engine:
 
     def load_session(self, path: str | os.PathLike) -> ChatSession:
         """The conversation a KV file holds (``ChatSession.save``), its cache loaded: the next message reads
-        only itself. ``KVFileError`` as ``load_kv``, or for a file that holds no conversation."""
-        _, extra = self.load_kv(path)
-        chat = extra.get("chat")
-        ok = isinstance(chat, dict) and all(isinstance(chat.get(k), (str, type(None))) for k in ("system", "document"))
-        messages = chat.get("messages") if ok else None
-        if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and
-                                                   isinstance(m.get("content"), str) for m in messages)):
-            self.sequence.reset()
-            raise kv_files.KVFileError(f"{path}: holds a KV cache but no conversation (written by save_kv, not "
-                                       "ChatSession.save)")
+        only itself. ``KVFileError`` as ``load_kv``, or for a file that holds no conversation (the cache then
+        unchanged)."""
+        contents = self._read_kv(path, self.sequence.cache)
+        chat = kv_compat.conversation(path, contents.extra)
+        self._fill(self.sequence, contents, path)
         session = self.chat_session(system=chat["system"], document=chat["document"])
-        session.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        session.messages = chat["messages"]
         self.sequence.adopt(session)  # the tokens loaded are its conversation's
         return session
 
@@ -135,62 +133,60 @@ class Engine:
 
     def save_kv(self, path: str | os.PathLike, seq: Sequence | None = None, extra: dict | None = None) -> int:
         """Write ``seq`` (the engine's by default: its tokens and its cache) to a KV file (``ktquest.kv.files``)
-        with the model's and the config's fingerprints and ``extra`` (JSON-able); returns the file's bytes."""
+        with the model's and the config's fingerprints and ``extra`` (JSON-able); returns the file's bytes.
+        ``KVFileError`` for a path it may not be written to (``check_kv_path``)."""
         seq = self.sequence if seq is None else seq
+        self.check_kv_path(path)
         tokens, cache = seq.ids, seq.cache  # (ValueError where the cache moved outside its sequence)
         meta, arrays = cache.state()
         header = {"model": self._fingerprint(), "config": self.cache_config(), "cache": meta, "extra": extra or {}}
-        return kv_files.save(path, header, {**arrays, "tokens": torch.tensor(tokens, dtype=torch.int32)})
+        return kv_files.save(path, header, {**arrays, "tokens": torch.tensor(tokens, dtype=torch.int32)},
+                             self._protected())
+
+    def check_kv_path(self, path: str | os.PathLike) -> None:
+        """``KVFileError`` unless a KV file may be written at ``path``: a new path, an empty file or a KV file;
+        never this engine's model or config file (by name or through a link), nor a directory, a device, a
+        FIFO, a socket or a symlink (``kv.files.check_target``)."""
+        kv_files.check_target(path, self._protected())
 
     def load_kv(self, path: str | os.PathLike, seq: Sequence | None = None) -> tuple[list[int], dict]:
         """Fill ``seq`` (the engine's by default) from a KV file: it becomes nobody's (``Sequence.owner``) and
         holds the file's tokens; returns them and ``extra``. A ``KVFileError`` (a ValueError) names what is
-        wrong: unreadable, truncated, corrupted, or written for another model or a config whose cache differs;
-        the sequence is then unchanged (refused before anything is read into it) or empty."""
+        wrong: unreadable, truncated, corrupted, or written for another model or a config whose cache differs.
+        The file is read and checked whole first: the sequence is then unchanged, but where the store refuses
+        its bytes as they are imported (the cache is then empty)."""
         seq = self.sequence if seq is None else seq
-        cache = seq.cache
-        header, arrays = kv_files.load(path)
-        model, config = header.get("model"), header.get("config")
-        if model != self._fingerprint():
-            name = model.get("name") if isinstance(model, dict) else None
-            raise kv_files.KVFileError(f"{path} was written for another model ({name!r}); this is "
-                                       f"{self.model_path.name!r} ({self._fingerprint()['bytes']:,} bytes)")
-        if config != self.cache_config():
-            raise kv_files.KVFileError(f"{path} was written with a config whose KV cache differs: "
-                                       f"{_differences(config, self.cache_config())}")
-        tokens = arrays.pop("tokens", None)
-        meta = header.get("cache")
-        shapes = cache.state_shapes(meta, str(path))
-        if tokens is None or tokens.dim() != 1 or tokens.dtype != torch.int32 or len(tokens) != meta["pos"] or \
-                (len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.tokenizer.vocab_size):
-            raise kv_files.KVFileError(f"{path}: its token ids do not match its cache")
-        kv_files.expect(path, arrays, shapes)
-        seq.claim(None)
-        try:
-            cache.load_state(meta, arrays)
-            seq.restored(tokens.tolist())
-        except BaseException:
-            seq.reset()
-            raise
-        extra = header.get("extra")
-        return seq.ids, extra if isinstance(extra, dict) else {}
+        contents = self._read_kv(path, seq.cache)
+        self._fill(seq, contents, path)
+        return seq.ids, contents.extra
 
     def cache_config(self) -> dict:
-        """The config keys that shape the KV cache's contents and layout (a KV file must agree on each)."""
-        c = self.config
-        out = {"mode": c.mode, "dtype": str(self.dtype).removeprefix("torch."), "rope_scaling": c.rope_scaling,
-               "rope_scaling_factor": c.rope_scaling_factor}
-        if isinstance(self.cache, HybridCache):
-            out["sliding_window_keep"] = c.sliding_window_keep
-        if c.mode == "long_context":
-            out["chunk_size"] = c.chunk_size
-            out["long_context"] = {k: v for k, v in to_dict(c)["long_context"].items() if k != "threads_num"}
-        return out
+        """The settings that shape the KV cache's contents and layout, as applied (a KV file must agree on
+        each): ``kv.compat.cache_fingerprint``."""
+        return kv_compat.cache_fingerprint(self)
+
+    def _read_kv(self, path: str | os.PathLike, cache) -> kv_compat.Contents:
+        return kv_compat.read(path, cache, self._fingerprint(), self.cache_config(), self.tokenizer.vocab_size)
+
+    def _fill(self, seq: Sequence, contents: kv_compat.Contents, path: str | os.PathLike) -> None:
+        seq.claim(None)
+        try:
+            seq.cache.load_state(contents.meta, contents.arrays)
+            seq.restored(contents.tokens)
+        except kv_files.KVFileError as e:  # the store refused its bytes
+            seq.reset()
+            raise kv_files.KVFileError(f"{path}: {e}") from None
+        except BaseException:  # (Ctrl-C too): empty, never half-filled
+            seq.reset()
+            raise
 
     def _fingerprint(self) -> dict:
         if self._model_fingerprint is None:
             self._model_fingerprint = {"name": self.model_path.name, **kv_files.model_fingerprint(self.model_path)}
         return self._model_fingerprint
+
+    def _protected(self) -> dict:
+        return {"the model file": self.model_path, "the config file": self.config_path}
 
     # ---- internals ----
 
@@ -301,25 +297,8 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
             cfg = load_config(None, _as_sets(to_dict(config)) + sets)
     else:
         cfg = load_config(config, sets)
-    return Engine(cfg, resolve_model(model if model is not None else cfg.model or DEFAULT_MODEL))
-
-
-def _differences(a: object, b: dict, prefix: str = "") -> str:
-    """What differs between a file's config fingerprint ``a`` and this engine's ``b``, as one line."""
-    if not isinstance(a, dict):
-        return "the file has none"
-    if a.get("mode", b.get("mode")) != b.get("mode"):  # the rest follows from the mode
-        return f"{prefix}mode is {a.get('mode')!r} in the file, {b.get('mode')!r} here"
-    out = []
-    for key in sorted(set(a) | set(b)):
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, dict) and isinstance(y, dict):
-            if x != y:
-                out.append(_differences(x, y, f"{prefix}{key}."))
-        elif x != y:
-            out.append(f"{prefix}{key} is {x!r} in the file, {y!r} here" if key in a and key in b else
-                       f"{prefix}{key} is {'not in the file' if key in b else 'in the file only'}")
-    return "; ".join(out)
+    return Engine(cfg, resolve_model(model if model is not None else cfg.model or DEFAULT_MODEL),
+                  Path(config) if isinstance(config, (str, os.PathLike)) else None)
 
 
 def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:

@@ -9,7 +9,8 @@ the Python API's arguments.
   timeout; each run exits 0 or 2 with one ``ktquest: error:`` line, never a traceback, and the child never
   dies of a signal. (A child per run costs seconds of imports: the batch is what keeps this affordable.)
 
-Derandomized (the same examples every run, no example database): a few tens of seconds in all.
+Derandomized (the same examples every run, no example database): a few tens of seconds in all. The KV files a
+chat saves are fuzzed in ``test_fuzz_kv_files.py`` (their header, table of arrays and bytes, checksums recomputed).
 """
 
 from __future__ import annotations

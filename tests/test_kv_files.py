@@ -236,3 +236,32 @@ def test_crafted_headers_refused(tmp_path, table):
     (tmp_path / "x.kvq").write_bytes(data + b"\0" * ((-len(data)) % 64 + 64))
     with pytest.raises(KVFileError, match="corrupted"):
         files.load(tmp_path / "x.kvq")
+
+
+# ---- issue 60: the store's bytes in a KV file are untrusted (the file's checksums can be recomputed) ----
+
+
+def test_store_bytes_altered_and_checksummed_again_refused(tiny_llama, tmp_path):
+    """A file whose store state was altered and saved again with valid checksums: an anchor count past its block
+    (the next decode step read out of bounds: SIGBUS) is a KVFileError naming the layer, KV head, block and
+    value; the cache is left empty and goes on working, and the file as it was saved still loads."""
+    sets = {**SMALL_LC, "long_context.anchor_type": "FIXED", "long_context.anchor_num": 2,
+            "long_context.dense_layer_num": 0}
+    eng = ktquest.load(tiny_llama.path, CONFIGS / "quest.yaml", threads=1, max_new_tokens=4, **sets)
+    s = eng.chat_session(document="a b c d " * 20)
+    s.send("hello")
+    path = tmp_path / "c.kvq"
+    s.save(path)
+    header, arrays = files.load(path)
+    n = header["cache"]["pos"]
+    off = eng.cache.store.state_regions(n)["n_anchor"][1][0] + 3 * 4  # layer 1's KV head 1, block 3 (selectable)
+    bad = arrays["store1"].clone()
+    bad[off: off + 4] = torch.tensor([2**31 - 1], dtype=torch.int32).view(torch.uint8)
+    files.save(tmp_path / "bad.kvq", {k: v for k, v in header.items() if k not in ("arrays", "payload_bytes")},
+               {**arrays, "store1": bad})  # every checksum recomputed
+    with pytest.raises(KVFileError, match=r"layer 1, kv head 1, block 3 \(8 tokens\): n_anchor=2147483647"):
+        eng.load_session(tmp_path / "bad.kvq")
+    assert eng.cache.pos == 0 and eng.cache.store.length(0) == 0  # nothing half-loaded
+    assert eng.chat_session().send("hello").text  # a decode step on the empty cache
+    r = eng.load_session(path).send("again").stats
+    assert r.prompt_tokens < r.context_tokens - 80  # the file as saved: the document (80 tokens) is not read again

@@ -212,6 +212,12 @@ class DenseKVCache:
         n, (_, kvh, _, d) = check_meta(path, meta, "pos", 0, self.max_seq_len), self._k[0].shape
         return {f"{kv}{i}": ((kvh, n, d), self._k[0].dtype) for i in range(self.n_layers) for kv in "kv"}
 
+    def check_state(self, meta: dict, arrays: dict[str, torch.Tensor], path: str = "") -> None:
+        """KVFileError unless ``load_state`` takes ``meta`` and ``arrays`` (their names, shapes and dtypes)."""
+        from ktquest.kv.files import expect
+
+        expect(path, arrays, self.state_shapes(meta, path))
+
     def nbytes(self) -> int:
         """Bytes held now (the capacity grown so far, not max_seq_len's)."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))

@@ -277,9 +277,10 @@ class LongContextCache:
         from ktquest.kv.files import KVFileError, check_meta
 
         n = check_meta(path, meta, "pos", 0, self.max_seq_len)
-        check_meta(path, meta, "buf0", self.init_end, max(self.init_end, n))
+        # row init_end of the windows holds position buf0: block aligned, its rows up to n within the buffers
+        buf0 = check_meta(path, meta, "buf0", max(self.init_end, n - self.windows.cap), max(self.init_end, n))
         shapes = self.planner.state_shapes(meta, n)
-        if shapes is None:
+        if shapes is None or buf0 % self.lc.block_size:
             raise KVFileError(f"{path}: the long-context cache's planner state is not allowed here")
         w = self.windows.k
         shapes |= {"win_k": (tuple(w.shape), w.dtype), "win_v": (tuple(w.shape), w.dtype)}
@@ -287,12 +288,31 @@ class LongContextCache:
             shapes[f"store{i}"] = ((self.store.state_bytes(n),), torch.uint8)
         return shapes
 
+    def check_state(self, meta: dict, arrays: dict[str, torch.Tensor], path: str = "") -> None:
+        """KVFileError unless ``load_state`` takes ``meta`` and ``arrays``: their names, shapes and dtypes
+        (``state_shapes``) and the block ids the planner keeps (the store's bytes are checked by the store as
+        they are imported)."""
+        from ktquest.kv.files import KVFileError, expect
+
+        expect(path, arrays, self.state_shapes(meta, path))
+        wrong = self.planner.check_ids(arrays, meta["pos"])
+        if wrong:
+            raise KVFileError(f"{path}: {wrong}")
+
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
-        """The cache becomes what ``state`` gave (shapes checked by the caller, ``files.expect``)."""
+        """The cache becomes what ``state`` gave (shapes checked by the caller, ``files.expect``). The store's
+        bytes are a file's, untrusted: a state no append makes (``KVStore.import_layer``) is a ``KVFileError``
+        naming the layer, KV head, block and value, and leaves the cache empty."""
+        from ktquest.kv.files import KVFileError
+
         self.reset()
         n = meta["pos"]
-        for i in range(self.n_layers):
-            self.store.import_layer(i, n, arrays[f"store{i}"].numpy())
+        try:
+            for i in range(self.n_layers):
+                self.store.import_layer(i, n, arrays[f"store{i}"].numpy())
+        except ValueError as e:
+            self.reset()  # (the layers before it were imported)
+            raise KVFileError(f"the KV cache's store state is refused: {e}") from None
         self.windows.load(arrays["win_k"], arrays["win_v"], meta["buf0"])
         self.planner.load_state(meta, arrays)
         self.pos = n

@@ -338,14 +338,18 @@ class DecodePlanner:
 
     def state_shapes(self, meta: dict, n: int) -> dict[str, tuple] | None:
         """The arrays ``load_state`` takes for ``meta`` of a cache of ``n`` tokens (name -> (shape, dtype)), or
-        None where ``meta`` is not a planner's state of this cache."""
-        span, allowed = meta.get("q_win_span"), meta.get("allowed")
-        lists = [meta.get(k) for k in ("allowed", "allowed_lb", "presel_pending")]
-        if not (all(isinstance(x, list) and len(x) == self.n_layers for x in lists) and isinstance(span, list)
-                and len(span) == 2 and all(type(x) is int and 0 <= x <= n for x in span) and
-                all(a is None or (isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a))
-                    for a in allowed) and type(meta.get("decode_step")) is int
-                and _refresh_state_ok(meta, self.n_layers, n)):
+        None where ``meta`` is not a planner's state of this cache: every scalar of it typed and in range (a
+        candidate list [n_sets, N] of this head_select_mode's sets, a context end within the cache)."""
+        span, allowed, lbs, pending = (meta.get(k) for k in ("q_win_span", "allowed", "allowed_lb", "presel_pending"))
+        n_sets = 1 if self.lc.head_select_mode == "SHARED" else self.store.n_kv_heads
+        if not (all(isinstance(x, list) and len(x) == self.n_layers for x in (allowed, lbs, pending))
+                and isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)
+                and 0 <= span[0] <= span[1] <= min(n, span[0] + self.q_win.shape[1])  # [a, b) in the W slots
+                and all(a is None or (isinstance(a, list) and len(a) == 2 and type(a[0]) is int and a[0] == n_sets
+                                      and type(a[1]) is int and 0 <= a[1] <= n) for a in allowed)
+                and all(type(x) is int and 0 <= x <= n for x in lbs) and all(type(x) is bool for x in pending)
+                and type(meta.get("decode_step")) is int and 0 <= meta["decode_step"] < 1 << 62
+                and _refresh_state_ok(meta, self.n_layers, n, n_sets)):
             return None
         shapes = {"q_win": (tuple(self.q_win.shape), self.q_win.dtype)}
         for i in range(self.n_layers):
@@ -354,6 +358,15 @@ class DecodePlanner:
             if meta["presel"][i] is not None:
                 shapes[f"presel{i}"] = (tuple(meta["presel"][i][:2]), torch.int32)
         return shapes
+
+    def check_ids(self, arrays: dict[str, torch.Tensor], n: int) -> str | None:
+        """What is wrong with the block ids in ``arrays`` (the candidates, SnapKV's picks) for a cache of ``n``
+        tokens, or None: each is a block the cache holds, or -1 (padding)."""
+        nb = -(-n // self.lc.block_size)
+        for name, t in arrays.items():
+            if name.startswith(("allowed", "presel")) and t.numel() and not -1 <= int(t.min()) <= int(t.max()) < nb:
+                return f"array {name} names blocks outside the {nb} the cache holds"
+        return None
 
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
         """The planner becomes what ``state`` gave (shapes checked by ``state_shapes``)."""
@@ -408,7 +421,7 @@ class DecodePlanner:
         self.presel_base[layer], self.refreshed[layer] = (allowed.numpy(), nb), self.decode_step
 
 
-def _refresh_state_ok(meta: dict, n_layers: int, n: int) -> bool:
+def _refresh_state_ok(meta: dict, n_layers: int, n: int, n_sets: int) -> bool:
     """The planner's refresh state in a KV file: per layer the decode step of its last refresh (<= the file's),
     and SnapKV's own pick ([n_sets, N, lb] of the ``presel<i>`` array, or None)."""
     refreshed, presel = meta.get("refreshed"), meta.get("presel")
@@ -416,4 +429,4 @@ def _refresh_state_ok(meta: dict, n_layers: int, n: int) -> bool:
             and all(type(x) is int and 0 <= x <= meta["decode_step"] for x in refreshed)
             and isinstance(presel, list) and len(presel) == n_layers
             and all(b is None or (isinstance(b, list) and len(b) == 3 and all(type(x) is int for x in b)
-                                  and b[0] >= 1 and b[1] >= 1 and 0 <= b[2] <= n) for b in presel))
+                                  and b[0] == n_sets and 1 <= b[1] <= n and 0 <= b[2] <= n) for b in presel))

@@ -142,13 +142,16 @@ class WindowKV:
             arrays[f"k{i}"], arrays[f"v{i}"] = self.k[i, :, : h - b], self.v[i, :, : h - b]
         return {"base": list(self.base), "hi": list(self.hi)}, arrays
 
-    def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
+    def state_shapes(self, meta: dict, path: str, pos: int) -> dict[str, tuple]:
+        """The arrays ``load_state`` takes for ``meta`` of a cache of ``pos`` tokens; KVFileError for a bad
+        ``meta``: each layer holds positions up to pos, the window before pos among them."""
         from ktquest.kv.files import KVFileError
 
-        n = len(self.base)
+        n, lo = len(self.base), max(0, pos - self.window + 1)
         base, hi = (meta.get("base"), meta.get("hi")) if isinstance(meta, dict) else (None, None)
         if not (isinstance(base, list) and isinstance(hi, list) and len(base) == len(hi) == n and
-                all(type(b) is int and type(h) is int and 0 <= b <= h and h - b <= self.rows for b, h in zip(base, hi))):
+                all(type(b) is int and type(h) is int and h == pos and 0 <= b <= lo and h - b <= self.rows
+                    for b, h in zip(base, hi))):
             raise KVFileError(f"{path}: the sliding-window layers' positions are not allowed here")
         _, kvh, _, d = self.k.shape
         return {f"{kv}{i}": ((kvh, h - b, d), self.k.dtype) for i, (b, h) in enumerate(zip(base, hi)) for kv in "kv"}
@@ -273,11 +276,21 @@ class HybridCache:
             {**{f"main.{k}": v for k, v in ma.items()}, **{f"win.{k}": v for k, v in wa.items()}}
 
     def state_shapes(self, meta: dict, path: str = "") -> dict[str, tuple]:
-        from ktquest.kv.files import check_meta
+        from ktquest.kv.files import KVFileError, check_meta
 
-        check_meta(path, meta, "pos", 0, self.max_seq_len)
-        return {**{f"main.{k}": v for k, v in self.main.state_shapes(meta.get("main"), path).items()},
-                **{f"win.{k}": v for k, v in self.windows.state_shapes(meta.get("windows"), path).items()}}
+        pos = check_meta(path, meta, "pos", 0, self.max_seq_len)
+        main = self.main.state_shapes(meta.get("main"), path)
+        if meta["main"]["pos"] != pos:
+            raise KVFileError(f"{path}: the global layers hold {meta['main']['pos']} tokens, the cache {pos}")
+        return {**{f"main.{k}": v for k, v in main.items()},
+                **{f"win.{k}": v for k, v in self.windows.state_shapes(meta.get("windows"), path, pos).items()}}
+
+    def check_state(self, meta: dict, arrays: dict[str, torch.Tensor], path: str = "") -> None:
+        """KVFileError unless ``load_state`` takes ``meta`` and ``arrays`` (the global layers' cache checks its own)."""
+        from ktquest.kv.files import expect
+
+        expect(path, arrays, self.state_shapes(meta, path))
+        self.main.check_state(meta["main"], {k[5:]: v for k, v in arrays.items() if k.startswith("main.")}, path)
 
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
         self.main.load_state(meta["main"], {k[5:]: v for k, v in arrays.items() if k.startswith("main.")})
