@@ -153,8 +153,7 @@ class Engine:
         """Fill ``seq`` (the engine's by default) from a KV file: it becomes nobody's (``Sequence.owner``) and
         holds the file's tokens; returns them and ``extra``. A ``KVFileError`` (a ValueError) names what is
         wrong: unreadable, truncated, corrupted, or written for another model or a config whose cache differs.
-        The file is read and checked whole first: the sequence is then unchanged, but where the store refuses
-        its bytes as they are imported (the cache is then empty)."""
+        The file is read and checked whole first (the store's bytes too): the sequence is then unchanged."""
         seq = self.sequence if seq is None else seq
         contents = self._read_kv(path, seq.cache)
         self._fill(seq, contents, path)

@@ -94,6 +94,8 @@ class KVStore {
   // with nothing changed, unless n == state_bytes(len), len <= max_seq_len and the state is one that appends
   // and truncates can make (check_state); the candidate copies of the layer are invalidated.
   void import_layer(int layer, int64_t len, const uint8_t* in, size_t n);
+  // import_layer's checks alone (nothing changes): a KV file is checked whole before it replaces a cache.
+  void check_import(int layer, int64_t len, const uint8_t* in, size_t n) const;
 
   // ---- the decode operations (kv_store_decode.cpp) ----
   // q: [H, D] fp32 (H a multiple of KVH). Unscaled block scores, summed over the query heads of each

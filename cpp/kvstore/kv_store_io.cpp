@@ -220,15 +220,19 @@ void KVStore::export_layer(int layer, uint8_t* out, size_t n) const {
   });
 }
 
-void KVStore::import_layer(int layer, int64_t len, const uint8_t* in, size_t n) {
-  std::lock_guard<std::mutex> lk(mu_);
+void KVStore::check_import(int layer, int64_t len, const uint8_t* in, size_t n) const {
   layer_at(layer);  // out_of_range for a layer the store does not have
-  StoreLayer& L = layers_[layer];
   const size_t want = state_bytes(len);  // throws for a len past max_seq_len
   if (n != want)
     throw std::invalid_argument("import_layer: " + std::to_string(n) + " bytes given, a layer of " +
                                 std::to_string(len) + " tokens has " + std::to_string(want));
-  check_state(layer, len, in);  // before anything changes: a refused state leaves the layer as it was
+  check_state(layer, len, in);
+}
+
+void KVStore::import_layer(int layer, int64_t len, const uint8_t* in, size_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_import(layer, len, in, n);  // before anything changes: a refused state leaves the layer as it was
+  StoreLayer& L = layers_[layer];
   sticky_[layer] = StickyLayer{};
   const int64_t nb = (len + lay_.cfg.block_size - 1) / lay_.cfg.block_size;
   for_each_piece(lay_, L, nb, [&](const char*, int, uint8_t* p, size_t m) {

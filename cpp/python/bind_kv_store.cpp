@@ -166,6 +166,14 @@ void bind_kv_store(py::module_& m) {
         st.import_layer(layer, length, p, n);
       }, py::arg("layer"), py::arg("length"), py::arg("state"),
          "The layer becomes `length` tokens read from `state` (uint8 [state_bytes(length)], as export_layer gave).")
+      .def("check_import", [](const KVStore& st, int layer, int64_t length, const py::handle& obj) {
+        auto a = ndim_arg<uint8_t>(obj, "state", 1);
+        const uint8_t* p = a.data();
+        const size_t n = size_t(a.size());
+        py::gil_scoped_release nogil;
+        st.check_import(layer, length, p, n);
+      }, py::arg("layer"), py::arg("length"), py::arg("state"),
+         "ValueError unless import_layer would take `state` for `length` tokens (nothing changes).")
       .def("read_bounds", [](const KVStore& st, int layer) {
         const int64_t H = st.config().n_kv_heads, D = st.config().head_dim;
         for (;;) {  // as read

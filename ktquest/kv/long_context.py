@@ -290,14 +290,18 @@ class LongContextCache:
 
     def check_state(self, meta: dict, arrays: dict[str, torch.Tensor], path: str = "") -> None:
         """KVFileError unless ``load_state`` takes ``meta`` and ``arrays``: their names, shapes and dtypes
-        (``state_shapes``) and the block ids the planner keeps (the store's bytes are checked by the store as
-        they are imported)."""
+        (``state_shapes``), the block ids the planner keeps and the store's bytes (``KVStore.check_import``)."""
         from ktquest.kv.files import KVFileError, expect
 
         expect(path, arrays, self.state_shapes(meta, path))
         wrong = self.planner.check_ids(arrays, meta["pos"])
         if wrong:
             raise KVFileError(f"{path}: {wrong}")
+        try:
+            for i in range(self.n_layers):
+                self.store.check_import(i, meta["pos"], arrays[f"store{i}"].numpy())
+        except ValueError as e:
+            raise KVFileError(f"{path}: the KV cache's store state is refused: {e}") from None
 
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
         """The cache becomes what ``state`` gave (shapes checked by the caller, ``files.expect``). The store's

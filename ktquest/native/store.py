@@ -146,6 +146,11 @@ class KVStore:
         any, and ValueError (naming the layer, KV head, block and value) leaves the layer as it was."""
         self._st.import_layer(layer, check_int(n, "n"), data)
 
+    def check_import(self, layer: int, n: int, data: np.ndarray) -> None:
+        """``import_layer``'s checks alone: ValueError (the same message) unless it would take ``data``; nothing
+        changes."""
+        self._st.check_import(layer, check_int(n, "n"), data)
+
     # ---- contents ----
 
     def append(
