@@ -1,5 +1,7 @@
 """ktquest: long-context LLM inference with query-aware sparse attention over a paged KV store."""
 
+from ktquest.formats.errors import GGUFError as GGUFError  # every model that cannot load (numpy-free)
+
 __version__ = "0.1.0"
 
 OPENMP_SPIN = "10000"  # GOMP_SPINCOUNT set by set_openmp_spin

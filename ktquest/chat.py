@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ktquest.engine_lock import EngineLock, exclusive
 from ktquest.formats.chat_template import TemplateLimits
 from ktquest.sequence import common_prefix_len
 from ktquest.turn import (
@@ -54,7 +55,9 @@ class SessionStats:
 
 
 class ChatSession:
-    """A conversation whose tokens stay in the engine's KV cache between turns."""
+    """A conversation whose tokens stay in the engine's KV cache between turns. Its calls take turns with every
+    other call on the engine (another session's, another thread's); a call on the engine from inside one of
+    its callbacks is a RuntimeError (``ktquest.engine_lock``)."""
 
     def __init__(self, engine: Engine, system: str | None = None, document: str | None = None):
         self.engine = engine
@@ -63,6 +66,7 @@ class ChatSession:
         self.messages: list[dict[str, str]] = self._opening()  # as rendered, the system message included
         self._turns: list[TurnStats] = []
 
+    @exclusive
     def send(self, user_text: str, on_text: TextCallback | None = None,
              on_progress: ProgressCallback | None = None,
              should_stop: Callable[[], bool] | None = None) -> Reply:
@@ -80,9 +84,7 @@ class ChatSession:
         eng = self.engine
         check_arg("user_text", user_text, str)  # TypeError, as for the callbacks
         check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
-        first = not any(m["role"] == "user" for m in self.messages)
-        content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
-        messages = self.messages + [{"role": "user", "content": content}]
+        messages = self._with_message(user_text)
         tokens = encode_chat(eng, messages)
 
         seq = eng.sequence
@@ -97,6 +99,7 @@ class ChatSession:
         self._turns.append(stats)
         return Reply(text=text, stats=stats)
 
+    @exclusive
     def read_document(self, on_progress: ProgressCallback | None = None) -> TurnStats:
         """Read the system prompt and the document (the tokens every first message begins with) into the cache
         before any message, e.g. to save them (``save``); the first message then reads only itself. Nothing to
@@ -123,6 +126,7 @@ class ChatSession:
         n = len(seq) - n0
         return TurnStats(n, 0, len(seq), eng.max_seq_len, dt, 0.0, n / dt if dt > 0 else 0.0, 0.0, stopped_by)
 
+    @exclusive
     def save(self, path: str | os.PathLike) -> int:
         """Write the conversation and its KV cache to a KV file (``Engine.load_session`` reads it back);
         returns the file's bytes. ValueError when the cache holds another conversation; ``KVFileError`` (a
@@ -134,6 +138,7 @@ class ChatSession:
         chat = {"system": self.system, "document": self.document, "messages": self.messages}
         return eng.save_kv(path, eng.sequence, {"chat": chat})
 
+    @exclusive
     def reset(self, keep_cache: bool = False) -> None:
         """Forget the conversation (the system prompt and document stay for the next first turn).
 
@@ -144,6 +149,29 @@ class ChatSession:
         self._turns = []
         if not keep_cache and self.engine.sequence.owner is self:
             self.engine.sequence.reset()
+
+    def next_prompt_tokens(self, user_text: str = "") -> int:
+        """How many tokens the prompt of ``send(user_text)`` would be, counted at any length (no
+        PromptTooLongError): the conversation so far and the message as the chat template wraps them, the
+        document with the first message. For "" before the first message: what the system prompt and the
+        document take of the context (``ktquest chat`` refuses a --prompt-file that leaves no room)."""
+        eng = self.engine
+        messages = self._with_message(user_text)
+        chars = sum(len(m["content"]) for m in messages)  # the template's bounds sized for the text, not the context
+        limits = TemplateLimits.for_context(max(eng.max_seq_len, chars))
+        return len(eng.tokenizer.encode_messages(messages, add_generation_prompt=True,
+                                                 parse_special=eng.config.parse_special, limits=limits))
+
+    def _with_message(self, user_text: str) -> list[dict[str, str]]:
+        """The conversation with the user's next message (after the document, if it is the first)."""
+        first = not any(m["role"] == "user" for m in self.messages)
+        content = f"{self.document}\n\n{user_text}" if first and self.document else user_text
+        return self.messages + [{"role": "user", "content": content}]
+
+    @property
+    def lock(self) -> EngineLock:
+        """The engine's lock, which the session's calls hold."""
+        return self.engine.lock
 
     def stats(self) -> SessionStats:
         eng = self.engine

@@ -150,6 +150,8 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
             engine.check_kv_path(args.save_kv)  # a path it may not write is refused now, not after the reading
         session = engine.load_session(args.load_kv) if args.load_kv else \
             engine.chat_session(system=args.system, document=document)
+    if document is not None:  # one that leaves no room is refused now, not with every message
+        _check_document_fits(engine, session, args.prompt_file)
     save_at_end = args.save_kv
     if args.save_kv and document is not None:
         _read_and_save(session, args.save_kv, err)
@@ -197,6 +199,47 @@ def _serve(args: argparse.Namespace) -> int:
     serve(load(args.model, cfg), args.host, args.port, args.slots, args.queue, model_id,
           int(args.max_body_mb * 2**20), args.load_kv)
     return 0
+
+
+PRESETS = Path(__file__).resolve().parents[1] / "configs"  # in a source checkout (a wheel has none)
+
+
+def _check_document_fits(engine, session, path: str) -> None:
+    """UsageError unless the --prompt-file document leaves room in the context for a reply (else every message
+    is refused): its tokens as the first message wraps them, the context, and what would hold it."""
+    from ktquest.turn import PromptTooLongError
+
+    n = session.next_prompt_tokens()
+    try:
+        engine.check_fits(n)
+    except PromptTooLongError:
+        raise UsageError(f"--prompt-file {path}: {n:,} tokens as the first message wraps it, but the context holds "
+                         f"{engine.max_seq_len:,} (max_seq_len) and a reply needs room too; "
+                         f"{_what_holds(engine, n)}") from None
+
+
+def _what_holds(engine, n_tokens: int) -> str:
+    """The preset of the smallest context that holds ``n_tokens`` on this model (of the engine's mode on a tie),
+    or the key that raises the limit."""
+    from ktquest.config import ConfigError
+    from ktquest.models.args import resolve_max_seq_len
+
+    holding = []
+    for preset in sorted(PRESETS.glob("*.yaml")) if PRESETS.is_dir() else []:
+        try:
+            cfg = load_config(preset)
+        except ConfigError:
+            continue
+        n = resolve_max_seq_len(engine.args, cfg.max_seq_len)
+        if n > n_tokens and preset.name != "default.yaml":  # (every key at its default: not a preset)
+            holding.append((n, cfg.mode != engine.config.mode, preset.name, preset))
+    if not holding:
+        return f"no preset holds it: --set max_seq_len=N raises the limit (N > {n_tokens:,})"
+    n, _, _, preset = min(holding)
+    shown = preset.relative_to(Path.cwd()) if preset.is_relative_to(Path.cwd()) else preset
+    trained = engine.args.context_length
+    past = f", past the {trained:,} tokens the model was trained on" if n_tokens > trained else ""
+    return f"--config {shown} holds it (max_seq_len {n:,} on this model{past})"
 
 
 def _read_document(path: str) -> str:

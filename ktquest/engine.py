@@ -15,8 +15,8 @@ import torch
 
 from ktquest.chat import ChatSession
 from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
+from ktquest.engine_lock import EngineLock, exclusive
 from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
-from ktquest.formats.tokenizer import Tokenizer
 from ktquest.generate import generate, prefill
 from ktquest.kv import compat as kv_compat
 from ktquest.kv import files as kv_files
@@ -33,7 +33,7 @@ from ktquest.kv.memory import (
 from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
 from ktquest.models.args import RopeScaling, resolve_max_seq_len
-from ktquest.models.loader import build_model, read_gguf
+from ktquest.models.loader import build_model, read_gguf, read_tokenizer
 from ktquest.native.decode import use_native_decode
 from ktquest.sequence import Sequence
 from ktquest.turn import (
@@ -51,7 +51,10 @@ __all__ = ["Engine", "PromptTooLongError", "load", "make_cache"]
 
 
 class Engine:
-    """A loaded model ready to generate.  Build with ``ktquest.load``."""
+    """A loaded model ready to generate.  Build with ``ktquest.load``.
+
+    One call at a time (``ktquest.engine_lock``): calls from several threads take turns, each answered as it
+    would be alone; a call from inside the engine's own callback (``on_text``, ...) is a RuntimeError."""
 
     def __init__(self, config: Config, model_path: Path, config_path: Path | None = None):
         """``config_path``: the YAML file ``config`` was read from, if any (never written over by a KV file)."""
@@ -63,6 +66,7 @@ class Engine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
         contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
+        self.tokenizer = read_tokenizer(contents)
         self.args = contents.args
         self.max_seq_len = resolve_max_seq_len(self.args, config.max_seq_len)
         # refuse before any allocation (the weights included), with the figure
@@ -76,20 +80,22 @@ class Engine:
         self.activations = _pick_activations(config.activations, self.args)
         set_x16(self.model, self.activations == "int16")
         use_native_decode(self.model, config.resolved_threads())
-        self.tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
         # The tokens the cache holds and whose conversation they are (a ChatSession, the server's worker)
         self.sequence = Sequence(self.cache)
+        self.lock = EngineLock()  # held by every call that moves the cache or the sequence
         self._said_plain_chat = False  # PLAIN_CHAT_NOTICE is said once, with the first chat session
         self._model_fingerprint: dict | None = None  # KV files: the model file's (computed at first use)
         self.load_s = time.perf_counter() - t0  # reading, building and caching: what a user waits for
 
+    @exclusive
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
                  on_progress: ProgressCallback | None = None, should_stop: Callable[[], bool] | None = None,
                  **gen_overrides: Any) -> str:
         """Raw completion of ``prompt`` (no chat template) on a fresh cache; returns the generated text.
 
         ``on_text(piece)`` streams the text as it is generated; ``gen_overrides``: GenerationConfig fields.
+        Another thread's call waits for this one; a call on this engine from inside a callback is a RuntimeError.
         Refused before any work: a ``TypeError`` for an argument of the wrong type, a ``ValueError`` for a
         value that cannot be used: ``ConfigError`` (a generation option), ``PromptTooLongError``, or a
         prompt that is empty (no tokens to continue from).
@@ -117,6 +123,7 @@ class Engine:
             self._said_plain_chat = True
         return ChatSession(self, system=system, document=document)
 
+    @exclusive
     def load_session(self, path: str | os.PathLike) -> ChatSession:
         """The conversation a KV file holds (``ChatSession.save``), its cache loaded: the next message reads
         only itself. ``KVFileError`` as ``load_kv``, or for a file that holds no conversation (the cache then
@@ -131,6 +138,7 @@ class Engine:
 
     # ---- KV files ----
 
+    @exclusive
     def save_kv(self, path: str | os.PathLike, seq: Sequence | None = None, extra: dict | None = None) -> int:
         """Write ``seq`` (the engine's by default: its tokens and its cache) to a KV file (``ktquest.kv.files``)
         with the model's and the config's fingerprints and ``extra`` (JSON-able); returns the file's bytes.
@@ -149,6 +157,7 @@ class Engine:
         FIFO, a socket or a symlink (``kv.files.check_target``)."""
         kv_files.check_target(path, self._protected())
 
+    @exclusive
     def load_kv(self, path: str | os.PathLike, seq: Sequence | None = None) -> tuple[list[int], dict]:
         """Fill ``seq`` (the engine's by default) from a KV file: it becomes nobody's (``Sequence.owner``) and
         holds the file's tokens; returns them and ``extra``. A ``KVFileError`` (a ValueError) names what is
@@ -203,6 +212,7 @@ class Engine:
                 f"prompt too long: {n_tokens} tokens, but the context holds {self.max_seq_len} "
                 f"(max_seq_len) and the reply needs room too; shorten the prompt or raise max_seq_len")
 
+    @exclusive
     def prefill(self, tokens, cache=None, on_progress: ProgressCallback | None = None) -> torch.Tensor:
         """Read ``tokens`` at ``cache.pos`` as the config says (chunk_size, prefill.order, prefill.slab_tokens);
         returns the last token's logits [V]. ``cache``: one made by ``make_cache`` (the tools' own), or None:
@@ -210,7 +220,8 @@ class Engine:
         if cache is None:
             return self.read(self.sequence, tokens, on_progress)
         p = self.config.prefill
-        return prefill(self.model, cache, tokens, self.config.chunk_size, on_progress, p.order, p.slab_tokens)
+        return prefill(self.model, cache, tokens, self.config.chunk_size, self.lock.callback(on_progress), p.order,
+                       p.slab_tokens)
 
     def prefill_device_bytes(self) -> int:
         """The device memory a layer-major prefill (``prefill.order: layer``) holds beside the weights and the
@@ -231,6 +242,7 @@ class Engine:
         return (self.cache.prefill_device_bytes(n) + chunk_activation_bytes(a, chunk, self.dtype.itemsize)
                 + tile + logits + self.max_seq_len * prompt_token_device_bytes(a))
 
+    @exclusive
     def read(self, seq: Sequence, tokens: list[int], on_progress: ProgressCallback | None = None) -> torch.Tensor:
         """Read ``tokens`` after what ``seq`` holds, no reply (a document before any message); returns the last
         token's logits [V]. Ctrl-C (or ``on_progress`` raising KeyboardInterrupt) propagates with the chunks
@@ -244,10 +256,13 @@ class Engine:
         finally:
             seq.settle()
 
+    @exclusive
     def run(self, seq: Sequence, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
             on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None) -> tuple[str, TurnStats]:
         """Read ``tokens`` after what ``seq`` holds and generate after them; returns the reply text and its
-        stats. ``seq``: the engine's own, or another over a cache made by ``make_cache`` (the server's slots)."""
+        stats. ``seq``: the engine's own, or another over a cache made by ``make_cache`` (the server's slots).
+        The callbacks run inside this call: one that calls the engine gets a RuntimeError (``engine_lock``)."""
+        on_text, on_progress, should_stop = map(self.lock.callback, (on_text, on_progress, should_stop))
         stop_ids = self.tokenizer.stop_ids
         decoder = self.tokenizer.stream_decoder()
         reply: list[int] = []
@@ -283,8 +298,10 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
     ``config``: a ``Config``, a YAML path or None (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
     Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
-    schema refuses, a cache that would not fit), ``GGUFError`` (the file, or a model that is neither a file
-    nor a bundled model's name), ``OSError`` (reading it; ``BundledModelNotFound``: not installed).
+    schema refuses, a cache that would not fit); ``GGUFError`` (``ktquest.GGUFError``) for every model that
+    cannot be loaded, its message naming the file: neither a file nor a bundled model's name, a directory or
+    a FIFO, unreadable, not GGUF, corrupt, unsupported, a missing or misshapen tensor, a tokenizer or chat
+    template its metadata cannot make; ``BundledModelNotFound`` (a GGUFError): a bundled model not installed.
     """
     check_arg("model", model, (str, os.PathLike, type(None)))
     check_arg("config", config, (Config, str, os.PathLike, type(None)))

@@ -80,6 +80,9 @@ def test_unknown_name_lists_the_bundled_models(tmp_path):
 def test_not_installed_says_how_to_install(not_installed, name):
     with pytest.raises(BundledModelNotFound) as e:
         resolve_model(name)
+    with pytest.raises(ktquest.GGUFError):  # the one error of a model that cannot be loaded
+        ktquest.load(name)
+    assert isinstance(e.value, FileNotFoundError)
     assert str(e.value).startswith(f"the bundled model {name} (")
     assert f"is not installed; install it with: {INSTALL[name]} ({NAMES};" in str(e.value)
     assert BUNDLED_MODELS[name].install == INSTALL[name]

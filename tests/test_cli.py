@@ -131,6 +131,41 @@ def test_prompt_file_tokens_counted_as_sent(tiny_llama, tmp_path, monkeypatch, c
     assert f"document: {n} tokens" in out
 
 
+def _document_tokens(model: Path, text: str) -> int:
+    """The tokens of the first message's prompt, the message aside: the document as the chat template wraps it."""
+    from ktquest.formats.tokenizer import Tokenizer
+    from ktquest.models.loader import read_gguf
+
+    tok = Tokenizer.from_gguf_metadata(read_gguf(model).metadata)
+    return len(tok.encode_messages([{"role": "user", "content": f"{text}\n\n"}]))
+
+
+@pytest.mark.parametrize("words, sets, presets, needles", [
+    (10, ["max_seq_len=64"], None, ["64 (max_seq_len)", "configs/dense.yaml holds it (max_seq_len 256"]),
+    (40, [], None, ["256 (max_seq_len)", "configs/million.yaml holds it (max_seq_len 1,048,576"]),
+    (10, ["max_seq_len=64"], {"small.yaml": "max_seq_len: 100\n"},
+     ["64 (max_seq_len)", "no preset holds it: --set max_seq_len=N raises the limit"]),
+])
+def test_prompt_file_longer_than_the_context_is_refused_at_start(tiny_llama, tmp_path, monkeypatch, capsys, words,
+                                                                  sets, presets, needles):
+    """Not one failed message after another: the chat does not start, and the line says by how much and what holds
+    it (the smallest preset, or the key)."""
+    import ktquest.cli
+
+    if presets is not None:
+        monkeypatch.setattr(ktquest.cli, "PRESETS", tmp_path / "configs")
+        (tmp_path / "configs").mkdir()
+        for name, text in presets.items():
+            (tmp_path / "configs" / name).write_text(text)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat on the mat; " * words)
+    n = _document_tokens(tiny_llama.path, doc.read_text())
+    code, out, err = _main(monkeypatch, capsys, ["--model", str(tiny_llama.path), "--prompt-file", str(doc),
+                                                 *(x for s in sets for x in ("--set", s))], "hello\n/exit\n")
+    assert code == 2 and out == ""  # no chat
+    _one_error_line(err, f"--prompt-file {doc}: {n:,} tokens", *needles)
+
+
 @pytest.mark.parametrize("argv, needles", [
     (["--set", "threads=-1"], ["threads=-1", ">= 0"]),
     (["--set", "nonsense=1"], ["unknown key 'nonsense'"]),

