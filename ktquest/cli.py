@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 import time
 import typing
@@ -25,6 +26,7 @@ from rich.markup import escape
 import ktquest
 from ktquest.config import CHAT_GENERATION, load_config
 from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
+from ktquest.server.guard import GuardConfig
 from ktquest.terminal import CtrlC, PrefillBar, stats_line, stats_table, stream_reply
 
 EXIT_USAGE = 2
@@ -94,7 +96,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait behind the running one; more are answered 429 (default: 8)")
     serve.add_argument("--max-body-mb", type=float, default=64, metavar="MB",
                        help="largest request body; a larger one is answered 413 (default: 64)")
+    serve.add_argument("--prefix-reuse", choices=("per-key", "shared", "off"), default="per-key",
+                       help="whose cached prompts a request reuses: per-key, only those sent with its own API key "
+                            "(no key: one anonymous group), so no client learns another's prompts from "
+                            "cached_tokens or timing; shared, anyone's; off, none (default: per-key)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY", dest="api_keys",
+                       help="require 'Authorization: Bearer KEY' with one of these keys, else 401 (repeatable; "
+                            "default: $KTQ_API_KEY if set, else no key needed)")
+    _guard_flags(serve)
     return parser
+
+
+def _guard_flags(p: argparse.ArgumentParser) -> None:
+    """serve's connection limits and allowed hosts/origins (ktquest/server/guard.py says why)."""
+    d = GuardConfig()
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="SECONDS",
+                   help="a connection that has not sent a whole request head this long after opening (or after "
+                        f"its last response) is closed (default: {d.header_timeout:g})")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
+                   help=f"an idle keep-alive connection is closed after this long (default: {d.idle_timeout:g})")
+    p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                   help=f"open connections served at once; a request past them is answered 503 "
+                        f"(default: {d.max_connections})")
+    p.add_argument("--allow-host", action="append", default=[], metavar="HOST", dest="allow_hosts",
+                   help="also accept requests addressed to HOST (the Host header; repeatable, * = any); by "
+                        "default only localhost, 127.0.0.1, [::1] and --host (DNS rebinding)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN", dest="allow_origins",
+                   help="let web pages from ORIGIN (e.g. http://localhost:3000) call the server (repeatable, "
+                        "* = any); by default only the server's own origins")
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -188,6 +217,12 @@ def _serve(args: argparse.Namespace) -> int:
                              ("--max-body-mb", args.max_body_mb, 0.001)):
         if value < low or (flag == "--port" and value > 65535):
             raise UsageError(f"{flag} {value}: must be {'1..65535' if flag == '--port' else f'>= {low}'}")
+    api_keys = tuple(args.api_keys) or ((os.environ["KTQ_API_KEY"],) if os.environ.get("KTQ_API_KEY") else ())
+    if any(not k.strip() or k != k.strip() for k in api_keys):
+        raise UsageError("--api-key: a key must be non-empty, without spaces around it")
+    guard = GuardConfig(host=args.host, port=args.port, allow_hosts=tuple(args.allow_hosts),
+                        allow_origins=tuple(args.allow_origins), header_timeout=args.header_timeout,
+                        idle_timeout=args.idle_timeout, max_connections=args.max_connections)
     # the server samples as the chat does (CHAT_GENERATION) under the config; requests override their fields
     cfg = load_config(args.config, args.sets, base={"generation": CHAT_GENERATION})
 
@@ -197,7 +232,8 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.model or cfg.model or DEFAULT_MODEL  # what clients name the model: as it was given
     model_id = name if name in BUNDLED_MODELS else Path(name).stem
     serve(load(args.model, cfg), args.host, args.port, args.slots, args.queue, model_id,
-          int(args.max_body_mb * 2**20), args.load_kv)
+          int(args.max_body_mb * 2**20), args.load_kv, guard=guard, prefix_reuse=args.prefix_reuse,
+          api_keys=api_keys)
     return 0
 
 

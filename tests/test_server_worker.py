@@ -4,6 +4,7 @@ left mid-reply."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,35 @@ def test_stop_text_holds_back_what_may_start_a_stop():
     assert s.push("xxabc") == "xx" and s.text == "xx"
     s = StopText([])
     assert s.push("anything") == "anything" and s.flush() == ""
+
+
+def test_stop_text_work_is_linear_in_the_reply():
+    """Stop strings that never match: each character is looked at a bounded number of times (counted as the
+    interpreter's calls, whatever the implementation, and as the automata's steps), not once per held
+    character per piece."""
+    stops = ["a" * 500 + "c", "ab" * 300 + "c", "a" * 400 + "ca", "x" * 1000]  # never in the reply
+    pieces = ["a"] * 10_000 + ["ab"] * 5_000 + ["y"] * 5_000  # a 20,000-piece reply
+    chars = sum(map(len, pieces))
+    budget = 10 * chars * len(stops)
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += 1
+        if calls > budget:
+            raise RuntimeError(f"more than {budget:,} calls for {chars:,} characters")
+
+    s = StopText(stops)
+    out = []
+    sys.setprofile(count)
+    try:
+        for p in pieces:
+            out.append(s.push(p))
+    finally:
+        sys.setprofile(None)
+    out.append(s.flush())
+    assert "".join(out) == s.text == "".join(pieces) and not s.hit
+    assert s.scanned <= 2 * chars * len(stops)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -121,3 +151,30 @@ def test_cancelled_mid_reply_keeps_the_cache_consistent(tiny_llama, mode):
     worker.complete(_prompt(worker.engine, DOC * 2, "x"), GREEDY, cancelled=lambda: True)
     assert worker.counters.cancelled == 2
     assert worker.complete(prompt, GREEDY).text == again.text
+
+
+def test_prefix_reuse_is_per_key(tiny_llama):
+    """A request reuses only slots its own key filled: another key's prompt costs it everything, and its
+    cached_tokens say nothing about that prompt. ``shared`` reuses across keys, ``off`` never."""
+    engine = _engine(tiny_llama.path, {})
+    x, y, z = (_prompt(engine, DOC, q) for q in ("where did the cat sit?", "and the dog?", "and the mat?"))
+    worker = Worker(engine, slots=2)
+    worker.complete(x, GREEDY, key="alice")
+    assert worker.complete(y, GREEDY, key="bob").cached_tokens == 0
+    assert [s.key for s in worker.slots] == ["alice", "bob"]  # bob did not take alice's slot
+    assert worker.complete(z, GREEDY, key="alice").cached_tokens > 100  # alice's document: still cached
+    assert worker.complete(y, GREEDY).cached_tokens == 0  # no key: the anonymous group, a key of its own
+    assert worker.complete(x, GREEDY).cached_tokens > 100
+    one = Worker(_engine(tiny_llama.path, {}), slots=1)  # one slot: bob takes it, from zero
+    one.complete(x, GREEDY, key="alice")
+    r = one.complete(y, GREEDY, key="bob")
+    assert r.cached_tokens == 0
+    assert r.text == Worker(_engine(tiny_llama.path, {})).complete(y, GREEDY).text  # as a cold cache
+    shared = Worker(_engine(tiny_llama.path, {}), reuse="shared")
+    shared.complete(x, GREEDY, key="alice")
+    assert shared.complete(y, GREEDY, key="bob").cached_tokens > 100
+    off = Worker(_engine(tiny_llama.path, {}), reuse="off")
+    off.complete(x, GREEDY)
+    assert off.complete(x, GREEDY).cached_tokens == 0
+    with pytest.raises(ValueError, match="reuse='everyone'"):
+        Worker(_engine(tiny_llama.path, {}), reuse="everyone")

@@ -10,12 +10,18 @@ the running one; past that a request is answered 429 at once. Every error is an 
 (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status naming what is wrong; the server goes
 on serving. A streaming client that disconnects stops its generation at the next token (the cache stays
 consistent: ``generate``'s invariant), and a request still waiting when its client leaves never runs.
+
+A request's ``Authorization`` header, hashed, is its key: it reuses only cached prompts of the same key
+(``worker``'s slots). With ``api_keys`` every request must bring one of them, else 401. A request is checked
+whole before any work on it: JSON nesting and numbers bounded, a prompt measured before it is tokenized.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -29,14 +35,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ktquest.chat import encode_chat
 from ktquest.config import GenerationConfig
+from ktquest.server.guard import GuardConfig, HostOriginGuard
 from ktquest.server.schema import ChatRequest, CompletionRequest
 from ktquest.server.worker import Result, Worker
+from ktquest.turn import PromptTooLongError
 
 log = logging.getLogger("ktquest.serve")
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this is refused (413) before it is read whole
+MAX_DEPTH = 64  # JSON nested deeper than this is refused (400): OpenAI's requests nest a few levels
+TOKEN_SLACK_BYTES = 1024  # over the context times the longest token: what normalization may shrink
 
 
 class APIError(Exception):
@@ -88,18 +99,25 @@ class _Job:
     gen: GenerationConfig
     stops: list[str]
     ticket: _Ticket
+    key: str | None  # the client's credential, hashed (None: none given): whose slots it may reuse
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES) -> FastAPI:
-    """The API over ``worker``; ``model_id`` is the name /v1/models reports and requests must give."""
+def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES,
+               guard: GuardConfig | None = None, api_keys: tuple[str, ...] = ()) -> FastAPI:
+    """The API over ``worker``; ``model_id`` is the name /v1/models reports and requests must give. ``guard``:
+    the Host/Origin/Content-Type checks (``guard.py``; by default a server on 127.0.0.1:8080's). ``api_keys``:
+    when given, a request must bring one of them (``Authorization: Bearer KEY``), else 401."""
     if queue < 0:
         raise ValueError(f"queue={queue} must be >= 0")
     engine = worker.engine
     gate = _Admission(queue)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktquest-generate")
     created = int(time.time())
+    # the most text bytes one token stands for (a token's text is at least as long as what it encodes)
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in engine.tokenizer.tokens), default=1)
     app = FastAPI(title="ktquest", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HostOriginGuard, config=guard or GuardConfig(), error=APIError)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -120,12 +138,13 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         try:
             if job.cancel.is_set():
                 return None
-            return worker.complete(job.tokens, job.gen, job.stops, on_text, job.cancel.is_set)
+            return worker.complete(job.tokens, job.gen, job.stops, on_text, job.cancel.is_set, key=job.key)
         finally:
             job.ticket.release()
 
     async def admit(request: Request, kind: type[BaseModel]) -> tuple[BaseModel, _Job]:
         """The request's body checked and tokenized, a place in the queue taken: an APIError otherwise."""
+        key = _client_key(request, api_keys)
         body = await _read_json(request, max_body)
         try:
             req = kind.model_validate(body)
@@ -137,8 +156,8 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         ticket = gate.enter()
         try:
             loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(None, _tokens, engine, req)  # off the event loop
-            return req, _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket)
+            tokens = await loop.run_in_executor(None, _tokens, engine, req, longest)  # off the event loop
+            return req, _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key)
         except BaseException:
             ticket.release()
             raise
@@ -211,12 +230,14 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(job.cancel.set))
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        _client_key(request, api_keys)
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "ktquest"}]}
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):  # (with api keys: for them only; it tells the slots' lengths)
+        _client_key(request, api_keys)
         with gate.lock:
             inside, refused = gate.inside, gate.refused
         counters = {**worker.snapshot(), "refused": refused}
@@ -226,20 +247,62 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
     return app
 
 
+def _client_key(request: Request, api_keys: tuple[str, ...]) -> str | None:
+    """Who is asking, as the worker keys its slots: the ``Authorization`` header's value hashed (None: no
+    header, the anonymous group). With ``api_keys``, 401 unless the header is ``Bearer`` one of them (each
+    compared in constant time)."""
+    auth = request.headers.get("authorization")
+    if api_keys:
+        scheme, _, token = (auth or "").partition(" ")
+        given = token.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" else b""
+        if not sum(hmac.compare_digest(given, k.encode()) for k in api_keys):
+            raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer KEY'",
+                           param="authorization", code="invalid_api_key")
+    return None if auth is None else hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()
+
+
 async def _read_json(request: Request, max_body: int) -> object:
-    """The body as JSON: 413 past ``max_body`` bytes (said by Content-Length, or found while reading)."""
+    """The body as JSON: 413 past ``max_body`` bytes (said by Content-Length, or found while reading); 400 for
+    invalid JSON (NaN and Infinity included) or JSON nested deeper than ``MAX_DEPTH``."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_body:
         raise _too_large(int(size), max_body)
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > max_body:
-            raise _too_large(len(body), max_body)
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body:
+                raise _too_large(len(body), max_body)
+    except ClientDisconnect:  # the client left mid-body: nobody reads the answer, nothing to log
+        raise APIError(499, "the client disconnected before sending the whole body", code="client_disconnected") \
+            from None
+    try:
+        value = json.loads(body, parse_constant=_not_json)
+        too_deep = _deeper_than(value, MAX_DEPTH)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, _not_json's
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # json's parser recurses per level: past the interpreter's limit
+        too_deep = True
+    if too_deep:
+        raise APIError(400, f"the request body is nested too deeply: more than {MAX_DEPTH} levels of arrays and "
+                            "objects", code="invalid_value") from None
+    return value
+
+
+def _not_json(name: str) -> float:  # Python's json reads NaN and Infinity; JSON has neither
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest in ``value`` more than ``limit`` levels (without recursion)."""
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        todo.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+    return False
 
 
 def _invalid(e: ValidationError) -> APIError:
@@ -256,24 +319,41 @@ def _too_large(n: int, limit: int) -> APIError:
                     code="request_too_large")
 
 
-def _tokens(engine, req: BaseModel) -> list[int]:
-    """The prompt's token ids; APIError 400 for a prompt the model cannot take (too long, a template error)."""
+def _tokens(engine, req: BaseModel, longest: int) -> list[int]:
+    """The prompt's token ids; APIError 400 for a prompt the model cannot take (too long, a template error).
+    Its length is checked before any work on it: token ids counted, text measured in bytes against the
+    context times ``longest`` (the most bytes one token stands for), so a huge prompt is never tokenized."""
     try:
         if isinstance(req, ChatRequest):
-            return encode_chat(engine, req.chat())
+            messages = req.chat()
+            _check_text_fits(engine, [m["content"] for m in messages], longest)
+            return encode_chat(engine, messages)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+            engine.check_fits(len(req.prompt))
             tokens = list(req.prompt)
             if max(tokens) >= engine.tokenizer.vocab_size:
                 raise ValueError(f"prompt: token id {max(tokens)} is not in the vocabulary "
                                  f"(0..{engine.tokenizer.vocab_size - 1})")
         else:
-            tokens = engine.tokenizer.encode(req.prompt if isinstance(req.prompt, str) else req.prompt[0])
+            text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+            _check_text_fits(engine, [text], longest)
+            tokens = engine.tokenizer.encode(text)
         engine.check_fits(len(tokens))
         return tokens
     except ValueError as e:  # PromptTooLongError, ChatTemplateError, TokenizerError are ValueErrors
         code = "context_length_exceeded" if type(e).__name__ == "PromptTooLongError" else None
         raise APIError(400, str(e), param="messages" if isinstance(req, ChatRequest) else "prompt",
                        code=code) from None
+
+
+def _check_text_fits(engine, texts: list[str], longest: int) -> None:
+    """PromptTooLongError when ``texts`` hold more bytes than the context's tokens can stand for."""
+    limit = engine.max_seq_len * longest + TOKEN_SLACK_BYTES
+    chars = sum(len(t) for t in texts)  # a character is 1 to 4 bytes: measured only where it matters
+    if chars > limit or (4 * chars > limit and sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) > limit):
+        raise PromptTooLongError(
+            f"prompt too long: more than {limit:,} bytes, more than the context of {engine.max_seq_len} tokens "
+            f"(max_seq_len) can hold at {longest} bytes a token at most; shorten the prompt or raise max_seq_len")
 
 
 def _generation(base: GenerationConfig, req) -> GenerationConfig:
@@ -287,7 +367,10 @@ def _generation(base: GenerationConfig, req) -> GenerationConfig:
         over["seed"] = req.seed
     if req.limit() is not None:
         over["max_new_tokens"] = req.limit()
-    return dataclasses.replace(base, **over)
+    try:
+        return dataclasses.replace(base, **over)
+    except ValueError as e:  # (the schema's bounds are the config's: a bound out of step with them)
+        raise APIError(400, str(e), code="invalid_value") from None
 
 
 def _choice(chat: bool, text: str, finish: str) -> dict:

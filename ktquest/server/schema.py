@@ -1,6 +1,8 @@
 """The requests ``ktquest serve`` takes, as OpenAI's API defines them (the fields ktquest honours), checked by
-pydantic in strict mode: a wrong type is an error, not a conversion. Fields ktquest does not know are ignored,
-as OpenAI's clients send many; ``n`` other than 1 and content parts other than text are refused."""
+pydantic in strict mode: a wrong type is an error, not a conversion (``true`` is not 1). Every number is bounded
+as ``GenerationConfig`` bounds it (so a value past them is a 400 naming the field, never an error later), floats
+are finite. Fields ktquest does not know are ignored, as OpenAI's clients send many; ``n`` other than 1 and
+content parts other than text are refused."""
 
 from __future__ import annotations
 
@@ -8,23 +10,23 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ktquest.config import SEED_MAX
+from ktquest.config import INT_MAX, SEED_MAX
 
 MAX_STOPS = 4  # OpenAI's limit
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     seed: Annotated[int, Field(ge=0, le=SEED_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=1)] = 1  # (not Literal[1]: True == 1 would match it)
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -64,7 +66,7 @@ class Message(BaseModel):
 
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT_MAX)] | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -78,7 +80,7 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     # text, one text in a list, or token ids (as OpenAI's API takes them)
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
-        Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        Annotated[list[Annotated[int, Field(ge=0, le=INT_MAX)]], Field(min_length=1)]
 
     @model_validator(mode="after")
     def _not_empty(self) -> CompletionRequest:

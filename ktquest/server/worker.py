@@ -9,8 +9,18 @@ conversation, or another question about the same long document, costs its new to
 Slots: ``slots`` caches at most, made on demand (a dense cache grows with its tokens; a long-context store
 reserves lazily). A request reuses the slot with the longest common prefix when that prefix holds at least
 half of the slot's tokens (the same document or conversation), else takes an empty slot, else the least
-recently used one. Everything runs on the thread that calls ``complete``: the HTTP side runs requests one by
-one on a single worker thread.
+recently used one.
+
+Whose slots: each slot remembers the key of the request that filled it (the client's credential, hashed by the
+HTTP side; None: the anonymous group). With ``reuse="per-key"`` (the default) a request reuses only a slot of
+its own key; another key's slot it takes starts from zero. So neither ``cached_tokens`` nor the time to answer
+tells a client anything about another key's prompts (the cached count of guesses at another's secret would
+grow as they come closer). ``"shared"``: any slot is reused (one user, or clients that trust each other);
+``"off"``: never (every prompt read whole). A KV file's tokens (``load_kv``) are the operator's: any key
+reuses them, until a request fills that slot.
+
+Everything runs on the thread that calls ``complete``: the HTTP side runs requests one by one on a single
+worker thread.
 """
 
 from __future__ import annotations
@@ -26,12 +36,15 @@ from ktquest.engine import Engine, make_cache
 from ktquest.sequence import Sequence
 
 SIMILAR = 0.5  # a slot is this conversation's when the common prefix holds at least this share of its tokens
+REUSE = ("per-key", "shared", "off")  # whose slots a request may reuse (the module docstring)
+ANY_KEY = "*"  # the key of a slot any request may reuse (a KV file's; a hashed credential is hex)
 
 
 @dataclass(slots=True)
 class Slot:
     seq: Sequence  # the conversation it keeps: its tokens and its KV cache
     used: float = 0.0  # time.monotonic() of its last request
+    key: str | None = None  # the key of the request that filled it (None: the anonymous group)
 
 
 @dataclass(slots=True)
@@ -59,53 +72,85 @@ class Counters:
 
 class StopText:
     """Holds back streamed text that may be the start of a stop string; ``push`` returns what can be sent,
-    ``hit`` is set once a stop string is complete (the text before it is the whole reply)."""
+    ``hit`` is set once a stop string is complete (the text before it is the whole reply; of several, the one
+    that begins first).
+
+    One automaton per stop string (Knuth-Morris-Pratt) reads each character once: its state is the longest end
+    of the text that begins that stop string, which is also what must be held back. So a reply costs time
+    linear in its length whatever the stop strings (``scanned`` counts the automata's steps)."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
-        self.text = ""
-        self.sent = 0
+        self.fail = [_failure(s) for s in self.stops]
+        self.state = [0] * len(self.stops)  # per stop: how many of its first characters the text ends with
+        self.sent: list[str] = []
+        self.held = ""  # pushed, not sent: the longest end of the text that begins a stop string
         self.hit = False
+        self.scanned = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.sent) + self.held
 
     def push(self, piece: str) -> str:
         if self.hit:
             return ""
-        start = max(0, len(self.text) - self.longest + 1)  # a stop string may straddle the previous pieces
-        self.text += piece
-        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        buf = self.held + piece
+        cut = len(buf)  # where the first stop string found begins
+        for j, (stop, fail) in enumerate(zip(self.stops, self.fail)):
+            q, steps = self.state[j], 0
+            for i, ch in enumerate(piece):
+                while q and stop[q] != ch:
+                    q, steps = fail[q - 1], steps + 1
+                q += stop[q] == ch
+                steps += 1
+                if q == len(stop):
+                    cut = min(cut, len(self.held) + i + 1 - q)
+                    break
+            self.state[j] = q
+            self.scanned += steps
+        if cut < len(buf):
             self.hit = True
-            self.text = self.text[:cut]
-            return self._send(cut)
-        return self._send(len(self.text) - self._held())
-
-    def _held(self) -> int:
-        """The longest end of the text that begins a stop string."""
-        for k in range(min(self.longest - 1, len(self.text)), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in self.stops):
-                return k
-        return 0
+            self.held = ""
+            return self._send(buf[:cut])
+        keep = max(self.state, default=0)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return self._send(buf[: len(buf) - keep])
 
     def flush(self) -> str:
-        return self._send(len(self.text))
+        out, self.held = self.held, ""
+        self.state = [0] * len(self.stops)
+        return self._send(out)
 
-    def _send(self, upto: int) -> str:
-        if upto <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent: upto], upto
+    def _send(self, out: str) -> str:
+        if out:
+            self.sent.append(out)
         return out
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's table: fail[k] is the length of the longest proper prefix of ``s[:k + 1]`` that also ends it."""
+    fail, q = [0] * len(s), 0
+    for k in range(1, len(s)):
+        while q and s[q] != s[k]:
+            q = fail[q - 1]
+        q += s[q] == s[k]
+        fail[k] = q
+    return fail
 
 
 class Worker:
     """The engine and its slots; ``complete`` runs one request, holding the engine's lock (calls from several
     threads take turns)."""
 
-    def __init__(self, engine: Engine, slots: int = 2):
+    def __init__(self, engine: Engine, slots: int = 2, reuse: str = "per-key"):
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
+        if reuse not in REUSE:
+            raise ValueError(f"reuse={reuse!r} is not one of {', '.join(REUSE)}")
         self.engine = engine
         self.n_slots = slots
+        self.reuse = reuse
         with engine.lock.hold("Worker"):  # the engine's cache is the first slot's (a chat session claims it back)
             engine.sequence.claim(self)
         self.slots = [Slot(engine.sequence)]
@@ -120,12 +165,14 @@ class Worker:
             self.engine.load_kv(path, slot.seq)
             slot.seq.adopt(self)
             slot.used = time.monotonic()
+            slot.key = ANY_KEY
             return len(slot.seq)
 
-    def pick(self, tokens: list[int]) -> tuple[Slot, int]:
-        """The slot for ``tokens`` and the common prefix it holds (see the module docstring)."""
+    def pick(self, tokens: list[int], key: str | None = None) -> tuple[Slot, int]:
+        """The slot for ``tokens`` from a client of ``key`` and the common prefix it may reuse there (see the
+        module docstring)."""
         def shared(s: Slot) -> int:  # (a slot a chat session of this engine took holds nothing of the server's)
-            return s.seq.shared(tokens) if s.seq.owner is self else 0
+            return s.seq.shared(tokens) if s.seq.owner is self and self._may_reuse(s, key) else 0
 
         best = max(self.slots, key=lambda s: (shared(s), s.used))
         n = shared(best)
@@ -143,21 +190,26 @@ class Worker:
         lru = min(self.slots, key=lambda s: s.used)
         return lru, shared(lru)
 
+    def _may_reuse(self, slot: Slot, key: str | None) -> bool:
+        return self.reuse == "shared" or (self.reuse == "per-key" and slot.key in (key, ANY_KEY))
+
     def complete(self, tokens: list[int], gen: GenerationConfig, stops: list[str] = (),
                  on_text: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Result:
+                 cancelled: Callable[[], bool] | None = None, key: str | None = None) -> Result:
         """Generate after ``tokens`` (which must fit: ``Engine.check_fits``); ``on_text`` gets the reply as it
-        comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens. Holds the
+        comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens. ``key``: the
+        client's (whose slots it may reuse; the module docstring). Holds the
         engine's lock (``ktquest.engine_lock``): a chat session of the same engine waits its turn."""
         with self.engine.lock.hold("Worker.complete"):  # from the slot's pick to the reply: one call
             eng = self.engine
             eng.check_fits(len(tokens))
-            slot, _ = self.pick(tokens)
+            slot, reusable = self.pick(tokens, key)
             slot.used = time.monotonic()
             seq = slot.seq
             if seq.owner is not self:  # a chat session of this engine took the first slot's cache: afresh
                 seq.claim(self)
-            cached = seq.rewind_for(tokens)
+            cached = seq.rewind_for(tokens) if reusable else seq.rewind(0)  # another's: nothing of it kept
+            slot.key = key
             stop = StopText(list(stops))
             is_cancelled = cancelled or (lambda: False)
 
