@@ -7,8 +7,8 @@ block anchors kept up to date as tokens arrive. A decode step of one layer is on
 
 which scores the candidate blocks from their anchors, keeps the top ``k`` (per KV head, or shared), and
 attends to them: ``out [H, D]`` and ``lse [H]`` in fp32, to be merged with attention computed elsewhere
-(the initial and local windows) by ``ktquest.kv.attention.merge_attention``. The bytes a store of a config
-reserves are ``native/sizes.py``'s; Ada-KV's split of a budget over KV heads is ``native/ada.py``'s.
+(the initial and local windows) by ``ktquest.kv.attention.merge_attention``. A store's bytes: ``sizes.py``;
+Ada-KV's split of a budget over KV heads: ``ada.py``; a selection's request: ``select.py``.
 
 Every argument is checked here (torch dtype, shape, contiguity, device) and again in the binding; errors
 are ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument, never a crash.
@@ -17,7 +17,6 @@ are ``TypeError`` / ``ValueError`` / ``IndexError`` naming the argument, never a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,23 +25,10 @@ from ktquest import _C
 from ktquest.native.ada import alpha_fraction
 from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, padded_ids
 from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES
+from ktquest.native.select import Select
 
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
-
-
-@dataclass(slots=True, frozen=True)
-class Select:
-    """A fresh selection's request, as select() and select_attend() take it: the top ``k`` blocks (an int, or
-    one per KV head in SEPARATE mode) per set of ``mode``, never in the half-open block ``exclude_ranges``,
-    among ``allowed`` (one id list per set; None: every block); with ``ada_alpha`` the sum of k split over the
-    sets by Ada-KV from this query's scores (uniform floor share ``ada_alpha``)."""
-
-    k: int | Sequence[int]
-    mode: str = "SEPARATE"
-    exclude_ranges: Sequence[tuple[int, int]] | np.ndarray = ()
-    allowed: object = None
-    ada_alpha: float | None = None
 
 
 class KVStore:
@@ -127,10 +113,8 @@ class KVStore:
         return self._st.state_bytes(check_int(n, "n"))
 
     def state_regions(self, n: int) -> dict[str, list[tuple[int, int]]]:
-        """Where a layer's state of ``n`` tokens keeps each region (``kv``, ``anchors``, ``n_anchor``, and
-        ``sums``, ``imp``, ``pos``, ``bounds`` where the store has them): region -> one (offset, bytes) per KV
-        head, each the head's entries of every block in use (``bounds``: of every index group), in the order of
-        cpp/kvstore/layout.h."""
+        """Where a layer's state of ``n`` tokens keeps each region (kv, anchors, n_anchor; sums, imp, pos, bounds
+        where the store has them): region -> (offset, bytes) per KV head, in cpp/kvstore/layout.h's order."""
         out: dict[str, list[tuple[int, int]]] = {}
         for name, _head, offset, nbytes in self._st.state_pieces(check_int(n, "n")):
             out.setdefault(name, []).append((offset, nbytes))
@@ -146,9 +130,7 @@ class KVStore:
         any, and ValueError (naming the layer, KV head, block and value) leaves the layer as it was."""
         self._st.import_layer(layer, check_int(n, "n"), data)
 
-    def check_import(self, layer: int, n: int, data: np.ndarray) -> None:
-        """``import_layer``'s checks alone: ValueError (the same message) unless it would take ``data``; nothing
-        changes."""
+    def check_import(self, layer: int, n: int, data: np.ndarray) -> None:  # import_layer's checks alone
         self._st.check_import(layer, check_int(n, "n"), data)
 
     # ---- contents ----

@@ -1,0 +1,22 @@
+"""A fresh selection's request to the store (``KVStore.select``, ``select_attend``, ``step_plan``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True, frozen=True)
+class Select:
+    """A fresh selection's request, as select() and select_attend() take it: the top ``k`` blocks (an int, or
+    one per KV head in SEPARATE mode) per set of ``mode``, never in the half-open block ``exclude_ranges``,
+    among ``allowed`` (one id list per set; None: every block); with ``ada_alpha`` the sum of k split over the
+    sets by Ada-KV from this query's scores (uniform floor share ``ada_alpha``)."""
+
+    k: int | Sequence[int]
+    mode: str = "SEPARATE"
+    exclude_ranges: Sequence[tuple[int, int]] | np.ndarray = ()
+    allowed: object = None
+    ada_alpha: float | None = None
