@@ -131,7 +131,7 @@ def tiny_bpe() -> TinyBPE:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str  # "llama" | "qwen2" | "internlm2" | "qwen3" | "gemma3"
+    arch: str  # "llama" | "qwen2" | "internlm2" | "qwen3" | "gemma3" | "qwen3moe"
     tied: bool
     rope: dict | None = None  # HF rope_parameters beyond the default
     dim: int = 64
@@ -145,6 +145,10 @@ class TinySpec:
     window: int = 0  # gemma3: the sliding window ...
     swa_pattern: int = 0  # ... on all layers but every swa_pattern-th (0: llama.cpp's 6, no metadata key)
     head_dim: int = 0  # 0: dim // n_heads (qwen3 sets its own)
+    n_experts: int = 0  # qwen3moe: the experts, how many run a token, their width, renormalized or not
+    n_used: int = 0
+    expert_ffn: int = 0
+    norm_topk: bool = True
 
     @property
     def hd(self) -> int:
@@ -169,6 +173,16 @@ TINY_SPECS = {
     "internlm2": TinySpec("internlm2", tied=False),
     # QK-norm, no biases, a head_dim that is not dim / n_heads (as Qwen3's 128 at any width)
     "qwen3": TinySpec("qwen3", tied=True, head_dim=32, rope_theta=1e6, eps=1e-6),
+}
+
+
+# qwen3moe (tests/test_moe.py): an odd expert count, renormalized top-2 (the key absent: qwen3moe's default),
+# and top-3 of 8 as trained (expert_weights_norm false in the file)
+MOE_SPECS = {
+    "qwen3moe": TinySpec("qwen3moe", tied=False, head_dim=32, rope_theta=1e6, eps=1e-6, n_layers=3, n_experts=5,
+                         n_used=2, expert_ffn=48),
+    "qwen3moe_nonorm": TinySpec("qwen3moe", tied=True, head_dim=16, rope_theta=1e6, eps=1e-6, n_experts=8,
+                                n_used=3, expert_ffn=32, norm_topk=False),
 }
 
 
@@ -207,6 +221,8 @@ def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.M
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -217,9 +233,13 @@ def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.M
     else:
         config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[spec.arch]
+                                 "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                                 "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[spec.arch]
+        moe = {"num_experts": spec.n_experts, "num_experts_per_tok": spec.n_used, "norm_topk_prob": spec.norm_topk,
+               "moe_intermediate_size": spec.expert_ffn, "decoder_sparse_step": 1, "mlp_only_layers": []}
         cfg = config_cls(
-            **({"head_dim": spec.hd} if spec.arch == "qwen3" else {}),
+            **({"head_dim": spec.hd} if spec.arch in ("qwen3", "qwen3moe") else {}),
+            **(moe if spec.arch == "qwen3moe" else {}),
             vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
             num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
             num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
@@ -285,8 +305,15 @@ def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.n
                   "self_attn.k_norm": "attn_k_norm"}
         sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
         out["output_norm.weight"] = sd["model.norm.weight"]
-    if spec.arch == "qwen3":
+    if spec.arch in ("qwen3", "qwen3moe"):
         names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    if spec.arch == "qwen3moe":  # the router, and the experts stacked [E, rows, cols] as the converter writes them
+        names |= {"mlp.gate": "ffn_gate_inp"}
+        for i in range(spec.n_layers):
+            gate, up = np.split(sd.pop(f"model.layers.{i}.mlp.experts.gate_up_proj"), 2, axis=1)
+            out[f"blk.{i}.ffn_gate_exps.weight"] = np.ascontiguousarray(gate)  # [E, ffn_e, dim]
+            out[f"blk.{i}.ffn_up_exps.weight"] = np.ascontiguousarray(up)
+            out[f"blk.{i}.ffn_down_exps.weight"] = sd.pop(f"model.layers.{i}.mlp.experts.down_proj")  # [E, dim, ffn_e]
     for i in range(spec.n_layers):
         for hf_name, g_name in names.items():
             for kind in ("weight", "bias"):
@@ -323,8 +350,14 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
     if a == "llama":
         md[f"{a}.vocab_size"] = vocab_size
         md[f"{a}.rope.dimension_count"] = spec.hd
-    if a in ("gemma3", "qwen3"):
+    if a in ("gemma3", "qwen3", "qwen3moe"):
         md[f"{a}.attention.key_length"] = md[f"{a}.attention.value_length"] = spec.hd
+    if a == "qwen3moe":
+        md[f"{a}.expert_count"] = spec.n_experts
+        md[f"{a}.expert_used_count"] = spec.n_used
+        md[f"{a}.expert_feed_forward_length"] = spec.expert_ffn
+        if not spec.norm_topk:
+            md[f"{a}.expert_weights_norm"] = False
     if a == "gemma3":
         md[f"{a}.attention.sliding_window"] = spec.window
         if spec.swa_pattern:
@@ -396,7 +429,7 @@ class TinyModel(NamedTuple):
 
 def make_tiny_model(directory: Path, name: str, bpe: TinyBPE,
                     chat_template: str | None = CHAT_TEMPLATE) -> TinyModel:
-    spec = TINY_SPECS.get(name) or GEMMA3_SPECS[name]
+    spec = TINY_SPECS.get(name) or MOE_SPECS.get(name) or GEMMA3_SPECS[name]
     vocab = len(bpe.tokens)
     hf = build_hf_model(spec, vocab)
     path = write_gguf(directory / f"{name}.gguf", spec.arch, gguf_metadata(spec, vocab),
@@ -421,6 +454,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE):
 @pytest.fixture(scope="session", params=sorted(TINY_SPECS))
 def tiny_model(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
     """Every tiny variant in turn: (GGUF path, HF reference model)."""
+    return tiny_models(request.param)
+
+
+@pytest.fixture(scope="session", params=sorted(MOE_SPECS))
+def tiny_moe(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
+    """Each tiny mixture-of-experts model in turn."""
     return tiny_models(request.param)
 
 

@@ -75,10 +75,12 @@ class ModelArgs:
 
     @property
     def n_params(self) -> int:
-        """Parameters in the matrices (the embedding table once, plus the LM head when untied)."""
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        block = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim
-        return self.n_layers * block + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        """Parameters in the matrices, every expert's included (the embedding table once, plus the LM head when
+        untied)."""
+        blocks = sum(math.prod(s) for b in self.blocks
+                     for s in b.shapes(self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim).values()
+                     if len(s) > 1)
+        return blocks + self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
 
 
 def _factor_tensor(path: Path, tensors: GGUFTensors, name: str, head_dim: int) -> tuple[float, ...] | None:

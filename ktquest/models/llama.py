@@ -26,6 +26,7 @@ from ktquest.kv.base import KVCache
 from ktquest.layers.linear import Embedding, Linear, QuantWeight, stack_rows
 from ktquest.models.args import Family, Metadata, ModelArgs, resolve_max_seq_len
 from ktquest.models.block import BIAS_TENSORS, BlockSpec
+from ktquest.models.ffn import FeedForward, MoEFeedForward
 from ktquest.models.rope import apply_rope, rope_tables, rope_variants
 
 Matrix = torch.Tensor | QuantWeight  # a dequantized tensor, or the file's encoding read in place
@@ -41,9 +42,9 @@ class BlockWeights:
     wv: Matrix  # [KVH*D, dim]
     wo: Matrix  # [dim, H*D]
     ffn_norm: torch.Tensor  # [dim]
-    w_gate: Matrix  # [ffn, dim]
-    w_up: Matrix  # [ffn, dim]
-    w_down: Matrix  # [dim, ffn]
+    w_gate: Matrix | None = None  # [ffn, dim] (a dense FFN)
+    w_up: Matrix | None = None  # [ffn, dim]
+    w_down: Matrix | None = None  # [dim, ffn]
     bq: torch.Tensor | None = None  # [H*D] (BlockSpec.qkv_bias)
     bk: torch.Tensor | None = None  # [KVH*D]
     bv: torch.Tensor | None = None  # [KVH*D]
@@ -51,6 +52,15 @@ class BlockWeights:
     k_norm: torch.Tensor | None = None  # [D]
     post_attn_norm: torch.Tensor | None = None  # [dim] (BlockSpec.sandwich_norms)
     post_ffn_norm: torch.Tensor | None = None  # [dim]
+    # BlockSpec.ffn == "moe": the router, and the experts' stacks (a tensor, or a QuantWeight an expert)
+    w_router: Matrix | None = None  # [E, dim]
+    w_gate_exps: torch.Tensor | tuple[QuantWeight, ...] | None = None  # [E, ffn_e, dim]
+    w_up_exps: torch.Tensor | tuple[QuantWeight, ...] | None = None  # [E, ffn_e, dim]
+    w_down_exps: torch.Tensor | tuple[QuantWeight, ...] | None = None  # [E, dim, ffn_e]
+    w_gate_shexp: Matrix | None = None  # [ffn_s, dim] (BlockSpec.shared_expert)
+    w_up_shexp: Matrix | None = None  # [ffn_s, dim]
+    w_down_shexp: Matrix | None = None  # [dim, ffn_s]
+    shexp_gate: torch.Tensor | None = None  # [dim]
 
 
 @dataclass(slots=True)
@@ -137,22 +147,6 @@ class Attention(nn.Module):
         return self.wo(out.reshape(t, h * d))  # [T, dim]
 
 
-class FeedForward(nn.Module):
-    """Gated: down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act = silu (SwiGLU) or
-    tanh-GELU (GeGLU)."""
-
-    def __init__(self, w_gate: Matrix, w_up: Matrix, w_down: Matrix, kind: str = "swiglu"):
-        super().__init__()
-        self.w_gate_up = Linear(stack_rows(w_gate, w_up))  # [2*ffn, dim]
-        self.w_down = Linear(w_down)  # [dim, ffn]
-        self.kind = kind
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, ffn] each
-        act = F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")
-        return self.w_down(act.mul_(up))
-
-
 class Block(nn.Module):
     """Pre-norm residual block as its ``BlockSpec`` says: x + attn(norm(x)), then h + ffn(norm(h)), each
     sublayer's output normed first where the spec has sandwich norms."""
@@ -163,7 +157,12 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(w.attn_norm, args.norm_eps)
         self.attn = Attention(args, layer_idx, spec, w, qkv_perm)
         self.ffn_norm = RMSNorm(w.ffn_norm, args.norm_eps)
-        self.ffn = FeedForward(w.w_gate, w.w_up, w.w_down, spec.ffn)
+        if spec.ffn == "moe":
+            shared = ((w.w_gate_shexp, w.w_up_shexp, w.w_down_shexp, w.shexp_gate) if spec.shared_expert else None)
+            self.ffn = MoEFeedForward(w.w_router, w.w_gate_exps, w.w_up_exps, w.w_down_exps, spec.n_experts_used,
+                                      spec.norm_topk, shared)
+        else:
+            self.ffn = FeedForward(w.w_gate, w.w_up, w.w_down, spec.ffn)
         self.post_attn_norm = RMSNorm(w.post_attn_norm, args.norm_eps) if spec.sandwich_norms else None
         self.post_ffn_norm = RMSNorm(w.post_ffn_norm, args.norm_eps) if spec.sandwich_norms else None
         self.layer_idx = layer_idx

@@ -27,15 +27,16 @@ from ktquest.formats.chat_template import ChatTemplateError
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.formats.tokenizer import Tokenizer, TokenizerError
 from ktquest.layers.linear import QuantWeight
-from ktquest.models import gemma3, llama, qwen3
+from ktquest.models import gemma3, llama, qwen3, qwen3moe
 from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
-from ktquest.models.block import VECTORS
+from ktquest.models.block import EXPERT_STACKS, VECTORS
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
 from ktquest.native.enums import GGML_TYPES
 
 # The architectures ktquest reads: GGUF name -> its family (models/<family>.py). Adding one is a family file and
 # its line here (docs/design.md, "Adding an architecture").
-FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, qwen3.FAMILY, gemma3.FAMILY) for arch in f.archs}
+FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3moe.FAMILY, gemma3.FAMILY)
+                               for arch in f.archs}
 
 
 @dataclass(slots=True)
@@ -52,7 +53,8 @@ class GGUFContents:
 
 
 def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs under its GGUF name, [rows, cols] (each block's as its BlockSpec says)."""
+    """Every tensor the model needs under its GGUF name, [rows, cols] or [n_experts, rows, cols] (each block's as
+    its BlockSpec says)."""
     model = {"tok_embeddings": (a.vocab_size, a.dim), "norm": (a.dim,), "output": (a.vocab_size, a.dim)}
     shapes = {n: model[f] for f, n in MODEL_TENSORS.items() if f != "output" or not a.tie_embeddings}
     for i, spec in enumerate(a.blocks):
@@ -74,8 +76,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
             raise GGUFError(f"{f.path}: missing tensor {name!r} (expected shape {list(expected)})")
         found = tensors.shape(name)
         if found != expected:
+            what = "[n_experts, rows, cols]: expert_count experts" if len(expected) == 3 else "[rows, cols]"
             raise GGUFError(f"{f.path}: tensor {name!r} has shape {list(found)}, expected {list(expected)} "
-                            f"([rows, cols])")
+                            f"({what})")
     return GGUFContents(path=f.path, args=args, tensors=tensors, metadata=f.metadata)
 
 
@@ -142,10 +145,13 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
     def matrix(name: str) -> torch.Tensor | QuantWeight:
         return encoded_weight(contents, name, converted) if encoded else tensor(name)
 
+    def experts(name: str) -> torch.Tensor | tuple[QuantWeight, ...]:
+        return encoded_experts(contents, name, converted) if encoded else tensor(name)
+
     # the vectors (norms, biases): dequantized in both cases (fp32 on the CPU when encoded)
     vector = (lambda n: tensor(n, torch.float32, "cpu")) if encoded else tensor
-    layers = [BlockWeights(**{f: (vector if f in VECTORS else matrix)(f"blk.{i}.{n}")
-                              for f, n in spec.tensors().items()})
+    read = {f: vector for f in VECTORS} | {f: experts for f in EXPERT_STACKS}
+    layers = [BlockWeights(**{f: read.get(f, matrix)(f"blk.{i}.{n}") for f, n in spec.tensors().items()})
               for i, spec in enumerate(a.blocks)]
     weights = TransformerWeights(
         tok_embeddings=matrix(MODEL_TENSORS["tok_embeddings"]),
@@ -182,6 +188,29 @@ def encoded_weight(contents: GGUFContents, name: str, converted: list[str]) -> Q
                         f"{'values' if t in ('F32', 'F16', 'BF16') else 'block scales'}; a model's weights must "
                         f"be finite")
     return QuantWeight(parts=((t, data),), in_features=cols)
+
+
+def encoded_experts(contents: GGUFContents, name: str, converted: list[str]) -> tuple[QuantWeight, ...]:
+    """A stack of experts [n_experts, rows, cols] as one ``QuantWeight`` an expert, each a view of its rows of the
+    mapped file: an expert's pages are read when a token is first routed to it, so its blocks are not scanned
+    for non-finite scales here (that would read every expert; a non-finite expert output is caught by the next
+    layer's check of q). A type with no kernels is re-encoded as Q8_0, expert by expert (``encoded_weight``)."""
+    src = contents.tensors
+    raw = src.raw(name)
+    n, rows, cols = src.shape(name)
+    t = raw.tensor_type.name
+    if t not in GGML_TYPES:
+        if cols % 32:
+            raise GGUFError(f"{contents.path}: tensor {name!r} has type {t}, which has no kernels, and rows of "
+                            f"{cols} values cannot be re-encoded as Q8_0 (blocks of 32)")
+        w = src[name].reshape(n, rows, cols)
+        _check_finite(contents.path, name, w, torch.float32)
+        converted.append(t)
+        return tuple(QuantWeight(parts=(("Q8_0", np.ascontiguousarray(
+            gguf.quants.quantize(w[e], gguf.GGMLQuantizationType.Q8_0), dtype=np.uint8)),), in_features=cols)
+            for e in range(n))
+    data = np.asarray(raw.data).view(np.uint8).reshape(n, rows, -1)  # [n_experts, rows, row_bytes]
+    return tuple(QuantWeight(parts=((t, data[e]),), in_features=cols) for e in range(n))
 
 
 # Where each block type keeps its fp16 scales: (block bytes, offsets of the fp16 fields). A quantized weight is

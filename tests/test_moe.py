@@ -1,0 +1,169 @@
+"""Mixture-of-experts models (qwen3moe: models/qwen3moe.py, models/ffn.py) against Hugging Face's Qwen3-MoE on
+the same weights, the routing's contract (ties, renormalization, k = 1), and files whose experts disagree with
+their keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MOE_SPECS, build_hf_model, gguf_metadata, hf_to_gguf_tensors, write_gguf
+
+from ktquest.formats.gguf import GGUFError
+from ktquest.generate import decode_one_token, prefill
+from ktquest.kv.dense import DenseKVCache
+from ktquest.models.ffn import route
+from ktquest.models.loader import load_model, read_gguf
+
+# fp32 throughout; the experts' outputs are summed in another order than Hugging Face's index_add_
+FP32_ATOL = 1e-4
+FP32_RTOL = 1e-4
+
+
+def make_cache(model, max_seq_len: int) -> DenseKVCache:
+    a = model.args
+    return DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_seq_len)
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- routing ----
+
+
+def ref_route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time, in plain Python: the k best experts, ties to the lower id."""
+    ws, ids = [], []
+    for row in logits.double().softmax(-1).tolist():
+        best = sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]
+        w = torch.tensor([row[e] for e in best], dtype=torch.float64)
+        ws.append(w / w.sum() if norm else w)
+        ids.append(best)
+    return torch.stack(ws).float(), torch.tensor(ids)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["renorm", "as-trained"])
+@pytest.mark.parametrize("n_experts,k", [(1, 1), (5, 1), (7, 2), (8, 3), (19, 4), (128, 8)])
+def test_route_matches_reference(n_experts, k, norm):
+    logits = torch.randn(13, n_experts, generator=torch.Generator().manual_seed(n_experts))
+    logits[3] = 0.0  # every expert tied
+    logits[4, : n_experts // 2] = 1.5  # ties at the top
+    weights, ids = route(logits, k, norm)
+    ref_w, ref_ids = ref_route(logits, k, norm)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
+    if norm:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(13), atol=1e-6, rtol=0)
+
+
+def test_route_ties_take_the_lower_id():
+    """torch.topk leaves the order of equal values unspecified; the route is lowest id first, as cpp/moe/'s."""
+    weights, ids = route(torch.zeros(2, 8), 3, True)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3))
+    _, ids = route(torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]]), 4, False)
+    assert ids.tolist() == [[1, 3, 5, 2]]
+
+
+# ---- the model against Hugging Face ----
+
+
+def test_moe_blocks_from_the_file(tiny_models):
+    for name, spec in MOE_SPECS.items():
+        model, _ = load_model(tiny_models(name).path)
+        a = model.args
+        assert a.arch == "qwen3moe" and a.head_dim == spec.hd
+        assert all(b.ffn == "moe" and b.qk_norm and (b.n_experts, b.n_experts_used, b.expert_ffn, b.norm_topk) ==
+                   (spec.n_experts, spec.n_used, spec.expert_ffn, spec.norm_topk) and not b.shared_expert
+                   for b in a.blocks)
+        assert model.layers[0].ffn.n_experts == spec.n_experts
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["dequantized", "encoded"])
+def test_moe_logits_match_hf(tiny_moe, encoded):
+    """Prefill in uneven chunks (groups of tokens per expert), then decode steps, vs one HF forward; the
+    weights dequantized, or read in their encoding per expert."""
+    path, hf = tiny_moe
+    model, _ = load_model(path, max_seq_len=64, encoded=encoded)
+    tokens = prompt_ids(48, model.args.vocab_size)
+    with torch.inference_mode():
+        expected = hf(tokens[None]).logits[0]  # [48, V]
+        cache = make_cache(model, 64)
+        got = [model(tokens[0:17], 0, cache), model(tokens[17:24], 17, cache), model(tokens[24:40], 24, cache)]
+        got += [model(tokens[i:i + 1], i, cache) for i in range(40, 48)]
+    torch.testing.assert_close(torch.cat(got), expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    cache = make_cache(model, len(prompt) + n)
+    with torch.inference_mode():
+        logits = prefill(model, cache, prompt, chunk_size=8)
+        out = [int(logits.argmax())]
+        for _ in range(n - 1):
+            out.append(int(decode_one_token(model, cache, out[-1]).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["dequantized", "encoded"])
+def test_moe_greedy_tokens_equal_hf(tiny_moe, encoded):
+    path, hf = tiny_moe
+    model, _ = load_model(path, encoded=encoded)
+    prompt = prompt_ids(20, model.args.vocab_size, seed=5)
+    with torch.inference_mode():
+        expected = hf.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                               pad_token_id=0)[0, 20:].tolist()
+    assert greedy(model, prompt, 12) == expected
+
+
+# ---- files whose experts disagree with their keys ----
+
+
+def _moe_parts(name: str = "qwen3moe"):
+    spec = MOE_SPECS[name]
+    hf = build_hf_model(spec, 320)
+    return spec.arch, gguf_metadata(spec, 320), hf_to_gguf_tensors(hf, spec)
+
+
+def _assert_error(path, *fragments: str) -> None:
+    with pytest.raises(GGUFError) as info:
+        read_gguf(path)
+    msg = str(info.value)
+    for f in fragments:
+        assert f in msg, msg
+
+
+def test_expert_count_disagreeing_with_the_stacks(tmp_path):
+    arch, md, tensors = _moe_parts()
+    md["qwen3moe.expert_count"] = 4  # the stacks hold 5
+    path = write_gguf(tmp_path / "count.gguf", arch, md, tensors, None)
+    _assert_error(path, "'blk.0.ffn_gate_inp.weight'", "[5, 64]", "expected [4, 64]")
+    arch, md, tensors = _moe_parts()
+    tensors["blk.1.ffn_down_exps.weight"] = tensors["blk.1.ffn_down_exps.weight"][:4]
+    path = write_gguf(tmp_path / "stack.gguf", arch, md, tensors, None)
+    _assert_error(path, "'blk.1.ffn_down_exps.weight'", "[4, 64, 48]", "expected [5, 64, 48]", "n_experts")
+
+
+def test_expert_width_disagreeing_with_the_key(tmp_path):
+    arch, md, tensors = _moe_parts()
+    md["qwen3moe.expert_feed_forward_length"] = 40
+    path = write_gguf(tmp_path / "width.gguf", arch, md, tensors, None)
+    _assert_error(path, "'blk.0.ffn_gate_exps.weight'", "[5, 48, 64]", "expected [5, 40, 64]")
+
+
+@pytest.mark.parametrize("used", [6, 0])
+def test_expert_used_count_out_of_range(tmp_path, used):
+    arch, md, tensors = _moe_parts()
+    md["qwen3moe.expert_used_count"] = used
+    path = write_gguf(tmp_path / "used.gguf", arch, md, tensors, None)
+    _assert_error(path, f"qwen3moe.expert_used_count={used}")
+
+
+def test_missing_expert_stack_and_unsupported_gating(tmp_path):
+    arch, md, tensors = _moe_parts()
+    del tensors["blk.2.ffn_up_exps.weight"]
+    _assert_error(write_gguf(tmp_path / "missing.gguf", arch, md, tensors, None),
+                  "missing tensor 'blk.2.ffn_up_exps.weight'")
+    arch, md, tensors = _moe_parts()
+    md["qwen3moe.expert_gating_func"] = 2
+    _assert_error(write_gguf(tmp_path / "sigmoid.gguf", arch, md, tensors, None),
+                  "qwen3moe.expert_gating_func=2", "softmax")
