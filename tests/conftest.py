@@ -451,9 +451,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tiny_bpe: TinyBPE):
     return get
 
 
-@pytest.fixture(scope="session", params=sorted(TINY_SPECS))
+@pytest.fixture(scope="session", params=sorted(TINY_SPECS | MOE_SPECS))
 def tiny_model(request: pytest.FixtureRequest, tiny_models) -> TinyModel:
-    """Every tiny variant in turn: (GGUF path, HF reference model)."""
+    """Every tiny variant in turn, the mixtures of experts too: (GGUF path, HF reference model)."""
     return tiny_models(request.param)
 
 

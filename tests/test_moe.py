@@ -7,12 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import MOE_SPECS, build_hf_model, gguf_metadata, hf_to_gguf_tensors, write_gguf
+from test_long_context import CONFIGS, PRESETS, TOL, full_budget
 
 from ktquest.formats.gguf import GGUFError
 from ktquest.generate import decode_one_token, prefill
 from ktquest.kv.dense import DenseKVCache
+from ktquest.kv.long_context import LongContextCache
 from ktquest.models.ffn import route
+from ktquest.models.llama import TorchDecoder
 from ktquest.models.loader import load_model, read_gguf
+from ktquest.native.decode import NativeDecoder
 
 # fp32 throughout; the experts' outputs are summed in another order than Hugging Face's index_add_
 FP32_ATOL = 1e-4
@@ -113,6 +117,69 @@ def test_moe_greedy_tokens_equal_hf(tiny_moe, encoded):
         expected = hf.generate(prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12,
                                pad_token_id=0)[0, 20:].tolist()
     assert greedy(model, prompt, 12) == expected
+
+
+# ---- the native decode step (cpp/moe/ inside cpp/decode/) ----
+
+
+def greedy_run(model, cache, prompt: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens after a chunked prefill, and every step's logits [n, V]."""
+    with torch.inference_mode():
+        logits = [prefill(model, cache, prompt, chunk_size=8)]
+        out = [int(logits[0].argmax())]
+        for _ in range(n - 1):
+            logits.append(decode_one_token(model, cache, out[-1]))
+            out.append(int(logits[-1].argmax()))
+    return out, torch.stack(logits)
+
+
+def test_native_decode_greedy_tokens_equal_the_torch_path(tiny_moe):
+    """The native step (router, top-k, the chosen experts' GEMVs in place, weighted sum) against the torch blocks
+    on the same encoded weights: the same greedy tokens, the logits within fp32 rounding."""
+    model, _ = load_model(tiny_moe.path, encoded=True)
+    prompt = prompt_ids(21, model.args.vocab_size, seed=7)
+    runs = []
+    for decoder in (TorchDecoder(model), NativeDecoder.build(model, threads=2)):
+        model.decoder = decoder
+        runs.append(greedy_run(model, make_cache(model, 64), prompt, 16))
+    assert runs[1][0] == runs[0][0]
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_long_context_presets_on_a_moe_model(tiny_models, name):
+    """Every long-context preset, the store on every layer (dense_layer_num 0), its budget covering every block:
+    the native decode step's logits equal a dense cache's (the store keeps fp32 K/V), greedy tokens too."""
+    model, _ = load_model(tiny_models("qwen3moe").path, encoded=True)
+    model.decoder = NativeDecoder.build(model, threads=2)
+    a = model.args
+    cfg = full_budget(name, block_size=4, kv_type="FP32", anchor_num=2, dense_layer_num=0)
+    prompt = torch.arange(3, 60) * 7 % 250
+    tokens, logits = greedy_run(model, LongContextCache(a, cfg, 256), prompt, 8)
+    ref_tokens, ref_logits = greedy_run(model, make_cache(model, 256), prompt, 8)
+    assert tokens == ref_tokens
+    tol = TOL["FP32"] * 10  # logits: the error of three layers, amplified by the output projection
+    torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("config", ["default", "quest"])
+def test_the_engine_runs_a_moe_model(tiny_models, config):
+    """ktquest.load on the CPU: the experts stay in their encoding and decode takes the native step; with quest, the
+    store holds every layer past small windows (its budget covers every block); the reply is the torch path's
+    greedy continuation on a dense cache."""
+    import ktquest
+
+    path = tiny_models("qwen3moe").path
+    small = {"init_windows_len": 4, "local_windows_len": 16, "block_size": 4, "dense_layer_num": 0}
+    engine = ktquest.load(path, config=CONFIGS / f"{config}.yaml", chunk_size=8, max_new_tokens=6, threads=1,
+                          **(small if config == "quest" else {}))
+    assert isinstance(engine.model.decoder, NativeDecoder)
+    assert isinstance(engine.cache, LongContextCache if config == "quest" else DenseKVCache)
+    prompt = "the cat sat on the mat; the dog sat on the log. " * 2
+    text = engine.generate(prompt, max_new_tokens=6)
+    model, _ = load_model(path, encoded=True)
+    expected, _ = greedy_run(model, make_cache(model, 64), torch.tensor(engine.tokenizer.encode(prompt)), 6)
+    assert text == engine.tokenizer.decode(expected)
 
 
 # ---- files whose experts disagree with their keys ----

@@ -50,6 +50,13 @@ DecodeLayer::DecodeLayer(const DecodeLayerWeights& w) : w_(w) {
   }
   xn_.resize(size_t(w.wqkv.in));
   h_.resize(size_t(w.w_gate_up.out));
+  if (w.ffn == FfnKind::MOE) {
+    moe_ = std::make_unique<MoeFfn>(w.moe);  // check_moe
+    if (w.moe.router.in != w.wqkv.in)
+      throw std::invalid_argument("router: " + std::to_string(w.moe.router.in) + " columns, the block's dim is " +
+                                  std::to_string(w.wqkv.in));
+    f_.resize(size_t(w.wqkv.in));
+  }
   rope_.resize(size_t(w.head_dim));
 }
 
@@ -84,6 +91,12 @@ void DecodeLayer::out(const float* attn, float* x, int n_threads) {
   if (w_.post_attn_norm != nullptr) rms_norm(xn_.data(), w_.post_attn_norm, dim, w_.eps, xn_.data());
   for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
   rms_norm(x, w_.ffn_norm, dim, w_.eps, xn_.data());
+  if (w_.ffn == FfnKind::MOE) {
+    moe_->run(xn_.data(), f_.data(), n_threads);
+    if (w_.post_ffn_norm != nullptr) rms_norm(f_.data(), w_.post_ffn_norm, dim, w_.eps, f_.data());
+    for (int64_t i = 0; i < dim; ++i) x[i] += f_[i];
+    return;
+  }
   gemv_matrix(w_.w_gate_up, xn_.data(), 1, h_.data(), n_threads);
   if (w_.ffn == FfnKind::SWIGLU) {
     for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = silu(gate) * up

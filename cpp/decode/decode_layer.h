@@ -7,7 +7,7 @@
 //   (attention: the cache's, between the stages: dense or long-context)
 //   out stage:  a = Wo attn [; a = rmsnorm(a) * post_attn_norm];  x += a;  xn = rmsnorm(x) * ffn_norm;
 //               [g | u] = Wgu xn;  f = Wdown (act(g) * u) [; f = rmsnorm(f) * post_ffn_norm];  x += f
-//               (act: silu for SWIGLU, tanh-GELU for GEGLU)
+//               (act: silu for SWIGLU, tanh-GELU for GEGLU; MOE: f = the chosen experts' SwiGLUs, moe/moe_ffn.h)
 //
 // The same math as ktquest/models/llama.py (pre-norm residual block, SwiGLU, rotate-half RoPE whose sin
 // table carries the rotate-half sign) and, with the bracketed parts and act = tanh-GELU, as
@@ -17,14 +17,17 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "gemm/gemv_blocks.h"
+#include "moe/moe_ffn.h"
 
 namespace ktq {
 
-// The gated FFN's kind (ktquest/models/block.py's BlockSpec.ffn): silu(gate) * up or tanh-GELU(gate) * up.
-enum class FfnKind : int { SWIGLU = 0, GEGLU = 1 };
+// The FFN's kind (ktquest/models/block.py's BlockSpec.ffn): silu(gate) * up, tanh-GELU(gate) * up, or a mixture
+// of SwiGLU experts (moe/moe_ffn.h).
+enum class FfnKind : int { SWIGLU = 0, GEGLU = 1, MOE = 2 };
 
 struct DecodeLayerWeights {
   const float* attn_norm = nullptr;  // [dim]
@@ -40,8 +43,9 @@ struct DecodeLayerWeights {
   QuantMatrix wqkv;       // [(H + 2 KVH) * D, dim]: rows q | k | v
   std::vector<int32_t> qkv_perm;  // empty, or [(H + 2 KVH) * D]: qkv[i] = projection[qkv_perm[i]]
   QuantMatrix wo;         // [dim, H * D]
-  QuantMatrix w_gate_up;  // [2 * ffn, dim]: rows gate | up
+  QuantMatrix w_gate_up;  // [2 * ffn, dim]: rows gate | up (SWIGLU, GEGLU)
   QuantMatrix w_down;     // [dim, ffn]
+  MoeWeights moe;         // MOE: the router and the experts
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
 };
 
@@ -55,8 +59,8 @@ HeadShape head_shape(int n_heads, int n_kv_heads, int head_dim);
 
 class DecodeLayer {
  public:
-  // Checks w's heads (head_shape) against its matrices, qkv_perm (a permutation of the qkv rows) and eps
-  // (finite, >= 0): std::invalid_argument.
+  // Checks w's heads (head_shape) against its matrices, qkv_perm (a permutation of the qkv rows), eps
+  // (finite, >= 0) and a MOE FFN's experts (check_moe): std::invalid_argument.
   explicit DecodeLayer(const DecodeLayerWeights& w);
   // x: [dim], cos/sin: [D] (the token's RoPE row) -> qkv: [(H + 2 KVH) * D], q and k rotated.
   void qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads);
@@ -69,7 +73,8 @@ class DecodeLayer {
 
  private:
   DecodeLayerWeights w_;
-  std::vector<float> xn_, h_;  // normed input [dim]; FFN hidden [2 * ffn]
+  std::vector<float> xn_, h_, f_;  // normed input [dim]; FFN hidden [2 * ffn]; MOE output [dim]
+  std::unique_ptr<MoeFfn> moe_;   // MOE
   std::vector<float> rope_;    // one head rotated [D]
   std::vector<float> proj_;    // the qkv projection before qkv_perm [(H + 2 KVH) * D] (llama files)
 };

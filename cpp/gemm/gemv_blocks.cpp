@@ -71,11 +71,8 @@ bool gemv_quant_supported(GgmlType t) { return kernels(t).scalar != nullptr; }
 
 namespace {
 
-// x quantized for one activation group (32 or 256, or kX16): the calling thread's scratch, grown once.
-// slot: 0 (32), 1 (256), 2 (kX16).
-ActScratch& quantized_act(int slot, int group, const float* x, int64_t T, int64_t in) {
-  thread_local ActScratch scratch[3];
-  ActScratch& s = scratch[slot];
+// x quantized for one activation group (32 or 256, or kX16) into s, grown once.
+ActScratch& quantized_act(ActScratch& s, int group, const float* x, int64_t T, int64_t in) {
   if (group == kX16) {
     grow(s.q16, T * in), grow(s.d, T * in / 32), grow(s.isum32, T * in / 32);
     for (int64_t r = 0; r < T; ++r)
@@ -116,26 +113,32 @@ struct PartPlan {
   int group;
 };
 
-}  // namespace
-
-void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
-  const bool use_avx = use_avx2();
-  const int64_t in = m.in, out = m.out;
-  // x quantized once per group the parts need (slot 0: 32 values, 1: 256, 2: int16), before the threads start.
+// m's parts as the row loop reads them, its rows starting at row `row`; x quantized once per group the parts need
+// into scratch[0] (32 values), [1] (256) or [2] (int16), before the threads start.
+void plan_parts(const QuantMatrix& m, const float* x, int64_t T, int64_t row, ActScratch* scratch, bool use_avx,
+                std::vector<PartPlan>& plan) {
+  const int64_t in = m.in;
   const ActScratch* acts[3] = {nullptr, nullptr, nullptr};
-  std::vector<PartPlan> plan;
-  plan.reserve(m.parts.size());
-  int64_t row = 0;
   for (const QuantPart& p : m.parts) {
     const Kernels k16 = m.x16 ? x16_kernels(p.type) : Kernels{nullptr, nullptr, nullptr, 0};
     const Kernels k = k16.scalar ? k16 : kernels(p.type);
     const int slot = k.group == kX16 ? 2 : k.group == kQK ? 1 : 0;
-    if (k.group != 0 && acts[slot] == nullptr) acts[slot] = &quantized_act(slot, k.group, x, T, in);
+    if (k.group != 0 && acts[slot] == nullptr) acts[slot] = &quantized_act(scratch[slot], k.group, x, T, in);
     RowDot* dot = !use_avx ? k.scalar : in >= kGemvStreamIn ? k.avx2_stream : k.avx2;
     plan.push_back({p.w, row, row + p.rows, ggml_row_bytes(p.type, in), dot, k.group != 0 ? acts[slot] : nullptr,
                     k.group});
     row += p.rows;
   }
+}
+
+}  // namespace
+
+void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
+  const int64_t in = m.in, out = m.out;
+  thread_local ActScratch scratch[3];
+  std::vector<PartPlan> plan;
+  plan.reserve(m.parts.size());
+  plan_parts(m, x, T, 0, scratch, use_avx2(), plan);
   // The pointers are taken above: a thread_local named inside the task would be each worker's own (empty) one.
   for_row_tiles(T, out, n_threads, [&](int64_t r, int64_t r0, int64_t r1) {
     float* yr = y + r * out;
@@ -145,6 +148,41 @@ void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int 
       const ActRow a = act_row(p.act, p.group, x, r, in);
       for (int64_t o = a0; o < a1; ++o)
         yr[o] = p.dot(p.w + (o - p.row0) * p.row_bytes, a, in) + (m.bias ? m.bias[o] : 0.f);
+    }
+  });
+}
+
+void gemv_jobs(const GemvJob* jobs, int n_jobs, int n_threads) {
+  // Every job's rows one after the other, [0, rows): one threaded pass over them all, each job's x quantized
+  // once (its own scratch) before the threads start.
+  thread_local std::vector<ActScratch> scratch;
+  if (int64_t(scratch.size()) < 3 * int64_t(n_jobs)) scratch.resize(size_t(3) * n_jobs);
+  thread_local std::vector<PartPlan> plan;
+  thread_local std::vector<int64_t> first_part;  // [n_jobs + 1]: job j's parts are plan[first_part[j], first_part[j + 1])
+  plan.clear();
+  first_part.assign(1, 0);
+  const bool use_avx = use_avx2();
+  int64_t rows = 0;
+  for (int j = 0; j < n_jobs; ++j) {
+    plan_parts(*jobs[j].m, jobs[j].x, 1, rows, &scratch[size_t(3) * j], use_avx, plan);
+    first_part.push_back(int64_t(plan.size()));
+    rows += jobs[j].m->out;
+  }
+  const PartPlan* parts = plan.data();
+  const int64_t* firsts = first_part.data();
+  for_row_tiles(1, rows, n_threads, [&](int64_t, int64_t r0, int64_t r1) {
+    for (int j = 0; j < n_jobs; ++j) {
+      const GemvJob& job = jobs[j];
+      for (int64_t i = firsts[j]; i < firsts[j + 1]; ++i) {
+        const PartPlan& p = parts[i];
+        const int64_t a0 = std::max(r0, p.row0), a1 = std::min(r1, p.row1);
+        if (a0 >= a1) continue;
+        const ActRow a = act_row(p.act, p.group, job.x, 0, job.m->in);
+        const int64_t base = parts[firsts[j]].row0;  // the job's first row: y's row 0
+        for (int64_t o = a0; o < a1; ++o)
+          job.y[o - base] = p.dot(p.w + (o - p.row0) * p.row_bytes, a, job.m->in) +
+                            (job.m->bias ? job.m->bias[o - base] : 0.f);
+      }
     }
   });
 }

@@ -48,6 +48,16 @@ struct QuantMatrix {
 // once per activation group the parts need).
 void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
 
+// Several GEMVs of one token in one threaded pass (a MoE layer's chosen experts): y_j[out_j] = m_j x_j (+ bias_j),
+// the threads split the jobs' rows taken one after the other (experts x rows), each output one row's dot
+// product as gemv_matrix computes it (the same for any thread count). Borrowed pointers.
+struct GemvJob {
+  const QuantMatrix* m;
+  const float* x;  // [m->in]
+  float* y;        // [m->out]
+};
+void gemv_jobs(const GemvJob* jobs, int n_jobs, int n_threads);
+
 // out[r1 - r0, in] = dequant(rows [r0, r1) of m) in fp32 (as gguf's dequantizer), rows split across threads:
 // the panel a prefill chunk multiplies (ktquest/layers/linear.py). 0 <= r0 <= r1 <= m.out. With `order`
 // ([m.out], a permutation), out row i is matrix row order[r0 + i] (a llama file's q/k rows gathered).

@@ -9,6 +9,7 @@
 #include "kvstore/kv_store.h"
 #include "python/args.h"
 #include "python/bind.h"
+#include "python/py_moe.h"
 #include "python/quant_matrix.h"
 #include "python/step_args.h"
 
@@ -54,7 +55,7 @@ void bind_decode(py::module_& m) {
                        const py::handle& wo, const py::handle& w_gate_up, const py::handle& w_down, int n_heads,
                        int n_kv_heads, int head_dim, const py::handle& qkv_perm, const py::handle& q_norm,
                        const py::handle& k_norm, const py::handle& post_attn_norm, const py::handle& post_ffn_norm,
-                       const std::string& ffn) {
+                       const std::string& ffn, const py::handle& moe) {
              const HeadShape hs = head_shape(n_heads, n_kv_heads, head_dim);  // ValueError / OverflowError
              auto L = std::make_unique<PyDecodeLayer>();
              auto an = array_arg<float>(attn_norm, "attn_norm", {-1});
@@ -68,11 +69,22 @@ void bind_decode(py::module_& m) {
              w.eps = eps;
              w.wqkv = matrix_arg(*L, wqkv, "wqkv", hs.qkv, dim);
              w.wo = matrix_arg(*L, wo, "wo", dim, hs.attn);
-             w.w_gate_up = matrix_arg(*L, w_gate_up, "w_gate_up", -1, dim);
-             const int64_t two_ffn = w.w_gate_up.out;
-             if (two_ffn % 2 != 0)
-               throw py::value_error("w_gate_up: expected 2 * ffn rows (gate | up), got " + std::to_string(two_ffn));
-             w.w_down = matrix_arg(*L, w_down, "w_down", dim, two_ffn / 2);
+             if (ffn == "moe") {  // the experts instead of one gated FFN
+               if (!w_gate_up.is_none() || !w_down.is_none())
+                 throw py::value_error("ffn='moe': w_gate_up and w_down must be None (the experts are in `moe`)");
+               if (!py::isinstance<PyMoeFfn>(moe))
+                 throw py::type_error("moe: expected a MoeFfn for ffn='moe', got " +
+                                      py::str(py::type::of(moe)).cast<std::string>());
+               w.moe = moe.cast<const PyMoeFfn&>().ffn->weights();
+               L->keep.push_back(py::reinterpret_borrow<py::object>(moe));
+             } else {
+               if (!moe.is_none()) throw py::value_error("moe: only a block with ffn='moe' takes one");
+               w.w_gate_up = matrix_arg(*L, w_gate_up, "w_gate_up", -1, dim);
+               const int64_t two_ffn = w.w_gate_up.out;
+               if (two_ffn % 2 != 0)
+                 throw py::value_error("w_gate_up: expected 2 * ffn rows (gate | up), got " + std::to_string(two_ffn));
+               w.w_down = matrix_arg(*L, w_down, "w_down", dim, two_ffn / 2);
+             }
              if (!qkv_perm.is_none()) {
                auto p = array_arg<int32_t>(qkv_perm, "qkv_perm", {hs.qkv});
                w.qkv_perm.assign(p.data(), p.data() + hs.qkv);
@@ -92,8 +104,10 @@ void bind_decode(py::module_& m) {
                w.ffn = FfnKind::SWIGLU;
              else if (ffn == "geglu")
                w.ffn = FfnKind::GEGLU;
+             else if (ffn == "moe")
+               w.ffn = FfnKind::MOE;
              else
-               throw py::value_error("ffn='" + ffn + "' is not allowed: 'swiglu' or 'geglu'");
+               throw py::value_error("ffn='" + ffn + "' is not allowed: 'swiglu', 'geglu' or 'moe'");
              w.n_heads = n_heads;
              w.n_kv_heads = n_kv_heads;
              w.head_dim = head_dim;
@@ -104,7 +118,7 @@ void bind_decode(py::module_& m) {
            py::arg("w_gate_up"), py::arg("w_down"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
            py::arg("qkv_perm") = py::none(), py::kw_only(), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none(), py::arg("post_attn_norm") = py::none(),
-           py::arg("post_ffn_norm") = py::none(), py::arg("ffn") = "swiglu")
+           py::arg("post_ffn_norm") = py::none(), py::arg("ffn") = "swiglu", py::arg("moe") = py::none())
       .def("qkv", [](PyDecodeLayer& L, const py::handle& x_obj, const py::handle& cos_obj, const py::handle& sin_obj,
                      const py::handle& out_obj, int n_threads) {
              const int64_t D = L.layer->weights().head_dim;
@@ -128,8 +142,8 @@ void bind_decode(py::module_& m) {
              py::gil_scoped_release nogil;
              L.layer->out(ap, xp, n_threads);
            }, py::arg("attn"), py::arg("x"), py::arg("n_threads"),
-           "x [dim] += Wo attn [H * D] (post-attention-normed with sandwich norms), then x += the gated FFN "
-           "(SwiGLU or GeGLU) of RMSNorm(x) (post-FFN-normed likewise), in place.");
+           "x [dim] += Wo attn [H * D] (post-attention-normed with sandwich norms), then x += the FFN (SwiGLU, "
+           "GeGLU, or the routed experts of a MoeFfn) of RMSNorm(x) (post-FFN-normed likewise), in place.");
 
   m.def("rms_norm", [](const py::handle& x_obj, const py::handle& w_obj, float eps, const py::handle& out_obj) {
           auto x = array_arg<float>(x_obj, "x", {-1});

@@ -3,7 +3,7 @@
 
     x = embedding[token]
     for each block:      qkv stage (RMSNorm, Wqkv, RoPE) -> attention (the cache's) -> out stage
-                         (Wo + residual, RMSNorm, SwiGLU FFN + residual)      cpp/decode/
+                         (Wo + residual, RMSNorm, SwiGLU FFN or experts + residual)      cpp/decode/
     logits = head(rmsnorm(x))
 
 The same math as ``ktquest.models.llama`` on the layers' ``QuantWeight`` matrices (``layers/linear.py``), with
@@ -23,7 +23,9 @@ from ktquest import _C
 from ktquest.kv.base import KVCache
 from ktquest.layers.linear import set_threads
 from ktquest.models.block import BlockSpec
+from ktquest.models.ffn import MoEFeedForward
 from ktquest.native import matrix
+from ktquest.native.moe import MoeFfn
 
 
 class NativeDecoder:
@@ -106,8 +108,23 @@ def use_native_decode(model, threads: int) -> None:
 
 
 def _linears(block) -> list:
-    """A block's Linear layers in the order DecodeLayer takes them: wqkv, wo, w_gate_up, w_down."""
-    return [block.attn.wqkv, block.attn.wo, block.ffn.w_gate_up, block.ffn.w_down]
+    """A block's Linear layers: wqkv, wo, then its FFN's (w_gate_up, w_down; a MoE FFN's router, the experts' and
+    the shared expert's)."""
+    ffn = block.ffn
+    if isinstance(ffn, MoEFeedForward):
+        ffns = [*ffn.experts, *([] if ffn.shared is None else [ffn.shared])]
+        return [block.attn.wqkv, block.attn.wo, ffn.router, *(m for f in ffns for m in (f.w_gate_up, f.w_down))]
+    return [block.attn.wqkv, block.attn.wo, ffn.w_gate_up, ffn.w_down]
+
+
+def _moe(ffn: MoEFeedForward) -> object:
+    """A MoE FFN's native twin (cpp/moe/moe_ffn.h): its router's and experts' matrices, read in place."""
+    shared = {}
+    if ffn.shared is not None:
+        shared = dict(shared_gate_up=ffn.shared.w_gate_up.qm, shared_down=ffn.shared.w_down.qm,
+                      shared_gate=ffn.shared_gate.detach().numpy())
+    return MoeFfn(ffn.router.qm, [e.w_gate_up.qm for e in ffn.experts], [e.w_down.qm for e in ffn.experts],
+                  ffn.n_used, ffn.norm_topk, **shared)
 
 
 def _decode_layer(block, spec: BlockSpec) -> object:
@@ -120,10 +137,13 @@ def _decode_layer(block, spec: BlockSpec) -> object:
         return norm.weight.detach().numpy()
 
     extras = {}
+    if spec.ffn == "moe":
+        extras["moe"] = _moe(block.ffn)
     if spec.qk_norm:
         extras |= dict(q_norm=w(a.q_norm), k_norm=w(a.k_norm))
     if spec.sandwich_norms:
         extras |= dict(post_attn_norm=w(block.post_attn_norm), post_ffn_norm=w(block.post_ffn_norm))
-    return _C.DecodeLayer(w(block.attn_norm), w(block.ffn_norm), block.attn_norm.eps, *(m.qm for m in _linears(block)),
+    ffn = (None, None) if spec.ffn == "moe" else (block.ffn.w_gate_up.qm, block.ffn.w_down.qm)
+    return _C.DecodeLayer(w(block.attn_norm), w(block.ffn_norm), block.attn_norm.eps, a.wqkv.qm, a.wo.qm, *ffn,
                           a.n_heads, a.n_kv_heads, a.head_dim, None if perm is None else perm.to(torch.int32).numpy(),
                           ffn=spec.ffn, **extras)
