@@ -158,3 +158,43 @@ def test_cli_errors_are_one_line(shaped, tmp_path, capsys):
     assert shaped.main(["--shape", "tiny", "--out", str(tmp_path / "x.gguf"), "--tokenizer", str(missing)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no such file" in err
+
+
+def test_qwen3_shapes_take_the_published_files_layout(shaped):
+    plans = {p.name: p for p in shaped.plan_tensors(shaped.SHAPES["qwen3-30b-a3b"], "Q4_K_M", 151936)}
+    assert plans["blk.0.ffn_gate_inp.weight"].shape == (128, 2048) and plans["blk.0.ffn_gate_inp.weight"].qtype == Q.F32
+    assert plans["blk.7.ffn_gate_exps.weight"].shape == (128, 768, 2048)
+    assert plans["blk.7.ffn_down_exps.weight"].shape == (128, 2048, 768)
+    assert plans["blk.0.attn_q.weight"].shape == (4096, 2048)  # 32 heads of 128 on a 2048 width
+    assert plans["blk.0.attn_output.weight"].shape == (2048, 4096)
+    assert plans["blk.0.attn_q_norm.weight"].shape == (128,) and "blk.0.ffn_gate.weight" not in plans
+    more = [i for i in range(48) if plans[f"blk.{i}.ffn_down_exps.weight"].qtype == Q.Q6_K]
+    assert more == [i for i in range(48) if plans[f"blk.{i}.attn_v.weight"].qtype == Q.Q6_K] and len(more) == 24
+    assert {plans[f"blk.{i}.ffn_up_exps.weight"].qtype for i in range(48)} == {Q.Q4_K}
+    assert 18.50e9 < sum(p.nbytes for p in plans.values()) < 18.60e9  # published Q4_K_M files: 18.56 GB
+
+    q4 = {p.name: p for p in shaped.plan_tensors(shaped.SHAPES["qwen3-4b-2507"], "Q4_K_M", 151936)}
+    assert "output.weight" not in q4 and q4["token_embd.weight"].qtype == Q.Q6_K  # tied
+    assert q4["blk.0.attn_k.weight"].shape == (1024, 2560) and not any(n.endswith(".bias") for n in q4)
+    assert 2.45e9 < sum(p.nbytes for p in q4.values()) < 2.52e9  # published: 2.50 GB
+    q8 = sum(p.nbytes for p in shaped.plan_tensors(shaped.SHAPES["qwen3-8b"], "Q4_K_M", 151936))
+    assert 4.98e9 < q8 < 5.06e9  # published: 5.03 GB
+
+
+def test_tiny_moe_shape_loads_and_decodes(shaped, tokenizer_gguf, tmp_path):
+    """The qwen3moe layout as the tool writes it is one ktquest reads: experts, router, QK-norm, head_dim."""
+    import ktquest
+    from ktquest.config import load_config
+
+    out = tmp_path / "tiny-moe.gguf"
+    shape = dataclasses.replace(shaped.SHAPES["tiny-moe"], vocab=384)
+    shaped.write_shaped_gguf(out, shape, "tiny-moe", tokenizer=tokenizer_gguf, context=2048)
+    md = open_gguf(out).metadata
+    assert md["general.architecture"] == "qwen3moe" and md["qwen3moe.expert_count"] == 5
+    assert md["qwen3moe.expert_used_count"] == 2 and md["qwen3moe.expert_feed_forward_length"] == 320
+    assert md["qwen3moe.attention.key_length"] == 64
+    eng = ktquest.load(model=str(out), config=load_config(None, ["threads=1", "max_seq_len=256"]))
+    assert eng.args.arch == "qwen3moe" and eng.args.head_dim == 64
+    assert [b.n_experts for b in eng.args.blocks] == [5] * 4
+    text = eng.generate("hello world", max_new_tokens=4)
+    assert isinstance(text, str)

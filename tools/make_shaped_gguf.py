@@ -5,14 +5,20 @@ For speed and memory work on models the size people run, without downloading the
 llama.cpp's converter (convert_hf_to_gguf.py) and quantizer (llama-quantize) would write for the model:
 
 - tensors: ``token_embd``, per block ``attn_norm``, ``attn_q/k/v`` (+ ``.bias`` for qwen2), ``attn_output``,
-  ``ffn_norm``, ``ffn_gate/up/down``, then ``output_norm`` and ``output`` (absent when the embeddings are tied);
+  (qwen3: ``attn_k_norm``, ``attn_q_norm`` over head_dim), ``ffn_norm``, ``ffn_gate/up/down`` (qwen3moe: the
+  router ``ffn_gate_inp`` [experts, dim] in F32 and the stacks ``ffn_gate_exps/ffn_up_exps`` [experts, ffn, dim],
+  ``ffn_down_exps`` [experts, dim, ffn]), then ``output_norm`` and ``output`` (absent when the embeddings are
+  tied);
 - types: the ``--type`` mix as llama-quantize picks it (llama-quant.cpp, ``llama_tensor_get_type``): for
   Q4_K_M most matrices Q4_K; ``attn_v`` and ``ffn_down`` Q6_K in the layers ``use_more_bits`` picks (the
   first and last eighth, and every third one between: about half); ``output`` Q6_K, and ``token_embd`` too
   when it is tied to the output; a matrix whose rows are not whole 256-blocks falls back (Q4_K -> Q5_0,
-  Q5_K -> Q5_1, Q6_K -> Q8_0; the tied/untied output -> Q8_0): Qwen2.5-0.5B's 896 columns do. Norms and
-  biases are F32;
-- metadata: the converter's keys for the architecture, ``general.file_type`` and
+  Q5_K -> Q5_1, Q6_K -> Q8_0; the tied/untied output -> Q8_0): Qwen2.5-0.5B's 896 columns do. An expert
+  stack takes its dense kind's type (llama-quantize matches ``ffn_down`` in ``ffn_down_exps``; its 8-expert
+  special cases do not apply to 128). Norms, biases and the router are F32;
+- metadata: the converter's keys for the architecture (``attention.key_length``/``value_length`` where
+  head_dim is not dim / heads; ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``),
+  ``general.file_type`` and
   ``general.quantization_version`` 2, and the tokenizer of ``--tokenizer`` (default: the bundled SmolLM2)
   with its token list padded to the model's vocabulary with ``[PAD<id>]`` tokens of type UNUSED, as the
   converter pads Qwen's 151,665 tokens to 151,936. The padding tokens' rows of ``token_embd`` and ``output``
@@ -23,17 +29,25 @@ norm weights ~1, biases std 0.05, no NaN/Inf. Tensors are streamed to disk in ch
 
 Shapes (hyper-parameters from each model's config.json; copies of the official files where noted):
 
-| --shape        | arch  | dim  | layers | heads/kv | ffn   | vocab  | rope theta | context   | eps   | tied |
-|----------------|-------|------|--------|----------|-------|--------|------------|-----------|-------|------|
-| qwen2.5-0.5b   | qwen2 | 896  | 24     | 14/2     | 4864  | 151936 | 1e6        | 32768     | 1e-6  | yes  |
-| qwen2.5-1.5b   | qwen2 | 1536 | 28     | 12/2     | 8960  | 151936 | 1e6        | 32768     | 1e-6  | yes  |
-| qwen2.5-7b     | qwen2 | 3584 | 28     | 28/4     | 18944 | 152064 | 1e6        | 32768     | 1e-6  | no   |
-| qwen2.5-7b-1m  | qwen2 | 3584 | 28     | 28/4     | 18944 | 152064 | 1e7        | 1010000   | 1e-5  | no   |
-| qwen2.5-14b    | qwen2 | 5120 | 48     | 40/8     | 13824 | 152064 | 1e6        | 32768     | 1e-6  | no   |
-| qwen2.5-14b-1m | qwen2 | 5120 | 48     | 40/8     | 13824 | 152064 | 1e7        | 1010000   | 1e-5  | no   |
-| llama3-8b      | llama | 4096 | 32     | 32/8     | 14336 | 128256 | 5e5        | 8192      | 1e-5  | no   |
-| smollm2-135m   | llama | 576  | 30     | 9/3      | 1536  | (tok.) | 1e5        | 8192      | 1e-5  | yes  |
-| tiny           | qwen2 | 256  | 4      | 4/2      | 640   | (tok.) | 1e6        | 4096      | 1e-6  | yes  |
+| --shape        | arch     | dim  | layers | heads/kv | ffn   | vocab  | rope theta | context   | eps   | tied |
+|----------------|----------|------|--------|----------|-------|--------|------------|-----------|-------|------|
+| qwen2.5-0.5b   | qwen2    | 896  | 24     | 14/2     | 4864  | 151936 | 1e6        | 32768     | 1e-6  | yes  |
+| qwen2.5-1.5b   | qwen2    | 1536 | 28     | 12/2     | 8960  | 151936 | 1e6        | 32768     | 1e-6  | yes  |
+| qwen2.5-7b     | qwen2    | 3584 | 28     | 28/4     | 18944 | 152064 | 1e6        | 32768     | 1e-6  | no   |
+| qwen2.5-7b-1m  | qwen2    | 3584 | 28     | 28/4     | 18944 | 152064 | 1e7        | 1010000   | 1e-5  | no   |
+| qwen2.5-14b    | qwen2    | 5120 | 48     | 40/8     | 13824 | 152064 | 1e6        | 32768     | 1e-6  | no   |
+| qwen2.5-14b-1m | qwen2    | 5120 | 48     | 40/8     | 13824 | 152064 | 1e7        | 1010000   | 1e-5  | no   |
+| llama3-8b      | llama    | 4096 | 32     | 32/8     | 14336 | 128256 | 5e5        | 8192      | 1e-5  | no   |
+| smollm2-135m   | llama    | 576  | 30     | 9/3      | 1536  | (tok.) | 1e5        | 8192      | 1e-5  | yes  |
+| qwen3-4b-2507  | qwen3    | 2560 | 36     | 32/8     | 9728  | 151936 | 5e6        | 262144    | 1e-6  | yes  |
+| qwen3-8b       | qwen3    | 4096 | 36     | 32/8     | 12288 | 151936 | 1e6        | 40960     | 1e-6  | no   |
+| qwen3-30b-a3b  | qwen3moe | 2048 | 48     | 32/4     | 6144  | 151936 | 1e7        | 262144    | 1e-6  | no   |
+| tiny           | qwen2    | 256  | 4      | 4/2      | 640   | (tok.) | 1e6        | 4096      | 1e-6  | yes  |
+| tiny-moe       | qwen3moe | 256  | 4      | 4/2      | 640   | (tok.) | 1e6        | 4096      | 1e-6  | no   |
+
+The qwen3 shapes' head_dim is 128 (so q is 32 x 128 = 4096 wide on a 2560 or 2048 width); qwen3-30b-a3b has
+128 experts of width 768, 8 used a token (the 2507 Instruct's config; 30.5B parameters, 3.3B active);
+tiny-moe has head_dim 64 and 5 experts of width 320, 2 used.
 
 Sources (Instruct configs; 0.5B/1.5B/7B/14B/7B-1M/Llama-3 through copies that name the original in
 ``_name_or_path``):
@@ -44,11 +58,18 @@ Sources (Instruct configs; 0.5B/1.5B/7B/14B/7B-1M/Llama-3 through copies that na
   qwen2.5-14b     huggingface.co/osllmai-community/Qwen2.5-14B-Instruct/blob/eaddfa685697f74aa707d6cd5cf36784cdcabe05/config.json
   qwen2.5-14b-1m  huggingface.co/Qwen/Qwen2.5-14B-Instruct-1M/blob/d5c878c4e4970d754350de81bb78658bb2748dc4/config.json
   llama3-8b       huggingface.co/zakkosi/jhcode-meta-llama3_eng/blob/main/config.json (Meta-Llama-3-8B-Instruct)
+  qwen3-4b-2507   huggingface.co/Qwen/Qwen3-4B-Instruct-2507/blob/main/config.json (as quoted in a model card copy:
+                  github.com/akougkas/warpio-cli warpio-docs/ai-docs/model_cards/qwen3:4b.md)
+  qwen3-8b        huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
+  qwen3-30b-a3b   huggingface.co/Qwen/Qwen3-30B-A3B-Instruct-2507/blob/main/config.json (its values as public
+                  test configs quote them; the model card: 48 layers, 32/4 heads, 128 experts, 8 active)
 ``smollm2-135m`` is the bundled model's shape (its GGUF metadata), for a machine that has only its tokenizer
 (a GPU machine that the 98 MB file cannot travel to). ``tiny`` is ours: small dims for tests, with an ``ffn`` that is not whole 256-blocks so ``ffn_down`` takes
 the fallback types; its vocabulary is the tokenizer's own. A check of the mix: the qwen2.5-7b file is
 4,681,224,608 bytes; the published Qwen2.5-7B-Instruct-Q4_K_M.gguf files are 4.68 GB
-(huggingface.co/bartowski/Qwen2.5-7B-Instruct-GGUF, lmstudio-community/Qwen2.5-7B-Instruct-GGUF).
+(huggingface.co/bartowski/Qwen2.5-7B-Instruct-GGUF, lmstudio-community/Qwen2.5-7B-Instruct-GGUF). The qwen3
+files: 2.495 GB (4B-2507; published Q4_K_M 2.50 GB), 5.026 GB (8B; 5.03 GB), 18.555 GB (30B-A3B; 18.56 GB,
+17.28 GiB).
 
 Examples:
 
@@ -84,7 +105,7 @@ CHUNK_BYTES = 32 << 20  # how much of a tensor is generated at a time
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    arch: str  # "qwen2" (attention biases) | "llama"
+    arch: str  # "qwen2" (attention biases) | "llama" | "qwen3" (QK-norm) | "qwen3moe" (QK-norm, experts)
     dim: int
     n_layers: int
     n_heads: int
@@ -95,6 +116,12 @@ class Shape:
     context: int
     eps: float
     tied: bool
+    head_dim: int | None = None  # None: dim // n_heads (qwen3's is 128 whatever the width)
+    experts: tuple[int, int, int] | None = None  # (expert_count, expert_used_count, expert ffn): qwen3moe
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
 
 
 SHAPES = {
@@ -106,7 +133,12 @@ SHAPES = {
     "qwen2.5-14b-1m": Shape("qwen2", 5120, 48, 40, 8, 13824, 152064, 1e7, 1010000, 1e-5, False),
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 5e5, 8192, 1e-5, False),
     "smollm2-135m": Shape("llama", 576, 30, 9, 3, 1536, None, 1e5, 8192, 1e-5, True),
+    "qwen3-4b-2507": Shape("qwen3", 2560, 36, 32, 8, 9728, 151936, 5e6, 262144, 1e-6, True, 128),
+    "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 12288, 151936, 1e6, 40960, 1e-6, False, 128),
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, 1e7, 262144, 1e-6, False, 128,
+                           (128, 8, 768)),
     "tiny": Shape("qwen2", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, True),
+    "tiny-moe": Shape("qwen3moe", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, False, 64, (5, 2, 320)),
 }
 
 # --type -> (the default type of the matrices, general.file_type)
@@ -169,7 +201,7 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = No
     """Every tensor of the file, in the order written: names, shapes, types, target statistics. Rows
     ``n_tokens`` and on of the embeddings and the output are padding tokens'."""
     dim, ffn, n = shape.dim, shape.ffn, shape.n_layers
-    kv_dim = dim // shape.n_heads * shape.n_kv_heads
+    q_dim, kv_dim = shape.head_size * shape.n_heads, shape.head_size * shape.n_kv_heads
 
     def matrix(name: str, kind: str, layer: int, rows: int, cols: int) -> TensorPlan:
         return TensorPlan(name, (rows, cols), matrix_type(kind, layer, n, cols, ftype, shape.tied), WEIGHT_STD)
@@ -182,15 +214,24 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = No
     for i in range(n):
         p = f"blk.{i}."
         plans.append(norm(p + "attn_norm.weight", dim))
-        for proj, rows in (("attn_q", dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+        for proj, rows in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
             plans.append(matrix(p + proj + ".weight", proj, i, rows, dim))
             if shape.arch == "qwen2":
                 plans.append(TensorPlan(p + proj + ".bias", (rows,), Q.F32, BIAS_STD))
-        plans += [matrix(p + "attn_output.weight", "attn_output", i, dim, dim),
-                  norm(p + "ffn_norm.weight", dim),
-                  matrix(p + "ffn_gate.weight", "ffn_gate", i, ffn, dim),
-                  matrix(p + "ffn_up.weight", "ffn_up", i, ffn, dim),
-                  matrix(p + "ffn_down.weight", "ffn_down", i, dim, ffn)]
+        plans.append(matrix(p + "attn_output.weight", "attn_output", i, dim, q_dim))
+        if shape.arch in ("qwen3", "qwen3moe"):
+            plans += [norm(p + "attn_k_norm.weight", shape.head_size), norm(p + "attn_q_norm.weight", shape.head_size)]
+        plans.append(norm(p + "ffn_norm.weight", dim))
+        if shape.experts is None:
+            plans += [matrix(p + "ffn_gate.weight", "ffn_gate", i, ffn, dim),
+                      matrix(p + "ffn_up.weight", "ffn_up", i, ffn, dim),
+                      matrix(p + "ffn_down.weight", "ffn_down", i, dim, ffn)]
+        else:  # the router stays F32 (llama-quantize skips ffn_gate_inp); each stack typed as its dense kind
+            n_exp, _, width = shape.experts
+            plans.append(TensorPlan(p + "ffn_gate_inp.weight", (n_exp, dim), Q.F32, WEIGHT_STD))
+            for kind, rows, cols in (("ffn_gate", width, dim), ("ffn_up", width, dim), ("ffn_down", dim, width)):
+                m = matrix(p + kind + "_exps.weight", kind, i, rows, cols)
+                plans.append(replace(m, shape=(n_exp, rows, cols)))
     plans.append(norm("output_norm.weight", dim))
     if not shape.tied:
         plans.append(replace(matrix("output.weight", "output", n, vocab, dim), pad_rows_from=pad))
@@ -248,6 +289,14 @@ def add_model_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, ftype: str, 
     w.add_layer_norm_rms_eps(shape.eps)
     if shape.arch == "llama":
         w.add_rope_dimension_count(shape.dim // shape.n_heads)
+    if shape.head_dim is not None:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if shape.experts is not None:
+        n_exp, used, width = shape.experts
+        w.add_expert_count(n_exp)
+        w.add_expert_used_count(used)
+        w.add_expert_feed_forward_length(width)
     w.add_file_type(int(FTYPES[ftype][1]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
