@@ -1,5 +1,5 @@
 """Tiny Hugging Face models and their GGUF tensors and metadata, as ``convert_hf_to_gguf.py`` writes them: the
-specs of the test models (``TINY_SPECS``, ``MOE_SPECS``, ``GEMMA3_SPECS``), ``build_hf_model`` (random init),
+specs of the test models (``TINY_SPECS``, ``MOE_SPECS``, ``QWEN2MOE_SPECS``, ``GEMMA3_SPECS``), ``build_hf_model`` (random init),
 ``hf_to_gguf_tensors`` / ``gguf_metadata``; ``conftest.write_gguf`` writes the file with the test tokenizer."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tiny_internlm2 import InternLM2ForCausalLM, as_llama_tensors
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str  # "llama" | "qwen2" | "internlm2" | "qwen3" | "gemma3" | "qwen3moe"
+    arch: str  # "llama" | "qwen2" | "internlm2" | "qwen3" | "gemma3" | "qwen3moe" | "qwen2moe"
     tied: bool
     rope: dict | None = None  # HF rope_parameters beyond the default
     dim: int = 64
@@ -30,10 +30,11 @@ class TinySpec:
     window: int = 0  # gemma3: the sliding window ...
     swa_pattern: int = 0  # ... on all layers but every swa_pattern-th (0: llama.cpp's 6, no metadata key)
     head_dim: int = 0  # 0: dim // n_heads (qwen3 sets its own)
-    n_experts: int = 0  # qwen3moe: the experts, how many run a token, their width, renormalized or not
+    n_experts: int = 0  # qwen3moe, qwen2moe: the experts, how many run a token, their width, renormalized or not
     n_used: int = 0
     expert_ffn: int = 0
     norm_topk: bool = True
+    shared_ffn: int = 0  # qwen2moe: the shared expert's width
 
     @property
     def hd(self) -> int:
@@ -71,6 +72,15 @@ MOE_SPECS = {
 }
 
 
+# qwen2moe (tests/test_qwen2moe.py): q/k/v biases, a shared expert; an odd expert count with top-2 as trained (the
+# key absent: qwen2moe's default), and top-3 of 4 renormalized (expert_weights_norm true in the file)
+QWEN2MOE_SPECS = {
+    "qwen2moe": TinySpec("qwen2moe", tied=False, rope_theta=1e6, eps=1e-6, n_layers=3, n_experts=5, n_used=2,
+                         expert_ffn=48, shared_ffn=96, norm_topk=False),
+    "qwen2moe_norm": TinySpec("qwen2moe", tied=True, n_experts=4, n_used=3, expert_ffn=32, shared_ffn=64),
+}
+
+
 # gemma3 (tests/test_gemma3.py): the default pattern (layers 0-4 slide, 5 is global), and a pattern of 3 whose
 # last layer slides; windows shorter than the test prompts
 GEMMA3_SPECS = {
@@ -104,6 +114,8 @@ def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.M
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -119,12 +131,14 @@ def build_hf_model(spec: TinySpec, vocab_size: int, seed: int = 0) -> torch.nn.M
         config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                                  "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-                                 "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[spec.arch]
+                                 "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+                                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}[spec.arch]
         moe = {"num_experts": spec.n_experts, "num_experts_per_tok": spec.n_used, "norm_topk_prob": spec.norm_topk,
                "moe_intermediate_size": spec.expert_ffn, "decoder_sparse_step": 1, "mlp_only_layers": []}
         cfg = config_cls(
             **({"head_dim": spec.hd} if spec.arch in ("qwen3", "qwen3moe") else {}),
-            **(moe if spec.arch == "qwen3moe" else {}),
+            **(moe if spec.arch in ("qwen3moe", "qwen2moe") else {}),
+            **({"shared_expert_intermediate_size": spec.shared_ffn} if spec.arch == "qwen2moe" else {}),
             vocab_size=vocab_size, hidden_size=spec.dim, intermediate_size=spec.ffn,
             num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
             num_key_value_heads=spec.n_kv_heads, max_position_embeddings=spec.ctx,
@@ -192,7 +206,11 @@ def hf_to_gguf_tensors(model: torch.nn.Module, spec: TinySpec) -> dict[str, np.n
         out["output_norm.weight"] = sd["model.norm.weight"]
     if spec.arch in ("qwen3", "qwen3moe"):
         names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-    if spec.arch == "qwen3moe":  # the router, and the experts stacked [E, rows, cols] as the converter writes them
+    if spec.arch == "qwen2moe":  # the shared expert, its gate [1, dim] written as [dim]
+        names |= {"mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                  "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+        sd |= {k: v.reshape(-1) for k, v in sd.items() if k.endswith("mlp.shared_expert_gate.weight")}
+    if spec.arch in ("qwen3moe", "qwen2moe"):  # the router, and the experts stacked [E, rows, cols] as converted
         names |= {"mlp.gate": "ffn_gate_inp"}
         for i in range(spec.n_layers):
             gate, up = np.split(sd.pop(f"model.layers.{i}.mlp.experts.gate_up_proj"), 2, axis=1)
@@ -237,12 +255,14 @@ def gguf_metadata(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
         md[f"{a}.rope.dimension_count"] = spec.hd
     if a in ("gemma3", "qwen3", "qwen3moe"):
         md[f"{a}.attention.key_length"] = md[f"{a}.attention.value_length"] = spec.hd
-    if a == "qwen3moe":
+    if a in ("qwen3moe", "qwen2moe"):
         md[f"{a}.expert_count"] = spec.n_experts
         md[f"{a}.expert_used_count"] = spec.n_used
         md[f"{a}.expert_feed_forward_length"] = spec.expert_ffn
-        if not spec.norm_topk:
-            md[f"{a}.expert_weights_norm"] = False
+        if spec.norm_topk != (a == "qwen3moe"):  # the key where it is not the architecture's default
+            md[f"{a}.expert_weights_norm"] = spec.norm_topk
+    if a == "qwen2moe":
+        md[f"{a}.expert_shared_feed_forward_length"] = spec.shared_ffn
     if a == "gemma3":
         md[f"{a}.attention.sliding_window"] = spec.window
         if spec.swa_pattern:

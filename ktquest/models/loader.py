@@ -27,7 +27,7 @@ from ktquest.formats.chat_template import ChatTemplateError
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.formats.tokenizer import Tokenizer, TokenizerError
 from ktquest.layers.linear import QuantWeight
-from ktquest.models import gemma3, llama, qwen3, qwen3moe
+from ktquest.models import gemma3, llama, qwen2moe, qwen3, qwen3moe
 from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
 from ktquest.models.block import EXPERT_STACKS, VECTORS
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
@@ -35,8 +35,8 @@ from ktquest.native.enums import GGML_TYPES
 
 # The architectures ktquest reads: GGUF name -> its family (models/<family>.py). Adding one is a family file and
 # its line here (docs/design.md, "Adding an architecture").
-FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3moe.FAMILY, gemma3.FAMILY)
-                               for arch in f.archs}
+FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3moe.FAMILY, qwen2moe.FAMILY,
+                                                  gemma3.FAMILY) for arch in f.archs}
 
 
 @dataclass(slots=True)
@@ -75,7 +75,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
         if name not in tensors:
             raise GGUFError(f"{f.path}: missing tensor {name!r} (expected shape {list(expected)})")
         found = tensors.shape(name)
-        if found != expected:
+        if found != expected and not (len(expected) == 1 and found == (1, *expected)):  # a vector: [n] or [1, n]
             what = "[n_experts, rows, cols]: expert_count experts" if len(expected) == 3 else "[rows, cols]"
             raise GGUFError(f"{f.path}: tensor {name!r} has shape {list(found)}, expected {list(expected)} "
                             f"({what})")
@@ -149,7 +149,8 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
         return encoded_experts(contents, name, converted) if encoded else tensor(name)
 
     # the vectors (norms, biases): dequantized in both cases (fp32 on the CPU when encoded)
-    vector = (lambda n: tensor(n, torch.float32, "cpu")) if encoded else tensor
+    # [n], or [1, n] as some converters write a one-row Linear (qwen2moe's ffn_gate_inp_shexp; llama.cpp reads both)
+    vector = (lambda n: tensor(n, torch.float32, "cpu").reshape(-1)) if encoded else (lambda n: tensor(n).reshape(-1))
     read = {f: vector for f in VECTORS} | {f: experts for f in EXPERT_STACKS}
     layers = [BlockWeights(**{f: read.get(f, matrix)(f"blk.{i}.{n}") for f, n in spec.tensors().items()})
               for i, spec in enumerate(a.blocks)]
