@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""ktquest and llama.cpp on one GGUF, each (engine, context) in a fresh process: the speed and the memory a
+user of either sees, with nothing of the other engine in the process.
+
+bench_decode.py runs both engines in one process, which is fine while the model is small. A model near the
+machine's RAM is not: llama.cpp repacks its weights into memory of its own on AVX2 (its "extra buffer
+types": a copy of every Q4_K matrix, all 128 experts' of a Qwen3-30B-A3B), and beside it the other engine's
+mapped pages are evicted and read again from disk. Here each cell is a child process that loads the model,
+prefills ``context`` tokens of natural text (tools/common.context_tokens: the same ids for both engines),
+decodes ``--decode-tokens`` greedy tokens, and reports:
+
+- ``load_s``, ``prefill_tok_s`` (the context's tokens over the time to feed them), ``decode_tok_s``;
+- ``peak_rss_mib``: the process's peak resident set (VmHWM: mapped file pages it touched count, as they do
+  in what ``top`` shows), ``rss_anon_mib`` and ``rss_file_mib`` at the end (its own memory, and the
+  file's pages it has resident).
+
+Cells run in ``--rounds`` rounds, in turn (A B A B; every other round in reverse), so a drift of a noisy host
+hits both engines alike; the table gives each cell's median over the rounds and the ratios ktquest /
+llama.cpp taken within each round. The model file is read once first, so every cell starts with it in the
+page cache. Engines: ``ktquest:MODE`` (dense, or a preset of configs/: quest, snapkv, ...), ``llama.cpp``
+(its defaults: F16 KV, weights repacked where it does so) and ``llama.cpp-mapped`` (``use_extra_bufts``
+off: every weight read from the mapping, as ktquest reads them). Example:
+
+    python tools/bench_engines.py --model /work/shaped/qwen3-30b-a3b-q4_k_m.gguf --contexts 1024,4096 \
+        --engines ktquest:dense,llama.cpp,llama.cpp-mapped --rounds 2 --json tools/out/bench_engines.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402
+
+READ_CHUNK = 64 << 20
+
+
+def _status_mib(fields: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in fields:
+                out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+def child(engine: str, model: str, context: int, decode_n: int, threads: int, max_len: int) -> dict:
+    """One cell, in this process: load, prefill, decode; the figures."""
+    import ktquest
+
+    if engine.startswith("ktquest:"):
+        ktquest.set_openmp_spin()  # as the CLI runs (no llama.cpp in this process); before torch loads
+    import bench_decode as bd  # (imports torch)
+
+    t0 = time.perf_counter()
+    if engine.startswith("ktquest:"):
+        mode = engine.split(":", 1)[1]
+        config = bd.mode_config(mode, dict(bd.MODE_CONFIGS))
+        runner = bd.KtquestRunner(model, mode, mode, config, max_len, threads, 0, [])
+    else:
+        lc = bd.llama_cpp()
+        if lc is None:
+            raise SystemExit("llama-cpp-python is not installed")
+        if engine == "llama.cpp-mapped":  # every weight read in place from the mapping, none repacked
+            api = lc.llama_cpp  # (where llama_cpp.Llama takes its default model parameters from)
+            default = api.llama_model_default_params
+
+            def mapped_params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+            api.llama_model_default_params = mapped_params
+        from ktquest.formats.tokenizer import Tokenizer
+        from ktquest.models.loader import read_gguf
+        tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model).metadata)
+        runner = bd.LlamaCppRunner(lc, model, max_len, threads, tokenizer)
+    load_s = time.perf_counter() - t0  # (llama.cpp loads in its prefill: its load is in prefill_s)
+    prefill_s = runner.prefill(context)
+    decode_s = runner.decode(context, decode_n)
+    mem = _status_mib(("VmHWM", "RssAnon", "RssFile"))
+    return dict(engine=engine, context=context, threads=threads, decode_tokens=decode_n, load_s=load_s,
+                prefill_s=prefill_s, prefill_tok_s=context / prefill_s, decode_tok_s=decode_n / decode_s,
+                peak_rss_mib=mem["VmHWM"], rss_anon_mib=mem["RssAnon"], rss_file_mib=mem["RssFile"])
+
+
+def warm_page_cache(path: str) -> float:
+    """Read ``path`` once (into the page cache); the seconds it took."""
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(READ_CHUNK):
+            pass
+    return time.perf_counter() - t0
+
+
+def run_cell(args, engine: str, context: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{engine},{context}", "--model", args.model,
+           "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens),
+           "--max-seq-len", str(args.max_seq_len)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{engine} at {context}: the child failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"  {engine:>18} ctx {context:>6}: prefill {row['prefill_tok_s']:7.1f} tok/s, decode "
+          f"{row['decode_tok_s']:6.2f} tok/s, peak RSS {row['peak_rss_mib']:8.0f} MiB (anon "
+          f"{row['rss_anon_mib']:.0f}, file {row['rss_file_mib']:.0f})", flush=True)
+    return row
+
+
+def summarize(rows: list[dict], engines: list[str], contexts: list[int], rounds: int) -> None:
+    keys = ("prefill_tok_s", "decode_tok_s", "peak_rss_mib")
+    print("\n| engine | context | prefill tok/s | decode tok/s | peak RSS MiB | anon MiB | file MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    cell = {}
+    for e in engines:
+        for c in contexts:
+            rs = [r for r in rows if r["engine"] == e and r["context"] == c]
+            cell[e, c] = rs
+            med = {k: statistics.median(r[k] for r in rs) for k in (*keys, "rss_anon_mib", "rss_file_mib")}
+            print(f"| {e} | {c:,} | {med['prefill_tok_s']:.1f} | {med['decode_tok_s']:.2f} | "
+                  f"{med['peak_rss_mib']:,.0f} | {med['rss_anon_mib']:,.0f} | {med['rss_file_mib']:,.0f} |")
+    peers = [e for e in engines if e.startswith("llama.cpp")]
+    for e in (e for e in engines if e.startswith("ktquest:")):
+        for p in peers:
+            for c in contexts:
+                ratios = {k: [a[k] / b[k] for a, b in zip(cell[e, c], cell[p, c], strict=True)] for k in keys}
+                print(f"{e} / {p} at {c:,}: " + ", ".join(
+                    f"{k.removesuffix('_tok_s').removesuffix('_mib')} " + " / ".join(f"{x:.2f}" for x in v)
+                    for k, v in ratios.items()) + f" (per round, {rounds} round(s))")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="GGUF path")
+    ap.add_argument("--contexts", default="1024", help="comma-separated prompt lengths, tokens")
+    ap.add_argument("--engines", default="ktquest:dense,llama.cpp",
+                    help="comma-separated: ktquest:MODE, llama.cpp, llama.cpp-mapped")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--max-seq-len", type=int, default=0, help="default: the longest context + decode + 64")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: ENGINE,CONTEXT
+    args = ap.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if not args.max_seq_len:
+        args.max_seq_len = max(contexts) + args.decode_tokens + 64
+    if args.one:
+        engine, context = args.one.rsplit(",", 1)
+        print(json.dumps(child(engine, args.model, int(context), args.decode_tokens, args.threads,
+                               args.max_seq_len)))
+        return 0
+    engines = args.engines.split(",")
+    for e in engines:
+        if not (e in ("llama.cpp", "llama.cpp-mapped") or e.startswith("ktquest:")):
+            ap.error(f"--engines: unknown engine {e!r} (ktquest:MODE, llama.cpp, llama.cpp-mapped)")
+    print(f"{args.model}: read into the page cache in {warm_page_cache(args.model):.1f} s", flush=True)
+    rows = []
+    for i in range(args.rounds):
+        order = engines if i % 2 == 0 else engines[::-1]
+        print(f"round {i + 1}/{args.rounds}", flush=True)
+        for c in contexts:
+            for e in order:
+                rows.append(dict(run_cell(args, e, c), round=i + 1))
+    summarize(rows, engines, contexts, args.rounds)
+    if args.json:
+        write_json(args.json, {"model": args.model, "threads": args.threads, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
