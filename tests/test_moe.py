@@ -234,3 +234,23 @@ def test_missing_expert_stack_and_unsupported_gating(tmp_path):
     md["qwen3moe.expert_gating_func"] = 2
     _assert_error(write_gguf(tmp_path / "sigmoid.gguf", arch, md, tensors, None),
                   "qwen3moe.expert_gating_func=2", "softmax")
+
+
+def test_the_ram_checks_chunk_counts_the_experts_widths():
+    """A chunk's activations (kv/memory.py) on a MoE block: the experts' width and count, not the file's
+    dense feed_forward_length (Qwen3-30B-A3B: 6144 beside experts of 768)."""
+    import dataclasses
+    import types
+
+    from ktquest.kv.memory import chunk_activation_bytes
+    from ktquest.models.block import BlockSpec
+
+    moe = BlockSpec(qk_norm=True, ffn="moe", n_experts=128, n_experts_used=8, expert_ffn=768, norm_topk=True)
+    args = types.SimpleNamespace(n_layers=2, n_heads=32, n_kv_heads=4, head_dim=128, dim=2048, ffn_dim=6144,
+                                 blocks=(moe, moe))
+    base = chunk_activation_bytes(args, 512)
+    assert chunk_activation_bytes(types.SimpleNamespace(**{**vars(args), "ffn_dim": 60000}), 512) == base
+    wider = dataclasses.replace(moe, expert_ffn=20000)
+    assert chunk_activation_bytes(types.SimpleNamespace(**{**vars(args), "blocks": (wider,)}), 512) > base
+    shared = dataclasses.replace(moe, shared_expert=True, shared_ffn=20000)
+    assert chunk_activation_bytes(types.SimpleNamespace(**{**vars(args), "blocks": (shared,)}), 512) > base

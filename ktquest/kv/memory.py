@@ -65,16 +65,31 @@ def chunk_activation_bytes(args, tokens: int, elem: int = 4) -> int:
       in the compute dtype and its projection;
     - a sliding-window layer's attention (gemma3): torch's attention with a mask, whose scores, probabilities
       and mask are [H, T, T + window] (4 + 4 + 4 + 1 bytes an entry at most, the math path's);
-    - the FFN: gate, up and their product, and its projection.
+    - the FFN: gate, up and their product, and its projection; a mixture of experts (models/ffn.py): the
+      router's logits, its fp32 softmax and their sort (weights and int64 ids) [T, E], then one expert at a
+      time on its group of tokens (the whole chunk at most): the group's x, gate|up, their product, down's
+      output and it weighted, beside the sum [T, dim]; the shared expert's like a gated FFN's.
     """
     dim = getattr(args, "dim", args.n_heads * args.head_dim)
     ffn = getattr(args, "ffn_dim", 4 * dim)
+    ffn_phase = max((_ffn_token_bytes(b, dim, ffn, elem) for b in getattr(args, "blocks", ())),
+                    default=(3 * ffn + dim) * elem)
     hd, kvd = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     attn = (6 * hd + 2 * kvd + dim) * elem + (4 * (hd + args.n_heads) + 2 * (hd + kvd)) * 4
     window = max((b.window for b in getattr(args, "blocks", ())), default=0)  # the widest sliding layer's
     if window:
         attn = max(attn, (4 * hd + 2 * kvd + dim) * elem + args.n_heads * (tokens + window) * 13)
-    return tokens * (3 * dim * elem + max(attn, (3 * ffn + dim) * elem))
+    return tokens * (3 * dim * elem + max(attn, ffn_phase))
+
+
+def _ffn_token_bytes(block, dim: int, ffn: int, elem: int) -> int:
+    """A chunk's FFN activations per token at their peak (``chunk_activation_bytes``)."""
+    if block.ffn != "moe":
+        return (3 * ffn + dim) * elem
+    router = block.n_experts * (elem + 4 + 4 + 8)
+    expert = (3 * block.expert_ffn + 4 * dim) * elem
+    shared = (3 * block.shared_ffn + dim) * elem if block.shared_expert else 0
+    return router + expert + shared
 
 
 def prompt_token_device_bytes(args) -> int:
