@@ -71,20 +71,22 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim] -> [T, dim]
         weights, ids = route(self.router(x), self.n_used, self.norm_topk)  # [T, k] each
-        out = torch.zeros_like(x)
-        # The (token, slot) pairs grouped by expert: each used expert runs once on its tokens.
+        # The (token, slot) pairs grouped by expert: each used expert runs once on its tokens, its outputs
+        # written to its run of the grouped rows; one gather puts the rows back in (token, slot) order, and
+        # the weighted sum over the slots is one pass (no scatter-add: torch's index_add_ took a fifth of a
+        # Qwen3-30B-A3B prefill).
         flat = ids.reshape(-1)  # [T * k]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        xs = x.index_select(0, order // self.n_used)  # [T * k, dim], grouped by expert
+        ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start: start + n]  # [n] indices into [T * k]
-            start += n
-            tokens = pairs // self.n_used
-            y = self.experts[e](x[tokens])  # [n, dim]
-            out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None].to(y.dtype))
+            if n:
+                ys[start: start + n] = self.experts[e](xs[start: start + n])
+                start += n
+        ys = ys.index_select(0, order.argsort())  # [T * k, dim] in (token, slot) order
+        out = torch.bmm(weights.to(ys.dtype).unsqueeze(1), ys.view(len(x), self.n_used, -1)).squeeze(1)  # [T, dim]
         if self.shared is not None:
             g = torch.sigmoid(x @ self.shared_gate.to(x.dtype))  # [T]
             out += g[:, None] * self.shared(x)
