@@ -8,6 +8,12 @@ and earlier turns are never prefilled again.
 
 The messages' text (the user's, the system prompt, the document) is text: special-token strings in it are
 characters, not control tokens, unless the config's ``parse_special`` is on.
+
+A thinking model's reply (Qwen3, QwQ, DeepSeek-R1: ``<think>...</think>`` before the answer) is kept as the
+answer, its thinking beside it as ``reasoning_content``: the chat template decides whether to render it
+(Qwen3's does only after the last user message, so never in a later turn's history; a template that does not
+know the key never shows it). The cache, which holds the reply as generated, then differs from the next
+rendering from that reply's first token on: the next turn reads again from there (the common prefix kept).
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from ktquest.turn import (
     ProgressCallback,
     PromptTooLongError,
     TextCallback,
+    ThinkSplit,
     TurnStats,
     check_arg,
     check_callbacks,
+    opens_thinking,
+    split_thinking,
 )
 
 if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into the engine it was given
@@ -36,8 +45,9 @@ if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into 
 
 @dataclass(slots=True)
 class Reply:
-    text: str
+    text: str  # the answer (a thinking model's think block apart)
     stats: TurnStats
+    thinking: str | None = None  # the think block's text; None: the reply had none
 
 
 @dataclass(slots=True)
@@ -69,8 +79,11 @@ class ChatSession:
     @exclusive
     def send(self, user_text: str, on_text: TextCallback | None = None,
              on_progress: ProgressCallback | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Reply:
-        """One turn: the user's message in, the assistant's reply out (streamed to ``on_text``).
+             should_stop: Callable[[], bool] | None = None,
+             on_thinking: TextCallback | None = None) -> Reply:
+        """One turn: the user's message in, the assistant's reply out (streamed to ``on_text``). A thinking
+        model's think block streams to ``on_thinking`` instead (``ThinkSplit``) and is kept apart from the
+        answer (``Reply.thinking``; the message's ``reasoning_content``).
 
         A failed turn changes nothing: the conversation stays as it was, without this message. Before any
         work: ``ChatTemplateError`` (the template failed on this conversation) or ``PromptTooLongError`` (it
@@ -83,21 +96,36 @@ class ChatSession:
         """
         eng = self.engine
         check_arg("user_text", user_text, str)  # TypeError, as for the callbacks
-        check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
+        check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop,
+                        on_thinking=on_thinking)
         messages = self._with_message(user_text)
         tokens = encode_chat(eng, messages)
+        open_block = opens_prompt_thinking(eng, tokens)
+        split = ThinkSplit(open_block)
+
+        def pieces(out: list) -> None:
+            for kind, text in out:
+                f = on_thinking if kind == "thinking" else on_text
+                if f is not None:
+                    f(text)
 
         seq = eng.sequence
         seq.claim(self)  # another session, the server or a raw completion used the cache: it starts afresh
         cached = seq.rewind_for(tokens)
-        text, stats = eng.run(seq, tokens[cached:], eng.config.generation, on_text, on_progress, should_stop)
+        text, stats = eng.run(seq, tokens[cached:], eng.config.generation, lambda p: pieces(split.push(p)),
+                              on_progress, should_stop)
+        eng.lock.callback(pieces)(split.flush())
         if stats.new_tokens == 0 and stats.stopped_by == "interrupted":
             # interrupted before the reply began: the turn is dropped; what was read of it stays in the cache,
             # so the same message sent again reads only the rest
             return Reply(text="", stats=stats)
-        self.messages = messages + [{"role": "assistant", "content": text}]
+        thinking, answer = split_thinking(text, open_block)
+        reply = {"role": "assistant", "content": answer}
+        if thinking is not None:
+            reply["reasoning_content"] = thinking
+        self.messages = messages + [reply]
         self._turns.append(stats)
-        return Reply(text=text, stats=stats)
+        return Reply(text=answer, stats=stats, thinking=thinking)
 
     @exclusive
     def read_document(self, on_progress: ProgressCallback | None = None) -> TurnStats:
@@ -157,7 +185,7 @@ class ChatSession:
         document take of the context (``ktquest chat`` refuses a --prompt-file that leaves no room)."""
         eng = self.engine
         messages = self._with_message(user_text)
-        chars = sum(len(m["content"]) for m in messages)  # the template's bounds sized for the text, not the context
+        chars = text_chars(messages)  # the template's bounds sized for the text, not the context
         limits = TemplateLimits.for_context(max(eng.max_seq_len, chars))
         return len(eng.tokenizer.encode_messages(messages, add_generation_prompt=True,
                                                  parse_special=eng.config.parse_special, limits=limits))
@@ -193,7 +221,7 @@ def encode_chat(eng: Engine, messages: list[dict[str, str]]) -> list[int]:
     model: ``ChatTemplateError`` (the template failed) or ``PromptTooLongError`` (past the context in tokens,
     or in characters past what the template may render)."""
     limits = TemplateLimits.for_context(eng.max_seq_len)
-    chars = sum(len(m["content"]) for m in messages)
+    chars = text_chars(messages)
     if chars > limits.max_chars:  # past what the template may render: said as what it is
         raise PromptTooLongError(f"prompt too long: {chars:,} characters, more than the context of "
                                  f"{eng.max_seq_len} tokens (max_seq_len) can hold; shorten the prompt "
@@ -202,3 +230,14 @@ def encode_chat(eng: Engine, messages: list[dict[str, str]]) -> list[int]:
                                            parse_special=eng.config.parse_special, limits=limits)
     eng.check_fits(len(tokens))
     return tokens
+
+
+def text_chars(messages: list[dict[str, str]]) -> int:
+    """The characters of the messages' text: their contents and any thinking kept with a reply."""
+    return sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in messages)
+
+
+def opens_prompt_thinking(eng: Engine, tokens: list[int]) -> bool:
+    """Whether the chat prompt ``tokens`` ends by opening a think block (``opens_thinking``): its reply begins
+    inside it. (A model without a chat template has no generation prompt: its text is the user's.)"""
+    return eng.tokenizer.chat_template is not None and opens_thinking(eng.tokenizer.decode(tokens[-16:]))

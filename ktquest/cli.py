@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, key, kind, what in _SAMPLING_FLAGS:
         chat.add_argument(flag, type=kind, metavar="X", dest=key, help=f"{what} (generation.{key})")
     chat.add_argument("--seed", type=int, metavar="N", help="sampling seed (generation.seed)")
+    chat.add_argument("--show-thinking", action="store_true",
+                      help="show a thinking model's think block (Qwen3, QwQ, DeepSeek-R1), dimmed; by default it is "
+                           "hidden behind a 'thinking...' line")
     chat.add_argument("--parse-special", action="store_true", default=None,
                       help="read special-token text (<|im_end|>) in your messages, --system and "
                            "--prompt-file as control tokens; by default it is plain text (parse_special)")
@@ -186,11 +189,11 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
         _read_and_save(session, args.save_kv, err)
         save_at_end = None
     if args.message is not None:
-        code = _answer_once(session, args.message, err)
+        code = _answer_once(session, args.message, err, args.show_thinking)
         if save_at_end:
             _save(session, save_at_end, err)
         return code
-    return _interactive(engine, session, err, save_at_end)
+    return _interactive(engine, session, err, save_at_end, args.show_thinking)
 
 
 def _read_and_save(session, path: str, err: Console) -> None:
@@ -291,9 +294,10 @@ def _read_document(path: str) -> str:
 # ---- one reply ----
 
 
-def _answer_once(session, message: str, err: Console) -> int:
+def _answer_once(session, message: str, err: Console, show_thinking: bool = False) -> int:
     with CtrlC() as ctrl_c, ctrl_c.turn():
-        reply = stream_reply(session, message, sys.stdout, err, ctrl_c, show_progress=err.is_terminal)
+        reply = stream_reply(session, message, sys.stdout, err, ctrl_c, show_progress=err.is_terminal,
+                             show_thinking=show_thinking)
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(stats_line(reply.stats), file=sys.stderr)
@@ -303,7 +307,7 @@ def _answer_once(session, message: str, err: Console) -> int:
 # ---- interactive ----
 
 
-def _interactive(engine, session, err: Console, save_at_end: str | None = None) -> int:
+def _interactive(engine, session, err: Console, save_at_end: str | None = None, show_thinking: bool = False) -> int:
     from ktquest.formats.tokenizer import valid_text
 
     console = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns
@@ -358,7 +362,7 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None) 
             # one turn: whatever fails, one line, and the conversation goes on (ChatSession keeps it whole)
             try:
                 with ctrl_c.turn():
-                    _turn(session, text, console, err, ctrl_c)
+                    _turn(session, text, console, err, ctrl_c, show_thinking)
             except KeyboardInterrupt:  # a second Ctrl-C
                 dropped = "" if len(session.messages) > turns else "; that message was dropped"
                 console.print(("\n" if ctrl_c.midline else "") + f"[yellow]interrupted{dropped}[/]")
@@ -406,8 +410,8 @@ def _save_at_end(session, path: str | None, err: Console, ctrl_c: CtrlC) -> int:
     return 0
 
 
-def _turn(session, text: str, console: Console, err: Console, ctrl_c: CtrlC) -> None:
-    reply = stream_reply(session, text, sys.stdout, err, ctrl_c, show_progress=True)
+def _turn(session, text: str, console: Console, err: Console, ctrl_c: CtrlC, show_thinking: bool = False) -> None:
+    reply = stream_reply(session, text, sys.stdout, err, ctrl_c, show_progress=True, show_thinking=show_thinking)
     s = reply.stats
     if s.stopped_by == "interrupted" and s.new_tokens == 0:
         kept = (f"; the {s.prompt_tokens:,} tokens of it read stay in the cache: send it again to go on from "

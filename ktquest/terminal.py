@@ -1,5 +1,6 @@
 """The terminal side of a chat turn: Ctrl-C that stops a reply without ending the chat, the prefill's
-progress bar, a reply streamed as it is generated, and the speed line and usage table after it."""
+progress bar, a reply streamed as it is generated (a thinking model's thinking hidden behind a "thinking..."
+line, or shown dimmed), and the speed line and usage table after it."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from rich.progress import (
     TextColumn,
     TimeRemainingColumn,
 )
+from rich.status import Status
 from rich.table import Table
 from rich.text import Text
+
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # SGR: faint, then back to normal
 
 
 class CtrlC:
@@ -94,9 +98,47 @@ class PrefillBar:
             self.progress = None
 
 
-def stream_reply(session, text: str, out: TextIO, err: Console, ctrl_c: CtrlC, show_progress: bool):
-    """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read."""
+class Thinking:
+    """A thinking model's think block on the terminal: hidden behind a dim "thinking..." line on ``err`` (a
+    terminal) while it streams, or with ``show`` written to ``out`` dimmed (where ``out`` is a terminal), a
+    blank line between it and the answer."""
+
+    def __init__(self, out: TextIO, err: Console, show: bool):
+        self.out, self.err, self.show = out, err, show
+        self.dim = show and out.isatty()
+        self.status: Status | None = None
+        self.open = False  # thinking is on the screen, the answer not yet
+
+    def piece(self, text: str) -> str:
+        """What to write to ``out`` for a piece of thinking."""
+        if not self.show:
+            if self.status is None and self.err.is_terminal:
+                self.status = Status("[dim]thinking...[/]", console=self.err, spinner="dots")
+                self.status.start()
+            return ""
+        first, self.open = not self.open, True
+        return (DIM if self.dim and first else "") + text
+
+    def end(self) -> str:
+        """What to write before the answer (or at the reply's end): the thinking closed."""
+        self.stop()
+        if not self.open:
+            return ""
+        self.open = False
+        return (PLAIN if self.dim else "") + "\n\n"
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
+def stream_reply(session, text: str, out: TextIO, err: Console, ctrl_c: CtrlC, show_progress: bool,
+                 show_thinking: bool = False):
+    """Send ``text``, streaming the reply to ``out``; a progress bar on ``err`` while a long prompt is read;
+    a think block hidden (a "thinking..." line on ``err``) or, with ``show_thinking``, shown dimmed."""
     bar = PrefillBar(err, session.engine.config.chunk_size)
+    thinking = Thinking(out, err, show_thinking)
 
     def on_progress(done: int, total: int) -> None:
         if ctrl_c.requested:
@@ -104,17 +146,29 @@ def stream_reply(session, text: str, out: TextIO, err: Console, ctrl_c: CtrlC, s
         if show_progress:
             bar.update(done, total)
 
+    def write(piece: str) -> None:
+        if piece:
+            out.write(piece)
+            out.flush()
+            ctrl_c.midline = not piece.endswith("\n")
+
+    def on_thinking(piece: str) -> None:
+        bar.stop()  # (before the "thinking..." line: one live display at a time)
+        write(thinking.piece(piece))
+
     def on_text(piece: str) -> None:
         bar.stop()
-        out.write(piece)
-        out.flush()
-        ctrl_c.midline = not piece.endswith("\n")
+        write(thinking.end() + piece)
 
     try:
-        return session.send(text, on_text=on_text, on_progress=on_progress,
-                            should_stop=lambda: ctrl_c.requested)
+        return session.send(text, on_text=on_text, on_progress=on_progress, should_stop=lambda: ctrl_c.requested,
+                            on_thinking=on_thinking)
     finally:
         bar.stop()
+        if thinking.open:  # the reply ended while thinking: the terminal's colour back to normal
+            out.write(PLAIN if thinking.dim else "")
+            out.flush()
+        thinking.stop()
 
 
 def stats_line(s) -> str:

@@ -1,14 +1,18 @@
 """What a turn of generation reports and how the Python API checks its arguments: the stats of one turn, the
-callbacks it reports through, the error of a prompt that does not fit. The engine, the chat and the server
-share them (none of them imports another for these)."""
+callbacks it reports through, the error of a prompt that does not fit, and a reply's text split into its
+thinking and its answer (``ThinkSplit``). The engine, the chat and the server share them (none of them
+imports another for these)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 TextCallback = Callable[[str], None]
 ProgressCallback = Callable[[int, int], None]
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+Piece = tuple[Literal["thinking", "answer"], str]
 
 
 class PromptTooLongError(ValueError):
@@ -41,3 +45,99 @@ def check_callbacks(**callbacks: object) -> None:
     for name, f in callbacks.items():
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be callable or None, not {type(f).__name__}")
+
+
+# ---- thinking ----
+
+
+def opens_thinking(prompt_end: str) -> bool:
+    """Whether a rendered generation prompt ending in ``prompt_end`` opens a think block itself (the templates
+    of Qwen3-2507 Thinking write ``<think>\n``): the reply then begins inside it, and writes only its end."""
+    return prompt_end.rstrip().endswith(THINK_OPEN)
+
+
+class ThinkSplit:
+    """A reply's text, as it streams, split into its thinking and its answer (as llama.cpp's server and vLLM's
+    reasoning parsers split Qwen3's, QwQ's and DeepSeek-R1's replies).
+
+    A reply that begins with ``<think>`` (after blanks), or any reply when the prompt opened the block
+    (``open_block``: ``opens_thinking``), thinks until ``</think>``; the rest is the answer. Without the end
+    tag (the reply cut short) it is all thinking; a reply that does not begin so is all answer, as it came.
+    The thinking and the answer are trimmed of the blanks around them (``<think>\n...\n</think>\n\n``), as
+    Qwen3's template trims them. ``push`` returns the pieces that can go out now: text that may be the start
+    of a tag, or blanks that may end the thinking, wait for the next piece (or ``flush``, at the reply's end).
+    """
+
+    def __init__(self, open_block: bool = False):
+        self.state = "think_start" if open_block else "start"  # -> think_start -> think -> after -> answer
+        self.held = ""
+        self.found = open_block  # a think block was seen
+        self.thinking: list[str] = []
+        self.answer: list[str] = []
+
+    @property
+    def reasoning(self) -> str | None:
+        """The thinking so far; None for a reply without a think block."""
+        return "".join(self.thinking) if self.found else None
+
+    @property
+    def content(self) -> str:
+        return "".join(self.answer)
+
+    def push(self, piece: str) -> list[Piece]:
+        out: list[Piece] = []
+        buf, self.held = self.held + piece, ""
+        while buf:
+            if self.state == "start":
+                head = buf.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.state, self.found, buf = "think_start", True, head[len(THINK_OPEN):]
+                elif THINK_OPEN.startswith(head):  # blanks, or the start of the tag: wait for more
+                    self.held, buf = buf, ""
+                else:
+                    self.state = "answer"
+            elif self.state in ("think_start", "after"):  # the blanks after a tag are dropped
+                buf = buf.lstrip()
+                if buf:
+                    self.state = "think" if self.state == "think_start" else "answer"
+            elif self.state == "think":
+                end = buf.find(THINK_CLOSE)
+                if end >= 0:
+                    self._emit(out, "thinking", buf[:end].rstrip())
+                    self.state, buf = "after", buf[end + len(THINK_CLOSE):]
+                    continue
+                # held: the end of buf that may begin the tag, and the blanks before it
+                keep = next((k for k in range(min(len(buf), len(THINK_CLOSE) - 1), 0, -1)
+                             if buf.endswith(THINK_CLOSE[:k])), 0)
+                text = buf[: len(buf) - keep]
+                sent = text.rstrip()
+                self.held = buf[len(sent):]
+                self._emit(out, "thinking", sent)
+                buf = ""
+            else:
+                self._emit(out, "answer", buf)
+                buf = ""
+        return out
+
+    def flush(self) -> list[Piece]:
+        """The reply ended: what was held goes out (a think block never closed is all thinking)."""
+        out: list[Piece] = []
+        held, self.held = self.held, ""
+        if self.state == "start":
+            self._emit(out, "answer", held)
+        elif self.state == "think":
+            self._emit(out, "thinking", held.rstrip())
+        return out
+
+    def _emit(self, out: list[Piece], kind: Literal["thinking", "answer"], text: str) -> None:
+        if text:
+            (self.thinking if kind == "thinking" else self.answer).append(text)
+            out.append((kind, text))
+
+
+def split_thinking(text: str, open_block: bool = False) -> tuple[str | None, str]:
+    """A whole reply's (thinking, answer), as ``ThinkSplit`` streams them; thinking None: no think block."""
+    split = ThinkSplit(open_block)
+    split.push(text)
+    split.flush()
+    return split.reasoning, split.content

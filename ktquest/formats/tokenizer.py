@@ -59,6 +59,7 @@ _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
 # token), so that the text no longer matches a control token when the rendered chat is split; taken out
 # before the text is encoded. A Unicode noncharacter ("for internal use"): one a message brings is dropped.
 _TEXT_MARK = "\ufdd0"
+_TEXT_FIELDS = ("content", "reasoning_content")  # a message's text: its special-token strings are characters
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -158,7 +159,7 @@ class Tokenizer:
         # Each content's special-token texts are broken up by _TEXT_MARKs; the template then renders them
         # wherever it puts the content (transformed too: trimmed, split, ...), and only the whole
         # special-token texts of the result, the template's own, are control tokens.
-        marked = [{**m, "content": self._mark(m["content"])} if isinstance(m.get("content"), str) else m
+        marked = [{**m, **{k: self._mark(m[k]) for k in _TEXT_FIELDS if isinstance(m.get(k), str)}}
                   for m in messages]
         parts = self._markup_re.split(self.apply_chat_template(marked, add_generation_prompt, limits))
         ids: list[int] = []

@@ -102,11 +102,12 @@ def conversation(path: str | os.PathLike, extra: dict) -> dict:
     ok = isinstance(chat, dict) and all(k in chat and isinstance(chat[k], (str, type(None))) for k in ("system", "document"))
     messages = chat.get("messages") if ok else None
     if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and
-                                               isinstance(m.get("content"), str) for m in messages)):
+                                               isinstance(m.get("content"), str) and
+                                               isinstance(m.get("reasoning_content", ""), str) for m in messages)):
         raise KVFileError(f"{path}: holds a KV cache but no conversation (written by save_kv, not "
                           "ChatSession.save)")
     return {"system": chat["system"], "document": chat["document"],
-            "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+            "messages": [{k: m[k] for k in ("role", "content", "reasoning_content") if k in m} for m in messages]}
 
 
 def differences(a: object, b: dict, prefix: str = "") -> str:

@@ -11,6 +11,10 @@ the running one; past that a request is answered 429 at once. Every error is an 
 on serving. A streaming client that disconnects stops its generation at the next token (the cache stays
 consistent: ``generate``'s invariant), and a request still waiting when its client leaves never runs.
 
+A chat reply's leading think block (Qwen3, QwQ, DeepSeek-R1) is the message's ``reasoning_content``, the rest
+its ``content`` (``ktquest.turn.ThinkSplit``; streamed too: ``reasoning_content`` deltas until ``</think>``),
+unless the request says ``"reasoning_format": "none"``. Usage counts every generated token, the thinking too.
+
 A request's ``Authorization`` header, hashed, is its key: it reuses only cached prompts of the same key
 (``worker``'s slots). With ``api_keys`` every request must bring one of them, else 401. A request is checked
 whole before any work on it: JSON nesting and numbers bounded, a prompt measured before it is tokenized.
@@ -37,12 +41,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ktquest.chat import encode_chat
+from ktquest.chat import encode_chat, opens_prompt_thinking
 from ktquest.config import GenerationConfig
 from ktquest.server.guard import GuardConfig, HostOriginGuard
 from ktquest.server.schema import ChatRequest, CompletionRequest
 from ktquest.server.worker import Result, Worker
-from ktquest.turn import PromptTooLongError
+from ktquest.turn import PromptTooLongError, ThinkSplit, split_thinking
 
 log = logging.getLogger("ktquest.serve")
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this is refused (413) before it is read whole
@@ -101,6 +105,8 @@ class _Job:
     ticket: _Ticket
     key: str | None  # the client's credential, hashed (None: none given): whose slots it may reuse
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    split: bool = False  # a chat reply: its think block goes to reasoning_content
+    open_block: bool = False  # its prompt opened the think block (``opens_thinking``)
 
 
 def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES,
@@ -157,7 +163,9 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         try:
             loop = asyncio.get_running_loop()
             tokens = await loop.run_in_executor(None, _tokens, engine, req, longest)  # off the event loop
-            return req, _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key)
+            split = isinstance(req, ChatRequest) and req.reasoning_format != "none"
+            return req, _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
+                             split=split, open_block=split and opens_prompt_thinking(engine, tokens))
         except BaseException:
             ticket.release()
             raise
@@ -188,7 +196,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             if result is None or result.finish_reason == "cancelled":
                 return JSONResponse({}, status_code=499)  # nobody reads it
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": [_choice(chat, result.text, result.finish_reason)],
+                                 "choices": [_choice(chat, result.text, result.finish_reason, job)],
                                  "usage": _usage(result)})
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -199,9 +207,9 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         future.add_done_callback(lambda f: pieces.put_nowait(None))
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None = None, first: bool = False, field: str = "content") -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+                delta = {"role": "assistant", "content": ""} if first else {} if text is None else {field: text}
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -211,8 +219,12 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             try:
                 if chat:
                     yield chunk(None, first=True)
+                split = ThinkSplit(job.open_block) if job.split else None
                 while (piece := await pieces.get()) is not None:
-                    yield chunk(piece)
+                    for kind, text in split.push(piece) if split else [("answer", piece)]:
+                        yield chunk(text, field="reasoning_content" if kind == "thinking" else "content")
+                for kind, text in split.flush() if split else []:
+                    yield chunk(text, field="reasoning_content" if kind == "thinking" else "content")
                 try:
                     result = future.result()
                 except Exception as e:  # the response has begun: the error goes in the stream
@@ -326,7 +338,8 @@ def _tokens(engine, req: BaseModel, longest: int) -> list[int]:
     try:
         if isinstance(req, ChatRequest):
             messages = req.chat()
-            _check_text_fits(engine, [m["content"] for m in messages], longest)
+            _check_text_fits(engine, [m["content"] for m in messages] +
+                             [m["reasoning_content"] for m in messages if "reasoning_content" in m], longest)
             return encode_chat(engine, messages)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             engine.check_fits(len(req.prompt))
@@ -373,10 +386,13 @@ def _generation(base: GenerationConfig, req) -> GenerationConfig:
         raise APIError(400, str(e), code="invalid_value") from None
 
 
-def _choice(chat: bool, text: str, finish: str) -> dict:
+def _choice(chat: bool, text: str, finish: str, job: _Job) -> dict:
     if chat:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                "logprobs": None}
+        thinking, answer = split_thinking(text, job.open_block) if job.split else (None, text)
+        message = {"role": "assistant", "content": answer}
+        if thinking is not None:
+            message["reasoning_content"] = thinking
+        return {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
     return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
 
 

@@ -2,7 +2,8 @@
 pydantic in strict mode: a wrong type is an error, not a conversion (``true`` is not 1). Every number is bounded
 as ``GenerationConfig`` bounds it (so a value past them is a 400 naming the field, never an error later), floats
 are finite. Fields ktquest does not know are ignored, as OpenAI's clients send many; ``n`` other than 1 and
-content parts other than text are refused."""
+content parts other than text are refused. An assistant message may bring its thinking (``reasoning_content``,
+as the server answers it): the chat template decides whether to render it."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Message(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None  # an assistant's thinking, given to the template as it is
 
     def text(self) -> str:
         if self.content is None:
@@ -67,13 +69,17 @@ class Message(BaseModel):
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT_MAX)] | None = None
+    # llama.cpp's name: "none" keeps a think block in ``content``; else it goes to ``reasoning_content``
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (a developer message is a system message)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        """The messages as the chat template takes them (a developer message is a system message; an
+        assistant's ``reasoning_content`` kept where given)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"reasoning_content": m.reasoning_content} if m.reasoning_content is not None else {})}
                 for m in self.messages]
 
 
