@@ -59,6 +59,9 @@ TINY_SPECS = {
     "internlm2": TinySpec("internlm2", tied=False),
     # QK-norm, no biases, a head_dim that is not dim / n_heads (as Qwen3's 128 at any width)
     "qwen3": TinySpec("qwen3", tied=True, head_dim=32, rope_theta=1e6, eps=1e-6),
+    # Qwen3-8B/14B past 32K: YaRN from the file's keys (factor 4 on the original context)
+    "qwen3_yarn": TinySpec("qwen3", tied=False, head_dim=32, rope_theta=1e6, eps=1e-6,
+                           rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
 }
 
 
