@@ -14,6 +14,12 @@ noisy host where one pass of minutes per cell does not. Example:
 A mode is `dense`, `long_context` (configs/snapkv.yaml unless --config says otherwise: the preset whose cost
 per token is flat in the context, a fixed set of preselected candidates) or the name of a preset in configs/
 (`--modes quest,snapkv,ktransformers`); rows carry it as `label`.
+
+--synthetic: no prefill; each context's cache is filled with made-up K/V (tools/synthetic_context.py: norms,
+outlier channels, locality and needle blocks as a real model's, RoPE'd at their positions) and decode starts at
+position N, so decode speed and memory are measured at 128K-1M tokens without the hours of prefill (its
+"prefill" column is the fill's speed). It cannot show accuracy (the context means nothing). Rows also carry
+the memory per context: the process's RSS after the fill (every cache so far held) and the cache's KV bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
+from synthetic_context import fill as synthetic_fill  # noqa: E402
 
 import ktquest  # noqa: E402  (torch-free)
 
@@ -62,7 +69,7 @@ class KtquestRunner:
     engine = "ktquest"
 
     def __init__(self, model_path, label: str, mode: str, config: str | None, max_len: int, threads: int,
-                 chunk_size: int, sets: list[str], sampling: str = "greedy"):
+                 chunk_size: int, sets: list[str], sampling: str = "greedy", synthetic: bool = False):
         overrides = [f"threads={threads}", f"max_seq_len={max_len}", *sets]
         if chunk_size:
             overrides.append(f"chunk_size={chunk_size}")
@@ -76,14 +83,19 @@ class KtquestRunner:
         self.first_step_s: dict[int, float] = {}
         # greedy (the tools' and tests' default) or the chat's sampling (CHAT_GENERATION: penalties, min-p...)
         self.gen = GenerationConfig(**CHAT_GENERATION) if sampling == "chat" else GenerationConfig()
-        self.sampling = sampling
+        self.sampling, self.synthetic = sampling, synthetic
 
     def prefill(self, ctx: int) -> float:
         eng = self.eng
         cache = eng.cache if not self.state else make_cache(eng.config, eng.model.args, eng.max_seq_len, eng.device,
                                                             eng.dtype)
-        tokens = context_tokens(eng.tokenizer, ctx)
         gc.collect()
+        if self.synthetic:  # made-up K/V at positions [0, ctx); the text's last token is read at position ctx
+            tokens = context_tokens(eng.tokenizer, 64)
+            t0 = time.perf_counter()
+            synthetic_fill(cache, eng.model.args, ctx)
+            return self._first_step(ctx, cache, tokens, tokens[-1], time.perf_counter() - t0)
+        tokens = context_tokens(eng.tokenizer, ctx)
         t0 = time.perf_counter()
         marks = [ctx * (i + 1) // 10 for i in range(10)] if ctx >= PROGRESS_FROM else []
 
@@ -94,12 +106,21 @@ class KtquestRunner:
                       file=sys.stderr, flush=True)
 
         logits = eng.prefill(tokens, cache, progress)
-        t = time.perf_counter() - t0
+        return self._first_step(ctx, cache, tokens, int(logits.argmax()), time.perf_counter() - t0)
+
+    def _first_step(self, ctx: int, cache, tokens: list[int], tok: int, t: float) -> float:
         t1 = time.perf_counter()  # the warm-up step: not in the decode rounds, timed on its own
-        tok = int(decode_one_token(eng.model, cache, int(logits.argmax())).argmax())
+        tok = int(decode_one_token(self.eng.model, cache, tok).argmax())
         self.first_step_s[ctx] = time.perf_counter() - t1
         self.state[ctx] = [cache, tok, Sampler(self.gen), [int(t) for t in tokens[-64:]] + [tok]]
         return t
+
+    def memory(self, ctx: int) -> dict:
+        """The context's cache: its KV bytes (a long-context store's blocks, candidates and device windows) and,
+        where it has one, the DRAM store's alone."""
+        cache = self.state[ctx][0]
+        store = getattr(cache, "store", None)
+        return dict(kv_mib=cache.nbytes() / 2**20, store_mib=None if store is None else store.nbytes() / 2**20)
 
     def decode(self, ctx: int, n: int) -> float:
         st = self.state[ctx]
@@ -114,7 +135,7 @@ class KtquestRunner:
     def row(self) -> dict:
         c = self.eng.config
         return dict(engine="ktquest", label=self.label, mode=c.mode, config=self.config_path or "default",
-                    chunk_size=c.chunk_size, weights=c.weights, sampling=self.sampling)
+                    chunk_size=c.chunk_size, weights=c.weights, sampling=self.sampling, synthetic=self.synthetic)
 
 
 class SelectionView:
@@ -229,8 +250,9 @@ def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads:
             first = r.first_step_s.get(ctx)  # the first decode step after the prompt, where the runner times one
             cells[(r.label, ctx)] = dict(r.row(), context=ctx, prefill_tok_s=ctx / t, prefill_s=t, threads=threads,
                                          decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[],
-                                         first_decode_s=first,
-                                         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                                         first_decode_s=first, rss_mib=_rss_mib(),
+                                         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                                         **(r.memory(ctx) if isinstance(r, KtquestRunner) else {}))
             print(f"{r.engine:>9} {r.label:>13} ctx {ctx:>7}: prefill {ctx / t:8.1f} tok/s"
                   + (f", first decode step {first:.2f} s" if first is not None else ""), flush=True)
     for i in range(rounds):
@@ -250,6 +272,12 @@ def paired_ratio(cell: dict[tuple[str, int], dict], a: tuple[str, int], b: tuple
     if a not in cell or b not in cell:
         return None
     return statistics.median(x / y for x, y in zip(cell[a]["decode_rounds_tok_s"], cell[b]["decode_rounds_tok_s"]))
+
+
+def _rss_mib() -> float:
+    """The process's resident memory now, MiB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _last_argmax(llm) -> int:
@@ -284,9 +312,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="for each long_context mode whose store has an index (index_group > 0): also decode on its "
                          "prefilled caches with every block competing, through the index and by the flat scan, and "
                          "compare the two's picks")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="no prefill: fill each context with made-up K/V (tools/synthetic_context.py) and decode "
+                         "after it; needs --peer none")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
 
+    if a.synthetic and a.peer != "none":
+        ap.error("--synthetic: llama.cpp cannot be handed a made-up context; add --peer none")
     model_path = resolve_model(a.model) if a.model else bundled_model_path()
     contexts = [int(c) for c in a.contexts.split(",") if c]
     modes = [m for m in a.modes.split(",") if m]
@@ -316,8 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                 label = mode if len(samplings) == 1 else f"{mode}/{sampling}"
                 label = label if not order else f"{label}/{order}"
                 sets = a.set + ([f"prefill.order={order}"] if order else [])
+                # (the fill takes the cache's layer-major prompt protocol, which reads exactly; decode is alike)
+                sets += ["prefill.mode=exact"] if a.synthetic and mode != "dense" else []
                 r = KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
-                                  configs[mode], max_len, a.threads, a.chunk_size, sets, sampling)
+                                  configs[mode], max_len, a.threads, a.chunk_size, sets, sampling, a.synthetic)
                 runners.append(r)
                 c = r.eng.config
                 if a.selection_views and c.mode == "long_context" and c.long_context.index_group > 0:
@@ -341,11 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(runners, contexts, a.decode_tokens, a.rounds, a.threads)
 
     print()
-    print(f"decode tok/s: median of {a.rounds} round(s) of {a.decode_tokens} tokens")
-    print("| engine | mode / preset | context | prefill tok/s | decode tok/s |")
-    print("|---|---|---:|---:|---:|")
+    print(f"decode tok/s: median of {a.rounds} round(s) of {a.decode_tokens} tokens"
+          + ("; synthetic contexts (made-up K/V, no prefill)" if a.synthetic else ""))
+    print(f"| engine | mode / preset | context | {'fill' if a.synthetic else 'prefill'} tok/s | decode tok/s "
+          "| KV MiB | RSS MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['engine']} | {r['label']} | {r['context']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} |")
+        kv = f"{r['kv_mib']:.0f}" if r.get("kv_mib") is not None else "-"
+        print(f"| {r['engine']} | {r['label']} | {r['context']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} "
+              f"| {kv} | {r['rss_mib']:.0f} |")
     labels = list(dict.fromkeys(r["label"] for r in rows))
     cell = {(r["label"], r["context"]): r for r in rows}
     if "llama.cpp" in labels:
