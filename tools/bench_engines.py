@@ -17,12 +17,25 @@ decodes ``--decode-tokens`` greedy tokens, and reports:
 Cells run in ``--rounds`` rounds, in turn (A B A B; every other round in reverse), so a drift of a noisy host
 hits both engines alike; the table gives each cell's median over the rounds and the ratios ktquest /
 llama.cpp taken within each round. The model file is read once first, so every cell starts with it in the
-page cache. Engines: ``ktquest:MODE`` (dense, or a preset of configs/: quest, snapkv, ...), ``llama.cpp``
+page cache. Engines: ``ktquest:MODE`` (dense, or a preset of configs/: quest, snapkv, ...),
+``ktquest-synthetic:MODE`` (the context's K/V made up, no prefill: bench_decode.py --synthetic), ``llama.cpp``
 (its defaults: F16 KV, weights repacked where it does so) and ``llama.cpp-mapped`` (``use_extra_bufts``
-off: every weight read from the mapping, as ktquest reads them). Example:
+off: every weight read from the mapping, as ktquest reads them).
+
+Long contexts without llama.cpp's prefill (``--llama-fill twin --twin-shape SHAPE``): a 16K prefill of a
+Qwen3-30B-A3B takes llama.cpp over half an hour on two cores, most of it in the 32 query heads' attention and
+the experts, neither of which its dense decode step's speed depends on: that reads every cached K/V row
+whatever their values. So its cache is filled by a twin: the same shape (make_shaped_gguf.py's SHAPE) with
+as many query heads as KV heads and a token of FFN, prefilled with the same ids; its state (the K/V rows, of
+the same layers, KV heads, head_dim and vocabulary) is loaded into the real model's context, which then
+decodes at position ``context``. ``prefill_tok_s`` of such a cell is the twin's, not a figure to compare.
+Check it against a real prefill at a length both can do (the ``llama.cpp`` and ``llama.cpp-twin`` cells at
+one context). Example:
 
     python tools/bench_engines.py --model /work/shaped/qwen3-30b-a3b-q4_k_m.gguf --contexts 1024,4096 \
         --engines ktquest:dense,llama.cpp,llama.cpp-mapped --rounds 2 --json tools/out/bench_engines.json
+    python tools/bench_engines.py --model /work/shaped/qwen3-30b-a3b-q4_k_m.gguf --contexts 4096 \
+        --engines llama.cpp,llama.cpp-twin --twin-shape qwen3-30b-a3b
 """
 
 from __future__ import annotations
@@ -51,19 +64,62 @@ def _status_mib(fields: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def child(engine: str, model: str, context: int, decode_n: int, threads: int, max_len: int) -> dict:
+def twin_path(model: str, shape_name: str) -> str:
+    """The KV twin of ``shape_name`` (written beside ``model`` once): as many query heads as KV heads, an FFN
+    of one 32-block, 8 experts of one block where the shape has experts (llama.cpp's state checks the
+    layers, KV rows and vocabulary only)."""
+    import dataclasses
+    from pathlib import Path
+
+    import make_shaped_gguf as shaped
+
+    shape = shaped.SHAPES[shape_name]
+    twin = dataclasses.replace(shape, n_heads=shape.n_kv_heads, ffn=32, head_dim=shape.head_size,
+                               experts=None if shape.experts is None else (8, 1, 32))
+    out = Path(model).with_name(f"{shape_name}-kvtwin-{shape.n_layers}x{shape.n_kv_heads}x{shape.head_size}.gguf")
+    if not out.exists():
+        shaped.write_shaped_gguf(out, twin, f"{shape_name} KV twin", ftype="Q8_0")
+    return str(out)
+
+
+def llama_twin_fill(runner, lc, model: str, twin: str, context: int) -> float:
+    """``runner``'s cell for ``context`` filled by the twin's prefill (module docstring); the twin's seconds."""
+    import bench_decode as bd
+
+    tokens = bd.context_tokens(runner.tokenizer, context)
+    kw = dict(n_ctx=runner.max_len, n_threads=runner.threads, n_threads_batch=runner.threads, n_batch=512,
+              verbose=False, swa_full=False)
+    t0 = time.perf_counter()
+    src = lc.Llama(model_path=twin, **kw)
+    src.eval(tokens)
+    seconds = time.perf_counter() - t0
+    state = src.save_state()
+    del src
+    llm = lc.Llama(model_path=model, **kw)
+    llm.load_state(state)
+    if llm.n_tokens != context:
+        raise SystemExit(f"the twin's state holds {llm.n_tokens} tokens, not {context}")
+    llm.eval([tokens[-1]])  # warm-up step at position `context`, not timed (its K/V the real model's)
+    runner.state[context] = [llm, bd._last_argmax(llm)]
+    return seconds
+
+
+def child(engine: str, model: str, context: int, decode_n: int, threads: int, max_len: int,
+          twin_shape: str | None = None, llama_kv: str = "f16") -> dict:
     """One cell, in this process: load, prefill, decode; the figures."""
     import ktquest
 
-    if engine.startswith("ktquest:"):
+    if engine.startswith("ktquest"):
         ktquest.set_openmp_spin()  # as the CLI runs (no llama.cpp in this process); before torch loads
     import bench_decode as bd  # (imports torch)
 
     t0 = time.perf_counter()
-    if engine.startswith("ktquest:"):
+    if engine.startswith("ktquest"):
         mode = engine.split(":", 1)[1]
         config = bd.mode_config(mode, dict(bd.MODE_CONFIGS))
-        runner = bd.KtquestRunner(model, mode, mode, config, max_len, threads, 0, [])
+        synthetic = engine.startswith("ktquest-synthetic:")
+        sets = ["prefill.mode=exact"] if synthetic and mode != "dense" else []  # (as bench_decode --synthetic)
+        runner = bd.KtquestRunner(model, mode, mode, config, max_len, threads, 0, sets, synthetic=synthetic)
     else:
         lc = bd.llama_cpp()
         if lc is None:
@@ -77,17 +133,27 @@ def child(engine: str, model: str, context: int, decode_n: int, threads: int, ma
                 p.use_extra_bufts = False
                 return p
             api.llama_model_default_params = mapped_params
+        if llama_kv == "q8_0":  # a quantized V cache needs llama.cpp's flash attention
+            import functools
+            import types
+            lc = types.SimpleNamespace(**{k: getattr(lc, k) for k in dir(lc) if not k.startswith("__")})
+            lc.Llama = functools.partial(lc.Llama, type_k=lc.GGML_TYPE_Q8_0, type_v=lc.GGML_TYPE_Q8_0,
+                                         flash_attn=True)
         from ktquest.formats.tokenizer import Tokenizer
         from ktquest.models.loader import read_gguf
         tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model).metadata)
         runner = bd.LlamaCppRunner(lc, model, max_len, threads, tokenizer)
     load_s = time.perf_counter() - t0  # (llama.cpp loads in its prefill: its load is in prefill_s)
-    prefill_s = runner.prefill(context)
+    if engine == "llama.cpp-twin":
+        prefill_s = llama_twin_fill(runner, lc, model, twin_path(model, twin_shape), context)
+    else:
+        prefill_s = runner.prefill(context)
     decode_s = runner.decode(context, decode_n)
     mem = _status_mib(("VmHWM", "RssAnon", "RssFile"))
+    kv = runner.memory(context) if hasattr(runner, "memory") else {}  # ktquest: its KV's and store's MiB
     return dict(engine=engine, context=context, threads=threads, decode_tokens=decode_n, load_s=load_s,
                 prefill_s=prefill_s, prefill_tok_s=context / prefill_s, decode_tok_s=decode_n / decode_s,
-                peak_rss_mib=mem["VmHWM"], rss_anon_mib=mem["RssAnon"], rss_file_mib=mem["RssFile"])
+                peak_rss_mib=mem["VmHWM"], rss_anon_mib=mem["RssAnon"], rss_file_mib=mem["RssFile"], **kv)
 
 
 def warm_page_cache(path: str) -> float:
@@ -102,7 +168,7 @@ def warm_page_cache(path: str) -> float:
 def run_cell(args, engine: str, context: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{engine},{context}", "--model", args.model,
            "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens),
-           "--max-seq-len", str(args.max_seq_len)]
+           "--max-seq-len", str(args.max_seq_len)] + (["--twin-shape", args.twin_shape] if args.twin_shape else []) + ["--llama-kv", args.llama_kv]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{engine} at {context}: the child failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -126,7 +192,7 @@ def summarize(rows: list[dict], engines: list[str], contexts: list[int], rounds:
             print(f"| {e} | {c:,} | {med['prefill_tok_s']:.1f} | {med['decode_tok_s']:.2f} | "
                   f"{med['peak_rss_mib']:,.0f} | {med['rss_anon_mib']:,.0f} | {med['rss_file_mib']:,.0f} |")
     peers = [e for e in engines if e.startswith("llama.cpp")]
-    for e in (e for e in engines if e.startswith("ktquest:")):
+    for e in (e for e in engines if e.startswith("ktquest")):
         for p in peers:
             for c in contexts:
                 ratios = {k: [a[k] / b[k] for a, b in zip(cell[e, c], cell[p, c], strict=True)] for k in keys}
@@ -140,11 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="GGUF path")
     ap.add_argument("--contexts", default="1024", help="comma-separated prompt lengths, tokens")
     ap.add_argument("--engines", default="ktquest:dense,llama.cpp",
-                    help="comma-separated: ktquest:MODE, llama.cpp, llama.cpp-mapped")
+                    help="comma-separated: ktquest:MODE, llama.cpp, llama.cpp-mapped, llama.cpp-twin")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-seq-len", type=int, default=0, help="default: the longest context + decode + 64")
+    ap.add_argument("--twin-shape", default=None, help="llama.cpp-twin: the model's make_shaped_gguf shape")
+    ap.add_argument("--llama-kv", default="f16", choices=("f16", "q8_0"),
+                    help="llama.cpp's KV cache type (q8_0 turns its flash attention on, which that needs)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: ENGINE,CONTEXT
     args = ap.parse_args(argv)
@@ -154,12 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         engine, context = args.one.rsplit(",", 1)
         print(json.dumps(child(engine, args.model, int(context), args.decode_tokens, args.threads,
-                               args.max_seq_len)))
+                               args.max_seq_len, args.twin_shape, args.llama_kv)))
         return 0
     engines = args.engines.split(",")
     for e in engines:
-        if not (e in ("llama.cpp", "llama.cpp-mapped") or e.startswith("ktquest:")):
-            ap.error(f"--engines: unknown engine {e!r} (ktquest:MODE, llama.cpp, llama.cpp-mapped)")
+        if not (e in ("llama.cpp", "llama.cpp-mapped", "llama.cpp-twin") or e.startswith(("ktquest:",
+                                                                                        "ktquest-synthetic:"))):
+            ap.error(f"--engines: unknown engine {e!r} (ktquest:MODE, llama.cpp, llama.cpp-mapped, llama.cpp-twin)")
+        if e == "llama.cpp-twin" and not args.twin_shape:
+            ap.error("--engines llama.cpp-twin needs --twin-shape (the model's make_shaped_gguf shape)")
     print(f"{args.model}: read into the page cache in {warm_page_cache(args.model):.1f} s", flush=True)
     rows = []
     for i in range(args.rounds):

@@ -288,7 +288,7 @@ def add_model_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, ftype: str, 
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.eps)
     if shape.arch == "llama":
-        w.add_rope_dimension_count(shape.dim // shape.n_heads)
+        w.add_rope_dimension_count(shape.head_size)
     if shape.head_dim is not None:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
