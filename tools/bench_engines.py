@@ -30,7 +30,9 @@ as many query heads as KV heads and a token of FFN, prefilled with the same ids;
 the same layers, KV heads, head_dim and vocabulary) is loaded into the real model's context, which then
 decodes at position ``context``. ``prefill_tok_s`` of such a cell is the twin's, not a figure to compare.
 Check it against a real prefill at a length both can do (the ``llama.cpp`` and ``llama.cpp-twin`` cells at
-one context). Example:
+one context). ``llama.cpp-filled`` goes further, where even the twin's prefill takes hours (128K tokens): its
+cache is a sequence-state file of zero K/V rows written directly and loaded (llama_state.py); its
+``prefill_tok_s`` is the file's writing and loading. Example:
 
     python tools/bench_engines.py --model /work/shaped/qwen3-30b-a3b-q4_k_m.gguf --contexts 1024,4096 \
         --engines ktquest:dense,llama.cpp,llama.cpp-mapped --rounds 2 --json tools/out/bench_engines.json
@@ -52,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_json  # noqa: E402
 
 READ_CHUNK = 64 << 20
+LLAMA_ENGINES = ("llama.cpp", "llama.cpp-mapped", "llama.cpp-twin", "llama.cpp-filled")
 
 
 def _status_mib(fields: tuple[str, ...]) -> dict[str, float]:
@@ -104,8 +107,32 @@ def llama_twin_fill(runner, lc, model: str, twin: str, context: int) -> float:
     return seconds
 
 
+def llama_state_fill(runner, lc, model: str, context: int) -> float:
+    """``runner``'s cell for ``context`` filled by a sequence-state file of zero K/V rows (llama_state.py); the
+    seconds to write and load it."""
+    import bench_decode as bd
+    import llama_state
+
+    tokens = bd.context_tokens(runner.tokenizer, context)
+    llm = lc.Llama(model_path=model, n_ctx=runner.max_len, n_threads=runner.threads,
+                   n_threads_batch=runner.threads, n_batch=512, verbose=False, swa_full=False)
+    layout = llama_state.probe(lc, llm, tokens)
+    path = f"{model}.{os.getpid()}.seqstate"
+    t0 = time.perf_counter()
+    try:
+        llama_state.write_file(path, layout, tokens)
+        llama_state.load_file(lc, llm, path, tokens)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    seconds = time.perf_counter() - t0
+    llm.eval([tokens[-1]])  # warm-up step at position `context`, not timed
+    runner.state[context] = [llm, bd._last_argmax(llm)]
+    return seconds
+
+
 def child(engine: str, model: str, context: int, decode_n: int, threads: int, max_len: int,
-          twin_shape: str | None = None, llama_kv: str = "f16") -> dict:
+          twin_shape: str | None = None, llama_kv: str = "f16", sets: tuple[str, ...] = ()) -> dict:
     """One cell, in this process: load, prefill, decode; the figures."""
     import ktquest
 
@@ -118,7 +145,7 @@ def child(engine: str, model: str, context: int, decode_n: int, threads: int, ma
         mode = engine.split(":", 1)[1]
         config = bd.mode_config(mode, dict(bd.MODE_CONFIGS))
         synthetic = engine.startswith("ktquest-synthetic:")
-        sets = ["prefill.mode=exact"] if synthetic and mode != "dense" else []  # (as bench_decode --synthetic)
+        sets = [*sets, *(["prefill.mode=exact"] if synthetic and mode != "dense" else [])]  # (as --synthetic does)
         runner = bd.KtquestRunner(model, mode, mode, config, max_len, threads, 0, sets, synthetic=synthetic)
     else:
         lc = bd.llama_cpp()
@@ -146,6 +173,8 @@ def child(engine: str, model: str, context: int, decode_n: int, threads: int, ma
     load_s = time.perf_counter() - t0  # (llama.cpp loads in its prefill: its load is in prefill_s)
     if engine == "llama.cpp-twin":
         prefill_s = llama_twin_fill(runner, lc, model, twin_path(model, twin_shape), context)
+    elif engine == "llama.cpp-filled":
+        prefill_s = llama_state_fill(runner, lc, model, context)
     else:
         prefill_s = runner.prefill(context)
     decode_s = runner.decode(context, decode_n)
@@ -168,10 +197,13 @@ def warm_page_cache(path: str) -> float:
 def run_cell(args, engine: str, context: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{engine},{context}", "--model", args.model,
            "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens),
-           "--max-seq-len", str(args.max_seq_len)] + (["--twin-shape", args.twin_shape] if args.twin_shape else []) + ["--llama-kv", args.llama_kv]
+           "--max-seq-len", str(args.max_seq_len), "--llama-kv", args.llama_kv, *[f"--set={kv}" for kv in args.set],
+           *(["--twin-shape", args.twin_shape] if args.twin_shape else [])]
     p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{engine} at {context}: the child failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    if p.returncode != 0:  # (a cell the machine cannot hold: the RAM check's refusal says what it needs)
+        error = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+        print(f"  {engine:>18} ctx {context:>6}: failed: {error}", flush=True)
+        return dict(engine=engine, context=context, error=error)
     row = json.loads(p.stdout.strip().splitlines()[-1])
     print(f"  {engine:>18} ctx {context:>6}: prefill {row['prefill_tok_s']:7.1f} tok/s, decode "
           f"{row['decode_tok_s']:6.2f} tok/s, peak RSS {row['peak_rss_mib']:8.0f} MiB (anon "
@@ -186,15 +218,18 @@ def summarize(rows: list[dict], engines: list[str], contexts: list[int], rounds:
     cell = {}
     for e in engines:
         for c in contexts:
-            rs = [r for r in rows if r["engine"] == e and r["context"] == c]
+            rs = [r for r in rows if r["engine"] == e and r["context"] == c and "error" not in r]
             cell[e, c] = rs
+            if not rs:
+                print(f"| {e} | {c:,} | failed | | | | |")
+                continue
             med = {k: statistics.median(r[k] for r in rs) for k in (*keys, "rss_anon_mib", "rss_file_mib")}
             print(f"| {e} | {c:,} | {med['prefill_tok_s']:.1f} | {med['decode_tok_s']:.2f} | "
                   f"{med['peak_rss_mib']:,.0f} | {med['rss_anon_mib']:,.0f} | {med['rss_file_mib']:,.0f} |")
     peers = [e for e in engines if e.startswith("llama.cpp")]
     for e in (e for e in engines if e.startswith("ktquest")):
         for p in peers:
-            for c in contexts:
+            for c in (c for c in contexts if cell[e, c] and cell[p, c]):
                 ratios = {k: [a[k] / b[k] for a, b in zip(cell[e, c], cell[p, c], strict=True)] for k in keys}
                 print(f"{e} / {p} at {c:,}: " + ", ".join(
                     f"{k.removesuffix('_tok_s').removesuffix('_mib')} " + " / ".join(f"{x:.2f}" for x in v)
@@ -206,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="GGUF path")
     ap.add_argument("--contexts", default="1024", help="comma-separated prompt lengths, tokens")
     ap.add_argument("--engines", default="ktquest:dense,llama.cpp",
-                    help="comma-separated: ktquest:MODE, llama.cpp, llama.cpp-mapped, llama.cpp-twin")
+                    help="comma-separated: ktquest:MODE, ktquest-synthetic:MODE, llama.cpp, llama.cpp-mapped, "
+                         "llama.cpp-twin, llama.cpp-filled")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
@@ -214,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--twin-shape", default=None, help="llama.cpp-twin: the model's make_shaped_gguf shape")
     ap.add_argument("--llama-kv", default="f16", choices=("f16", "q8_0"),
                     help="llama.cpp's KV cache type (q8_0 turns its flash attention on, which that needs)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for ktquest")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: ENGINE,CONTEXT
     args = ap.parse_args(argv)
@@ -223,12 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         engine, context = args.one.rsplit(",", 1)
         print(json.dumps(child(engine, args.model, int(context), args.decode_tokens, args.threads,
-                               args.max_seq_len, args.twin_shape, args.llama_kv)))
+                               args.max_seq_len, args.twin_shape, args.llama_kv, tuple(args.set))))
         return 0
     engines = args.engines.split(",")
     for e in engines:
-        if not (e in ("llama.cpp", "llama.cpp-mapped", "llama.cpp-twin") or e.startswith(("ktquest:",
-                                                                                        "ktquest-synthetic:"))):
+        if not (e in LLAMA_ENGINES or e.startswith(("ktquest:", "ktquest-synthetic:"))):
             ap.error(f"--engines: unknown engine {e!r} (ktquest:MODE, llama.cpp, llama.cpp-mapped, llama.cpp-twin)")
         if e == "llama.cpp-twin" and not args.twin_shape:
             ap.error("--engines llama.cpp-twin needs --twin-shape (the model's make_shaped_gguf shape)")
@@ -242,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(dict(run_cell(args, e, c), round=i + 1))
     summarize(rows, engines, contexts, args.rounds)
     if args.json:
-        write_json(args.json, {"model": args.model, "threads": args.threads, "rows": rows})
+        write_json(args.json, {"model": args.model, "threads": args.threads, "sets": args.set,
+                               "llama_kv": args.llama_kv, "rows": rows})
     return 0
 
 

@@ -242,3 +242,24 @@ def key_stats(k: torch.Tensor) -> dict[str, float]:
             cos = torch.nn.functional.cosine_similarity(kc[lag:], kc[:-lag], dim=-1).mean(0)
             out[f"lag{lag}_cos"] = cos.median().item()
     return out
+
+
+def touch_experts(model) -> int:
+    """Make every expert's weights resident, as a real prompt of thousands of tokens leaves them (each of its
+    tokens routed to ``expert_used_count`` experts a layer: all of them, soon), where a made-up context leaves
+    them as loading did: unread pages of the mapped file, which the first decode steps would fault in at some
+    60 ms a token on a shaped Qwen3-30B-A3B. Reads one byte of every 4 KiB page of each expert's encoded
+    matrices; returns the bytes they span (0 for a model without experts)."""
+    from ktquest.models.ffn import MoEFeedForward
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, MoEFeedForward):
+            for expert in m.experts:
+                for lin in (expert.w_gate_up, expert.w_down):
+                    for _, part in getattr(lin.quant, "parts", ()):
+                        flat = part.reshape(-1)
+                        int(flat[::4096].max())
+                        total += flat.nbytes
+    return total
+
