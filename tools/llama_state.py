@@ -18,7 +18,7 @@ for)::
                         v_trans 1: i32 v_type, u32 v_elem_bytes, u32 v_dims, v_dims x cells x v_elem_bytes
 
 The file around it (``llama_state_seq_save_file``): u32 magic, u32 version, u32 n_tokens, the token ids
-(i32), then the state.
+(i32), then the state without its first 8 bytes (which the in-memory state alone has).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def write_file(path: str, layout: dict, tokens: list[int], chunk: int = 64 << 20
     with open(path, "wb") as f:
         f.write(struct.pack("<III", 0x67677371, 3, n))  # "ggsq", the version 0.3.36 writes, tokens
         f.write(struct.pack(f"<{n}i", *tokens))
-        f.write(layout["prefix"] + struct.pack("<II", 1, n))
+        f.write(struct.pack("<II", 1, n))  # (the file's state has no 8-byte prefix: the buffer's only)
         f.write(b"".join(struct.pack("<iIi", i, 1, 0) for i in range(n)))
         f.write(struct.pack("<II", layout["v_trans"], len(layout["k"])))
         for k_type, row in layout["k"]:
