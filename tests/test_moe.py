@@ -87,7 +87,11 @@ def test_moe_blocks_from_the_file(tiny_models):
 def test_moe_logits_match_hf(tiny_moe, encoded):
     """Prefill in uneven chunks (groups of tokens per expert), then decode steps, vs one HF forward; the
     weights dequantized, or read in their encoding per expert."""
-    path, hf = tiny_moe
+    check_chunked_logits_match_hf(*tiny_moe, encoded)
+
+
+def check_chunked_logits_match_hf(path, hf, encoded: bool) -> None:
+    """48 tokens prefilled in uneven chunks (17, 7, 16), then 8 decode steps, against one HF forward."""
     model, _ = load_model(path, max_seq_len=64, encoded=encoded)
     tokens = prompt_ids(48, model.args.vocab_size)
     with torch.inference_mode():

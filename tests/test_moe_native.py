@@ -63,6 +63,12 @@ TYPES = FLOAT_TYPES + Q32_TYPES + K_TYPES
                          ids=["1-of-1", "1-of-3", "2-of-7-renorm", "3-of-5"])
 def test_moe_ffn_matches_the_torch_experts(force_scalar, qtype, n, k, norm):
     ref, nat, ws = make_ffn(qtype, n, k, norm, seed=n * 10 + k)
+    check_native_ffn(ref, nat, qtype, k, norm, lambda x: dequantized_reference(ws, k, norm, x))
+
+
+def check_native_ffn(ref, nat, qtype: str, k: int, norm: bool, reference) -> None:
+    """The native MoE FFN ``nat`` on one token: the torch FFN ``ref``'s routing and weights, its output within the
+    same kernels' rounding, and within REL_L2 of ``reference(x)`` (dequantized weights in float64)."""
     x = torch.randn(DIM, generator=torch.Generator().manual_seed(k))
     y = np.empty(DIM, np.float32)
     ids, weights = nat.run(x.numpy(), y, 2)
@@ -72,7 +78,7 @@ def test_moe_ffn_matches_the_torch_experts(force_scalar, qtype, n, k, norm):
     same = ref(x[None])[0]
     torch.testing.assert_close(torch.from_numpy(y), same, rtol=SAME_KERNELS_RTOL,
                                atol=SAME_KERNELS_ATOL_REL * float(same.abs().max()))
-    expected = dequantized_reference(ws, k, norm, x)
+    expected = reference(x)
     err = torch.linalg.norm(torch.from_numpy(y).double() - expected) / torch.linalg.norm(expected)
     assert err <= REL_L2[qtype], f"relative L2 error {float(err):.3g}"
 

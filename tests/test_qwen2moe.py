@@ -10,8 +10,16 @@ import pytest
 import torch
 from conftest import write_gguf
 from test_long_context import CONFIGS
-from test_moe import FP32_ATOL, FP32_RTOL, greedy, greedy_run, make_cache, prompt_ids
-from test_moe_native import DIM, FFN, REL_L2, SAME_KERNELS_ATOL_REL, SAME_KERNELS_RTOL, experts
+from test_moe import (
+    FP32_ATOL,
+    FP32_RTOL,
+    check_chunked_logits_match_hf,
+    greedy,
+    greedy_run,
+    make_cache,
+    prompt_ids,
+)
+from test_moe_native import DIM, FFN, check_native_ffn, experts
 from tiny_gguf import QWEN2MOE_SPECS, build_hf_model, gguf_metadata, hf_to_gguf_tensors
 
 from ktquest.formats.gguf import GGUFError
@@ -61,15 +69,7 @@ def test_qwen2moe_blocks_from_the_file(qwen2moe_models):
 @pytest.mark.parametrize("encoded", [False, True], ids=["dequantized", "encoded"])
 def test_qwen2moe_logits_match_hf(tiny_qwen2moe, encoded):
     """Prefill in uneven chunks, then decode steps, vs one HF forward."""
-    path, hf = tiny_qwen2moe
-    model, _ = load_model(path, max_seq_len=64, encoded=encoded)
-    tokens = prompt_ids(48, model.args.vocab_size)
-    with torch.inference_mode():
-        expected = hf(tokens[None]).logits[0]  # [48, V]
-        cache = make_cache(model, 64)
-        got = [model(tokens[0:17], 0, cache), model(tokens[17:24], 17, cache), model(tokens[24:40], 24, cache)]
-        got += [model(tokens[i:i + 1], i, cache) for i in range(40, 48)]
-    torch.testing.assert_close(torch.cat(got), expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+    check_chunked_logits_match_hf(*tiny_qwen2moe, encoded)
 
 
 def hf_greedy(hf, prompt: torch.Tensor, n: int) -> list[int]:
@@ -159,18 +159,7 @@ def dequantized_reference(ws, k: int, norm: bool, x: torch.Tensor) -> torch.Tens
                          ids=["2-of-5", "3-of-4-renorm", "1-of-1"])
 def test_moe_ffn_with_a_shared_expert_matches_torch(force_scalar, qtype, n, k, norm):
     ref, nat, ws = make_shared_ffn(qtype, n, k, norm, seed=n * 10 + k)
-    x = torch.randn(DIM, generator=torch.Generator().manual_seed(k))
-    y = np.empty(DIM, np.float32)
-    ids, weights = nat.run(x.numpy(), y, 2)
-    ref_w, ref_ids = route(ref.router(x[None]), k, norm)
-    assert ids.tolist() == ref_ids[0].tolist()
-    torch.testing.assert_close(torch.from_numpy(weights), ref_w[0], atol=1e-6, rtol=1e-6)
-    same = ref(x[None])[0]
-    torch.testing.assert_close(torch.from_numpy(y), same, rtol=SAME_KERNELS_RTOL,
-                               atol=SAME_KERNELS_ATOL_REL * float(same.abs().max()))
-    expected = dequantized_reference(ws, k, norm, x)
-    err = torch.linalg.norm(torch.from_numpy(y).double() - expected) / torch.linalg.norm(expected)
-    assert err <= REL_L2[qtype], f"relative L2 error {float(err):.3g}"
+    check_native_ffn(ref, nat, qtype, k, norm, lambda x: dequantized_reference(ws, k, norm, x))
 
 
 def test_moe_ffn_with_a_shared_expert_is_the_same_for_any_thread_count():
