@@ -264,8 +264,12 @@ def test_snapkv_preselect_from_config():
     N, bs = 300, 16  # 19 blocks, the last one partial
     q, k = torch.randn(32, 8, 16, generator=g), torch.randn(N, 2, 16, generator=g)
     lc = LongContextConfig(block_size=bs, preselect_block=True, preselect_block_count=5, ada_budget=True)
-    picked = snapkv_preselect(q, k, N - 32, lc, exclude=[(0, 1), (16, 19)])
+    picked = snapkv_preselect(block_scores_from_tokens(snapkv_token_scores(q, k, N - 32), bs), lc,
+                              exclude=[(0, 1), (16, 19)])
     assert sum(len(p) for p in picked) == 10
     blocks = block_scores_from_tokens(snapkv_reference(q, k, N - 32), bs)
     want = preselect_blocks(blocks, 5, ada=True, alpha=lc.ada_alpha, exclude=[(0, 1), (16, 19)])
     assert [p.tolist() for p in picked] == [w.tolist() for w in want]
+    shared = LongContextConfig(block_size=bs, preselect_block=True, preselect_block_count=5, head_select_mode="SHARED")
+    (one,) = snapkv_preselect(blocks, shared, exclude=[(0, 1)])
+    assert one.tolist() == preselect_blocks(blocks.sum(0, keepdim=True), 5, exclude=[(0, 1)])[0].tolist()

@@ -65,6 +65,44 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
 }
 
+// ---- GEMM register tiles (attn_wide_avx2.cpp, select/snapkv_kernels_avx2.cpp) ----
+
+// c [R, N] (+)= a [R, K] . b [K, N] (row strides lda, ldb, ldc; N a multiple of 8), 16 columns at a time: per k,
+// two b loads and R broadcasts of a feed 2R FMAs. The wide attention's logits are q . kt (K = D, N = ss), its
+// values p . vf (K = rows, N = D) added to acc; SnapKV's scores are q . kt.
+template <int R, int NV, bool Add>
+__attribute__((always_inline)) inline void wide_tile(const float* a, int lda, int K, const float* b, int ldb,
+                                                     float* c, int ldc) {
+  __m256 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = Add ? _mm256_loadu_ps(c + r * ldc + 8 * v) : _mm256_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    __m256 bv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + size_t(k) * ldb + 8 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 ab = _mm256_broadcast_ss(a + r * lda + k);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ab, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + r * ldc + 8 * v, acc[r][v]);
+}
+
+template <int R, bool Add>
+__attribute__((always_inline)) inline void wide_gemm(const float* a, int lda, int K, const float* b, int ldb, int N,
+                                                     float* c, int ldc) {
+  int j = 0;
+  for (; j + 16 <= N; j += 16) wide_tile<R, 2, Add>(a, lda, K, b + j, ldb, c + j, ldc);
+  if (j < N) wide_tile<R, 1, Add>(a, lda, K, b + j, ldb, c + j, ldc);  // 8 columns left
+}
+
 // ---- row decoders: 8 fp32 values of chunk c (elements 8c .. 8c+7) of one stored row ----
 
 // kGroupScale: one scale per 32 values (chunks 4j .. 4j+3), which raw() leaves out; the values loop applies it

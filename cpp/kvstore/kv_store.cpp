@@ -28,7 +28,7 @@ std::string where(int64_t t, int h) { return " at token " + std::to_string(t) + 
 
 // ---- construction ----
 
-KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_(lay_) {
+KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_(lay_), snap_(lay_) {
   // lay_ validated c and computed every size (checked): what is reserved here is what store_bytes says.
   const StoreRegions& r = lay_.layer_regions();
   layers_.resize(c.n_layers);

@@ -28,6 +28,7 @@
 #include "quant/kv_codec.h"
 #include "select/request.h"
 #include "select/selector.h"
+#include "select/snapkv.h"
 
 namespace ktq {
 
@@ -114,6 +115,9 @@ class KVStore {
   // select + attend in one call (the decode hot path).
   void select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
                      float* out, float* lse);
+  // SnapKV's block scores of `layer` by a prompt's last queries (select/snapkv.h): out [KVH, r.n_blocks].
+  // std::invalid_argument naming the field for a request that does not fit the layer.
+  void snapkv_scores(int layer, const SnapKVRequest& r, float* out);
   StageTiming last_timing() const;
   // What the last selection that the selector ran (not one served by the candidate copy) scored.
   IndexStats last_index_stats() const;
@@ -182,6 +186,7 @@ class KVStore {
   int forced_cols_ = 0;
   std::vector<float> block_lse_;  // [KVH, cols, G] this call's blocks' own LSEs
   SparseAttention attn_;
+  SnapKVScorer snap_;
   StageTiming timing_;
 };
 

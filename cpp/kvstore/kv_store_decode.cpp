@@ -1,5 +1,5 @@
-// The KV store's decode operations (kv_store.h): block scores, select, attend and select_attend, each under
-// the store's lock, handing the work to the selector, the candidate caches and the attention.
+// The KV store's decode operations (kv_store.h): block scores, SnapKV's scores, select, attend and select_attend,
+// each under the store's lock, handing the work to the selector, the candidate caches and the attention.
 #include "kvstore/kv_store.h"
 
 #include <algorithm>
@@ -40,6 +40,11 @@ bool KVStore::group_bounds(int layer, const float* q, int H, HeadMode mode, int6
   sel_.set_query(q, H);
   sel_.group_bounds(L, H, mode, out);
   return true;
+}
+
+void KVStore::snapkv_scores(int layer, const SnapKVRequest& r, float* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  snap_.run(layer_at(layer), r, out);
 }
 
 void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {

@@ -224,6 +224,29 @@ void bind_kv_store(py::module_& m) {
           if (done) return out;
         }
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), "Unscaled block scores [n_sets, n_blocks].")
+      .def("snapkv_scores", [](KVStore& st, int layer, const py::handle& q_obj, int64_t q_pos0, int64_t n_keys,
+                               int64_t n_blocks, int pool, const std::string& merge) {
+        const int D = st.config().head_dim;
+        const auto q = array_arg<float>(q_obj, "q", {-1, -1, D});  // [W, H, D]
+        if (merge != "mean" && merge != "max")
+          throw py::value_error("snapkv_scores: merge='" + merge + "' is not allowed: 'mean' or 'max'");
+        SnapKVRequest r;
+        r.q = q.data();
+        r.W = checked_int(q.shape(0), "q window");
+        r.H = checked_int(q.shape(1), "q heads");
+        r.q_pos0 = q_pos0, r.n_keys = n_keys, r.n_blocks = n_blocks, r.pool = pool, r.max_merge = merge == "max";
+        if (n_blocks < 0 || n_blocks > st.max_blocks())
+          throw py::value_error("snapkv_scores: n_blocks=" + std::to_string(n_blocks) + " is not allowed: 0.." +
+                                std::to_string(st.max_blocks()));
+        py::array_t<float> out({int64_t(st.config().n_kv_heads), n_blocks});
+        float* op = out.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          st.snapkv_scores(layer, r, op);
+        }
+        return out;
+      }, py::arg("layer"), py::arg("q"), py::arg("q_pos0"), py::arg("n_keys"), py::arg("n_blocks"), py::arg("pool"),
+         py::arg("merge"), "SnapKV's block scores [KVH, n_blocks] of a prompt's last queries q [W, H, D].")
       .def("select", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode, const py::handle& k,
                         const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
                         const py::handle& ada) {

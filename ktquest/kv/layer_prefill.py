@@ -47,10 +47,12 @@ class LongContextPromptLayers:
     """A prompt of ``n`` tokens at ``start`` read layer by layer into a long-context cache's parts (the protocol:
     ``KVCache.prompt_layers``; the cache has dropped what it held from ``start`` on). Where the past's keys lie
     and how a layer's windows move are the windows' (``Windows.past``, ``move_to``); this reads the prompt and
-    keeps what undoes it. ``on_done(end)``: every layer holds the prompt."""
+    keeps what undoes it. ``on_done(end)``: every layer holds the prompt. preselect_lb: where this prompt ends the
+    one announced (``begin_prompt``), the first decode step's context end: SnapKV scores each layer's context as
+    the layer finishes (``DecodePlanner.preselect_read``)."""
 
     def __init__(self, shape: Shape, windows: Windows, store: KVStore, planner: DecodePlanner, start: int, n: int,
-                 on_done: Callable[[int], None]):
+                 on_done: Callable[[int], None], preselect_lb: int | None = None):
         if shape.prefill.mode != "exact" or shape.dynamic:
             raise ValueError("layer-major prefill reads a prompt exactly with linear anchors (prefill.mode: exact, "
                              "anchor_type not DYNAMIC)")
@@ -60,16 +62,17 @@ class LongContextPromptLayers:
             raise ValueError(f"long-context cache: its window buffer starts at {windows.buf0}, past the local "
                              f"window of position {start}")
         self.shape, self.windows, self.store, self.planner = shape, windows, store, planner
-        self.start, self.end, self.n, self._on_done = start, start + n, n, on_done
+        self.start, self.end, self.n, self._on_done, self._lb = start, start + n, n, on_done, preselect_lb
         self.init_rows, self.local_rows, self.lb = windows.past(start, shape.ib)
         p = shape.placement
         # The workspace: this layer's prompt K/V, [KVH, n, D] each, on the device
         self.k = torch.empty(shape.n_kv_heads, n, shape.head_dim, device=p.device, dtype=p.dtype)
         self.v = torch.empty_like(self.k)
-        self._W = planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in done())
+        self._W = planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in layer_done)
         self.device_bytes = workspace_bytes(shape, windows, self._W, n)
         self.q_tail: list[torch.Tensor | None] = [None] * len(windows.k)
         self._saved: list[tuple] = []  # per layer moved: the window rows it overwrote (abort puts them back)
+        planner.begin_prefill()  # (as a chunk-order pass: selections are stale, SnapKV preselects again)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
         """``KVCache.attend`` for the layer being read: q [T, H, D], k/v [T, KVH, D] at start_pos.. -> [T, H, D]."""
@@ -113,15 +116,16 @@ class LongContextPromptLayers:
             self.store.append(layer, p.to_host(self.k[:, a:b].transpose(0, 1)), p.to_host(self.v[:, a:b].transpose(0, 1)))
         self._saved.append(self.windows.saved_rows(layer, self.start))  # (before they move: abort puts them back)
         self.windows.move_to(layer, self.start, self.k, self.v)
+        q, self.q_tail[layer] = self.q_tail[layer], None
+        self.planner.record_queries(layer, q, self.end - q.shape[0])
+        if self._lb is not None:  # the prompt's end: SnapKV scores the layer's context while the next is read
+            self.planner.preselect_read(layer, self.start, self.n, self._lb)
 
     def done(self) -> None:
         """Every layer read the prompt: the cache holds it; the workspace is freed."""
         n_layers = len(self.windows.k)
         if len(self._saved) != n_layers:
             raise ValueError(f"layer-major prompt: {len(self._saved)} of {n_layers} layers read it")
-        self.planner.begin_prefill()  # (as a chunk-order pass: selections are stale, SnapKV preselects again)
-        for layer, q in enumerate(self.q_tail):
-            self.planner.record_queries(layer, q, self.end - q.shape[0])
         self.planner.queries_recorded(self.start, self.n)
         self.windows.moved(self.end)
         self._on_done(self.end)
@@ -130,6 +134,7 @@ class LongContextPromptLayers:
     def abort(self) -> None:
         """The read stopped part-way: the cache holds exactly what it held before the prompt."""
         self.store.truncate(-1, self.start)
+        self.planner.pass_abandoned()  # (the layers done recorded their queries)
         for layer, saved in enumerate(self._saved):
             self.windows.put_back(layer, saved)
         self.k = self.v = self._saved = None

@@ -27,6 +27,7 @@ import torch
 
 from ktquest.config import Config, ConfigError, LongContextConfig
 from ktquest.kv import long_context_pass as passes
+from ktquest.kv import plan_files
 from ktquest.kv.layer_prefill import LongContextPromptLayers, workspace_bytes
 from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_tokens
 from ktquest.kv.placement import Placement
@@ -89,8 +90,9 @@ class LongContextCache:
     def prompt_layers(self, start: int, n: int) -> LongContextPromptLayers:
         """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``; kv/layer_prefill.py)."""
         self.write_from(start, n)
+        lb = self.first_decode_lb(start + n) if start + n == self.prompt_end else None
         return LongContextPromptLayers(self.shape, self.windows, self.store, self.planner, start, n,
-                                       self.prompt_read)
+                                       self.prompt_read, lb)
 
     def prefill_device_bytes(self, n: int) -> int:
         """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer, each layer's last
@@ -205,11 +207,17 @@ class LongContextCache:
         else:
             out = passes.attend_layer(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v,
                                       self.exact_from)
+        if not g.decode and start_pos + T == self.prompt_end:  # the prompt's last pass: SnapKV scores this layer
+            self.planner.preselect_read(layer_idx, start_pos, T, self.first_decode_lb(self.prompt_end))
         if layer_idx == self.n_layers - 1:
             self.pos = start_pos + T
             if not g.decode:
                 self.planner.queries_recorded(start_pos, T)
         return out
+
+    def first_decode_lb(self, end: int) -> int:
+        """The context end (first local-window block) of a decode step at position ``end``."""
+        return self.windows.pass_loc0(end, 1) // self.shape.block_size
 
     def prompt_read(self, end: int) -> None:
         """A layer-major prompt ending at ``end`` is in every layer (``LongContextPromptLayers.done``)."""
@@ -279,7 +287,7 @@ class LongContextCache:
         n = check_meta(path, meta, "pos", 0, self.max_seq_len)
         # row init_end of the windows holds position buf0: block aligned, its rows up to n within the buffers
         buf0 = check_meta(path, meta, "buf0", max(self.init_end, n - self.windows.cap), max(self.init_end, n))
-        shapes = self.planner.state_shapes(meta, n)
+        shapes = plan_files.state_shapes(self.planner, meta, n)
         if shapes is None or buf0 % self.lc.block_size:
             raise KVFileError(f"{path}: the long-context cache's planner state is not allowed here")
         w = self.windows.k
@@ -294,7 +302,7 @@ class LongContextCache:
         from ktquest.kv.files import KVFileError, expect
 
         expect(path, arrays, self.state_shapes(meta, path))
-        wrong = self.planner.check_ids(arrays, meta["pos"])
+        wrong = plan_files.check_ids(self.planner, arrays, meta["pos"])
         if wrong:
             raise KVFileError(f"{path}: {wrong}")
         try:

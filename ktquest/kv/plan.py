@@ -83,6 +83,7 @@ class DecodePlanner:
         """Forget every selection, candidate list and recorded query; zero the statistics."""
         self.q_win_span = (0, 0)  # positions [a, b) whose queries q_win holds (last b - a slots)
         self._q_recording = False  # record_queries ran for a pass that queries_recorded has not closed
+        self._staged: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> candidates of the pass being read
         self.forget()
         self.stats = SelectionStats([0] * self.n_layers, [0] * self.n_layers, [0] * self.n_layers)
 
@@ -97,6 +98,7 @@ class DecodePlanner:
         self.presel_pending = [False] * self.n_layers
         self.decode_step = 0
         self.refreshed = [0] * self.n_layers  # decode step of each layer's last candidate refresh (or preselection)
+        self._staged = {}
         # per layer SnapKV's own pick [n_sets, N] and the context end it covers (what refreshes join)
         self.presel_base: list[tuple[np.ndarray, int] | None] = [None] * self.n_layers
         self._refreshing: dict[int, tuple[int, int]] = {}  # layer -> (lb, refreshed before): this token's
@@ -121,6 +123,7 @@ class DecodePlanner:
         if self._q_recording:
             self.q_win_span = (0, 0)
             self._q_recording = False
+        self._staged = {}
 
     def truncated(self, n: int) -> None:
         """The cache keeps its first ``n`` tokens: every selection may name dropped blocks; the recorded
@@ -141,6 +144,7 @@ class DecodePlanner:
         self.presel_pending = [self.lc.preselect_block] * self.n_layers
         self.sel = [None] * self.n_layers
         self._token_steps = None
+        self._staged = {}
 
     def begin_decode(self) -> None:
         """A decode step starts (token_step and preselect_refresh count these). A refresh planned for the last
@@ -336,40 +340,8 @@ class DecodePlanner:
                 "presel": [None if b is None else [*b[0].shape, b[1]] for b in self.presel_base]}
         return meta, arrays
 
-    def state_shapes(self, meta: dict, n: int) -> dict[str, tuple] | None:
-        """The arrays ``load_state`` takes for ``meta`` of a cache of ``n`` tokens (name -> (shape, dtype)), or
-        None where ``meta`` is not a planner's state of this cache: every scalar of it typed and in range (a
-        candidate list [n_sets, N] of this head_select_mode's sets, a context end within the cache)."""
-        span, allowed, lbs, pending = (meta.get(k) for k in ("q_win_span", "allowed", "allowed_lb", "presel_pending"))
-        n_sets = 1 if self.lc.head_select_mode == "SHARED" else self.store.n_kv_heads
-        if not (all(isinstance(x, list) and len(x) == self.n_layers for x in (allowed, lbs, pending))
-                and isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)
-                and 0 <= span[0] <= span[1] <= min(n, span[0] + self.q_win.shape[1])  # [a, b) in the W slots
-                and all(a is None or (isinstance(a, list) and len(a) == 2 and type(a[0]) is int and a[0] == n_sets
-                                      and type(a[1]) is int and 0 <= a[1] <= n) for a in allowed)
-                and all(type(x) is int and 0 <= x <= n for x in lbs) and all(type(x) is bool for x in pending)
-                and type(meta.get("decode_step")) is int and 0 <= meta["decode_step"] < 1 << 62
-                and _refresh_state_ok(meta, self.n_layers, n, n_sets)):
-            return None
-        shapes = {"q_win": (tuple(self.q_win.shape), self.q_win.dtype)}
-        for i in range(self.n_layers):
-            if allowed[i] is not None:
-                shapes[f"allowed{i}"] = (tuple(allowed[i]), torch.int32)
-            if meta["presel"][i] is not None:
-                shapes[f"presel{i}"] = (tuple(meta["presel"][i][:2]), torch.int32)
-        return shapes
-
-    def check_ids(self, arrays: dict[str, torch.Tensor], n: int) -> str | None:
-        """What is wrong with the block ids in ``arrays`` (the candidates, SnapKV's picks) for a cache of ``n``
-        tokens, or None: each is a block the cache holds, or -1 (padding)."""
-        nb = -(-n // self.lc.block_size)
-        for name, t in arrays.items():
-            if name.startswith(("allowed", "presel")) and t.numel() and not -1 <= int(t.min()) <= int(t.max()) < nb:
-                return f"array {name} names blocks outside the {nb} the cache holds"
-        return None
-
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
-        """The planner becomes what ``state`` gave (shapes checked by ``state_shapes``)."""
+        """The planner becomes what ``state`` gave (checked by ``plan_files.state_shapes`` and ``check_ids``)."""
         self.reset()
         self.q_win.copy_(arrays["q_win"])
         self.q_win_span = tuple(meta["q_win_span"])
@@ -382,7 +354,7 @@ class DecodePlanner:
         self.presel_base = [None if b is None else (arrays[f"presel{i}"].numpy().copy(), b[2])
                             for i, b in enumerate(meta["presel"])]
 
-    # ---- SnapKV preselection (once after each prefill, lazily at the first decode step) ----
+    # ---- SnapKV preselection (once after each prompt, as each layer finishes it; else at the first decode step) ----
 
     def record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
         """Keep the last W prefill queries of the layer (q_win_span, updated by ``queries_recorded`` after
@@ -396,37 +368,61 @@ class DecodePlanner:
         self.q_win[layer, W - n:] = keep
 
     def queries_recorded(self, start: int, T: int) -> None:
-        """Every layer recorded the queries of positions [start, start + T)."""
+        """Every layer recorded the queries of positions [start, start + T); the candidates that
+        ``preselect_read`` chose while the pass was read take effect."""
+        self._q_recording = False
+        self.q_win_span = self._span_after(start, T)
+        for layer, (allowed, nb) in self._staged.items():  # (made for the next decode step, as if at it)
+            self._install(layer, allowed, nb, self.decode_step + 1)
+        self._staged = {}
+
+    def _span_after(self, start: int, T: int) -> tuple[int, int]:
+        """The positions [a, b) whose queries q_win holds once every layer recorded [start, start + T)."""
         a, b = self.q_win_span
         end = start + T
-        self._q_recording = False
-        self.q_win_span = (max(a if b == start else start, end - self.q_win.shape[1]), end)
+        return max(a if b == start else start, end - self.q_win.shape[1]), end
+
+    def preselect_read(self, layer: int, start: int, T: int, lb: int) -> None:
+        """``layer`` read the prompt's last positions [start, start + T) and recorded their queries: SnapKV
+        scores its context now, while the next layers are read, from the store's keys (the first decode step
+        only finds the candidates made); they take effect when every layer has recorded (``queries_recorded``).
+        lb: the first decode step's context end (its local window's first block)."""
+        if self.lc.preselect_block and layer >= self.lc.dense_layer_num:  # (a dense layer attends every block)
+            a, b = self._span_after(start, T)
+            picked = self._snapkv(layer, a, b, lb)
+            if picked is not None:
+                self._staged[layer] = picked
 
     def _preselect(self, layer: int, lb: int) -> None:
-        """SnapKV: the top ``preselect_block_count`` context blocks per KV head (SHARED: one set) of this
-        layer, scored by the last prefill queries (Ada-SnapKV budgets with ``ada_budget``)."""
+        """SnapKV at a decode step (a prompt read without ``preselect_read``: a KV file's, a retune's): the
+        candidates of ``_snapkv`` by the recorded queries."""
         self.presel_pending[layer] = False
         a, b = self.q_win_span
+        picked = self._snapkv(layer, a, b, lb)
+        if picked is not None:
+            self._install(layer, *picked, self.decode_step)
+
+    def _snapkv(self, layer: int, a: int, b: int, lb: int) -> tuple[torch.Tensor, int] | None:
+        """SnapKV: the top ``preselect_block_count`` context blocks per KV head (SHARED: one set) of this
+        layer, scored by the queries of positions [a, b) (the last slots of q_win) over the store's keys
+        [0, b), in place (Ada-SnapKV budgets with ``ada_budget``): (candidates [n_sets, N] int32 -1 padded,
+        the context end nb they cover), or None where there is no context to choose from."""
         nb = min(lb, b // self.store.block_size)  # (after a retune mid-reply: later blocks join as new ones)
         if b <= a or nb <= self.ib:
-            return
-        self.stats.preselect_calls += 1
-        k = self.store.read_keys(layer, 0, b)  # [b, KVH, D] fp32: one layer's keys, once per prefill
-        qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu()  # [W, H, D]
-        sets = snapkv_preselect(qw, k, a, self.lc, exclude=[(0, self.ib)], n_blocks=nb)
+            return None
+        qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu().contiguous()  # [W, H, D]
+        scores = self.store.snapkv_scores(layer, qw, a, b, nb, self.lc.preselect_pool_kernel, self.lc.ada_gqa_merge)
+        sets = snapkv_preselect(scores, self.lc, exclude=[(0, self.ib)])
         allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
         for i, s in enumerate(sets):  # a few KV heads, once per prefill
             allowed[i, : len(s)] = s.to(torch.int32)
+        return allowed, nb
+
+    def _install(self, layer: int, allowed: torch.Tensor, nb: int, step: int) -> None:
+        """SnapKV's candidates of ``layer`` (covering the context blocks up to nb) replace its last ones, as made at
+        decode step ``step`` (``preselect_refresh`` counts from it)."""
+        self.stats.preselect_calls += 1
         self._set_allowed(layer, allowed, nb)
-        self.presel_base[layer], self.refreshed[layer] = (allowed.numpy(), nb), self.decode_step
+        self.presel_pending[layer] = False
+        self.presel_base[layer], self.refreshed[layer] = (allowed.numpy(), nb), step
 
-
-def _refresh_state_ok(meta: dict, n_layers: int, n: int, n_sets: int) -> bool:
-    """The planner's refresh state in a KV file: per layer the decode step of its last refresh (<= the file's),
-    and SnapKV's own pick ([n_sets, N, lb] of the ``presel<i>`` array, or None)."""
-    refreshed, presel = meta.get("refreshed"), meta.get("presel")
-    return (isinstance(refreshed, list) and len(refreshed) == n_layers
-            and all(type(x) is int and 0 <= x <= meta["decode_step"] for x in refreshed)
-            and isinstance(presel, list) and len(presel) == n_layers
-            and all(b is None or (isinstance(b, list) and len(b) == 3 and all(type(x) is int for x in b)
-                                  and b[0] == n_sets and 1 <= b[1] <= n and 0 <= b[2] <= n) for b in presel))

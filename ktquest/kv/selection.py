@@ -11,8 +11,10 @@ the global top ``total`` is mixed with a uniform floor: b_i = s_i (1 - alpha) + 
 SEPARATE mode (non-candidate blocks scored -inf, ``count = second_select_num``).
 
 Query head h reads KV head h // (H / KVH) (the grouping of ``repeat_interleave``), so a KV head's
-score merges its query group by mean or max. Torch, in fp32; the budgets' split is the store's own
-(``ktquest.native.ada.ada_budgets``, cpp/select/ada.h).
+score merges its query group by mean or max. The scores are the store's (``KVStore.snapkv_scores``,
+cpp/select/snapkv.h: read in place, no fp32 copy of the keys); ``snapkv_token_scores`` and
+``block_scores_from_tokens`` are their torch twin, in fp32, from a copy of the keys (the tests' reference). The
+picks are torch; the budgets' split is the store's own (``ktquest.native.ada.ada_budgets``, cpp/select/ada.h).
 """
 
 from __future__ import annotations
@@ -159,22 +161,12 @@ def preselect_blocks(
     return [order[h, : budgets[h]].sort().values for h in range(KVH)]
 
 
-def snapkv_preselect(
-    q_win: torch.Tensor,
-    k: torch.Tensor,
-    window_start_pos: int,
-    lc: LongContextConfig,
-    exclude: Sequence[tuple[int, int]] = (),
-    n_blocks: int | None = None,
-) -> list[torch.Tensor]:
-    """SnapKV (or Ada-SnapKV with ``lc.ada_budget``) candidates, the knobs read from ``lc``: one sorted
-    LongTensor of block ids per KV head, or one for all of them when ``lc.head_select_mode`` is SHARED (the
-    heads' block scores summed).
-
-    q_win: [W, H, D], k: [N, KVH, D] as in ``snapkv_token_scores``.
-    """
-    tokens = snapkv_token_scores(q_win, k, window_start_pos, lc.preselect_pool_kernel, lc.ada_gqa_merge)
-    blocks = block_scores_from_tokens(tokens, lc.block_size, n_blocks)  # [KVH, NB]
+def snapkv_preselect(block_scores: torch.Tensor, lc: LongContextConfig,
+                     exclude: Sequence[tuple[int, int]] = ()) -> list[torch.Tensor]:
+    """SnapKV (or Ada-SnapKV with ``lc.ada_budget``) candidates from SnapKV's block scores [KVH, NB] (the
+    store's ``snapkv_scores``, or ``block_scores_from_tokens`` of ``snapkv_token_scores``), the knobs read from
+    ``lc``: one sorted LongTensor of block ids per KV head, or one for all of them when ``lc.head_select_mode``
+    is SHARED (the heads' block scores summed)."""
     if lc.head_select_mode == "SHARED":
-        blocks = blocks.sum(0, keepdim=True)  # [1, NB]
-    return preselect_blocks(blocks, lc.preselect_block_count, lc.ada_budget, lc.ada_alpha, exclude)
+        block_scores = block_scores.sum(0, keepdim=True)  # [1, NB]
+    return preselect_blocks(block_scores, lc.preselect_block_count, lc.ada_budget, lc.ada_alpha, exclude)

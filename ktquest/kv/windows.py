@@ -69,6 +69,12 @@ class Windows:
         """First position of the local window when n tokens are held (block aligned, >= init_end)."""
         return max(self.init_end, (n - self.local_len) // self.bs * self.bs)
 
+    def pass_loc0(self, start: int, T: int) -> int:
+        """The local window's start for a pass over [start, start + T): strictly the last local_len tokens of
+        start + T, but never past the store's full blocks (a context block must be in the store before the
+        chunk)."""
+        return max(self.init_end, min(self.local_start(start + T), start // self.bs * self.bs))
+
     def row(self, pos: int) -> int:
         """Row of position ``pos`` in the buffers: positions below init_end map to themselves, later ones to
         init_end + pos - buf0."""
@@ -89,9 +95,7 @@ class Windows:
         first where it says so. group: query heads per KV head (the mask's rows); mask_skip: a decode step's
         skipped stretch as a mask too (the native kernel skips it by itself)."""
         ie, bs, dev = self.init_end, self.bs, self.placement.device
-        # The local window of this pass: strictly the last local_len tokens of start + T, but never past the
-        # store's full blocks (a context block must be in the store before the chunk).
-        loc0 = max(ie, min(self.local_start(start + T), start // bs * bs))
+        loc0 = self.pass_loc0(start, T)
         # Compact (move [loc0, start) to the front of the local part) when the pass would not fit, in a
         # prompt's pass of several tokens whenever rows left the window (then the window attention scores
         # no dead rows; at most local_len rows move, none in million.yaml's full prefill chunks), or in decode

@@ -294,6 +294,20 @@ class KVStore:
         s = torch.from_numpy(self._st.block_scores(layer, self._q(q), mode))
         return s[0] if mode == "SHARED" else s
 
+    def snapkv_scores(self, layer: int, q: torch.Tensor, q_pos0: int, n_keys: int, n_blocks: int, pool_kernel: int = 7,
+                      gqa_merge: str = "mean") -> torch.Tensor:
+        """SnapKV's block scores [KVH, n_blocks] fp32 (cpp/select/snapkv.h), read in place from the store: the
+        window's queries q [W, H, D] (unscaled, after RoPE; query w at position q_pos0 + w) score keys
+        [0, n_keys) by their softmax attention, summed over the window, max-pooled (``pool_kernel``), merged over
+        each KV head's query group (``gqa_merge``: mean or max) and summed per block. What
+        ``kv.selection.snapkv_token_scores`` and ``block_scores_from_tokens`` compute from an fp32 copy."""
+        qn = as_numpy(q, "q", (torch.float32,), 3)
+        if gqa_merge not in ("mean", "max"):
+            raise ValueError(f"gqa_merge={gqa_merge!r} is not allowed: 'mean' or 'max'")
+        return torch.from_numpy(self._st.snapkv_scores(layer, qn, check_int(q_pos0, "q_pos0"),
+                                                       check_int(n_keys, "n_keys"), check_int(n_blocks, "n_blocks"),
+                                                       check_int(pool_kernel, "pool_kernel"), gqa_merge))
+
     def group_bounds(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
         """The index's bound of every group for q: at least the score block_scores() gives any of its blocks
         (inf: no bound), fp64 [KVH, n_groups] (SEPARATE) or [n_groups] (SHARED). ValueError without an

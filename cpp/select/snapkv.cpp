@@ -1,0 +1,155 @@
+// SnapKV's block scores over the store's keys (snapkv.h).
+#include "select/snapkv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "common/cpu_features.h"
+#include "common/finite.h"
+#include "common/scratch.h"
+#include "common/thread_pool.h"
+#include "quant/kv_codec.h"
+#include "select/snapkv_kernels.h"
+
+namespace ktq {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kTaskTokens = 256;  // keys per task (pass 2: whole blocks, at least one): a task's logits,
+                                      // [G W, 256 + halo] fp32, and its key panel stay in L2
+constexpr int kMaxPool = 1023;        // the pooling kernel at most (a wider one is no longer "neighbours")
+
+// Keys [t0, t1) of KV head h decoded into kt [D, ss] (column j = key t0 + j); columns [t1 - t0, ss) zero.
+void keys_t(const StoreLayout& lay, const StoreLayer& L, int h, int64_t t0, int64_t t1, float* kt, int ss,
+            float* row) {
+  const int D = lay.cfg.head_dim, bs = lay.cfg.block_size;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = lay.k_tile(L, h, t / bs);
+    decode_row(lay.cfg.kv_type, lay.row_of(tile, t % bs), lay.scales_of(tile, t % bs), D, row);
+    for (int d = 0; d < D; ++d) kt[int64_t(d) * ss + (t - t0)] = row[d];
+  }
+  for (int d = 0; d < D; ++d) std::fill(kt + int64_t(d) * ss + (t1 - t0), kt + int64_t(d + 1) * ss, 0.f);
+}
+
+// Row (g, w) of s [G W, ss] does not see key t0 + j past its query's position q_pos0 + w: its logit becomes -inf.
+void mask_future(float* s, int G, int W, int ss, int64_t t0, int n, int64_t q_pos0) {
+  if (t0 + n - 1 <= q_pos0) return;  // every key of the run is at or before the window's first query
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w) {
+      float* row = s + int64_t(g * W + w) * ss;
+      for (int64_t j = std::max<int64_t>(0, q_pos0 + w + 1 - t0); j < n; ++j) row[j] = kNegInf;
+    }
+}
+
+}  // namespace
+
+void SnapKVScorer::check(const StoreLayer& L, const SnapKVRequest& r) const {
+  const int KVH = lay_.cfg.n_kv_heads, bs = lay_.cfg.block_size;
+  auto bad = [](const std::string& what) { throw std::invalid_argument("snapkv_scores: " + what); };
+  if (r.H < 1 || r.H % KVH != 0)
+    bad("q has " + std::to_string(r.H) + " heads: must be a positive multiple of n_kv_heads=" + std::to_string(KVH));
+  if (r.W < 1 || int64_t(r.W) * (r.H / KVH) > (int64_t(1) << 20))
+    bad("a window of " + std::to_string(r.W) + " queries is not allowed: 1 <= W and W x group <= 2^20");
+  if (r.n_keys < 0 || r.n_keys > L.len)
+    bad("n_keys=" + std::to_string(r.n_keys) + " is not inside the layer's " + std::to_string(L.len) + " tokens");
+  if (r.q_pos0 < 0 || r.q_pos0 + r.W > r.n_keys)
+    bad("the window [" + std::to_string(r.q_pos0) + ", " + std::to_string(r.q_pos0 + r.W) +
+        ") is not inside the keys [0, " + std::to_string(r.n_keys) + ")");
+  if (r.n_blocks < 0 || r.n_blocks > (r.n_keys + bs - 1) / bs)
+    bad("n_blocks=" + std::to_string(r.n_blocks) + " is not allowed: 0..ceil(n_keys / block_size) = " +
+        std::to_string((r.n_keys + bs - 1) / bs));
+  if (r.pool < 1 || r.pool % 2 == 0 || r.pool > kMaxPool)
+    bad("pool=" + std::to_string(r.pool) + " is not allowed: an odd integer in [1, " + std::to_string(kMaxPool) + "]");
+  check_finite_q(r.q, int64_t(r.W) * r.H, lay_.cfg.head_dim);
+}
+
+void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) {
+  check(L, r);
+  const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, bs = lay_.cfg.block_size;
+  const int G = r.H / KVH, W = r.W, R = G * W, p = r.pool / 2;
+  const int64_t N = r.n_keys, nb = r.n_blocks;
+  std::fill(out, out + KVH * nb, 0.f);
+  if (nb == 0) return;
+  // Each KV head's rows (g, w), scaled as the attention scales them.
+  const float scale = 1.f / std::sqrt(float(D));
+  q_.resize(size_t(KVH) * R * D);
+  for (int h = 0; h < KVH; ++h)
+    for (int g = 0; g < G; ++g)
+      for (int w = 0; w < W; ++w) {
+        const float* src = r.q + (int64_t(w) * r.H + h * G + g) * D;
+        float* dst = q_.data() + (int64_t(h) * R + g * W + w) * D;
+        for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
+      }
+  const bool simd = use_avx2() && D % 8 == 0;
+  auto logits = simd ? avx2::snapkv_logits : scalar::snapkv_logits;
+  const int64_t bt = std::max<int64_t>(1, kTaskTokens / bs);  // pass 2: blocks per task
+  const int ss = int((std::max(kTaskTokens, bt * bs + 2 * p) + 7) & ~int64_t(7));
+  auto scratch = [&]() { return thread_scratch(size_t(D) + size_t(D + R + G + 1) * ss); };
+  const int threads = lay_.cfg.threads_num;
+
+  // ---- pass 1: every row's log-sum-exp over the keys it sees ----
+  const int64_t n1 = (N + kTaskTokens - 1) / kTaskTokens;  // tasks per KV head
+  part_.resize(size_t(KVH) * n1 * 2 * R);
+  ThreadPool::global().parallel_for(KVH * n1, threads, [&](int64_t task) {
+    const int h = int(task / n1);
+    const int64_t t0 = (task % n1) * kTaskTokens, t1 = std::min(N, t0 + kTaskTokens);
+    float* row = scratch();
+    float* kt = row + D;
+    float* s = kt + int64_t(D) * ss;
+    keys_t(lay_, L, h, t0, t1, kt, ss, row);
+    logits(q_.data() + int64_t(h) * R * D, R, D, kt, ss, s);
+    mask_future(s, G, W, ss, t0, int(t1 - t0), r.q_pos0);
+    float* m = part_.data() + size_t(task) * 2 * R;
+    std::fill(m, m + R, kNegInf);
+    std::fill(m + R, m + 2 * R, 0.f);
+    (simd ? avx2::snapkv_lse : scalar::snapkv_lse)(s, R, int(t1 - t0), ss, m, m + R);
+  });
+  lse_.resize(size_t(KVH) * R);
+  for (int h = 0; h < KVH; ++h)
+    for (int i = 0; i < R; ++i) {  // the tasks' partials merged in task order (every row sees key 0)
+      float mx = kNegInf;
+      for (int64_t t = 0; t < n1; ++t) mx = std::max(mx, part_[(size_t(h) * n1 + t) * 2 * R + i]);
+      float sum = 0.f;
+      for (int64_t t = 0; t < n1; ++t) {
+        const float* m = part_.data() + (size_t(h) * n1 + t) * 2 * R;
+        if (m[i] != kNegInf) sum += m[R + i] * std::exp(m[i] - mx);
+      }
+      lse_[size_t(h) * R + i] = mx + std::log(sum);
+    }
+
+  // ---- pass 2: the probabilities of the scored blocks' keys (and their pooling halo), pooled, merged, summed
+  // per block ----
+  const int64_t n2 = (nb + bt - 1) / bt;
+  ThreadPool::global().parallel_for(KVH * n2, threads, [&](int64_t task) {
+    const int h = int(task / n2);
+    const int64_t b0 = (task % n2) * bt, b1 = std::min(nb, b0 + bt);
+    const int64_t u0 = b0 * bs, u1 = std::min(N, b1 * bs);  // the blocks' keys
+    const int64_t v0 = std::max<int64_t>(0, u0 - p), v1 = std::min(N, u1 + p);  // ... and the pooling's halo
+    float* row = scratch();
+    float* kt = row + D;
+    float* s = kt + int64_t(D) * ss;
+    float* x = s + int64_t(R) * ss;  // [G, xs]: column c is key u0 - p + c (-inf outside [v0, v1))
+    float* y = x + int64_t(G) * ss;
+    const int xs = int(u1 - u0) + 2 * p, n = int(v1 - v0), off = int(v0 - (u0 - p));
+    keys_t(lay_, L, h, v0, v1, kt, ss, row);
+    logits(q_.data() + int64_t(h) * R * D, R, D, kt, ss, s);
+    mask_future(s, G, W, ss, v0, n, r.q_pos0);
+    for (int g = 0; g < G; ++g) {
+      std::fill(x + int64_t(g) * xs, x + int64_t(g) * xs + off, kNegInf);
+      std::fill(x + int64_t(g) * xs + off + n, x + int64_t(g + 1) * xs, kNegInf);
+    }
+    (simd ? avx2::snapkv_probs : scalar::snapkv_probs)(s, G, W, n, ss, lse_.data() + size_t(h) * R, x + off, xs);
+    (simd ? avx2::snapkv_pool : scalar::snapkv_pool)(x, G, xs, int(u1 - u0), p, r.max_merge, y);
+    for (int64_t b = b0; b < b1; ++b) {
+      float sum = 0.f;
+      for (int64_t t = b * bs; t < std::min(N, (b + 1) * bs); ++t) sum += y[t - u0];
+      out[h * nb + b] = sum;
+    }
+  });
+}
+
+}  // namespace ktq
