@@ -60,7 +60,9 @@ class SessionStats:
     prompt_tokens: int  # prefilled over all turns
     new_tokens: int  # generated over all turns
     prefill_s: float
-    decode_s: float
+    decode_s: float  # the first tokens' times included
+    first_token_s: float  # over all turns: each from the end of its prefill to its first token
+    decode_tok_s: float  # steady, over all turns: their tokens after the first over their time after it
     last: TurnStats | None
 
 
@@ -204,12 +206,17 @@ class ChatSession:
     def stats(self) -> SessionStats:
         eng = self.engine
         held = len(eng.sequence) if eng.sequence.owner is self else 0
+        steady = [t for t in self._turns if t.new_tokens > 1]  # (as ``steady_tok_s``, turn by turn, summed)
+        steady_s = sum(t.decode_s - t.first_token_s for t in steady)
+        steady_tok_s = sum(t.new_tokens - 1 for t in steady) / steady_s if steady_s > 0 else 0.0
         return SessionStats(turns=len(self._turns), context_tokens=held, max_seq_len=eng.max_seq_len,
                             kv_cache_bytes=eng.cache.nbytes(), load_s=eng.load_s,
                             prompt_tokens=sum(t.prompt_tokens for t in self._turns),
                             new_tokens=sum(t.new_tokens for t in self._turns),
                             prefill_s=sum(t.prefill_s for t in self._turns),
                             decode_s=sum(t.decode_s for t in self._turns),
+                            first_token_s=sum(t.first_token_s for t in self._turns),
+                            decode_tok_s=steady_tok_s,
                             last=self._turns[-1] if self._turns else None)
 
     def _opening(self) -> list[dict[str, str]]:

@@ -283,7 +283,8 @@ class Engine:
             on_text(rest)
         stats = TurnStats(prompt_tokens=r.n_prompt, new_tokens=len(r.tokens), context_tokens=len(seq),
                           max_seq_len=self.max_seq_len, prefill_s=r.prefill_s, decode_s=r.decode_s,
-                          prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s, stopped_by=r.stopped_by)
+                          prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s, stopped_by=r.stopped_by,
+                          first_token_s=r.first_token_s)
         return self.tokenizer.decode(reply), stats
 
 

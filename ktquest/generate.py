@@ -28,6 +28,7 @@ from ktquest.config import GenerationConfig
 from ktquest.native.cpu import prefill_heap
 from ktquest.native.sample import Sampler
 from ktquest.sequence import Sequence
+from ktquest.turn import steady_tok_s
 
 StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
 
@@ -37,8 +38,9 @@ class GenerationResult:
     tokens: list[int]  # generated, including the stop token when stopped_by == "eos"
     n_prompt: int  # prompt tokens added to the cache (interrupted while reading it: the whole chunks or slabs read)
     prefill_s: float
-    decode_s: float
+    decode_s: float  # from the end of the prefill to the last token: first_token_s included
     stopped_by: StopReason
+    first_token_s: float = 0.0  # from the end of the prefill to the first token known (0.0: none generated)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -46,7 +48,8 @@ class GenerationResult:
 
     @property
     def decode_tok_s(self) -> float:
-        return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+        """Steady decode speed, the first token's time left out (``ktquest.turn.steady_tok_s``)."""
+        return steady_tok_s(len(self.tokens), self.decode_s, self.first_token_s)
 
 
 def _as_tokens(tokens: abc.Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -145,7 +148,7 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
     # does, steers the bundled model away from the words of the question: "What is the capital of France?"
     # got an answer in French.)
     history: list[int] = []
-    prefill_s = decode_s = 0.0
+    prefill_s = decode_s = first_token_s = 0.0
     stopped_by: StopReason = "max_new_tokens"
     t0 = time.perf_counter()
     seq.feeding(prompt_tokens)
@@ -165,6 +168,8 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
             logits = decode_one_token(model, cache, token)  # token is now in the cache
             tokens.append(token)
             history.append(token)
+            if len(tokens) == 1:  # known and in the cache: its decode step counts, on_token's work does not
+                first_token_s = time.perf_counter() - t0
             if on_token is not None:
                 on_token(token)
             if token in stop_ids:
@@ -182,4 +187,4 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
     finally:
         seq.settle()
     return GenerationResult(tokens=tokens, n_prompt=n_prompt, prefill_s=prefill_s, decode_s=decode_s,
-                            stopped_by=stopped_by)
+                            stopped_by=stopped_by, first_token_s=first_token_s)

@@ -172,8 +172,13 @@ def stream_reply(session, text: str, out: TextIO, err: Console, ctrl_c: CtrlC, s
 
 
 def stats_line(s) -> str:
+    """A turn's stats (``TurnStats``) in a line: the first token's wait (from the end of the prefill, its
+    decode step included) apart from the steady decode speed after it; "-" where there is none (no token, or
+    one token)."""
+    first = f"{s.first_token_s:.2f} s" if s.new_tokens else "-"
+    decode = f"{s.decode_tok_s:.1f} tok/s" if s.new_tokens > 1 else "-"
     return (f"{s.prompt_tokens} prompt tokens, prefill {s.prefill_tok_s:.1f} tok/s, "
-            f"{s.new_tokens} new tokens, decode {s.decode_tok_s:.1f} tok/s, "
+            f"{s.new_tokens} new tokens, first token {first}, decode {decode}, "
             f"context {s.context_tokens}/{s.max_seq_len}")
 
 
@@ -185,7 +190,8 @@ def stats_table(session) -> Table:
     t.add_row("KV cache", f"{s.kv_cache_bytes / 2**20:.1f} MiB")
     t.add_row("model load", f"{s.load_s:.2f} s")
     t.add_row("prefilled", f"{s.prompt_tokens} tokens in {s.prefill_s:.2f} s")
-    t.add_row("generated", f"{s.new_tokens} tokens in {s.decode_s:.2f} s")
+    t.add_row("generated", f"{s.new_tokens} tokens in {s.decode_s:.2f} s (first tokens "
+                           f"{s.first_token_s:.2f} s, then {s.decode_tok_s:.1f} tok/s)")
     if s.last is not None:
         t.add_row("last reply", stats_line(s.last))
     return t

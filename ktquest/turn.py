@@ -28,8 +28,18 @@ class TurnStats:
     prefill_s: float
     decode_s: float
     prefill_tok_s: float
-    decode_tok_s: float
+    decode_tok_s: float  # steady: after the first token (``steady_tok_s``)
     stopped_by: str  # "eos", "max_new_tokens", "max_seq_len" or "interrupted"
+    first_token_s: float = 0.0  # from the end of the prefill to the first token, its decode step included
+
+
+def steady_tok_s(new_tokens: int, decode_s: float, first_token_s: float) -> float:
+    """Decode speed once the first token is out: ``(new_tokens - 1) / (decode_s - first_token_s)``. The first
+    token's time (from the end of the prefill to the token, its decode step included: that step may run
+    SnapKV's preselection) is reported apart as ``first_token_s``; below two tokens there is no steady rate:
+    0.0."""
+    steady = decode_s - first_token_s
+    return (new_tokens - 1) / steady if new_tokens > 1 and steady > 0 else 0.0
 
 
 def check_arg(name: str, value: object, types: type | tuple[type, ...]) -> None:

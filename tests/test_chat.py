@@ -131,3 +131,18 @@ def test_base_model_notice_said_once(base_and_reference, tiny_llama, capsys):
     assert capsys.readouterr().err == PLAIN_CHAT_NOTICE + "\n"
     ktquest.load(tiny_llama.path, max_new_tokens=2, threads=1).chat_session().send("hello")
     assert capsys.readouterr().err == ""  # a model with a chat template uses it
+
+
+def test_session_stats_report_the_first_tokens_apart(tiny):
+    """A session's stats: the first tokens' waits summed, and the steady decode speed over its turns (each
+    turn's tokens after the first over its time after it)."""
+    session = tiny.chat_session()
+    turns = [session.send(text).stats for text in ("hello", "the cat")]
+    s = session.stats()
+    assert all(0 < t.first_token_s < t.decode_s for t in turns)
+    assert s.first_token_s == pytest.approx(sum(t.first_token_s for t in turns))
+    steady = [t for t in turns if t.new_tokens > 1]
+    assert steady and s.decode_tok_s == pytest.approx(sum(t.new_tokens - 1 for t in steady) /
+                                                      sum(t.decode_s - t.first_token_s for t in steady))
+    for t in steady:
+        assert t.decode_tok_s == pytest.approx((t.new_tokens - 1) / (t.decode_s - t.first_token_s))

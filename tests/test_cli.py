@@ -15,7 +15,8 @@ import pytest
 from ktquest.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-STATS = r"\d+ prompt tokens, prefill [\d.]+ tok/s, \d+ new tokens, decode [\d.]+ tok/s, context \d+/\d+"
+STATS = (r"\d+ prompt tokens, prefill [\d.]+ tok/s, \d+ new tokens, first token (?:[\d.]+ s|-), "
+         r"decode (?:[\d.]+ tok/s|-), context \d+/\d+")
 
 
 def _run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
@@ -381,6 +382,22 @@ def test_prefill_progress_shows_tokens_per_second():
     column = TokensPerSecond()
     assert column.render(SimpleNamespace(speed=None)).plain == ""
     assert column.render(SimpleNamespace(speed=2047.6)).plain == "2,048 tok/s"
+
+
+def test_stats_line_shows_the_first_token_apart():
+    """The first token's wait (its decode step included) is its own figure; decode tok/s is the steady speed
+    after it, none for a reply of one token."""
+    from ktquest.terminal import stats_line
+    from ktquest.turn import TurnStats, steady_tok_s
+
+    def turn(n: int, decode_s: float, first_s: float) -> TurnStats:
+        steady = steady_tok_s(n, decode_s, first_s)
+        return TurnStats(20, n, 20 + n, 64, 0.5, decode_s, 40.0, steady, "eos", first_s)
+
+    assert stats_line(turn(5, 1.25, 0.25)) == ("20 prompt tokens, prefill 40.0 tok/s, 5 new tokens, "
+                                               "first token 0.25 s, decode 4.0 tok/s, context 25/64")
+    assert "1 new tokens, first token 0.30 s, decode -, context" in stats_line(turn(1, 0.3, 0.3))
+    assert "0 new tokens, first token -, decode -, context" in stats_line(turn(0, 0.0, 0.0))
 
 
 def test_ctrl_c_while_reading_the_prompt_keeps_what_was_read(tiny_llama, monkeypatch, capsys):

@@ -371,9 +371,9 @@ def test_bench_decode_takes_preset_names(bundled_gguf, tmp_path, capsys):
     assert rows[0]["config"].endswith("configs/snapkv.yaml")
     for r in rows:  # three rounds per cell; the reported speed is their median
         assert len(r["decode_rounds_tok_s"]) == 3 and r["decode_tok_s"] == sorted(r["decode_rounds_tok_s"])[1]
-        assert r["first_decode_s"] > 0  # the step after the prompt (SnapKV's preselection), timed apart
+        assert r["first_token_s"] > 0  # the first token after the prompt (SnapKV's preselection), timed apart
     out = capsys.readouterr().out
-    assert "round 3/3" in out and "snapkv: decode at 700 is" in out and "first decode step" in out
+    assert "round 3/3" in out and "snapkv: decode at 700 is" in out and "first token" in out
     with pytest.raises(SystemExit):  # argparse error: names the known modes and presets
         tool.main(["--model", str(bundled_gguf), "--modes", "nosuchpreset", "--peer", "none"])
     assert "nosuchpreset" in capsys.readouterr().err

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from ktquest.config import GenerationConfig
-from ktquest.generate import decode_one_token, generate, prefill
+from ktquest.generate import GenerationResult, decode_one_token, generate, prefill
 from ktquest.kv.dense import DenseKVCache
 from ktquest.models.loader import load_model
 from ktquest.sequence import Sequence
@@ -205,3 +207,37 @@ def test_truncate_and_reset(llama):
 def test_nbytes():
     cache = DenseKVCache(n_layers=3, n_kv_heads=2, head_dim=8, max_seq_len=10)
     assert cache.nbytes() == 2 * 3 * 2 * 10 * 8 * 4
+
+
+# ---- timing ----
+
+
+def test_steady_decode_speed_leaves_the_first_token_out():
+    r = GenerationResult([1, 2, 3, 4, 5], 9, prefill_s=1.0, decode_s=3.0, stopped_by="eos", first_token_s=2.0)
+    assert r.decode_tok_s == 4.0  # the 4 tokens after the first in the 1 s after it
+    assert GenerationResult([7], 9, 1.0, 2.0, "eos", 2.0).decode_tok_s == 0.0  # one token: no steady rate
+    assert GenerationResult([], 9, 1.0, 0.0, "interrupted").first_token_s == 0.0
+
+
+def test_a_slow_first_decode_step_is_the_first_tokens_wait(llama, monkeypatch):
+    """The first decode step after the prompt (where SnapKV's preselection runs) made slow: the wait is in
+    first_token_s, measured to the moment the token is handed out, and not in the steady decode speed."""
+    import ktquest.generate
+
+    model, _ = llama
+    real, slow = ktquest.generate.decode_one_token, 0.2
+
+    def slow_first_step(model, cache, token):
+        if cache.pos == len(PROMPT):  # the first generated token fed (not the prompt's last chunk of 1)
+            time.sleep(slow)
+        return real(model, cache, token)
+
+    monkeypatch.setattr(ktquest.generate, "decode_one_token", slow_first_step)
+    handed: list[float] = []
+    t0 = time.perf_counter()
+    res = generate(model, Sequence(make_cache(model)), PROMPT, GenerationConfig(max_new_tokens=6), set(), 4,
+                   on_token=lambda t: handed.append(time.perf_counter()))
+    assert len(res.tokens) == 6 and slow <= res.first_token_s < res.decode_s
+    assert res.first_token_s <= handed[0] - t0 - res.prefill_s  # known by the time on_token gets it
+    assert res.decode_tok_s == pytest.approx(5 / (res.decode_s - res.first_token_s))
+    assert res.decode_tok_s > 5 * len(res.tokens) / res.decode_s  # the slow step left out, not dragging it down

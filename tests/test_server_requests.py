@@ -169,3 +169,18 @@ def test_requests_without_a_key_share_one_group(tiny_llama):
         assert again["prompt_tokens_details"]["cached_tokens"] > first["prompt_tokens"] // 2
         keyed = _complete(post, f"{DOC} Q: and the mat?", "mine")  # a key of its own keeps it apart
         assert keyed["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_health_shows_the_time_to_first_token(post):
+    """``/health``: the last request's time to first token (from its turn on the worker: the prefill and the
+    first decode step) beside its steady decode speed, and the mean over the requests that produced a token."""
+    status, h = post("/health")
+    assert status == 200 and h["last"] is None and h["ttft_s_mean"] is None and h["answered"] == 0
+    body = {"model": MODEL, "prompt": "the cat sat", "max_tokens": 3, "temperature": 0}
+    assert post("/v1/completions", body)[0] == 200
+    last = post("/health")[1]["last"]
+    assert last["completion_tokens"] == 3 and last["ttft_s"] >= last["prefill_s"] + last["first_token_s"] > 0
+    assert last["decode_tok_s"] > 0
+    assert post("/v1/completions", {**body, "prompt": "the dog sat on the log"})[0] == 200
+    h = post("/health")[1]
+    assert h["answered"] == 2 and h["ttft_s_mean"] == pytest.approx((last["ttft_s"] + h["last"]["ttft_s"]) / 2)

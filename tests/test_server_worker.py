@@ -5,6 +5,7 @@ left mid-reply."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,28 @@ def test_prefix_reuse_is_per_key(tiny_llama):
     assert off.complete(x, GREEDY).cached_tokens == 0
     with pytest.raises(ValueError, match="reuse='everyone'"):
         Worker(_engine(tiny_llama.path, {}), reuse="everyone")
+
+
+def test_time_to_first_token_holds_a_slow_first_decode_step(tiny_llama, monkeypatch):
+    """A request's time to first token runs from its turn on the worker to its first token: the slot's pick and
+    rewind, the prefill and the first decode step (made slow here, as SnapKV's preselection may make it); the
+    steady decode speed leaves that step out."""
+    import ktquest.generate
+
+    worker = Worker(_engine(tiny_llama.path, {}))
+    prompt = _prompt(worker.engine, DOC, "where did the cat sit?")
+    real, slow = ktquest.generate.decode_one_token, 0.2
+
+    def slow_first_step(model, cache, token):
+        if cache.pos == len(prompt):  # the first generated token fed
+            time.sleep(slow)
+        return real(model, cache, token)
+
+    monkeypatch.setattr(ktquest.generate, "decode_one_token", slow_first_step)
+    r = worker.complete(prompt, GREEDY)
+    assert r.completion_tokens == 8 and r.ttft_s >= r.prefill_s + r.first_token_s and r.first_token_s >= slow
+    assert r.decode_tok_s == pytest.approx(7 / (r.decode_s - r.first_token_s))
+    assert r.decode_tok_s > 5 * r.completion_tokens / r.decode_s  # the slow step is not in it
+    snap = worker.snapshot()
+    assert snap["last"]["ttft_s"] == snap["ttft_s_mean"] == r.ttft_s and snap["answered"] == 1
+    assert snap["last"]["decode_tok_s"] == r.decode_tok_s

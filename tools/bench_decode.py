@@ -3,9 +3,11 @@
 
 For each context length: the context is natural text (Python standard-library sources) tokenized by
 the model's tokenizer; both engines get the same token ids and thread count. Prefill tok/s is the
-context's tokens over the time to feed them; decode tok/s is greedy single-token steps after that
-context. Every (engine, context) keeps its own KV cache, so with --rounds R the decode is measured in R
-rounds that visit every cell in turn: the medians, and the ratios taken within each round, hold up on a
+context's tokens over the time to feed them; first token (``first_token_s``) is from the end of the prompt to
+the first generated token picked and fed (the step SnapKV's preselection runs in; for llama.cpp the same: its
+argmax and one ``eval``); decode tok/s is the steady speed of greedy single-token steps after that. Every
+(engine, context) keeps its own KV cache, so with --rounds R the decode is measured in R rounds that visit
+every cell in turn: the medians, and the ratios taken within each round, hold up on a
 noisy host where one pass of minutes per cell does not. Example:
 
     python tools/bench_decode.py --contexts 1024,4096,8192 --modes dense,long_context \
@@ -80,8 +82,7 @@ class KtquestRunner:
         self.eng = ktquest.load(model=str(model_path), config=load_config(config, overrides))
         self.tokenizer = self.eng.tokenizer
         self.state: dict[int, list] = {}  # context -> [cache, next token, its sampler, the tokens so far]
-        # context -> seconds of the first decode step after the prompt (SnapKV's preselection runs there)
-        self.first_step_s: dict[int, float] = {}
+        self.first_token_s: dict[int, float] = {}  # ctx -> seconds from its prompt's end to its first token
         # greedy (the tools' and tests' default) or the chat's sampling (CHAT_GENERATION: penalties, min-p...)
         self.gen = GenerationConfig(**CHAT_GENERATION) if sampling == "chat" else GenerationConfig()
         self.sampling, self.synthetic = sampling, synthetic
@@ -96,7 +97,8 @@ class KtquestRunner:
             touch_experts(eng.model)  # resident, as after a real prompt (not the fill's work: untimed)
             t0 = time.perf_counter()
             synthetic_fill(cache, eng.model.args, ctx)
-            return self._first_step(ctx, cache, tokens, tokens[-1], time.perf_counter() - t0)
+            t = time.perf_counter() - t0
+            return self._first_step(ctx, cache, tokens, tokens[-1], time.perf_counter(), t)
         tokens = context_tokens(eng.tokenizer, ctx)
         t0 = time.perf_counter()
         marks = [ctx * (i + 1) // 10 for i in range(10)] if ctx >= PROGRESS_FROM else []
@@ -108,12 +110,13 @@ class KtquestRunner:
                       file=sys.stderr, flush=True)
 
         logits = eng.prefill(tokens, cache, progress)
-        return self._first_step(ctx, cache, tokens, int(logits.argmax()), time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        return self._first_step(ctx, cache, tokens, int(logits.argmax()), t1, t1 - t0)
 
-    def _first_step(self, ctx: int, cache, tokens: list[int], tok: int, t: float) -> float:
-        t1 = time.perf_counter()  # the warm-up step: not in the decode rounds, timed on its own
+    def _first_step(self, ctx: int, cache, tokens: list[int], tok: int, t1: float, t: float) -> float:
+        """The first token's step (not in the decode rounds), timed from ``t1``, the prompt's end."""
         tok = int(decode_one_token(self.eng.model, cache, tok).argmax())
-        self.first_step_s[ctx] = time.perf_counter() - t1
+        self.first_token_s[ctx] = time.perf_counter() - t1
         self.state[ctx] = [cache, tok, Sampler(self.gen), [int(t) for t in tokens[-64:]] + [tok]]
         return t
 
@@ -206,7 +209,7 @@ class LlamaCppRunner:
     def __init__(self, lc, model_path, max_len: int, threads: int, tokenizer):
         self.lc, self.model_path, self.max_len, self.threads, self.tokenizer = lc, model_path, max_len, threads, tokenizer
         self.state: dict[int, list] = {}
-        self.first_step_s: dict[int, float] = {}  # (no step of its own after the prompt: none timed)
+        self.first_token_s: dict[int, float] = {}  # as KtquestRunner's: argmax and one eval after the prompt
 
     def prefill(self, ctx: int) -> float:
         tokens = context_tokens(self.tokenizer, ctx)
@@ -217,11 +220,11 @@ class LlamaCppRunner:
                             n_threads_batch=self.threads, n_batch=512, verbose=False, swa_full=False)
         t0 = time.perf_counter()
         llm.eval(tokens)
-        t = time.perf_counter() - t0
-        tok = _last_argmax(llm)
-        llm.eval([tok])  # warm-up step, not timed
+        t1 = time.perf_counter()
+        llm.eval([_last_argmax(llm)])  # the first token's step: not in the decode rounds, timed on its own
         self.state[ctx] = [llm, _last_argmax(llm)]
-        return t
+        self.first_token_s[ctx] = time.perf_counter() - t1
+        return t1 - t0
 
     def decode(self, ctx: int, n: int) -> float:
         st = self.state[ctx]
@@ -249,14 +252,14 @@ def run(runners: list, contexts: list[int], decode_n: int, rounds: int, threads:
                 cells[(r.label, ctx)] = dict(cells[(r.parent.label, ctx)], **r.row(), decode_rounds_tok_s=[])
                 continue
             t = r.prefill(ctx)
-            first = r.first_step_s.get(ctx)  # the first decode step after the prompt, where the runner times one
+            first = r.first_token_s.get(ctx)  # the first token after the prompt (a filled cell's: untimed)
             cells[(r.label, ctx)] = dict(r.row(), context=ctx, prefill_tok_s=ctx / t, prefill_s=t, threads=threads,
                                          decode_tokens=decode_n, rounds=rounds, decode_rounds_tok_s=[],
-                                         first_decode_s=first, rss_mib=_rss_mib(),
+                                         first_token_s=first, rss_mib=_rss_mib(),
                                          peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                                          **(r.memory(ctx) if isinstance(r, KtquestRunner) else {}))
             print(f"{r.engine:>9} {r.label:>13} ctx {ctx:>7}: prefill {ctx / t:8.1f} tok/s"
-                  + (f", first decode step {first:.2f} s" if first is not None else ""), flush=True)
+                  + (f", first token {first:.2f} s" if first is not None else ""), flush=True)
     for i in range(rounds):
         for r in runners:
             for ctx in contexts:
@@ -378,15 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(runners, contexts, a.decode_tokens, a.rounds, a.threads)
 
     print()
-    print(f"decode tok/s: median of {a.rounds} round(s) of {a.decode_tokens} tokens"
+    print(f"first token: seconds after the prompt; decode tok/s: steady, median of {a.rounds} round(s) of "
+          f"{a.decode_tokens} tokens"
           + ("; synthetic contexts (made-up K/V, no prefill)" if a.synthetic else ""))
-    print(f"| engine | mode / preset | context | {'fill' if a.synthetic else 'prefill'} tok/s | decode tok/s "
-          "| KV MiB | RSS MiB |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(f"| engine | mode / preset | context | {'fill' if a.synthetic else 'prefill'} tok/s "
+          "| first token s | decode tok/s | KV MiB | RSS MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kv = f"{r['kv_mib']:.0f}" if r.get("kv_mib") is not None else "-"
-        print(f"| {r['engine']} | {r['label']} | {r['context']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} "
-              f"| {kv} | {r['rss_mib']:.0f} |")
+        first = f"{r['first_token_s']:.3f}" if r.get("first_token_s") is not None else "-"
+        print(f"| {r['engine']} | {r['label']} | {r['context']} | {r['prefill_tok_s']:.1f} | {first} "
+              f"| {r['decode_tok_s']:.2f} | {kv} | {r['rss_mib']:.0f} |")
     labels = list(dict.fromkeys(r["label"] for r in rows))
     cell = {(r["label"], r["context"]): r for r in rows}
     if "llama.cpp" in labels:

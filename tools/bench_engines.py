@@ -9,7 +9,9 @@ mapped pages are evicted and read again from disk. Here each cell is a child pro
 prefills ``context`` tokens of natural text (tools/common.context_tokens: the same ids for both engines),
 decodes ``--decode-tokens`` greedy tokens, and reports:
 
-- ``load_s``, ``prefill_tok_s`` (the context's tokens over the time to feed them), ``decode_tok_s``;
+- ``load_s``, ``prefill_tok_s`` (the context's tokens over the time to feed them), ``first_token_s`` (from
+  the prompt's end to the first token picked and fed: bench_decode.py's; None for a filled cache),
+  ``decode_tok_s`` (the steady speed after it);
 - ``peak_rss_mib``: the process's peak resident set (VmHWM: mapped file pages it touched count, as they do
   in what ``top`` shows), ``rss_anon_mib`` and ``rss_file_mib`` at the end (its own memory, and the
   file's pages it has resident).
@@ -181,7 +183,8 @@ def child(engine: str, model: str, context: int, decode_n: int, threads: int, ma
     mem = _status_mib(("VmHWM", "RssAnon", "RssFile"))
     kv = runner.memory(context) if hasattr(runner, "memory") else {}  # ktquest: its KV's and store's MiB
     return dict(engine=engine, context=context, threads=threads, decode_tokens=decode_n, load_s=load_s,
-                prefill_s=prefill_s, prefill_tok_s=context / prefill_s, decode_tok_s=decode_n / decode_s,
+                prefill_s=prefill_s, prefill_tok_s=context / prefill_s,
+                first_token_s=runner.first_token_s.get(context), decode_tok_s=decode_n / decode_s,
                 peak_rss_mib=mem["VmHWM"], rss_anon_mib=mem["RssAnon"], rss_file_mib=mem["RssFile"], **kv)
 
 
@@ -205,7 +208,9 @@ def run_cell(args, engine: str, context: int) -> dict:
         print(f"  {engine:>18} ctx {context:>6}: failed: {error}", flush=True)
         return dict(engine=engine, context=context, error=error)
     row = json.loads(p.stdout.strip().splitlines()[-1])
-    print(f"  {engine:>18} ctx {context:>6}: prefill {row['prefill_tok_s']:7.1f} tok/s, decode "
+    first = row.get("first_token_s")
+    print(f"  {engine:>18} ctx {context:>6}: prefill {row['prefill_tok_s']:7.1f} tok/s, first token "
+          f"{'-' if first is None else f'{first:.2f} s'}, decode "
           f"{row['decode_tok_s']:6.2f} tok/s, peak RSS {row['peak_rss_mib']:8.0f} MiB (anon "
           f"{row['rss_anon_mib']:.0f}, file {row['rss_file_mib']:.0f})", flush=True)
     return row
@@ -213,18 +218,21 @@ def run_cell(args, engine: str, context: int) -> dict:
 
 def summarize(rows: list[dict], engines: list[str], contexts: list[int], rounds: int) -> None:
     keys = ("prefill_tok_s", "decode_tok_s", "peak_rss_mib")
-    print("\n| engine | context | prefill tok/s | decode tok/s | peak RSS MiB | anon MiB | file MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| engine | context | prefill tok/s | first token s | decode tok/s | peak RSS MiB | anon MiB "
+          "| file MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     cell = {}
     for e in engines:
         for c in contexts:
             rs = [r for r in rows if r["engine"] == e and r["context"] == c and "error" not in r]
             cell[e, c] = rs
             if not rs:
-                print(f"| {e} | {c:,} | failed | | | | |")
+                print(f"| {e} | {c:,} | failed | | | | | |")
                 continue
             med = {k: statistics.median(r[k] for r in rs) for k in (*keys, "rss_anon_mib", "rss_file_mib")}
-            print(f"| {e} | {c:,} | {med['prefill_tok_s']:.1f} | {med['decode_tok_s']:.2f} | "
+            firsts = [r["first_token_s"] for r in rs if r.get("first_token_s") is not None]
+            first = f"{statistics.median(firsts):.3f}" if firsts else "-"
+            print(f"| {e} | {c:,} | {med['prefill_tok_s']:.1f} | {first} | {med['decode_tok_s']:.2f} | "
                   f"{med['peak_rss_mib']:,.0f} | {med['rss_anon_mib']:,.0f} | {med['rss_file_mib']:,.0f} |")
     peers = [e for e in engines if e.startswith("llama.cpp")]
     for e in (e for e in engines if e.startswith("ktquest")):

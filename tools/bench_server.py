@@ -5,7 +5,8 @@ and resident memory over many sequential requests.
 - ttft (per --lengths N): a fresh server gets a question about a document of about N tokens (cold: the whole
   prompt is read), then another question about the same document (reused: the server rewinds to the common
   prefix and reads the new question alone); both streamed, the time from sending the request to the first
-  piece of text, with the prompt and cached token counts the server reports.
+  piece of text, with the prompt and cached token counts the server reports, and the server's own time to
+  first token (``/health``'s ``last.ttft_s``: from the request taken up to its first token, no HTTP or queue).
 - memory (--sequential K): K requests one after another on one server (questions about a document, new
   conversations, follow-ups, streamed or not, stop strings, max_tokens), the server's VmRSS after each; the
   report gives it after a warm-up of 10, at the end, its maximum, the least-squares slope per 100 requests,
@@ -125,6 +126,7 @@ def ttft(args, n: int) -> dict:
     srv = Server(args.model, args.config, args.threads, args.sets)
     try:
         cold = srv.chat([{"role": "user", "content": ask[0]}], 8, stream=True)
+        cold_server = srv.get("/health")["last"]
         warm = srv.chat([{"role": "user", "content": ask[1]}], 8, stream=True)
         health = srv.get("/health")
     finally:
@@ -134,9 +136,12 @@ def ttft(args, n: int) -> dict:
            "cold_prompt_tokens": cold["usage"]["prompt_tokens"],
            "reused_prompt_tokens": warm["usage"]["prompt_tokens"],
            "reused_cached_tokens": warm["usage"]["prompt_tokens_details"]["cached_tokens"],
-           "speedup": cold["ttft_s"] / warm["ttft_s"], "server_prefilled_tokens": health["prefilled_tokens"]}
+           "speedup": cold["ttft_s"] / warm["ttft_s"], "server_prefilled_tokens": health["prefilled_tokens"],
+           "server_cold_ttft_s": cold_server["ttft_s"], "server_reused_ttft_s": health["last"]["ttft_s"],
+           "server_reused_decode_tok_s": health["last"]["decode_tok_s"]}
     print(f"{n:>6} tokens: cold TTFT {row['cold_ttft_s']:.2f} s, reused {row['reused_ttft_s']:.3f} s "
-          f"({row['reused_cached_tokens']} of {row['reused_prompt_tokens']} cached), x{row['speedup']:.0f}",
+          f"({row['reused_cached_tokens']} of {row['reused_prompt_tokens']} cached), x{row['speedup']:.0f}; "
+          f"server side {row['server_cold_ttft_s']:.2f} s and {row['server_reused_ttft_s']:.3f} s",
           flush=True)
     return row
 

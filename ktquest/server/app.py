@@ -3,7 +3,8 @@
     POST /v1/chat/completions   chat (the model's template), streamed by SSE when "stream": true
     POST /v1/completions        raw text completion
     GET  /v1/models             the one model
-    GET  /health                status, queue and the worker's counters (prefilled vs cached tokens)
+    GET  /health                status, queue, the worker's counters (prefilled vs cached tokens), time to
+                                first token (mean, and the last request's with its prefill and decode speed)
 
 One sequence at a time: requests run one by one on a single worker thread, at most ``queue`` waiting behind
 the running one; past that a request is answered 429 at once. Every error is an OpenAI-style JSON body

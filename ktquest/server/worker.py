@@ -19,6 +19,11 @@ grow as they come closer). ``"shared"``: any slot is reused (one user, or client
 ``"off"``: never (every prompt read whole). A KV file's tokens (``load_kv``) are the operator's: any key
 reuses them, until a request fills that slot.
 
+Timing (``Result``, ``/health``): ``ttft_s``, the time to first token, runs from the request taken up (its
+turn come, the engine's lock held: the time it waited in the queue is not in it) to its first token known: the
+slot's pick and rewind, the prefill of what was not cached, and the first decode step (which may run SnapKV's
+preselection). ``decode_tok_s`` is the steady speed after that first token (``steady_tok_s``).
+
 Everything runs on the thread that calls ``complete``: the HTTP side runs requests one by one on a single
 worker thread.
 """
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from ktquest.config import GenerationConfig
 from ktquest.engine import Engine, make_cache
 from ktquest.sequence import Sequence
+from ktquest.turn import steady_tok_s
 
 SIMILAR = 0.5  # a slot is this conversation's when the common prefix holds at least this share of its tokens
 REUSE = ("per-key", "shared", "off")  # whose slots a request may reuse (the module docstring)
@@ -55,7 +61,22 @@ class Result:
     cached_tokens: int  # of them, already in the slot's cache: not prefilled again
     completion_tokens: int  # generated, the end-of-turn token included
     prefill_s: float
-    decode_s: float
+    decode_s: float  # from the end of the prefill to the last token (first_token_s included)
+    first_token_s: float = 0.0  # from the end of the prefill to the first token, its decode step included
+    ttft_s: float = 0.0  # time to first token: from the request taken up (``complete``) to its first token
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Steady decode speed, the first token's time left out (``steady_tok_s``)."""
+        return steady_tok_s(self.completion_tokens, self.decode_s, self.first_token_s)
+
+    def timing(self) -> dict:
+        """What ``/health`` shows of the last request."""
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens, "finish_reason": self.finish_reason,
+                "ttft_s": self.ttft_s if self.completion_tokens else None, "prefill_s": self.prefill_s,
+                "first_token_s": self.first_token_s if self.completion_tokens else None,
+                "decode_tok_s": self.decode_tok_s if self.completion_tokens > 1 else None}
 
 
 @dataclass(slots=True)
@@ -68,6 +89,8 @@ class Counters:
     cached_tokens: int = 0  # prompt tokens found in a slot's cache
     prefilled_tokens: int = 0  # prompt tokens computed
     completion_tokens: int = 0
+    answered: int = 0  # requests that produced a token
+    ttft_s_total: float = 0.0  # their times to first token, summed (``Result.ttft_s``)
 
 
 class StopText:
@@ -155,6 +178,7 @@ class Worker:
             engine.sequence.claim(self)
         self.slots = [Slot(engine.sequence)]
         self.counters = Counters()
+        self.last: Result | None = None  # the last request run (``/health``)
         self.lock = threading.Lock()  # guards counters read from the HTTP side
 
     def load_kv(self, path) -> int:
@@ -201,6 +225,7 @@ class Worker:
         client's (whose slots it may reuse; the module docstring). Holds the
         engine's lock (``ktquest.engine_lock``): a chat session of the same engine waits its turn."""
         with self.engine.lock.hold("Worker.complete"):  # from the slot's pick to the reply: one call
+            taken = time.perf_counter()  # the request is taken up: its time to first token counts from here
             eng = self.engine
             eng.check_fits(len(tokens))
             slot, reusable = self.pick(tokens, key)
@@ -222,6 +247,7 @@ class Worker:
                 if is_cancelled():
                     raise KeyboardInterrupt  # between chunks: the chunks read stay (generate's invariant)
 
+            setup_s = time.perf_counter() - taken  # the slot's pick and rewind
             _, stats = eng.run(seq, tokens[cached:], gen, text_arrived, progress,
                                lambda: stop.hit or is_cancelled())
             rest = "" if stop.hit else stop.flush()
@@ -234,8 +260,11 @@ class Worker:
         else:
             reason = "length"
         result = Result(text=stop.text, finish_reason=reason, prompt_tokens=len(tokens), cached_tokens=cached,
-                        completion_tokens=stats.new_tokens, prefill_s=stats.prefill_s, decode_s=stats.decode_s)
+                        completion_tokens=stats.new_tokens, prefill_s=stats.prefill_s,
+                        decode_s=stats.decode_s, first_token_s=stats.first_token_s,
+                        ttft_s=setup_s + stats.prefill_s + stats.first_token_s if stats.new_tokens else 0.0)
         with self.lock:
+            self.last = result
             c = self.counters
             c.requests += 1
             c.cancelled += reason == "cancelled"
@@ -243,8 +272,15 @@ class Worker:
             c.cached_tokens += cached
             c.prefilled_tokens += stats.prompt_tokens
             c.completion_tokens += stats.new_tokens
+            c.answered += stats.new_tokens > 0
+            c.ttft_s_total += result.ttft_s
         return result
 
     def snapshot(self) -> dict:
+        """The counters, the mean time to first token over the requests that produced one (None before any)
+        and the last request's timing (``Result.timing``; None before any)."""
         with self.lock:
-            return dataclasses.asdict(self.counters)
+            c = self.counters
+            mean = c.ttft_s_total / c.answered if c.answered else None
+            return {**dataclasses.asdict(c), "ttft_s_mean": mean,
+                    "last": None if self.last is None else self.last.timing()}
