@@ -216,3 +216,50 @@ def test_retuned_candidates_are_chosen_at_the_next_decode_step(tiny_llama):
     for layer in range(1, cache.n_layers):
         got = cache.candidates(layer)
         assert got is not None and np.array_equal(got[:, : want[layer].shape[1]].numpy(), want[layer].numpy())
+
+
+def test_a_question_after_a_kv_file_load(tiny_llama, tmp_path):
+    """A document saved, loaded by another engine, then a question read after it (as ``--load-kv`` does): the
+    question's read ends in the preselection, whose candidates are today's torch preselection's."""
+    import ktquest
+
+    sets = {"long_context.block_size": 4, "long_context.init_windows_len": 5, "long_context.local_windows_len": 12,
+            "long_context.preselect_block_count": 6, "long_context.dense_layer_num": 1, "long_context.kv_type": "FP16",
+            "chunk_size": 16, "max_seq_len": 256}
+    a = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=4, **sets)
+    s = a.chat_session(document="The keeper painted the door green. " * 6)
+    s.read_document()
+    s.save(tmp_path / "doc.kvq")
+    b = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=4, **sets)
+    b.load_session(tmp_path / "doc.kvq")
+    cache, n = b.cache, b.cache.stats.preselect_calls
+    prefill(b.model, cache, torch.arange(5, 19) * 3 % 250, 16)
+    assert cache.stats.preselect_calls == n + cache.n_layers - 1
+    for layer in range(1, cache.n_layers):
+        assert torch.equal(cache.candidates(layer), torch_candidates(cache, layer))
+
+
+def test_the_candidates_copies_are_made_as_the_prompt_is_read(tiny_llama):
+    """The store's copies of the candidates (anchor rows, K/V tiles) exist once the prompt is in, keyed as the
+    first decode step asks: that step finds them (the copies' bytes do not move)."""
+    model, _ = load_model(tiny_llama.path)
+    from ktquest.kv.long_context import LongContextCache
+
+    cache = LongContextCache(model.args, small("snapkv"), 256)
+    assert cache.store.cand_nbytes() == 0
+    logits = prefill(model, cache, PROMPTS[0], 16)
+    held = cache.store.cand_nbytes()
+    assert held > 0
+    decode_one_token(model, cache, int(logits.argmax()))
+    assert cache.store.cand_nbytes() == held
+
+
+def test_cache_candidates_refuses_bad_lists():
+    st = filled_store("FP32", 2, 16, 100, 8)
+    excl = np.array([[0, 1], [10, 100]], np.int64)
+    with pytest.raises((ValueError, IndexError), match="block id 40 is out of range|out of range"):
+        st.cache_candidates(0, np.array([[2, 40], [3, 4]], np.int32), excl)
+    with pytest.raises(ValueError, match="allowed: expected shape"):
+        st.cache_candidates(0, np.array([[2, 3]], np.int32), excl)
+    st.cache_candidates(0, np.array([[2, 3], [3, 4]], np.int32), excl)
+    assert st.cand_nbytes() > 0

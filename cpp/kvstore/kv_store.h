@@ -112,6 +112,12 @@ class KVStore {
   // block_lse (optional): [KVH, blocks.cols, G] each block's own LSE per query head (SparseAttention::run).
   void attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse,
               float* block_lse = nullptr);
+  // The copies of req's candidate list (cand_cache.h: its anchor rows and K/V tiles) made now, so that a decode
+  // step with the same candidates and exclusions finds them: SnapKV's candidates chosen as a prompt is read are
+  // copied then, not by the first decode step. Nothing without a list, with anchors that are not linear, or
+  // with a candidate that is a partial block (a step's selector reads those in place). Invalid ids throw as in
+  // select(); req's k is not read.
+  void cache_candidates(int layer, const SelectRequest& req);
   // select + attend in one call (the decode hot path).
   void select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
                      float* out, float* lse);

@@ -72,6 +72,14 @@ CandCache* KVStore::select_locked(const StoreLayer& L, int layer, int H, const S
   return nullptr;
 }
 
+void KVStore::cache_candidates(int layer, const SelectRequest& req) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const StoreLayer& L = layer_at(layer);
+  if (!req.allowed || !linear_anchors(lay_.cfg.anchor_type)) return;
+  const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
+  if (CandCache* C = cand_.lookup(L, layer, lay_.n_blocks(L), n_sets, req, sel_)) cand_.copy_tiles(L, *C);
+}
+
 // ---- attention ----
 
 void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse,

@@ -224,6 +224,21 @@ void bind_kv_store(py::module_& m) {
           if (done) return out;
         }
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), "Unscaled block scores [n_sets, n_blocks].")
+      .def("cache_candidates", [](KVStore& st, int layer, const std::string& mode, const py::handle& exclude,
+                                  const py::handle& allowed) {
+        SelectRequest r;
+        r.mode = head_mode(mode);
+        const int n_sets = r.mode == HeadMode::SHARED ? 1 : st.config().n_kv_heads;
+        const auto ex = array_arg<int64_t>(exclude, "exclude", {-1, 2});
+        const auto al = array_arg<int32_t>(allowed, "allowed", {n_sets, -1});
+        r.exclude = ex.data();
+        r.n_exclude = checked_int(ex.shape(0), "exclude rows");
+        r.allowed = al.data();
+        r.allowed_cols = checked_int(al.shape(1), "allowed columns");
+        py::gil_scoped_release nogil;
+        st.cache_candidates(layer, r);
+      }, py::arg("layer"), py::arg("mode"), py::arg("exclude"), py::arg("allowed"),
+         "The candidate list's copies made now, for the decode steps that pass the same list and exclusions.")
       .def("snapkv_scores", [](KVStore& st, int layer, const py::handle& q_obj, int64_t q_pos0, int64_t n_keys,
                                int64_t n_blocks, int pool, const std::string& merge) {
         const int D = st.config().head_dim;

@@ -117,12 +117,14 @@ def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk
                             layer_tokens: int = 0) -> int:
     """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its text and token ids with what the
     tokenizer leaves resident (``PROMPT_BYTES_PER_TOKEN``), one chunk's activations in fp32
-    (``chunk_activation_bytes``), SnapKV's preselection, which reads one layer's keys back in fp32 after
-    prefill, and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens`` tokens
+    (``chunk_activation_bytes``), SnapKV's scores of one layer (the store's pass over its keys in place: per
+    KV head and run of 256 keys, each window query row's running max and sum, cpp/select/snapkv.h; its tasks'
+    scratch is under a MiB a thread), and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens`` tokens
     and, on the CPU, one layer's K/V of them (kv/layer_prefill.py)."""
     dim = getattr(args, "dim", args.n_heads * args.head_dim)
     chunk = chunk_activation_bytes(args, min(chunk_size, max_seq_len))
-    preselect = max_seq_len * args.n_kv_heads * args.head_dim * 4 if lc.preselect_block else 0
+    rows = args.n_heads * min(lc.preselect_window, max_seq_len)  # the window's query rows, all KV heads
+    preselect = -(-max_seq_len // 256) * 2 * rows * 4 if lc.preselect_block else 0
     layer = layer_tokens * 4 * (dim + 2 * args.n_kv_heads * args.head_dim)
     return PROMPT_BYTES_PER_TOKEN * max_seq_len + chunk + preselect + layer
 

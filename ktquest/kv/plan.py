@@ -275,12 +275,17 @@ class DecodePlanner:
             self.refreshed[layer] = self.decode_step
             st.refresh_calls += 1
             allowed = None  # this step selects from every context block; its picks join the candidates
-        if self._excl[0] != lb:  # [2, 2] int64 block ranges: the init window, and the local window onwards
-            self._excl = (lb, np.array([[0, self.ib], [lb, self._all_blocks.shape[0]]], np.int64))
         # Ada-KV (SEPARATE): the store splits the layer's total over its heads by this query's scores
         ada = lc.ada_alpha if lc.ada_budget and mode == "SEPARATE" else None
-        return None, Select(lc.second_select_num, mode, self._excl[1],
+        return None, Select(lc.second_select_num, mode, self._exclusions(lb),
                             None if allowed is None else self.allowed_np[layer], ada)
+
+    def _exclusions(self, lb: int) -> np.ndarray:
+        """A selection's excluded blocks at context end lb: [2, 2] int64 ranges, the init window and the local
+        window onwards (one array per lb: the store's candidate copies are keyed by its contents)."""
+        if self._excl[0] != lb:
+            self._excl = (lb, np.array([[0, self.ib], [lb, self._all_blocks.shape[0]]], np.int64))
+        return self._excl[1]
 
     def _extend(self, sel: Selection, lb: int) -> torch.Tensor:
         """A cached selection plus the context blocks that left the local window since it was taken."""
@@ -392,6 +397,8 @@ class DecodePlanner:
             picked = self._snapkv(layer, a, b, lb)
             if picked is not None:
                 self._staged[layer] = picked
+                # (their copies too, keyed as the first decode step will ask: plan()'s exclusions at lb)
+                self.store.cache_candidates(layer, picked[0].numpy(), self._exclusions(lb), self.lc.head_select_mode)
 
     def _preselect(self, layer: int, lb: int) -> None:
         """SnapKV at a decode step (a prompt read without ``preselect_read``: a KV file's, a retune's): the

@@ -185,8 +185,9 @@ class KVStore:
 
     def read_keys(self, layer: int, t0: int, t1: int, step: int = 16384) -> torch.Tensor:
         """The keys of tokens [t0, t1) dequantised, [t1 - t0, KVH, D] fp32, read ``step`` tokens at a time, so
-        that no fp32 copy of their values exists beside them (SnapKV's preselection reads one layer's keys
-        after prefill: 0.75 GiB for the bundled SmolLM2 at 1M tokens, and as much again for values it drops).
+        that no fp32 copy of their values exists beside them (the torch twin of SnapKV's scores reads one
+        layer's keys: 0.75 GiB for the bundled SmolLM2 at 1M tokens; the store's ``snapkv_scores`` reads them
+        in place).
         Unlike ``read_range`` not one read under the store's lock: a truncate from another thread between two
         slabs would show (the cache's own thread appends and truncates, and reads this between)."""
         t0, t1, step = check_int(t0, "t0"), check_int(t1, "t1"), check_int(step, "step", 1)
@@ -293,6 +294,14 @@ class KVStore:
         mode = check_name(mode, "mode", HEAD_MODES)
         s = torch.from_numpy(self._st.block_scores(layer, self._q(q), mode))
         return s[0] if mode == "SHARED" else s
+
+    def cache_candidates(self, layer: int, allowed: np.ndarray, exclude_ranges: np.ndarray,
+                         mode: str = "SEPARATE") -> None:
+        """The copies of a candidate list (its anchor rows and K/V tiles, cpp/kvstore/cand_cache.h) made now, so
+        that the decode steps passing the same ``allowed`` [n_sets, N] int32 (-1 padded) and ``exclude_ranges``
+        [n, 2] int64 find them (SnapKV's candidates are copied as the prompt is read, not by the first step)."""
+        mode = check_name(mode, "mode", HEAD_MODES)
+        self._st.cache_candidates(layer, mode, exclude_ranges, allowed)
 
     def snapkv_scores(self, layer: int, q: torch.Tensor, q_pos0: int, n_keys: int, n_blocks: int, pool_kernel: int = 7,
                       gqa_merge: str = "mean") -> torch.Tensor:
