@@ -147,9 +147,10 @@ class LongContextConfig:
         _check(self.dense_layer_num >= 0, p + "dense_layer_num", self.dense_layer_num, "an integer >= 0")
         _check(self.preselect_block_count >= 1, p + "preselect_block_count", self.preselect_block_count,
                "an integer >= 1")
-        _check(self.preselect_window >= 1, p + "preselect_window", self.preselect_window, "an integer >= 1")
-        _check(self.preselect_pool_kernel >= 1 and self.preselect_pool_kernel % 2 == 1,
-               p + "preselect_pool_kernel", self.preselect_pool_kernel, "an odd integer >= 1")
+        _check(1 <= self.preselect_window <= 1024, p + "preselect_window", self.preselect_window,
+               "an integer in [1, 1024]")
+        _check(1 <= self.preselect_pool_kernel <= 255 and self.preselect_pool_kernel % 2 == 1,
+               p + "preselect_pool_kernel", self.preselect_pool_kernel, "an odd integer in [1, 255]")
         _check(self.preselect_refresh >= 0, p + "preselect_refresh", self.preselect_refresh,
                "an integer >= 0 (0 = never)")
         if self.int8_candidates:

@@ -213,15 +213,16 @@ class Engine:
                 f"(max_seq_len) and the reply needs room too; shorten the prompt or raise max_seq_len")
 
     @exclusive
-    def prefill(self, tokens, cache=None, on_progress: ProgressCallback | None = None) -> torch.Tensor:
+    def prefill(self, tokens, cache=None, on_progress: ProgressCallback | None = None,
+                then_decode: bool = True) -> torch.Tensor:
         """Read ``tokens`` at ``cache.pos`` as the config says (chunk_size, prefill.order, prefill.slab_tokens);
-        returns the last token's logits [V]. ``cache``: one made by ``make_cache`` (the tools' own), or None:
-        the engine's, through its sequence (``read``)."""
+        returns the last token's logits [V]. ``cache``: one made by ``make_cache`` (the tools' own, decoded
+        after: ``then_decode``), or None: the engine's, through its sequence (``read``)."""
         if cache is None:
             return self.read(self.sequence, tokens, on_progress)
         p = self.config.prefill
         return prefill(self.model, cache, tokens, self.config.chunk_size, self.lock.callback(on_progress), p.order,
-                       p.slab_tokens)
+                       p.slab_tokens, then_decode)
 
     def prefill_device_bytes(self) -> int:
         """The device memory a layer-major prefill (``prefill.order: layer``) holds beside the weights and the
@@ -246,10 +247,11 @@ class Engine:
     def read(self, seq: Sequence, tokens: list[int], on_progress: ProgressCallback | None = None) -> torch.Tensor:
         """Read ``tokens`` after what ``seq`` holds, no reply (a document before any message); returns the last
         token's logits [V]. Ctrl-C (or ``on_progress`` raising KeyboardInterrupt) propagates with the chunks
-        read whole kept in ``seq``."""
+        read whole kept in ``seq``. (No reply follows here: what a first decode step needs, SnapKV's candidates,
+        is chosen by the prompt read next, or by a decode step.)"""
         seq.feeding(tokens)
         try:
-            return self.prefill(tokens, seq.cache, on_progress)
+            return self.prefill(tokens, seq.cache, on_progress, then_decode=False)
         except KeyboardInterrupt:
             seq.rewind(len(seq))  # a cut chunk (or slab) is not kept
             raise

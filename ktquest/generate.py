@@ -66,13 +66,15 @@ PrefillOrder = Literal["chunk", "layer"]
 @torch.inference_mode()
 def prefill(model, cache, tokens: abc.Sequence[int] | torch.Tensor, chunk_size: int,
             on_progress: Callable[[int, int], None] | None = None, order: PrefillOrder = "chunk",
-            slab_tokens: int = 0) -> torch.Tensor:
+            slab_tokens: int = 0, then_decode: bool = True) -> torch.Tensor:
     """Feed ``tokens`` [N] at cache.pos in chunks of ``chunk_size``; returns the last token's logits [V].
 
     order "chunk": each chunk through every layer, then the next chunk. "layer": each slab of ``slab_tokens``
     tokens (0 = the whole prompt) read layer by layer (``Transformer.prefill_layers``: one layer over all the
     slab's chunks, its K/V on the device, then the next layer). Only the last position's logits are computed.
     on_progress(done, total) after each chunk (of each layer: done counts a share of the work in tokens).
+    then_decode: a reply follows (``KVCache.begin_prompt``: the work a first decode step needs is done as the
+    prompt is read); False for a document read alone.
     """
     tokens = _as_tokens(tokens, _device(model))
     n = tokens.shape[0]
@@ -84,7 +86,7 @@ def prefill(model, cache, tokens: abc.Sequence[int] | torch.Tensor, chunk_size: 
         raise ValueError(f"KV cache overflow: {n} prompt tokens after the {cache.pos} held do not fit in "
                          f"max_seq_len={cache.max_seq_len}")
     logits = None
-    cache.begin_prompt(cache.pos + n)
+    cache.begin_prompt(cache.pos + n, then_decode)
     if order == "layer" and n > 1:
         # A last chunk of one token goes through the chunk path (the cache reads it as a prompt's pass,
         # every block: begin_prompt), as chunk order reads it.

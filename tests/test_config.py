@@ -92,6 +92,8 @@ def test_bad_enum(tmp_path):
     ("generation:\n  temperature: -1", "generation.temperature", "-1.0", "0 (greedy) or a number >= 1e-06"),
     ("long_context:\n  anchor_num: 3", "long_context.anchor_num", "3", "exactly 2"),
     ("long_context:\n  preselect_pool_kernel: 4", "long_context.preselect_pool_kernel", "4", "odd"),
+    ("long_context:\n  preselect_pool_kernel: 257", "long_context.preselect_pool_kernel", "257", "[1, 255]"),
+    ("long_context:\n  preselect_window: 1025", "long_context.preselect_window", "1025", "[1, 1024]"),
     ("mode: long_context\nmax_seq_len: 100", "long_context.local_windows_len", "1024", "<= max_seq_len (100)"),
     ("long_context:\n  int8_candidates: true", "long_context.int8_candidates", "True", "unless preselect_block"),
     ("long_context:\n  index_group: -1", "long_context.index_group", "-1", "an integer >= 0 (0 = no index)"),

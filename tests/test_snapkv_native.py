@@ -14,7 +14,12 @@ import torch
 
 from ktquest.config import load_config
 from ktquest.generate import decode_one_token, prefill
-from ktquest.kv.selection import block_scores_from_tokens, preselect_blocks, snapkv_preselect, snapkv_token_scores
+from ktquest.kv.selection import (
+    block_scores_from_tokens,
+    preselect_blocks,
+    snapkv_preselect,
+    snapkv_token_scores,
+)
 from ktquest.models.loader import load_model
 from ktquest.native.store import KVStore
 
@@ -90,11 +95,14 @@ def test_equal_blocks_tie_and_the_lower_block_wins(seed):
 
 @pytest.mark.parametrize("change, match", [
     (dict(q=torch.randn(4, 3, 16)), "q heads|multiple of n_kv_heads"),
-    (dict(q_pos0=99), r"the window \[99, 103\) is not inside the keys \[0, 100\)"),
+    (dict(q_pos0=99), r"the window of 4 queries from q_pos0=99 is not inside the keys \[0, 100\)"),
     (dict(n_keys=101), "n_keys=101 is not inside the layer's 100 tokens"),
     (dict(n_blocks=14), r"n_blocks=14 is not allowed: 0..ceil\(n_keys / block_size\) = 13"),
-    (dict(pool=4), r"pool=4 is not allowed: an odd integer in \[1, 1023\]"),
-    (dict(pool=1025), r"pool=1025 is not allowed"),
+    (dict(pool=4), r"pool=4 is not allowed: an odd integer in \[1, 255\]"),
+    (dict(pool=257), r"pool=257 is not allowed"),
+    (dict(q=torch.randn(8193, 4, 16)), r"a window of 8193 queries is not allowed: 1 <= W and W x 2 query heads a KV "
+                                       r"head <= 16384"),
+    (dict(q_pos0=2**63 - 2), r"the window of 4 queries from q_pos0=9223372036854775806 is not inside"),
     (dict(q=torch.full((4, 4, 16), float("nan"))), "non-finite|NaN|finite"),
     (dict(q=torch.randn(4, 4, 8)), r"q: expected shape \[\*, \*, 16\]"),
     (dict(q=torch.randn(4, 4, 16).double()), "q"),
@@ -155,7 +163,8 @@ def check_read_candidates(model, cache, prompts, order):
         assert cache.stats.preselect_calls == before + len(sparse)  # the first decode step only used them
 
 
-PROMPTS = [torch.arange(3, 160) * 7 % 250, torch.arange(9, 50) * 11 % 250]  # 157 = 9 x 16 + 13: ends mid-chunk
+# 157 = 9 x 16 + 13 tokens: ends mid-chunk; 17 = 16 + 1: its last token is a chunk of one (also in layer order)
+PROMPTS = [torch.arange(3, 160) * 7 % 250, torch.arange(9, 50) * 11 % 250, torch.arange(2, 19) * 5 % 250]
 
 
 # (million.yaml reads its prompts sparsely, which only chunk order does: the config refuses the layer order)
@@ -241,17 +250,18 @@ def test_a_question_after_a_kv_file_load(tiny_llama, tmp_path):
 
 def test_the_candidates_copies_are_made_as_the_prompt_is_read(tiny_llama):
     """The store's copies of the candidates (anchor rows, K/V tiles) exist once the prompt is in, keyed as the
-    first decode step asks: that step finds them (the copies' bytes do not move)."""
+    first decode step asks: that step finds them and copies nothing."""
     model, _ = load_model(tiny_llama.path)
     from ktquest.kv.long_context import LongContextCache
 
     cache = LongContextCache(model.args, small("snapkv"), 256)
-    assert cache.store.cand_nbytes() == 0
+    assert cache.store.cand_nbytes() == cache.store.cand_copies() == 0
     logits = prefill(model, cache, PROMPTS[0], 16)
-    held = cache.store.cand_nbytes()
-    assert held > 0
+    copies = cache.store.cand_copies()
+    assert cache.store.cand_nbytes() > 0 and copies >= 2 * sum(  # anchor rows and tiles of every candidate
+        int((cache.candidates(layer) >= 0).sum()) for layer in range(1, cache.n_layers))
     decode_one_token(model, cache, int(logits.argmax()))
-    assert cache.store.cand_nbytes() == held
+    assert cache.store.cand_copies() == copies
 
 
 def test_cache_candidates_refuses_bad_lists():
@@ -263,3 +273,54 @@ def test_cache_candidates_refuses_bad_lists():
         st.cache_candidates(0, np.array([[2, 3]], np.int32), excl)
     st.cache_candidates(0, np.array([[2, 3], [3, 4]], np.int32), excl)
     assert st.cand_nbytes() > 0
+
+
+def test_a_document_read_alone_leaves_the_choice_to_what_follows(tiny_llama):
+    """``Engine.read`` (a document before any message): no SnapKV pass at its end; the question read after it
+    chooses the candidates, once."""
+    import ktquest
+
+    sets = {"long_context.block_size": 4, "long_context.init_windows_len": 5, "long_context.local_windows_len": 12,
+            "long_context.preselect_block_count": 6, "long_context.dense_layer_num": 1, "long_context.kv_type": "FP16",
+            "chunk_size": 16, "max_seq_len": 256}
+    eng = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=2, **sets)
+    s = eng.chat_session(document="The keeper painted the door green. " * 6)
+    s.read_document()
+    cache = eng.cache
+    assert cache.stats.preselect_calls == 0 and all(cache.candidates(i) is None for i in range(cache.n_layers))
+    s.send("What colour?")
+    assert cache.stats.preselect_calls == cache.n_layers - 1
+
+
+def test_an_interrupted_layer_major_prompt_leaves_the_planner_as_it_was(tiny_llama):
+    """A layer-major prompt stopped after some layers chose their candidates: the planner keeps the last
+    prompt's window, candidates and statistics; read again whole, the prompt chooses today's torch picks."""
+    model, _ = load_model(tiny_llama.path)
+    from ktquest.kv.long_context import LongContextCache
+
+    cache = LongContextCache(model.args, small("snapkv", "layer", dense_layer_num=0), 256)
+    logits = prefill(model, cache, PROMPTS[0], 16, order="layer")
+    decode_one_token(model, cache, int(logits.argmax()))
+    pl = cache.planner
+    span, calls = pl.q_win_span, cache.stats.preselect_calls
+    before = [None if c is None else c.clone() for c in map(cache.candidates, range(cache.n_layers))]
+    q_win = pl.q_win.clone()
+    seen, staged = [], []
+
+    def stop(done, total):  # in layer 1's first chunk: layer 0 chose its candidates (staged)
+        seen.append(done)
+        if len(seen) == 3 + 1:
+            staged.extend(pl._staged)
+            raise KeyboardInterrupt
+
+    prompt = torch.arange(4, 52) * 3 % 250  # 48 tokens: 3 chunks a layer
+    with pytest.raises(KeyboardInterrupt):
+        prefill(model, cache, prompt, 16, on_progress=stop, order="layer")
+    cache.truncate(cache.pos)  # (as the engine's sequence rewinds to what it holds)
+    assert staged == [0]
+    assert pl.q_win_span == span and torch.equal(pl.q_win, q_win) and not pl._staged
+    assert cache.stats.preselect_calls == calls
+    for layer in range(cache.n_layers):
+        assert (before[layer] is None and cache.candidates(layer) is None) or torch.equal(cache.candidates(layer),
+                                                                                          before[layer])
+    check_read_candidates(model, cache, [prompt], "layer")

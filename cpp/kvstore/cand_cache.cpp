@@ -136,6 +136,7 @@ CandCache* CandCaches::lookup(const StoreLayer& L, int layer, int64_t nb, int n_
     int64_t n = 0;
     sel.runs()[s].each([&](int32_t b) {
       if (n >= C.count[s]) {
+        ++copies_;
         C.ids[s * C.stride + n] = b;
         for (int j = 0; j < heads; ++j) {
           const int h = heads == 1 ? s : j;
@@ -286,6 +287,7 @@ void CandCaches::copy_tiles(const StoreLayer& L, CandCache& C) {
     C.kv_count.assign(n_sets, 0);
   }
   for (int s = 0; s < n_sets; ++s) {
+    copies_ += uint64_t(C.count[s] - std::min(C.kv_count[s], C.count[s]));
     for (int64_t n = C.kv_count[s]; n < C.count[s]; ++n)
       for (int j = 0; j < heads; ++j)  // a (head, block)'s K and V tiles are adjacent in the store
         std::memcpy(tile(C, s, j, n), lay_.k_tile(L, heads == 1 ? s : j, C.ids[s * C.stride + n]), shape.tiles);

@@ -104,6 +104,9 @@ class CandCaches {
   const std::vector<double>& score_task_s() const { return score_task_s_; }
   const std::vector<double>& topk_task_s() const { return topk_task_s_; }
   size_t nbytes() const;  // every layer's copies (anchors, scales, ids, K/V tiles)
+  // Candidates copied so far (a candidate's anchor rows in lookup, its tiles in copy_tiles: one each), every
+  // layer: a request its cache answered copies none.
+  uint64_t copies() const { return copies_; }
 
  private:
   // One stored anchor row (A*D elements at src) as int8 at dst with its scale (int8_candidates' rounding).
@@ -122,6 +125,7 @@ class CandCaches {
   std::vector<double> topk_task_s_;   // each set's top-k time (StageTiming split)
   std::vector<double> score_task_s_;  // ... and its scoring time
   AdaSplit ada_;                      // Ada-KV: the candidates' scores and the sets' budgets
+  uint64_t copies_ = 0;               // copies()
 };
 
 }  // namespace ktq

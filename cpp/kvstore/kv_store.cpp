@@ -96,6 +96,11 @@ size_t KVStore::cand_nbytes() const {
   return cand_.nbytes();
 }
 
+uint64_t KVStore::cand_copies() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return cand_.copies();
+}
+
 StageTiming KVStore::last_timing() const {
   std::lock_guard<std::mutex> lk(mu_);
   return timing_;

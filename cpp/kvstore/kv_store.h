@@ -49,6 +49,7 @@ class KVStore {
   size_t nbytes() const;          // bytes of the blocks in use (K, V, scales, anchors, bookkeeping)
   size_t reserved_bytes() const;  // address space reserved for max_seq_len
   size_t cand_nbytes() const;     // the candidate caches' copies (anchors, scales, ids, K/V tiles), all layers
+  uint64_t cand_copies() const;   // candidates copied into them so far (cand_cache.h CandCaches::copies)
 
   // ---- storage (kv_store.cpp) ----
   // k, v: [T, KVH, D] in `in`; importance: [T, KVH] fp32 or null (DYNAMIC: a token without importance

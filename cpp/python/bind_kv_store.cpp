@@ -61,6 +61,7 @@ void bind_kv_store(py::module_& m) {
       .def("nbytes", &KVStore::nbytes)
       .def("reserved_bytes", &KVStore::reserved_bytes)
       .def("cand_nbytes", &KVStore::cand_nbytes)
+      .def("cand_copies", &KVStore::cand_copies)
       .def("append", [](KVStore& st, int layer, const py::handle& k_obj, const py::handle& v_obj,
                         const std::string& dtype, const py::handle& imp_obj) {
         const int H = st.config().n_kv_heads, D = st.config().head_dim;

@@ -19,9 +19,13 @@ namespace ktq {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kTaskTokens = 256;  // keys per task (pass 2: whole blocks, at least one): a task's logits,
+constexpr int64_t kTaskTokens = 256;  // keys per run (pass 2: whole blocks, at least one): a run's logits,
                                       // [G W, 256 + halo] fp32, and its key panel stay in L2
-constexpr int kMaxPool = 1023;        // the pooling kernel at most (a wider one is no longer "neighbours")
+constexpr int64_t kMaxTasks = 64;     // pass 1: tasks per KV head at most (each several runs), which bounds
+                                      // the partials at KVH x 64 x 2 G W floats whatever the context
+constexpr int kMaxPool = 255;         // the pooling kernel at most (a wider one is no longer "neighbours")
+constexpr int64_t kMaxRows = 1 << 14;  // G W at most: a thread's scratch is (D + G W + G + 1) x ss floats, ss
+                                       // 256 keys (or a block) and the pooling's halo
 
 // Keys [t0, t1) of KV head h decoded into kt [D, ss] (column j = key t0 + j); columns [t1 - t0, ss) zero.
 void keys_t(const StoreLayout& lay, const StoreLayer& L, int h, int64_t t0, int64_t t1, float* kt, int ss,
@@ -52,13 +56,14 @@ void SnapKVScorer::check(const StoreLayer& L, const SnapKVRequest& r) const {
   auto bad = [](const std::string& what) { throw std::invalid_argument("snapkv_scores: " + what); };
   if (r.H < 1 || r.H % KVH != 0)
     bad("q has " + std::to_string(r.H) + " heads: must be a positive multiple of n_kv_heads=" + std::to_string(KVH));
-  if (r.W < 1 || int64_t(r.W) * (r.H / KVH) > (int64_t(1) << 20))
-    bad("a window of " + std::to_string(r.W) + " queries is not allowed: 1 <= W and W x group <= 2^20");
+  if (r.W < 1 || int64_t(r.W) * (r.H / KVH) > kMaxRows)
+    bad("a window of " + std::to_string(r.W) + " queries is not allowed: 1 <= W and W x " + std::to_string(r.H / KVH) +
+        " query heads a KV head <= " + std::to_string(kMaxRows));
   if (r.n_keys < 0 || r.n_keys > L.len)
     bad("n_keys=" + std::to_string(r.n_keys) + " is not inside the layer's " + std::to_string(L.len) + " tokens");
-  if (r.q_pos0 < 0 || r.q_pos0 + r.W > r.n_keys)
-    bad("the window [" + std::to_string(r.q_pos0) + ", " + std::to_string(r.q_pos0 + r.W) +
-        ") is not inside the keys [0, " + std::to_string(r.n_keys) + ")");
+  if (r.q_pos0 < 0 || r.q_pos0 > r.n_keys - r.W)
+    bad("the window of " + std::to_string(r.W) + " queries from q_pos0=" + std::to_string(r.q_pos0) +
+        " is not inside the keys [0, " + std::to_string(r.n_keys) + ")");
   if (r.n_blocks < 0 || r.n_blocks > (r.n_keys + bs - 1) / bs)
     bad("n_blocks=" + std::to_string(r.n_blocks) + " is not allowed: 0..ceil(n_keys / block_size) = " +
         std::to_string((r.n_keys + bs - 1) / bs));
@@ -84,7 +89,7 @@ void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) 
         float* dst = q_.data() + (int64_t(h) * R + g * W + w) * D;
         for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
       }
-  const bool simd = use_avx2() && D % 8 == 0;
+  const bool simd = use_avx2();
   auto logits = simd ? avx2::snapkv_logits : scalar::snapkv_logits;
   const int64_t bt = std::max<int64_t>(1, kTaskTokens / bs);  // pass 2: blocks per task
   const int ss = int((std::max(kTaskTokens, bt * bs + 2 * p) + 7) & ~int64_t(7));
@@ -92,34 +97,43 @@ void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) 
   const int threads = lay_.cfg.threads_num;
 
   // ---- pass 1: every row's log-sum-exp over the keys it sees ----
-  const int64_t n1 = (N + kTaskTokens - 1) / kTaskTokens;  // tasks per KV head
-  part_.resize(size_t(KVH) * n1 * 2 * R);
+  const int64_t runs = (N + kTaskTokens - 1) / kTaskTokens;       // runs of keys per KV head
+  const int64_t n1 = std::min(runs, kMaxTasks);                  // tasks per KV head
+  part_.resize(size_t(KVH) * n1 * 2 * R);                        // [KVH, n1, 2, R]: m then l of each task
   ThreadPool::global().parallel_for(KVH * n1, threads, [&](int64_t task) {
     const int h = int(task / n1);
-    const int64_t t0 = (task % n1) * kTaskTokens, t1 = std::min(N, t0 + kTaskTokens);
-    float* row = scratch();
-    float* kt = row + D;
-    float* s = kt + int64_t(D) * ss;
-    keys_t(lay_, L, h, t0, t1, kt, ss, row);
-    logits(q_.data() + int64_t(h) * R * D, R, D, kt, ss, s);
-    mask_future(s, G, W, ss, t0, int(t1 - t0), r.q_pos0);
+    const int64_t i = task % n1;
+    float* row = scratch();          // [D] a decoded key
+    float* kt = row + D;             // [D, ss] the run's keys, transposed
+    float* s = kt + int64_t(D) * ss;  // [R, ss] their logits
     float* m = part_.data() + size_t(task) * 2 * R;
     std::fill(m, m + R, kNegInf);
     std::fill(m + R, m + 2 * R, 0.f);
-    (simd ? avx2::snapkv_lse : scalar::snapkv_lse)(s, R, int(t1 - t0), ss, m, m + R);
-  });
-  lse_.resize(size_t(KVH) * R);
-  for (int h = 0; h < KVH; ++h)
-    for (int i = 0; i < R; ++i) {  // the tasks' partials merged in task order (every row sees key 0)
-      float mx = kNegInf;
-      for (int64_t t = 0; t < n1; ++t) mx = std::max(mx, part_[(size_t(h) * n1 + t) * 2 * R + i]);
-      float sum = 0.f;
-      for (int64_t t = 0; t < n1; ++t) {
-        const float* m = part_.data() + (size_t(h) * n1 + t) * 2 * R;
-        if (m[i] != kNegInf) sum += m[R + i] * std::exp(m[i] - mx);
-      }
-      lse_[size_t(h) * R + i] = mx + std::log(sum);
+    for (int64_t run = runs * i / n1; run < runs * (i + 1) / n1; ++run) {  // (the split depends on N only)
+      const int64_t t0 = run * kTaskTokens, t1 = std::min(N, t0 + kTaskTokens);
+      keys_t(lay_, L, h, t0, t1, kt, ss, row);
+      logits(q_.data() + int64_t(h) * R * D, R, D, kt, ss, s);
+      mask_future(s, G, W, ss, t0, int(t1 - t0), r.q_pos0);
+      (simd ? avx2::snapkv_lse : scalar::snapkv_lse)(s, R, int(t1 - t0), ss, m, m + R);
     }
+  });
+  lse_.assign(size_t(KVH) * R, kNegInf);  // [KVH, R]: the tasks' partials merged in task order
+  std::vector<float>& sum = sum_;
+  sum.assign(size_t(R), 0.f);
+  for (int h = 0; h < KVH; ++h) {
+    float* mx = lse_.data() + size_t(h) * R;
+    for (int64_t t = 0; t < n1; ++t) {
+      const float* m = part_.data() + (size_t(h) * n1 + t) * 2 * R;
+      for (int i = 0; i < R; ++i) mx[i] = std::max(mx[i], m[i]);
+    }
+    std::fill(sum.begin(), sum.end(), 0.f);
+    for (int64_t t = 0; t < n1; ++t) {
+      const float* m = part_.data() + (size_t(h) * n1 + t) * 2 * R;
+      for (int i = 0; i < R; ++i)
+        if (m[i] != kNegInf) sum[i] += m[R + i] * std::exp(m[i] - mx[i]);
+    }
+    for (int i = 0; i < R; ++i) mx[i] += std::log(sum[i]);  // (every row sees key 0: finite)
+  }
 
   // ---- pass 2: the probabilities of the scored blocks' keys (and their pooling halo), pooled, merged, summed
   // per block ----
@@ -129,11 +143,11 @@ void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) 
     const int64_t b0 = (task % n2) * bt, b1 = std::min(nb, b0 + bt);
     const int64_t u0 = b0 * bs, u1 = std::min(N, b1 * bs);  // the blocks' keys
     const int64_t v0 = std::max<int64_t>(0, u0 - p), v1 = std::min(N, u1 + p);  // ... and the pooling's halo
-    float* row = scratch();
-    float* kt = row + D;
-    float* s = kt + int64_t(D) * ss;
-    float* x = s + int64_t(R) * ss;  // [G, xs]: column c is key u0 - p + c (-inf outside [v0, v1))
-    float* y = x + int64_t(G) * ss;
+    float* row = scratch();           // [D] a decoded key
+    float* kt = row + D;              // [D, ss] the keys [v0, v1), transposed
+    float* s = kt + int64_t(D) * ss;  // [R, ss] their logits
+    float* x = s + int64_t(R) * ss;   // [G, xs]: column c is key u0 - p + c (-inf outside [v0, v1))
+    float* y = x + int64_t(G) * ss;   // [u1 - u0] the pooled, merged scores of the blocks' keys
     const int xs = int(u1 - u0) + 2 * p, n = int(v1 - v0), off = int(v0 - (u0 - p));
     keys_t(lay_, L, h, v0, v1, kt, ss, row);
     logits(q_.data() + int64_t(h) * R * D, R, D, kt, ss, s);

@@ -5,8 +5,8 @@
 // computes, without an fp32 copy of the keys: each task decodes a run of one KV head's keys into a transposed
 // fp32 panel in its thread's scratch.
 //
-// Two passes over the keys: the log-sum-exp of every query row (tasks of kTaskTokens keys per KV head, their
-// partials merged in task order), then the probabilities of the keys that the scored blocks and their pooling
+// Two passes over the keys: the log-sum-exp of every query row (up to 64 tasks per KV head, each over runs of
+// 256 keys, their partials merged in task order), then the probabilities of the keys that the scored blocks and their pooling
 // reach (tasks of whole blocks, each pooled with a halo of p = pool / 2 keys either side and summed into its
 // own blocks). Task boundaries depend only on the request, so any thread count gives the same bits.
 #pragma once
@@ -32,8 +32,9 @@ class SnapKVScorer {
  public:
   explicit SnapKVScorer(const StoreLayout& lay) : lay_(lay) {}
 
-  // Throws std::invalid_argument naming the field unless r fits layer L (H a multiple of KVH, the window inside
-  // [0, n_keys), n_keys within the layer, blocks within the keys, pool odd) and q is finite.
+  // Throws std::invalid_argument naming the field unless r fits layer L (H a multiple of KVH, W x H / KVH <=
+  // 2^14, the window inside [0, n_keys), n_keys within the layer, blocks within the keys, pool odd and <= 255)
+  // and q is finite.
   void check(const StoreLayer& L, const SnapKVRequest& r) const;
   // out [KVH, n_blocks]: each block's score per KV head (a block past n_keys' last token sums what it has).
   void run(const StoreLayer& L, const SnapKVRequest& r, float* out);
@@ -43,6 +44,7 @@ class SnapKVScorer {
   std::vector<float> q_;     // [KVH, G W, D] scaled rows (g, w) of each KV head
   std::vector<float> part_;  // pass 1 partials: [KVH, tasks, 2, G W] (m, l)
   std::vector<float> lse_;   // [KVH, G W]
+  std::vector<float> sum_;   // [G W] the merge's sums
 };
 
 }  // namespace ktq

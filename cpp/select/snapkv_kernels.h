@@ -25,7 +25,7 @@ void snapkv_probs(const float* s, int G, int W, int n, int ss, const float* lse,
 void snapkv_pool(const float* x, int G, int xs, int n, int p, bool max_merge, float* y);
 }  // namespace scalar
 
-namespace avx2 {  // require D % 8 == 0
+namespace avx2 {  // any D (the vectors run along the keys: ss % 8 == 0)
 void snapkv_logits(const float* q, int R, int D, const float* kt, int ss, float* s);
 void snapkv_lse(const float* s, int R, int n, int ss, float* m, float* l);
 void snapkv_probs(const float* s, int G, int W, int n, int ss, const float* lse, float* out, int os);

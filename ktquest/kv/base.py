@@ -54,8 +54,9 @@ class KVCache(Protocol):
         """
         ...
 
-    def begin_prompt(self, end: int) -> None:
-        """A prompt ending at position ``end`` is read next (chunk by chunk through ``attend``)."""
+    def begin_prompt(self, end: int, then_decode: bool = True) -> None:
+        """A prompt ending at position ``end`` is read next (chunk by chunk through ``attend``); then_decode: a
+        reply follows it (not a document read alone)."""
         ...
 
     def prompt_layers(self, start: int, n: int) -> PromptLayers:

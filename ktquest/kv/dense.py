@@ -148,7 +148,7 @@ class DenseKVCache:
         raise ValueError(f"KV cache: cannot write positions {start_pos}..{end - 1}: the cache holds "
                          f"{self.pos} tokens, so a chunk must start at 0..{self.pos}")
 
-    def begin_prompt(self, end: int) -> None:
+    def begin_prompt(self, end: int, then_decode: bool = True) -> None:
         """(Every prompt is read exactly.)"""
 
     def plan_decode(self, pos: int) -> TokenPlan | None:

@@ -68,11 +68,10 @@ class LongContextPromptLayers:
         # The workspace: this layer's prompt K/V, [KVH, n, D] each, on the device
         self.k = torch.empty(shape.n_kv_heads, n, shape.head_dim, device=p.device, dtype=p.dtype)
         self.v = torch.empty_like(self.k)
-        self._W = planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in layer_done)
+        self._W = planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in done())
         self.device_bytes = workspace_bytes(shape, windows, self._W, n)
         self.q_tail: list[torch.Tensor | None] = [None] * len(windows.k)
         self._saved: list[tuple] = []  # per layer moved: the window rows it overwrote (abort puts them back)
-        planner.begin_prefill()  # (as a chunk-order pass: selections are stale, SnapKV preselects again)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
         """``KVCache.attend`` for the layer being read: q [T, H, D], k/v [T, KVH, D] at start_pos.. -> [T, H, D]."""
@@ -110,23 +109,28 @@ class LongContextPromptLayers:
 
     def layer_done(self, layer: int) -> None:
         """The layer read the whole prompt: its K/V to the store (in slabs), its windows to the prompt's end."""
+        if layer != len(self._saved):
+            raise ValueError(f"layer-major prompt: layer {layer} is done, but layer {len(self._saved)} is read next")
+        if self.q_tail[layer] is None:
+            raise ValueError(f"layer-major prompt: layer {layer} is done before it read any chunk")
         p = self.shape.placement
         for a in range(0, self.n, SLAB_TO_STORE):
             b = min(self.n, a + SLAB_TO_STORE)
             self.store.append(layer, p.to_host(self.k[:, a:b].transpose(0, 1)), p.to_host(self.v[:, a:b].transpose(0, 1)))
         self._saved.append(self.windows.saved_rows(layer, self.start))  # (before they move: abort puts them back)
         self.windows.move_to(layer, self.start, self.k, self.v)
-        q, self.q_tail[layer] = self.q_tail[layer], None
-        self.planner.record_queries(layer, q, self.end - q.shape[0])
-        if self._lb is not None:  # the prompt's end: SnapKV scores the layer's context while the next is read
-            self.planner.preselect_read(layer, self.start, self.n, self._lb)
+        if self._lb is not None:  # the end of a prompt a reply follows: SnapKV scores the layer's context now
+            self.planner.preselect_read(layer, self.q_tail[layer], self.start, self.n, self._lb)
 
     def done(self) -> None:
         """Every layer read the prompt: the cache holds it; the workspace is freed."""
         n_layers = len(self.windows.k)
         if len(self._saved) != n_layers:
             raise ValueError(f"layer-major prompt: {len(self._saved)} of {n_layers} layers read it")
-        self.planner.queries_recorded(self.start, self.n)
+        self.planner.begin_prefill()  # (as a chunk-order pass: selections are stale, SnapKV preselects again)
+        for layer, q in enumerate(self.q_tail):
+            self.planner.record_queries(layer, q, self.end - q.shape[0])
+        self.planner.queries_recorded(self.start, self.n)  # (and SnapKV's candidates chosen in layer_done)
         self.windows.moved(self.end)
         self._on_done(self.end)
         self.k = self.v = self._saved = None
@@ -134,7 +138,7 @@ class LongContextPromptLayers:
     def abort(self) -> None:
         """The read stopped part-way: the cache holds exactly what it held before the prompt."""
         self.store.truncate(-1, self.start)
-        self.planner.pass_abandoned()  # (the layers done recorded their queries)
+        self.planner.pass_abandoned()  # (drops the candidates that layer_done chose)
         for layer, saved in enumerate(self._saved):
             self.windows.put_back(layer, saved)
         self.k = self.v = self._saved = None

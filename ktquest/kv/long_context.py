@@ -47,6 +47,9 @@ class LongContextCache:
         self.n_layers, self.max_seq_len = args.n_layers, max_seq_len
         H, KVH, D = args.n_heads, args.n_kv_heads, args.head_dim
         check_kv_type(lc, D)
+        if lc.preselect_block and lc.preselect_window * (H // KVH) > 1 << 14:  # (the store's SnapKV rows)
+            raise ConfigError(f"long_context.preselect_window={lc.preselect_window} is not allowed for this model: "
+                              f"its {H // KVH} query heads a KV head allow at most {(1 << 14) // (H // KVH)}")
         if lc.init_windows_len + lc.local_windows_len > max_seq_len:
             raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
                               f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
@@ -79,18 +82,20 @@ class LongContextCache:
 
     # ---- bookkeeping ----
 
-    def begin_prompt(self, end: int) -> None:
+    def begin_prompt(self, end: int, then_decode: bool = True) -> None:
         """The prompt read next ends at position ``end``: with sparse prefill its last ``prefill.exact_tail``
         tokens read every block (a pass that was not announced has no exact tail), and a pass
         of one token that ends by ``end`` is the prompt's (exact, its query recorded for SnapKV), not a
-        decode step."""
+        decode step. then_decode: a reply follows, so SnapKV chooses the candidates as each layer finishes the
+        prompt (``DecodePlanner.preselect_read``); else (a document read alone) the first decode step does."""
         self.exact_from = end - self.cfg.prefill.exact_tail
         self.prompt_end = end
+        self.preselect_end = end if then_decode else -1
 
     def prompt_layers(self, start: int, n: int) -> LongContextPromptLayers:
         """A prompt of ``n`` tokens at ``start`` read layer by layer (``KVCache.prompt_layers``; kv/layer_prefill.py)."""
         self.write_from(start, n)
-        lb = self.first_decode_lb(start + n) if start + n == self.prompt_end else None
+        lb = self.first_decode_lb(start + n) if start + n == self.preselect_end else None
         return LongContextPromptLayers(self.shape, self.windows, self.store, self.planner, start, n,
                                        self.prompt_read, lb)
 
@@ -107,6 +112,7 @@ class LongContextCache:
         self.geo = PassGeometry()
         self.exact_from = self.max_seq_len  # begin_prompt: queries from it on read every block
         self.prompt_end = 0  # begin_prompt: a one-token pass that ends by it is a prompt's, not a decode step
+        self.preselect_end = -1  # begin_prompt: the pass that ends there chooses SnapKV's candidates
         self.planner.reset()
 
     # long_context keys that only the decode steps read: ``retune`` changes them on a filled cache; the SnapKV
@@ -147,6 +153,7 @@ class LongContextCache:
             raise ValueError(f"truncate({n}): must be between 0 and the {self.pos} tokens held")
         self.store.truncate(-1, n)  # also drops what an interrupted pass appended to the first layers
         self.prompt_end = min(self.prompt_end, n)
+        self.preselect_end = self.preselect_end if self.preselect_end <= n else -1
         self.windows.refill(n, self.store)  # (n == pos too: a cut pass may have compacted past n's local window)
         if n == self.pos:
             return
@@ -207,8 +214,10 @@ class LongContextCache:
         else:
             out = passes.attend_layer(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v,
                                       self.exact_from)
-        if not g.decode and start_pos + T == self.prompt_end:  # the prompt's last pass: SnapKV scores this layer
-            self.planner.preselect_read(layer_idx, start_pos, T, self.first_decode_lb(self.prompt_end))
+        if not g.decode:
+            if start_pos + T == self.preselect_end:  # the last pass of a prompt a reply follows: SnapKV scores it
+                self.planner.preselect_read(layer_idx, q, start_pos, T, self.first_decode_lb(self.preselect_end))
+            self.planner.record_queries(layer_idx, q, start_pos)
         if layer_idx == self.n_layers - 1:
             self.pos = start_pos + T
             if not g.decode:

@@ -51,7 +51,8 @@ class Shape:
 
 def attend_layer(s: Shape, win: Windows, store: KVStore, planner: DecodePlanner, g: PassGeometry, layer: int,
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact_from: int) -> torch.Tensor:
-    """Store k/v at the pass's positions and return causal attention over everything held, in ``layer``.
+    """Store k/v at the pass's positions and return causal attention over everything held, in ``layer`` (a prompt
+    pass's queries are the cache's to record).
 
     q: [T, H, D], k/v: [T, KVH, D] (device) -> out [T, H, D]. exact_from: prompt queries from this position on
     read every context block (``prefill.exact_tail``)."""
@@ -74,8 +75,6 @@ def attend_layer(s: Shape, win: Windows, store: KVStore, planner: DecodePlanner,
         out_w, _ = merge_attention(out_w, lse_w, out_s, lse_s)
     # ---- the chunk goes to the store (after attention: the store part never sees it) ----
     store.append(layer, s.placement.to_host(k), s.placement.to_host(v), imp)
-    if not g.decode:
-        planner.record_queries(layer, q, g.start)
     return out_w.to(q.dtype)
 
 

@@ -118,8 +118,8 @@ def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk
     """RAM a prompt of ``max_seq_len`` tokens needs beside the store: its text and token ids with what the
     tokenizer leaves resident (``PROMPT_BYTES_PER_TOKEN``), one chunk's activations in fp32
     (``chunk_activation_bytes``), SnapKV's scores of one layer (the store's pass over its keys in place: per
-    KV head and run of 256 keys, each window query row's running max and sum, cpp/select/snapkv.h; its tasks'
-    scratch is under a MiB a thread), and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens`` tokens
+    KV head and task, at most 64 a head, each window query row's running max and sum, cpp/select/snapkv.h; its
+    tasks' scratch, a few MiB a thread at most, is left out), and in layer-major order (``layer_major_tokens``) the hidden states of ``layer_tokens`` tokens
     and, on the CPU, one layer's K/V of them (kv/layer_prefill.py)."""
     dim = getattr(args, "dim", args.n_heads * args.head_dim)
     chunk = chunk_activation_bytes(args, min(chunk_size, max_seq_len))

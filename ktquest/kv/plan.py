@@ -144,7 +144,6 @@ class DecodePlanner:
         self.presel_pending = [self.lc.preselect_block] * self.n_layers
         self.sel = [None] * self.n_layers
         self._token_steps = None
-        self._staged = {}
 
     def begin_decode(self) -> None:
         """A decode step starts (token_step and preselect_refresh count these). A refresh planned for the last
@@ -387,37 +386,44 @@ class DecodePlanner:
         end = start + T
         return max(a if b == start else start, end - self.q_win.shape[1]), end
 
-    def preselect_read(self, layer: int, start: int, T: int, lb: int) -> None:
-        """``layer`` read the prompt's last positions [start, start + T) and recorded their queries: SnapKV
-        scores its context now, while the next layers are read, from the store's keys (the first decode step
-        only finds the candidates made); they take effect when every layer has recorded (``queries_recorded``).
-        lb: the first decode step's context end (its local window's first block)."""
-        if self.lc.preselect_block and layer >= self.lc.dense_layer_num:  # (a dense layer attends every block)
-            a, b = self._span_after(start, T)
-            picked = self._snapkv(layer, a, b, lb)
-            if picked is not None:
-                self._staged[layer] = picked
-                # (their copies too, keyed as the first decode step will ask: plan()'s exclusions at lb)
-                self.store.cache_candidates(layer, picked[0].numpy(), self._exclusions(lb), self.lc.head_select_mode)
+    def preselect_read(self, layer: int, q: torch.Tensor, start: int, T: int, lb: int) -> None:
+        """``layer`` read the prompt's last positions [start, start + T) (q [n, H, D]: the queries of the last n
+        of them, not recorded yet): SnapKV scores its context now, from the store's keys, between this layer
+        and the next (the first decode step only finds the candidates, and the store's copies of them); they
+        take effect when every layer has recorded the pass (``queries_recorded``), and a pass abandoned before
+        that leaves the planner as it was. lb: the first decode step's context end (its local window's first
+        block)."""
+        if not self.lc.preselect_block or layer < self.lc.dense_layer_num:  # (a dense layer attends every block)
+            return
+        a, b = self._span_after(start, T)
+        n = min(b - a, q.shape[0])
+        rows = q[q.shape[0] - n:]
+        if n < b - a:  # the window begins in the queries recorded before this pass (the last slots of q_win)
+            rows = torch.cat([self.q_win[layer, self.q_win.shape[1] - (b - a - n):].to(rows.dtype), rows])
+        picked = self._snapkv(layer, rows, a, b, lb)
+        if picked is not None:
+            self._staged[layer] = picked
+            # (their copies too, keyed as the first decode step will ask: plan()'s exclusions at lb)
+            self.store.cache_candidates(layer, picked[0].numpy(), self._exclusions(lb), self.lc.head_select_mode)
 
     def _preselect(self, layer: int, lb: int) -> None:
-        """SnapKV at a decode step (a prompt read without ``preselect_read``: a KV file's, a retune's): the
-        candidates of ``_snapkv`` by the recorded queries."""
+        """SnapKV at a decode step (a prompt read without ``preselect_read``: a document read without a reply,
+        a KV file's, a retune's): the candidates of ``_snapkv`` by the recorded queries."""
         self.presel_pending[layer] = False
         a, b = self.q_win_span
-        picked = self._snapkv(layer, a, b, lb)
+        picked = self._snapkv(layer, self.q_win[layer, self.q_win.shape[1] - (b - a):], a, b, lb)
         if picked is not None:
             self._install(layer, *picked, self.decode_step)
 
-    def _snapkv(self, layer: int, a: int, b: int, lb: int) -> tuple[torch.Tensor, int] | None:
+    def _snapkv(self, layer: int, q: torch.Tensor, a: int, b: int, lb: int) -> tuple[torch.Tensor, int] | None:
         """SnapKV: the top ``preselect_block_count`` context blocks per KV head (SHARED: one set) of this
-        layer, scored by the queries of positions [a, b) (the last slots of q_win) over the store's keys
-        [0, b), in place (Ada-SnapKV budgets with ``ada_budget``): (candidates [n_sets, N] int32 -1 padded,
-        the context end nb they cover), or None where there is no context to choose from."""
+        layer, scored by the queries q [b - a, H, D] of positions [a, b) over the store's keys [0, b), in place
+        (Ada-SnapKV budgets with ``ada_budget``): (candidates [n_sets, N] int32 -1 padded, the context end nb
+        they cover), or None where there is no context to choose from."""
         nb = min(lb, b // self.store.block_size)  # (after a retune mid-reply: later blocks join as new ones)
         if b <= a or nb <= self.ib:
             return None
-        qw = self.q_win[layer, self.q_win.shape[1] - (b - a):].float().cpu().contiguous()  # [W, H, D]
+        qw = q.float().cpu().contiguous()  # [W, H, D]
         scores = self.store.snapkv_scores(layer, qw, a, b, nb, self.lc.preselect_pool_kernel, self.lc.ada_gqa_merge)
         sets = snapkv_preselect(scores, self.lc, exclude=[(0, self.ib)])
         allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
@@ -432,4 +438,3 @@ class DecodePlanner:
         self._set_allowed(layer, allowed, nb)
         self.presel_pending[layer] = False
         self.presel_base[layer], self.refreshed[layer] = (allowed.numpy(), nb), step
-

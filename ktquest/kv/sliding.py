@@ -241,8 +241,8 @@ class HybridCache:
         """The token of ``plan`` raised part-way (the sliding layers' rows past their positions are unused)."""
         self.main.abort_decode(plan.state)
 
-    def begin_prompt(self, end: int) -> None:
-        self.main.begin_prompt(end)
+    def begin_prompt(self, end: int, then_decode: bool = True) -> None:
+        self.main.begin_prompt(end, then_decode)
 
     def rewind_point(self, n: int) -> int:
         """The longest prefix of at most ``n`` tokens the cache can be truncated to exactly: n, or 0 when

@@ -173,6 +173,11 @@ class KVStore:
         """Bytes of the candidate caches: each layer's copy of its preselected candidates' anchors and K/V."""
         return self._st.cand_nbytes()
 
+    def cand_copies(self) -> int:
+        """Candidates copied into the candidate caches so far (anchor rows and tiles: one each), every layer; a
+        selection its cache answered copies none."""
+        return self._st.cand_copies()
+
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What is stored, dequantised: (k, v), each [length, KVH, D] fp32."""
         k, v = self._st.read(layer)
@@ -185,9 +190,8 @@ class KVStore:
 
     def read_keys(self, layer: int, t0: int, t1: int, step: int = 16384) -> torch.Tensor:
         """The keys of tokens [t0, t1) dequantised, [t1 - t0, KVH, D] fp32, read ``step`` tokens at a time, so
-        that no fp32 copy of their values exists beside them (the torch twin of SnapKV's scores reads one
-        layer's keys: 0.75 GiB for the bundled SmolLM2 at 1M tokens; the store's ``snapkv_scores`` reads them
-        in place).
+        that no fp32 copy of their values exists beside them (the torch twin of SnapKV's scores reads a
+        layer's keys; the store's ``snapkv_scores`` reads them in place).
         Unlike ``read_range`` not one read under the store's lock: a truncate from another thread between two
         slabs would show (the cache's own thread appends and truncates, and reads this between)."""
         t0, t1, step = check_int(t0, "t0"), check_int(t1, "t1"), check_int(step, "step", 1)
