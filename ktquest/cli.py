@@ -1,4 +1,5 @@
-"""``ktquest chat``: a terminal chat with streaming replies, prefill progress and per-reply speed.
+"""``ktquest chat``: a terminal chat with streaming replies, prefill progress and per-reply speed; ``ktquest serve``
+and ``ktquest presets`` start here too (their arguments: ``cli_args.py``).
 
 Interactive by default (``/reset``, ``/stats``, ``/exit`` or EOF quit). Nothing ends a conversation but
 quitting: Ctrl-C stops a reply (the partial reply is kept) or a /save or /load (the conversation goes on as it
@@ -16,7 +17,6 @@ import io
 import os
 import sys
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +24,9 @@ from rich.console import Console
 from rich.markup import escape
 
 import ktquest
-from ktquest.config import CHAT_GENERATION, load_config
+from ktquest.cli_args import UsageError, build_parser, command_config
+from ktquest.config import find_config, load_config
+from ktquest.config_file import PRESETS, preset_names, preset_summary
 from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from ktquest.server.guard import GuardConfig
 from ktquest.terminal import CtrlC, PrefillBar, stats_line, stats_table, stream_reply
@@ -39,105 +41,6 @@ HELP = ("/reset forgets the conversation, /stats shows usage, /save FILE and /lo
 USER_ERRORS = (ValueError, OSError)
 
 
-# --flag, its generation key, its type, what it does; defaults: CHAT_GENERATION, then the schema's
-_SAMPLING_FLAGS = [
-    ("--temperature", "temperature", float, "0 = greedy; the chat's default is 0.3"),
-    ("--top-k", "top_k", int, "sample among the k most likely tokens (0 = off)"),
-    ("--top-p", "top_p", float, "nucleus: the most likely tokens holding this mass (1 = off)"),
-    ("--min-p", "min_p", float, "drop tokens less likely than this times the best (0 = off)"),
-    ("--repeat-penalty", "repeat_penalty", float, "penalize the recent tokens (1 = off)"),
-    ("--repeat-last-n", "repeat_last_n", int, "how many recent tokens the penalties see"),
-    ("--presence-penalty", "presence_penalty", float, "subtract from a recent token's logit (0 = off)"),
-    ("--frequency-penalty", "frequency_penalty", float, "subtract per occurrence in the recent tokens (0 = off)"),
-]
-
-
-class UsageError(ValueError):
-    """A command-line argument that cannot be used (reported as one line, exit code 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:  # one line like every other error, not usage + error
-        raise UsageError(f"{message} (see {self.prog} --help)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ktquest", description="Local LLM inference from a GGUF file.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    chat = sub.add_parser("chat", help="chat with a model in the terminal",
-                          description=f"Chat with a GGUF model (default: the bundled {DEFAULT_MODEL}).")
-    _model_flags(chat)
-    chat.add_argument("--prompt-file", metavar="FILE", help="a document given as context with the first message")
-    chat.add_argument("--message", metavar="TEXT", help="answer TEXT once and exit (reply on stdout, stats on stderr)")
-    chat.add_argument("--system", metavar="TEXT", help="system prompt")
-    chat.add_argument("--save-kv", metavar="FILE",
-                      help="write the KV cache to FILE: once the --prompt-file document is read (before any "
-                           "message), else after --message's answer or when the chat ends")
-    chat.add_argument("--load-kv", metavar="FILE",
-                      help="start from a KV file's conversation (its document and turns): only new text is read")
-    chat.add_argument("--max-new-tokens", type=int, metavar="N", help="reply length limit (generation.max_new_tokens)")
-    for flag, key, kind, what in _SAMPLING_FLAGS:
-        chat.add_argument(flag, type=kind, metavar="X", dest=key, help=f"{what} (generation.{key})")
-    chat.add_argument("--seed", type=int, metavar="N", help="sampling seed (generation.seed)")
-    chat.add_argument("--show-thinking", action="store_true",
-                      help="show a thinking model's think block (Qwen3, QwQ, DeepSeek-R1), dimmed; by default it is "
-                           "hidden behind a 'thinking...' line")
-    chat.add_argument("--parse-special", action="store_true", default=None,
-                      help="read special-token text (<|im_end|>) in your messages, --system and "
-                           "--prompt-file as control tokens; by default it is plain text (parse_special)")
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
-                           description="Serve a GGUF model over an OpenAI-compatible API (/v1/chat/completions, "
-                                       "/v1/completions, /v1/models, /health).")
-    _model_flags(serve)
-    serve.add_argument("--load-kv", metavar="FILE",
-                       help="start with a KV file's tokens cached (a document: questions about it read only themselves)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
-    serve.add_argument("--slots", type=int, default=2, metavar="N",
-                       help="conversations whose KV stays cached, each a cache of its own (default: 2)")
-    serve.add_argument("--queue", type=int, default=8, metavar="N",
-                       help="requests that may wait behind the running one; more are answered 429 (default: 8)")
-    serve.add_argument("--max-body-mb", type=float, default=64, metavar="MB",
-                       help="largest request body; a larger one is answered 413 (default: 64)")
-    serve.add_argument("--prefix-reuse", choices=("per-key", "shared", "off"), default="per-key",
-                       help="whose cached prompts a request reuses: per-key, only those sent with its own API key "
-                            "(no key: one anonymous group), so no client learns another's prompts from "
-                            "cached_tokens or timing; shared, anyone's; off, none (default: per-key)")
-    serve.add_argument("--api-key", action="append", default=[], metavar="KEY", dest="api_keys",
-                       help="require 'Authorization: Bearer KEY' with one of these keys, else 401 (repeatable; "
-                            "default: $KTQ_API_KEY if set, else no key needed)")
-    _guard_flags(serve)
-    return parser
-
-
-def _guard_flags(p: argparse.ArgumentParser) -> None:
-    """serve's connection limits and allowed hosts/origins (ktquest/server/guard.py says why)."""
-    d = GuardConfig()
-    p.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="SECONDS",
-                   help="a connection that has not sent a whole request head this long after opening (or after "
-                        f"its last response) is closed (default: {d.header_timeout:g})")
-    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
-                   help=f"an idle keep-alive connection is closed after this long (default: {d.idle_timeout:g})")
-    p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
-                   help=f"open connections served at once; a request past them is answered 503 "
-                        f"(default: {d.max_connections})")
-    p.add_argument("--allow-host", action="append", default=[], metavar="HOST", dest="allow_hosts",
-                   help="also accept requests addressed to HOST (the Host header; repeatable, * = any); by "
-                        "default only localhost, 127.0.0.1, [::1] and --host (DNS rebinding)")
-    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN", dest="allow_origins",
-                   help="let web pages from ORIGIN (e.g. http://localhost:3000) call the server (repeatable, "
-                        "* = any); by default only the server's own origins")
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH|NAME",
-                   help=f"a GGUF file or a bundled model: {', '.join(BUNDLED_MODELS)} (default: config "
-                        f"'model', else {DEFAULT_MODEL})")
-    p.add_argument("--config", metavar="FILE", help="YAML config (see configs/default.yaml)")
-    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
-                   help="override a config key, e.g. --set threads=2 --set generation.top_k=40 (repeatable)")
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit code. The one place errors become ``ktquest: error: ...``."""
     # ktquest's kernels run on its own thread pool between torch ops: torch's idle OpenMP workers must not spin
@@ -146,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "presets":
+            return _presets()
+        if args.command in ("pull", "list"):
+            from ktquest import catalog_cli
+
+            return catalog_cli.pull(args.ref) if args.command == "pull" else catalog_cli.list_models()
         return _serve(args) if args.command == "serve" else _chat(args, err)
     except KeyboardInterrupt:  # while loading, or answering --message
         err.print()
@@ -160,13 +69,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _chat(args: argparse.Namespace, err: Console) -> int:
-    flags = [("max_new_tokens", args.max_new_tokens), ("seed", args.seed)] + \
-        [(key, getattr(args, key)) for _, key, _, _ in _SAMPLING_FLAGS]
-    sets = [(f"generation.{k}", v) for k, v in flags if v is not None]  # typed: no YAML round trip
-    if args.parse_special:
-        sets.append(("parse_special", True))
-    # the chat samples (CHAT_GENERATION) unless the config or these flags say otherwise
-    cfg = load_config(args.config, args.sets + sets, base={"generation": CHAT_GENERATION})
+    cfg = command_config(args)
     if args.load_kv and (args.prompt_file or args.system):
         raise UsageError("--load-kv brings its own conversation (document and system prompt included): drop "
                          "--prompt-file and --system")
@@ -177,7 +80,7 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
     with err.status("loading the model...", spinner="dots") if err.is_terminal and args.message is None \
             else contextlib.nullcontext():
         engine = load(args.model, cfg)
-        engine.config_path = Path(args.config) if args.config else None  # never written over by a KV file
+        engine.config_path = find_config(args.config) if args.config else None  # never written over by a KV file
         if args.save_kv:
             engine.check_kv_path(args.save_kv)  # a path it may not write is refused now, not after the reading
         session = engine.load_session(args.load_kv) if args.load_kv else \
@@ -226,8 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
     guard = GuardConfig(host=args.host, port=args.port, allow_hosts=tuple(args.allow_hosts),
                         allow_origins=tuple(args.allow_origins), header_timeout=args.header_timeout,
                         idle_timeout=args.idle_timeout, max_connections=args.max_connections)
-    # the server samples as the chat does (CHAT_GENERATION) under the config; requests override their fields
-    cfg = load_config(args.config, args.sets, base={"generation": CHAT_GENERATION})
+    cfg = command_config(args)  # requests override its generation fields
 
     from ktquest.engine import load
     from ktquest.server import serve
@@ -240,7 +142,14 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-PRESETS = Path(__file__).resolve().parents[1] / "configs"  # in a source checkout (a wheel has none)
+def _presets() -> int:
+    """``ktquest presets``: each packaged preset's name and what it is for."""
+    names = preset_names()
+    width = max(map(len, names))
+    for name in names:
+        print(f"{name:<{width}}  {preset_summary(name)}")
+    print(f"\n--config NAME loads one (files in {PRESETS}); --set KEY=VALUE changes a key")
+    return 0
 
 
 def _check_document_fits(engine, session, path: str) -> None:
@@ -264,7 +173,7 @@ def _what_holds(engine, n_tokens: int) -> str:
     from ktquest.models.args import resolve_max_seq_len
 
     holding = []
-    for preset in sorted(PRESETS.glob("*.yaml")) if PRESETS.is_dir() else []:
+    for preset in sorted(PRESETS.glob("*.yaml")):
         try:
             cfg = load_config(preset)
         except ConfigError:
@@ -275,10 +184,9 @@ def _what_holds(engine, n_tokens: int) -> str:
     if not holding:
         return f"no preset holds it: --set max_seq_len=N raises the limit (N > {n_tokens:,})"
     n, _, _, preset = min(holding)
-    shown = preset.relative_to(Path.cwd()) if preset.is_relative_to(Path.cwd()) else preset
     trained = engine.args.context_length
     past = f", past the {trained:,} tokens the model was trained on" if n_tokens > trained else ""
-    return f"--config {shown} holds it (max_seq_len {n:,} on this model{past})"
+    return f"--config {preset.stem} holds it (max_seq_len {n:,} on this model{past})"
 
 
 def _read_document(path: str) -> str:

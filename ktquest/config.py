@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ktquest.config_file import ConfigError, check_utf8, parse_override, read_config_file, show
+from ktquest.config_file import ConfigError, check_utf8, find_config, parse_override, read_config_file, show
 from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES, LINEAR_ANCHORS, MAX_STICKY_BLOCKS
 
 INT_MAX = 2**31 - 1  # every integer key but these two: the kernels take 32-bit sizes
@@ -375,16 +375,16 @@ def _resolve_short_key(path: list[str]) -> list[str]:
 
 def load_config(path: str | os.PathLike | None = None, overrides: list | None = None,
                 base: dict | None = None) -> Config:
-    """Load ``path`` (YAML; None = defaults) and apply ``overrides``: ``"key=value"`` strings (the value read
+    """Load ``path`` (YAML, or a packaged preset's name: ``"snapkv"``; None = defaults) and apply ``overrides``: ``"key=value"`` strings (the value read
     as YAML, as ``--set`` gives them) or ``(key, value)`` pairs of typed values; keys dotted for sections.
 
     ``base``: keys (nested by section) that stand in for the schema's defaults, under the file and the
     overrides (``ktquest chat`` passes ``{"generation": CHAT_GENERATION}``)."""
     data: dict = {}
     source = "defaults"
-    if path is not None:
+    if path is not None:  # a file, or a packaged preset's name (find_config)
         source = str(path)
-        data = read_config_file(path)
+        data = read_config_file(find_config(path))
     for section, values in (base or {}).items():
         if isinstance(data.get(section, {}), dict):  # (a wrong type is reported by _build)
             data[section] = {**values, **data.get(section, {})}

@@ -1,6 +1,7 @@
-"""Reading a config's text: YAML as the schema needs it, ``--set key=value`` overrides, and the error
-every reader raises (``ConfigError``, its values shown by ``show``). ``ktquest.config`` builds the
-dataclasses from what these return."""
+"""Reading a config's text: the presets shipped in the package (``ktquest/presets/*.yaml``, found by name),
+YAML as the schema needs it, ``--set key=value`` overrides, and the error every reader raises
+(``ConfigError``, its values shown by ``show``). ``ktquest.config`` builds the dataclasses from what these
+return."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import yaml
 
+PRESETS = Path(__file__).resolve().parent / "presets"  # configs/ in a source checkout links here
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few lines
 _MAX_YAML_DEPTH = 8  # the schema nests 2 levels; deeper YAML would only recurse in the parser
 
@@ -81,6 +83,28 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {show(item)}: empty key")
     value = parse_yaml(raw, f"--set {show(item)}") if raw.strip() else ""
     return key.split("."), value
+
+
+def preset_names() -> list[str]:
+    """The packaged presets' names, sorted: ``snapkv`` for ``ktquest/presets/snapkv.yaml``."""
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def preset_summary(name: str) -> str:
+    """What a preset is for: the first line of its top comment."""
+    first = (PRESETS / f"{name}.yaml").read_text(encoding="utf-8").split("\n", 1)[0]
+    return first.removeprefix("#").strip()
+
+
+def find_config(path: str | os.PathLike) -> Path:
+    """The file ``--config`` means: a bare name (no folder, no suffix) is a packaged preset, anything else a
+    path. ConfigError naming the presets for a bare name that is neither a preset nor a file."""
+    if isinstance(path, str) and path and Path(path).name == path and not Path(path).suffix:
+        if path in preset_names():
+            return PRESETS / f"{path}.yaml"
+        if not Path(path).is_file():
+            raise ConfigError(f"{show(path)}: no such preset or config file; the presets: {', '.join(preset_names())}")
+    return Path(path)
 
 
 def read_config_file(path: str | os.PathLike) -> dict:

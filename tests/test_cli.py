@@ -142,8 +142,8 @@ def _document_tokens(model: Path, text: str) -> int:
 
 
 @pytest.mark.parametrize("words, sets, presets, needles", [
-    (10, ["max_seq_len=64"], None, ["64 (max_seq_len)", "configs/dense.yaml holds it (max_seq_len 256"]),
-    (40, [], None, ["256 (max_seq_len)", "configs/million.yaml holds it (max_seq_len 1,048,576"]),
+    (10, ["max_seq_len=64"], None, ["64 (max_seq_len)", "--config dense holds it (max_seq_len 256"]),
+    (40, [], None, ["256 (max_seq_len)", "--config million holds it (max_seq_len 1,048,576"]),
     (10, ["max_seq_len=64"], {"small.yaml": "max_seq_len: 100\n"},
      ["64 (max_seq_len)", "no preset holds it: --set max_seq_len=N raises the limit"]),
 ])
@@ -344,7 +344,7 @@ def test_invalid_utf8_in_process(tiny_llama, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, needles", [
-    (["--max-new-tokens", "x"], ["argument --max-new-tokens: invalid int value: 'x'", "ktquest chat --help"]),
+    (["--max-new-tokens", "x"], ["argument -n/--max-new-tokens: invalid int value: 'x'", "ktquest chat --help"]),
     (["--nope"], ["unrecognized arguments: --nope"]),
 ])
 def test_argument_errors_are_one_line(monkeypatch, capsys, argv, needles):
