@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ktquest.chat import ChatSession
-from ktquest.config import Config, ConfigError, GenerationConfig, load_config, show, to_dict
+from ktquest.config import Config, ConfigError, GenerationConfig, find_config, load_config, show, to_dict
 from ktquest.engine_lock import EngineLock, exclusive
-from ktquest.formats.bundled import DEFAULT_MODEL, resolve_model
+from ktquest.formats.bundled import DEFAULT_MODEL
 from ktquest.generate import generate, prefill
 from ktquest.kv import compat as kv_compat
 from ktquest.kv import files as kv_files
@@ -298,7 +298,8 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
     """Load a GGUF model into an ``Engine``: ``model`` is a GGUF path or a bundled model's name
     (``ktquest.formats.bundled.BUNDLED_MODELS``); None = ``config.model``, else ``DEFAULT_MODEL`` (smollm2-135m).
 
-    ``config``: a ``Config``, a YAML path or None (defaults); ``overrides``: config keys as keyword
+    ``config``: a ``Config``, a YAML path, a packaged preset's name (``"snapkv"``, ``ktquest presets``) or None
+    (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
     Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
     schema refuses, a cache that would not fit); ``GGUFError`` (``ktquest.GGUFError``) for every model that
@@ -316,8 +317,10 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
             cfg = load_config(None, _as_sets(to_dict(config)) + sets)
     else:
         cfg = load_config(config, sets)
+    from ktquest.hub import resolve_model  # (and huggingface_hub with it: only when a model is loaded)
+
     return Engine(cfg, resolve_model(model if model is not None else cfg.model or DEFAULT_MODEL),
-                  Path(config) if isinstance(config, (str, os.PathLike)) else None)
+                  find_config(config) if isinstance(config, (str, os.PathLike)) else None)
 
 
 def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:

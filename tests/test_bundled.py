@@ -66,7 +66,8 @@ def test_an_existing_path_stays_a_path(tmp_path, monkeypatch):
 
 
 def test_unknown_name_lists_the_bundled_models(tmp_path):
-    with pytest.raises(GGUFError, match=f"^nosuch: no such file, and no bundled model has that name; {NAMES}$"):
+    with pytest.raises(GGUFError, match=rf"^nosuch: no such file, and no bundled model has that name; {NAMES}; nor a "
+                                        r"model repository's OWNER/NAME\[:QUANT\] \('ktquest pull' fetches one\)$"):
         resolve_model("nosuch")
     with pytest.raises(GGUFError, match=f"nosuch: no such file.*{NAMES}"):  # the config's model key too
         ktquest.load(config=load_config(None, [("model", "nosuch")]))

@@ -56,8 +56,9 @@ from ktquest.config import (  # noqa: E402
     load_config,  # noqa: E402
 )
 from ktquest.engine import make_cache  # noqa: E402
-from ktquest.formats.bundled import bundled_model_path, resolve_model  # noqa: E402
+from ktquest.formats.bundled import bundled_model_path  # noqa: E402
 from ktquest.generate import decode_one_token  # noqa: E402
+from ktquest.hub import resolve_model  # noqa: E402
 from ktquest.native.sample import Sampler  # noqa: E402
 
 MODE_CONFIGS = {"dense": None, "long_context": "configs/snapkv.yaml"}

@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, write_json  # noqa: E402
 
-from ktquest.formats.bundled import resolve_model  # noqa: E402
 from ktquest.formats.tokenizer import Tokenizer  # noqa: E402
+from ktquest.hub import resolve_model  # noqa: E402
 from ktquest.models.loader import read_gguf  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.budget < 1:
         ap.error(f"--budget={a.budget} must be >= 1")
 
-    from ktquest.formats.bundled import bundled_model_path, resolve_model
+    from ktquest.formats.bundled import bundled_model_path
     from ktquest.formats.tokenizer import Tokenizer
+    from ktquest.hub import resolve_model
     from ktquest.models.loader import read_gguf
 
     model_path = str(resolve_model(a.model) if a.model else bundled_model_path())

@@ -88,8 +88,8 @@ def bundled_model_path(name: str = DEFAULT_MODEL) -> Path:
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """The GGUF file ``model`` names: a path that exists stays a path, else a bundled model's name (its file,
-    assembled if needed). ``GGUFError`` for neither (as for any missing model file), ``BundledModelNotFound``
-    for a bundled model that is not installed."""
+    assembled if needed). ``GGUFError`` for neither (as for any missing model file; ``ktquest.hub.resolve_model``
+    also takes a model repository's name), ``BundledModelNotFound`` for a bundled model that is not installed."""
     path = Path(model)
     try:
         if path.exists():
@@ -99,4 +99,5 @@ def resolve_model(model: str | os.PathLike) -> Path:
     if os.fspath(model) in BUNDLED_MODELS:
         return BUNDLED_MODELS[os.fspath(model)].path()
     raise GGUFError(f"{model}: no such file, and no bundled model has that name; bundled models: "
-                    f"{', '.join(BUNDLED_MODELS)}")
+                    f"{', '.join(BUNDLED_MODELS)}; nor a model repository's OWNER/NAME[:QUANT] ('ktquest pull' "
+                    "fetches one)")
