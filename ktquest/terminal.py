@@ -1,12 +1,14 @@
-"""The terminal side of a chat turn: Ctrl-C that stops a reply without ending the chat, the prefill's
-progress bar, a reply streamed as it is generated (a thinking model's thinking hidden behind a "thinking..."
-line, or shown dimmed), and the speed line and usage table after it."""
+"""The terminal side of a chat turn: a message read from the prompt (a line, a block between two lines of three
+double quotes, or a pasted text), Ctrl-C that stops a reply without ending the chat, the prefill's progress bar, a
+reply streamed as it is generated (a thinking model's thinking hidden behind a "thinking..." line, or shown dimmed),
+and the speed line and usage table after it."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TextIO
 
 from rich.console import Console
@@ -23,6 +25,51 @@ from rich.table import Table
 from rich.text import Text
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # SGR: faint, then back to normal
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # bracketed paste: the terminal wraps a pasted text in these
+BASE_MODEL = "none: a base model, chatting as plain text"
+BLOCK = '"""'  # a line that is exactly this starts, and another ends, a multi-line message
+
+
+def enable_bracketed_paste() -> bool:
+    """Let GNU readline take a pasted multi-line text as one input (CPython turns its bracketed paste off):
+    ``input()`` then returns it whole, newlines included. False without readline or on libedit, which has no
+    bracketed paste: a pasted text's lines then arrive as lines."""
+    try:
+        import readline
+    except ImportError:
+        return False
+    if "libedit" in (readline.__doc__ or ""):
+        return False
+    readline.parse_and_bind("set enable-bracketed-paste on")
+    return True
+
+
+@dataclass(slots=True)
+class Message:
+    """What the prompt read: ``text``, and ``block``: it came as a block or a paste (always a message, never a
+    /command)."""
+
+    text: str
+    block: bool = False
+
+
+def read_message(read_line: Callable[[str], str], prompt: str, more: str) -> Message:
+    """One message from the prompt: a line; the lines between a line that is exactly ``BLOCK`` and the next such
+    line, joined by newlines; or a bracketed paste whose escapes reach us (stdin without readline: ESC[200~ to
+    ESC[201~, across lines), as one text. ``read_line(prompt)`` reads a line (``input``: EOFError at the end,
+    which drops an unfinished block); ``more`` prompts the lines of a block."""
+    line = read_line(prompt)
+    if line.strip() == BLOCK:
+        lines = []
+        while (line := read_line(more)).strip() != BLOCK:
+            lines.append(line)
+        return Message("\n".join(lines), block=True)
+    if PASTE_START not in line:
+        return Message(line, block="\n" in line)  # (readline's bracketed paste: newlines inside)
+    text = line.replace(PASTE_START, "")
+    while PASTE_END not in text:
+        text += "\n" + read_line("")
+    return Message(text.replace(PASTE_END, ""), block=True)
 
 
 class CtrlC:
@@ -186,6 +233,7 @@ def stats_table(session) -> Table:
     s = session.stats()
     t = Table(show_header=False, box=None, padding=(0, 2))
     t.add_row("turns", str(s.turns))
+    t.add_row("chat template", "yes" if session.engine.tokenizer.chat_template else BASE_MODEL)
     t.add_row("context", f"{s.context_tokens} / {s.max_seq_len} tokens")
     t.add_row("KV cache", f"{s.kv_cache_bytes / 2**20:.1f} MiB")
     t.add_row("model load", f"{s.load_s:.2f} s")

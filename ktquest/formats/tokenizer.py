@@ -92,14 +92,19 @@ class Tokenizer:
             self._backend = _SentencePiece(md, self.tokens, self.token_types)
         else:
             raise TokenizerError(f"tokenizer.ggml.model={self.kind!r} is not supported: expected 'gpt2' or 'llama'")
-        # a ChatTemplateError here if it does not compile
-        self._template: ChatTemplate | PlainText = ChatTemplate(self.chat_template) if self.chat_template \
-            else PlainText()
+        self._template: ChatTemplate | PlainText = PlainText()
+        self.set_chat_template(self.chat_template)  # a ChatTemplateError here if it does not compile
         specials = sorted(self._backend.special_ids, key=len, reverse=True)  # longest first: it wins
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         # special-token text that is whole (one character: no _TEXT_MARK before it) is the template's own
         markup = [re.escape(t) if len(t) > 1 else f"(?<!{_TEXT_MARK}){re.escape(t)}" for t in specials]
         self._markup_re = re.compile(f"({'|'.join(markup)})") if specials else None
+
+    def set_chat_template(self, source: str | None) -> None:
+        """Chat with the Jinja template ``source`` (e.g. ``--chat-template FILE``'s, over the file's own); None or
+        empty: none, a base model's plain text. A ``ChatTemplateError`` if it does not compile (then unchanged)."""
+        self._template = ChatTemplate(source) if source else PlainText()
+        self.chat_template = source or None
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:

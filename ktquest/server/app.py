@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   chat (the model's template), streamed by SSE when "stream": true
     POST /v1/completions        raw text completion
-    GET  /v1/models             the one model
+    GET  /v1/models             the one model ("chat_template": false for a base model)
     GET  /health                status, queue, the worker's counters (prefilled vs cached tokens), time to
                                 first token (mean, and the last request's with its prefill and decode speed)
 
@@ -245,8 +245,10 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
     @app.get("/v1/models")
     async def models(request: Request):
         _client_key(request, api_keys)
+        # chat_template false: a base model, whose chat is the conversation as plain text that it continues
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "ktquest"}]}
+                                            "owned_by": "ktquest",
+                                            "chat_template": engine.tokenizer.chat_template is not None}]}
 
     @app.get("/health")
     async def health(request: Request):  # (with api keys: for them only; it tells the slots' lengths)
