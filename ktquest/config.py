@@ -226,7 +226,7 @@ class Config:
     activations: Literal["auto", "int8", "int16"] = "auto"
     threads: int = 0  # CPU threads for torch and the operators; 0 = all cores
     chunk_size: int = 512  # prefill chunk, tokens
-    # KV capacity, tokens; 0 = the model's trained context, at most 32768 (args.resolve_max_seq_len)
+    # KV capacity, tokens; 0 = the model's trained context, or the most of it that fits (ktquest.context)
     max_seq_len: int = field(default=0, metadata={"max": SEQ_LEN_MAX})
     parse_special: bool = False  # chat: special-token text in messages and documents as control tokens
     # RoPE scaling: "gguf" = the file's own (none, linear, yarn, llama3 or LongRoPE); "dynamic" = dynamic NTK with

@@ -15,6 +15,7 @@ import torch
 
 from ktquest.chat import ChatSession
 from ktquest.config import Config, ConfigError, GenerationConfig, find_config, load_config, show, to_dict
+from ktquest.context import choose_context, context_warning
 from ktquest.engine_lock import EngineLock, exclusive
 from ktquest.formats.bundled import DEFAULT_MODEL
 from ktquest.generate import generate, prefill
@@ -32,7 +33,7 @@ from ktquest.kv.memory import (
 )
 from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
-from ktquest.models.args import RopeScaling, resolve_max_seq_len
+from ktquest.models.args import RopeScaling
 from ktquest.models.loader import build_model, read_gguf, read_tokenizer
 from ktquest.native.decode import use_native_decode
 from ktquest.sequence import Sequence
@@ -68,7 +69,8 @@ class Engine:
         contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
         self.tokenizer = read_tokenizer(contents)
         self.args = contents.args
-        self.max_seq_len = resolve_max_seq_len(self.args, config.max_seq_len)
+        # max_seq_len 0: the trained context, or the most of it that fits; context_note says which and why
+        self.max_seq_len, self.context_note = choose_context(config, self.args, self.device, self.dtype)
         # refuse before any allocation (the weights included), with the figure
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)
@@ -76,6 +78,7 @@ class Engine:
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf",
                                  _rope_scaling(config))
         self.args = self.model.args  # the file's, but for the config's RoPE scaling when it sets one
+        self.context_warning = context_warning(self.args, self.max_seq_len)  # past the trained context: why
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
         self.activations = _pick_activations(config.activations, self.args)
         set_x16(self.model, self.activations == "int16")
@@ -301,6 +304,8 @@ def load(model: str | os.PathLike | None = None, config: Config | str | os.PathL
     ``config``: a ``Config``, a YAML path, a packaged preset's name (``"snapkv"``, ``ktquest presets``) or None
     (defaults); ``overrides``: config keys as keyword
     arguments, short names allowed as with ``--set`` (``ktquest.load(threads=2, max_new_tokens=64)``).
+    The engine's ``context_note`` and ``context_warning`` (str or None) say what its context is when it is not
+    the one asked for or the model's trained one (``ktquest.context``): for the CLI to print, once each.
     Errors: ``TypeError`` for a model or config of the wrong type; ``ConfigError`` (a key or value the
     schema refuses, a cache that would not fit); ``GGUFError`` (``ktquest.GGUFError``) for every model that
     cannot be loaded, its message naming the file: neither a file nor a bundled model's name, a directory or

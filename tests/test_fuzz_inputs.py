@@ -368,6 +368,8 @@ def _check_runs(runs: list[list[str]]) -> None:
     for argv, res in zip(runs, _run_cli(runs), strict=True):
         lines = res["err"].strip().splitlines()
         assert res["rc"] in (0, 2), (argv, res)
+        # a context past the model's trained one is said (ktquest.context), once, before anything else
+        lines = [x for x in lines if not x.startswith("ktquest: context ")]
         if lines[:1] == [PLAIN_CHAT_NOTICE]:  # the test model has no chat template: said as the chat starts
             lines = lines[1:]
         assert len(lines) == 1, (argv, res)

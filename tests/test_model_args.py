@@ -13,7 +13,7 @@ import torch
 from conftest import TINY_SPECS, build_hf_model, finish_gguf, gguf_metadata, hf_to_gguf_tensors
 
 from ktquest.formats.gguf import GGUFError
-from ktquest.models.args import DEFAULT_MAX_SEQ_LEN, resolve_max_seq_len
+from ktquest.models.args import resolve_max_seq_len
 from ktquest.models.loader import model_weights, read_gguf
 
 NAN, INF = float("nan"), float("inf")
@@ -221,12 +221,13 @@ def test_weights_past_the_range_of_float16(tmp_path, model_parts):
 # ---- the context ----
 
 
-def test_the_default_context_is_capped(tmp_path, model_parts):
+def test_a_model_alone_covers_its_trained_context(tmp_path, model_parts):
+    """(The engine's default also asks what fits in memory: tests/test_context_rules.py.)"""
     md, tensors = model_parts
     args = read_gguf(write_model(tmp_path / "1m.gguf", md, tensors, {"llama.context_length": 1 << 20})).args
     assert args.context_length == 1 << 20  # what the file says
-    assert resolve_max_seq_len(args, 0) == DEFAULT_MAX_SEQ_LEN == 32768  # what 0 reserves
-    assert resolve_max_seq_len(args, 1 << 20) == 1 << 20  # asked for: the fit check decides
+    assert resolve_max_seq_len(args, 0) == 1 << 20
+    assert resolve_max_seq_len(args, 1024) == 1024  # asked for: the fit check decides
     small = read_gguf(write_model(tmp_path / "256.gguf", md, tensors)).args
     assert resolve_max_seq_len(small, 0) == 256
 

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+import types
 
 import pytest
 import uvicorn
@@ -224,7 +225,8 @@ def test_any_host_and_origin(worker):
 
 def test_flags_reach_the_server(monkeypatch):
     got = {}
-    monkeypatch.setattr("ktquest.engine.load", lambda model, cfg: "engine")
+    engine = types.SimpleNamespace(context_note=None, context_warning=None)  # (what the command reads of it)
+    monkeypatch.setattr("ktquest.engine.load", lambda model, cfg: engine)
     monkeypatch.setattr("ktquest.server.serve", lambda *a, **k: got.update(k))
     assert main(["serve", "--port", "9000", "--header-timeout", "2.5", "--idle-timeout", "1", "--max-connections",
                  "12", "--allow-host", "MyHost.lan", "--allow-host", "[::2]", "--allow-origin",

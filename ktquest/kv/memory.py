@@ -129,21 +129,28 @@ def prefill_workspace_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk
     return PROMPT_BYTES_PER_TOKEN * max_seq_len + chunk + preselect + layer
 
 
+def store_need_bytes(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int = 512,
+                     layer_tokens: int = 0) -> tuple[int, int]:
+    """RAM a full store for ``max_seq_len`` tokens needs: (the store with its candidate copy, its huge-page
+    rounding and the prefill's workspace). ValueError or OverflowError for sizes past the store's layout."""
+    dims = (args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len)
+    store = store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims)
+    rounding = HUGE_PAGE * store_regions(lc, args.n_layers)
+    return store, rounding + prefill_workspace_bytes(lc, args, max_seq_len, chunk_size, layer_tokens)
+
+
 def check_store_fits(lc: LongContextConfig, args, max_seq_len: int, chunk_size: int = 512,
                      layer_tokens: int = 0) -> None:
     """ConfigError (with the figure) when a full store for ``max_seq_len`` would not fit in available RAM,
     with its huge-page rounding and the prefill's workspace (``prefill_workspace_bytes``)."""
-    dims = (args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len)
     try:  # the store's layout refuses sizes past its limits (int32 block ids) or that overflow
-        store = store_bytes(lc, *dims) + candidate_copy_bytes(lc, *dims)
+        store, more = store_need_bytes(lc, args, max_seq_len, chunk_size, layer_tokens)
     except (ValueError, OverflowError) as e:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}") from None
-    rounding = HUGE_PAGE * store_regions(lc, args.n_layers)
-    work = prefill_workspace_bytes(lc, args, max_seq_len, chunk_size, layer_tokens)
-    need, have = store + rounding + work, available_ram()
+    need, have = store + more, available_ram()
     if need > have:
         raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: the {lc.kv_type} KV store would need "
-                          f"{store / 2**30:.2f} GiB (and {(rounding + work) / 2**30:.2f} GiB more for huge-page "
+                          f"{store / 2**30:.2f} GiB (and {more / 2**30:.2f} GiB more for huge-page "
                           f"rounding and the prefill's workspace) and {have / 2**30:.2f} GiB of RAM is available; "
                           f"lower max_seq_len or pick a smaller kv_type (Q8_0, Q4_0)")
 

@@ -133,13 +133,10 @@ def _rope_scaling(m: Metadata, arch: str, tensors: GGUFTensors, head_dim: int) -
     )
 
 
-DEFAULT_MAX_SEQ_LEN = 32768  # max_seq_len 0: the trained context, but at most this many tokens
-
-
 def resolve_max_seq_len(args: ModelArgs, max_seq_len: int) -> int:
-    """The KV capacity in tokens: ``max_seq_len``, or for 0 the model's trained context length capped at
-    ``DEFAULT_MAX_SEQ_LEN`` (a file that says 1M tokens must not make the default reserve 1M)."""
-    return max_seq_len or min(args.context_length, DEFAULT_MAX_SEQ_LEN)
+    """The positions a model built alone covers: ``max_seq_len``, or for 0 the model's trained context length.
+    (The engine's default for 0 also asks what fits in memory: ``ktquest.context.choose_context``.)"""
+    return max_seq_len or args.context_length
 
 
 _REQUIRED = object()

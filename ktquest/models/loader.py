@@ -252,7 +252,7 @@ def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtyp
                 max_seq_len: int = 0, encoded: bool = False,
                 rope_scaling: RopeScaling | None = None) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
-    ``max_seq_len`` positions; 0 = the trained context length, capped: ``resolve_max_seq_len``).
+    ``max_seq_len`` positions; 0 = the trained context length: ``resolve_max_seq_len``).
 
     rope_scaling: None = the file's; else it replaces the file's in the model's args (the config's dynamic
     NTK, which no GGUF file can express: ``Config.rope_scaling``).
