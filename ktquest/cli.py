@@ -1,7 +1,8 @@
 """``ktquest chat``: a terminal chat with streaming replies, prefill progress and per-reply speed; ``ktquest serve``
 and ``ktquest presets`` start here too (their arguments: ``cli_args.py``).
 
-Interactive by default (``/reset``, ``/stats``, ``/exit`` or EOF quit). Nothing ends a conversation but
+Interactive by default (``/reset``, ``/stats``, ``/exit``, ``/quit`` or EOF quit; a line of three double quotes
+starts a multi-line message that another ends, and a pasted text is one message; any other ``/word`` is refused). Nothing ends a conversation but
 quitting: Ctrl-C stops a reply (the partial reply is kept) or a /save or /load (the conversation goes on as it
 was) and is otherwise ignored, and a turn that fails (the chat template's error, a prompt too long for the
 context, ...) prints one line and the conversation goes on without that message. ``--message TEXT`` answers
@@ -29,12 +30,22 @@ from ktquest.config import find_config, load_config
 from ktquest.config_file import PRESETS, preset_names, preset_summary
 from ktquest.formats.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from ktquest.server.guard import GuardConfig
-from ktquest.terminal import CtrlC, PrefillBar, stats_line, stats_table, stream_reply
+from ktquest.terminal import (
+    CtrlC,
+    PrefillBar,
+    enable_bracketed_paste,
+    read_message,
+    stats_line,
+    stats_table,
+    stream_reply,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 HELP = ("/reset forgets the conversation, /stats shows usage, /save FILE and /load FILE keep it in a KV file, "
-        "/exit or Ctrl-D quits; Ctrl-C stops a reply")
+        '/exit, /quit or Ctrl-D quits; a line """ starts a multi-line message and another ends it; Ctrl-C stops '
+        "a reply")
+COMMANDS = "/reset /stats /save FILE /load FILE /help /exit /quit"
 # What a user can cause and fix, reported as one line: ktquest's own errors are ValueErrors that name the
 # problem (ConfigError, GGUFError, TokenizerError, ChatTemplateError, PromptTooLongError, UsageError), OSError
 # a file. Anything else is a bug and keeps its traceback.
@@ -51,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "presets":
             return _presets()
+        if args.command == "bench": from ktquest import bench; return bench.main(args)  # noqa: I001
         if args.command in ("pull", "list"):
             from ktquest import catalog_cli
 
@@ -73,13 +85,17 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
     if args.load_kv and (args.prompt_file or args.system):
         raise UsageError("--load-kv brings its own conversation (document and system prompt included): drop "
                          "--prompt-file and --system")
-    document = _read_document(args.prompt_file) if args.prompt_file else None
+    document = _read_text("--prompt-file", args.prompt_file) if args.prompt_file else None
+    template = _read_chat_template(args.chat_template) if args.chat_template else None
 
     from ktquest.engine import load  # torch loads here, after the arguments are known to be good
 
     with err.status("loading the model...", spinner="dots") if err.is_terminal and args.message is None \
             else contextlib.nullcontext():
         engine = load(args.model, cfg)
+        if template is not None:
+            engine.tokenizer.set_chat_template(template)
+        _context_lines(engine)
         engine.config_path = find_config(args.config) if args.config else None  # never written over by a KV file
         if args.save_kv:
             engine.check_kv_path(args.save_kv)  # a path it may not write is refused now, not after the reading
@@ -130,13 +146,18 @@ def _serve(args: argparse.Namespace) -> int:
                         allow_origins=tuple(args.allow_origins), header_timeout=args.header_timeout,
                         idle_timeout=args.idle_timeout, max_connections=args.max_connections)
     cfg = command_config(args)  # requests override its generation fields
+    template = _read_chat_template(args.chat_template) if args.chat_template else None
 
     from ktquest.engine import load
     from ktquest.server import serve
 
     name = args.model or cfg.model or DEFAULT_MODEL  # what clients name the model: as it was given
     model_id = name if name in BUNDLED_MODELS else Path(name).stem
-    serve(load(args.model, cfg), args.host, args.port, args.slots, args.queue, model_id,
+    engine = load(args.model, cfg)
+    if template is not None:
+        engine.tokenizer.set_chat_template(template)
+    _context_lines(engine)
+    serve(engine, args.host, args.port, args.slots, args.queue, model_id,
           int(args.max_body_mb * 2**20), args.load_kv, guard=guard, prefix_reuse=args.prefix_reuse,
           api_keys=api_keys)
     return 0
@@ -166,11 +187,19 @@ def _check_document_fits(engine, session, path: str) -> None:
                          f"{_what_holds(engine, n)}") from None
 
 
+def _context_lines(engine) -> None:
+    """The context the engine took, where RAM cut the default, and a context past the trained one: a line each
+    on stderr (``ktquest.context``), unwrapped."""
+    for line in (engine.context_note, engine.context_warning):
+        if line:
+            print(f"ktquest: {line}", file=sys.stderr)
+
+
 def _what_holds(engine, n_tokens: int) -> str:
     """The preset of the smallest context that holds ``n_tokens`` on this model (of the engine's mode on a tie),
     or the key that raises the limit."""
     from ktquest.config import ConfigError
-    from ktquest.models.args import resolve_max_seq_len
+    from ktquest.context import choose_context
 
     holding = []
     for preset in sorted(PRESETS.glob("*.yaml")):
@@ -178,7 +207,10 @@ def _what_holds(engine, n_tokens: int) -> str:
             cfg = load_config(preset)
         except ConfigError:
             continue
-        n = resolve_max_seq_len(engine.args, cfg.max_seq_len)
+        try:
+            n = choose_context(cfg, engine.args, engine.device, engine.dtype)[0]
+        except ConfigError:  # a preset this model cannot take (its kv_type, ...)
+            continue
         if n > n_tokens and preset.name != "default.yaml":  # (every key at its default: not a preset)
             holding.append((n, cfg.mode != engine.config.mode, preset.name, preset))
     if not holding:
@@ -189,14 +221,30 @@ def _what_holds(engine, n_tokens: int) -> str:
     return f"--config {preset.stem} holds it (max_seq_len {n:,} on this model{past})"
 
 
-def _read_document(path: str) -> str:
+def _read_text(flag: str, path: str) -> str:
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"--prompt-file {path}: no such file")
+        raise UsageError(f"{flag} {path}: no such file")
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UsageError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _read_chat_template(path: str) -> str:
+    """``--chat-template FILE``'s Jinja text, refused before the model loads (one line naming the file) unless it
+    compiles and renders one user message."""
+    from ktquest.formats.chat_template import ChatTemplate, ChatTemplateError
+
+    source = _read_text("--chat-template", path)
+    if not source.strip():
+        raise UsageError(f"--chat-template {path}: the file is empty")
+    try:
+        ChatTemplate(source).render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                    bos_token="", eos_token="")
+    except ChatTemplateError as e:
+        raise UsageError(f"--chat-template {path}: {e}") from None
+    return source
 
 
 # ---- one reply ----
@@ -221,11 +269,10 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None, 
     console = Console(highlight=False, soft_wrap=True)  # long lines wrap in the terminal, not at 80 columns
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")  # a typed byte that is not UTF-8 reads as U+FFFD
-    try:
-        import readline  # noqa: F401 - line editing and history for input()
-    except ImportError:
-        pass
-    console.print(f"[bold]ktquest chat[/] - {escape(engine.model_name)} on {engine.device.type} "
+    enable_bracketed_paste()  # (and readline's line editing and history for input())
+    base = " (base model: no chat template, it continues the text)" if engine.tokenizer.chat_template is None \
+        else ""
+    console.print(f"[bold]ktquest chat[/] - {escape(engine.model_name)}{base} on {engine.device.type} "
                   f"({str(engine.dtype).removeprefix('torch.')}, {engine.config.resolved_threads()} threads, "
                   f"context {engine.max_seq_len} tokens)")
     if engine.config.prefill.order == "layer":
@@ -245,26 +292,26 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None, 
         while True:
             try:
                 with ctrl_c.prompt():
-                    line = console.input("[bold green]>>> [/]")
+                    message = read_message(console.input, "[bold green]>>> [/]", "[bold green]... [/]")
             except EOFError:
                 console.print()
                 return _save_at_end(session, save_at_end, err, ctrl_c)
             except KeyboardInterrupt:
                 console.print("\n[dim]/exit or Ctrl-D quits[/]")
                 continue
-            text = valid_text(line).strip()
+            text = valid_text(message.text).strip()
             if not text:
                 continue
-            if text in ("/exit", "/quit"):
-                return _save_at_end(session, save_at_end, err, ctrl_c)
-            if text.startswith(("/save ", "/load ")):
-                session = _kv_command(engine, session, text, console, ctrl_c)
-                continue
-            if text.startswith("/") and " " not in text:
-                if text in commands:
+            if text.startswith("/") and not message.block:  # a command, never sent to the model
+                word = text.split()[0]
+                if text in ("/exit", "/quit"):
+                    return _save_at_end(session, save_at_end, err, ctrl_c)
+                if word in ("/save", "/load") and word != text:
+                    session = _kv_command(engine, session, text, console, ctrl_c)
+                elif text in commands:
                     commands[text]()
                 else:
-                    console.print(f"[red]unknown command {escape(text)}[/]; {HELP}")
+                    console.print(f"[red]unknown command {escape(text)}[/]; commands: {COMMANDS}")
                 continue
             turns = len(session.messages)
             # one turn: whatever fails, one line, and the conversation goes on (ChatSession keeps it whole)

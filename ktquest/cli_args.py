@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Each model --model can take: architecture, parameters, quantization, trained "
                                "context, file size, and whether this machine's RAM holds it at its trained context "
                                "in dense and in long_context (snapkv) mode.")
+    _bench_parser(sub)
     return parser
 
 
@@ -133,6 +134,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, metavar="N",
                    help="context length, tokens (max_seq_len; 0 = the model's trained context)")
     p.add_argument("-t", "--threads", type=int, metavar="N", help="CPU threads (threads; 0 = all cores)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template used instead of the model's (for a base model, or one whose own "
+                        "template fails on your messages)")
 
 
 def _generation_flags(p: argparse.ArgumentParser, note: str = "") -> None:
@@ -170,3 +174,25 @@ def command_config(args: argparse.Namespace) -> Config:
     if getattr(args, "parse_special", None):
         sets.append(("parse_special", True))
     return load_config(args.config, args.sets + sets, base={"generation": CHAT_GENERATION})
+
+
+def _bench_parser(sub) -> None:
+    """``ktquest bench``'s arguments (llama-bench's habit: -m -c -t -n, comma-separated lists)."""
+    b = sub.add_parser("bench", help="prompt processing, first token and generation speed per preset and context",
+                       description="Measure prefill tok/s, time to first token and steady greedy generation tok/s "
+                                   "for each (preset, context), each in a fresh KV cache, on natural text (Python "
+                                   "standard-library sources); a markdown table on stdout.")
+    b.add_argument("-m", "--model", metavar="PATH|NAME|REPO", help=f"a GGUF file, a bundled or downloaded model "
+                                                                    f"(default: {DEFAULT_MODEL})")
+    b.add_argument("-c", "--contexts", default="1024,8192", metavar="N[,N...]",
+                   help="context lengths, tokens (default: 1024,8192)")
+    b.add_argument("--config", default="dense,snapkv", dest="presets", metavar="NAME|FILE[,...]",
+                   help="presets (or YAML files) to compare, comma-separated (default: dense,snapkv)")
+    b.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
+                   help="override a config key in every preset (repeatable)")
+    b.add_argument("-t", "--threads", type=int, default=0, metavar="N", help="CPU threads (default: 0 = all cores)")
+    b.add_argument("-n", "--n-gen", type=int, default=32, metavar="N",
+                   help="greedy tokens generated after the first (default: 32)")
+    b.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp (llama-cpp-python) on the same GGUF and tokens")
+    b.add_argument("--json", metavar="FILE", help="also write the rows to FILE as JSON")
