@@ -227,19 +227,22 @@ def test_retuned_candidates_are_chosen_at_the_next_decode_step(tiny_llama):
         assert got is not None and np.array_equal(got[:, : want[layer].shape[1]].numpy(), want[layer].numpy())
 
 
+# small blocks and windows for the tiny llama through ktquest.load (as small() does for a cache)
+ENGINE_SETS = {"long_context.block_size": 4, "long_context.init_windows_len": 5, "long_context.local_windows_len": 12,
+               "long_context.preselect_block_count": 6, "long_context.dense_layer_num": 1,
+               "long_context.kv_type": "FP16", "chunk_size": 16, "max_seq_len": 256}
+
+
 def test_a_question_after_a_kv_file_load(tiny_llama, tmp_path):
     """A document saved, loaded by another engine, then a question read after it (as ``--load-kv`` does): the
     question's read ends in the preselection, whose candidates are today's torch preselection's."""
     import ktquest
 
-    sets = {"long_context.block_size": 4, "long_context.init_windows_len": 5, "long_context.local_windows_len": 12,
-            "long_context.preselect_block_count": 6, "long_context.dense_layer_num": 1, "long_context.kv_type": "FP16",
-            "chunk_size": 16, "max_seq_len": 256}
-    a = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=4, **sets)
+    a = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=4, **ENGINE_SETS)
     s = a.chat_session(document="The keeper painted the door green. " * 6)
     s.read_document()
     s.save(tmp_path / "doc.kvq")
-    b = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=4, **sets)
+    b = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=4, **ENGINE_SETS)
     b.load_session(tmp_path / "doc.kvq")
     cache, n = b.cache, b.cache.stats.preselect_calls
     prefill(b.model, cache, torch.arange(5, 19) * 3 % 250, 16)
@@ -280,10 +283,7 @@ def test_a_document_read_alone_leaves_the_choice_to_what_follows(tiny_llama):
     chooses the candidates, once."""
     import ktquest
 
-    sets = {"long_context.block_size": 4, "long_context.init_windows_len": 5, "long_context.local_windows_len": 12,
-            "long_context.preselect_block_count": 6, "long_context.dense_layer_num": 1, "long_context.kv_type": "FP16",
-            "chunk_size": 16, "max_seq_len": 256}
-    eng = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=2, **sets)
+    eng = ktquest.load(tiny_llama.path, CONFIGS / "snapkv.yaml", threads=1, max_new_tokens=2, **ENGINE_SETS)
     s = eng.chat_session(document="The keeper painted the door green. " * 6)
     s.read_document()
     cache = eng.cache

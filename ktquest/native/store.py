@@ -26,12 +26,13 @@ from ktquest.native.ada import alpha_fraction
 from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, padded_ids
 from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES
 from ktquest.native.select import Select
+from ktquest.native.store_reads import StoreReads
 
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
 
 
-class KVStore:
+class KVStore(StoreReads):
     """KV cache of ``n_layers`` layers, ``n_kv_heads`` heads of ``head_dim``, up to ``max_seq_len`` tokens.
 
     kv_type: FP32, FP16, BF16, Q8_0 or Q4_0 (Q types need head_dim % 32 == 0; rounding in cpp/quant/kv_codec.h).
@@ -178,32 +179,6 @@ class KVStore:
         selection its cache answered copies none."""
         return self._st.cand_copies()
 
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What is stored, dequantised: (k, v), each [length, KVH, D] fp32."""
-        k, v = self._st.read(layer)
-        return torch.from_numpy(k), torch.from_numpy(v)
-
-    def read_range(self, layer: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [t0, t1) dequantised: (k, v), each [t1 - t0, KVH, D] fp32."""
-        k, v = self._st.read_range(layer, check_int(t0, "t0"), check_int(t1, "t1"))
-        return torch.from_numpy(k), torch.from_numpy(v)
-
-    def read_keys(self, layer: int, t0: int, t1: int, step: int = 16384) -> torch.Tensor:
-        """The keys of tokens [t0, t1) dequantised, [t1 - t0, KVH, D] fp32, read ``step`` tokens at a time, so
-        that no fp32 copy of their values exists beside them (the torch twin of SnapKV's scores reads a
-        layer's keys; the store's ``snapkv_scores`` reads them in place).
-        Unlike ``read_range`` not one read under the store's lock: a truncate from another thread between two
-        slabs would show (the cache's own thread appends and truncates, and reads this between)."""
-        t0, t1, step = check_int(t0, "t0"), check_int(t1, "t1"), check_int(step, "step", 1)
-        n = self._st.length(layer)  # (checks the layer)
-        if t0 > t1 or t1 > n:
-            raise IndexError(f"read_keys: [{t0}, {t1}) is not inside the {n} tokens of layer {layer}")
-        k = torch.empty(t1 - t0, self.n_kv_heads, self.head_dim, dtype=torch.float32)
-        for a in range(t0, t1, step):
-            b = min(t1, a + step)
-            k[a - t0: b - t0] = torch.from_numpy(self._st.read_range(layer, a, b)[0])
-        return k
-
     def truncate(self, layer: int, n: int) -> None:
         """Keep the first ``n`` tokens of ``layer`` (-1 = every layer; one holding fewer keeps them all).
         The anchors of a now-partial last block are recomputed from its stored keys (DYNAMIC keeps the
@@ -217,21 +192,6 @@ class KVStore:
         """Bytes per stored anchor value: 2 where the linear anchors (QUEST, BLOCK_MAX, BLOCK_MEAN) over FP16
         keys are kept as fp16 (min / max exact, the mean rounded to the nearest half), else 4."""
         return self._st.anchor_elem_bytes
-
-    def anchors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(anchors [KVH, n_blocks, A, D] as fp32, counts [KVH, n_blocks] int32): QUEST A=2 (min, max)."""
-        a, c = self._st.read_anchors(layer)
-        return torch.from_numpy(a), torch.from_numpy(c)
-
-    def n_groups(self, layer: int) -> int:
-        """Index groups of the layer's blocks: ceil(n_blocks / index_group) (0 without an index)."""
-        return self._st.n_groups(layer)
-
-    def bounds(self, layer: int) -> torch.Tensor:
-        """The index's group rows [KVH, n_groups, 2, D] as fp32: the element-wise min, then max, over the anchor
-        rows of each group's blocks (QUEST: of their min rows, then of their max rows), kept as fp16 rounded
-        outward (min down, max up). ValueError without an index."""
-        return torch.from_numpy(self._st.read_bounds(layer))
 
     # ---- decode ----
 
