@@ -86,15 +86,13 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
         raise UsageError("--load-kv brings its own conversation (document and system prompt included): drop "
                          "--prompt-file and --system")
     document = _read_text("--prompt-file", args.prompt_file) if args.prompt_file else None
-    template = _read_chat_template(args.chat_template) if args.chat_template else None
+    _check_chat_template(args.chat_template)
 
     from ktquest.engine import load  # torch loads here, after the arguments are known to be good
 
     with err.status("loading the model...", spinner="dots") if err.is_terminal and args.message is None \
             else contextlib.nullcontext():
         engine = load(args.model, cfg)
-        if template is not None:
-            engine.tokenizer.set_chat_template(template)
         _context_lines(engine)
         engine.config_path = find_config(args.config) if args.config else None  # never written over by a KV file
         if args.save_kv:
@@ -146,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
                         allow_origins=tuple(args.allow_origins), header_timeout=args.header_timeout,
                         idle_timeout=args.idle_timeout, max_connections=args.max_connections)
     cfg = command_config(args)  # requests override its generation fields
-    template = _read_chat_template(args.chat_template) if args.chat_template else None
+    _check_chat_template(args.chat_template)
 
     from ktquest.engine import load
     from ktquest.server import serve
@@ -154,8 +152,6 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.model or cfg.model or DEFAULT_MODEL  # what clients name the model: as it was given
     model_id = name if name in BUNDLED_MODELS else Path(name).stem
     engine = load(args.model, cfg)
-    if template is not None:
-        engine.tokenizer.set_chat_template(template)
     _context_lines(engine)
     serve(engine, args.host, args.port, args.slots, args.queue, model_id,
           int(args.max_body_mb * 2**20), args.load_kv, guard=guard, prefix_reuse=args.prefix_reuse,
@@ -231,20 +227,17 @@ def _read_text(flag: str, path: str) -> str:
         raise UsageError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _read_chat_template(path: str) -> str:
-    """``--chat-template FILE``'s Jinja text, refused before the model loads (one line naming the file) unless it
-    compiles and renders one user message."""
-    from ktquest.formats.chat_template import ChatTemplate, ChatTemplateError
+def _check_chat_template(path: str | None) -> None:
+    """``--chat-template FILE`` refused before the model loads (one line naming the file) unless it is UTF-8 text
+    whose template compiles and renders one user message (the engine reads it again: ``chat_template``)."""
+    if not path:
+        return
+    from ktquest.formats.chat_template import ChatTemplateError, read_template_file
 
-    source = _read_text("--chat-template", path)
-    if not source.strip():
-        raise UsageError(f"--chat-template {path}: the file is empty")
     try:
-        ChatTemplate(source).render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                    bos_token="", eos_token="")
+        read_template_file(path)
     except ChatTemplateError as e:
-        raise UsageError(f"--chat-template {path}: {e}") from None
-    return source
+        raise UsageError(f"--chat-template {e}") from None
 
 
 # ---- one reply ----

@@ -34,7 +34,8 @@ _SAMPLING_FLAGS = [
     (("--frequency-penalty",), "frequency_penalty", float, "subtract per occurrence in the recent tokens (0 = off)"),
 ]
 # (argument name, config key) of the flags that set a config key; typed values, no round trip through YAML
-_CONFIG_FLAGS = [("ctx_size", "max_seq_len"), ("threads", "threads"), ("max_new_tokens", "generation.max_new_tokens"),
+_CONFIG_FLAGS = [("ctx_size", "max_seq_len"), ("threads", "threads"), ("chat_template", "chat_template"),
+                 ("max_new_tokens", "generation.max_new_tokens"),
                  ("seed", "generation.seed")] + [(key, f"generation.{key}") for _, key, _, _ in _SAMPLING_FLAGS]
 
 
@@ -135,8 +136,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="context length, tokens (max_seq_len; 0 = the model's trained context)")
     p.add_argument("-t", "--threads", type=int, metavar="N", help="CPU threads (threads; 0 = all cores)")
     p.add_argument("--chat-template", metavar="FILE",
-                   help="a Jinja chat template used instead of the model's (for a base model, or one whose own "
-                        "template fails on your messages)")
+                   help="a Jinja chat template used instead of the model's (chat_template; for a base model, or "
+                        "one whose own template is broken or fails on your messages)")
 
 
 def _generation_flags(p: argparse.ArgumentParser, note: str = "") -> None:

@@ -229,6 +229,8 @@ class Config:
     # KV capacity, tokens; 0 = the model's trained context, or the most of it that fits (ktquest.context)
     max_seq_len: int = field(default=0, metadata={"max": SEQ_LEN_MAX})
     parse_special: bool = False  # chat: special-token text in messages and documents as control tokens
+    # a Jinja chat template file used over the GGUF's own (a base model's, or one that is broken); "" = the file's
+    chat_template: str = ""
     # RoPE scaling: "gguf" = the file's own (none, linear, yarn, llama3 or LongRoPE); "dynamic" = dynamic NTK with
     # rope_scaling_factor instead (HF's rope_type "dynamic", which GGUF cannot express; models/rope.py)
     rope_scaling: Literal["gguf", "dynamic"] = "gguf"

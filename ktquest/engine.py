@@ -18,6 +18,7 @@ from ktquest.config import Config, ConfigError, GenerationConfig, find_config, l
 from ktquest.context import choose_context, context_warning
 from ktquest.engine_lock import EngineLock, exclusive
 from ktquest.formats.bundled import DEFAULT_MODEL
+from ktquest.formats.chat_template import ChatTemplateError, read_template_file
 from ktquest.generate import generate, prefill
 from ktquest.kv import compat as kv_compat
 from ktquest.kv import files as kv_files
@@ -67,7 +68,7 @@ class Engine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
         contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
-        self.tokenizer = read_tokenizer(contents)
+        self.tokenizer = read_tokenizer(contents, _chat_template(config))
         self.args = contents.args
         # max_seq_len 0: the trained context, or the most of it that fits; context_note says which and why
         self.max_seq_len, self.context_note = choose_context(config, self.args, self.device, self.dtype)
@@ -352,6 +353,16 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
         return cache
     keep = max(config.sliding_window_keep, config.chunk_size)  # an interrupted chunk must not lose the window
     return HybridCache(args, cache, device, dtype, keep, threads)
+
+
+def _chat_template(config: Config) -> str | None:
+    """The Jinja text of ``config.chat_template``'s file, or None (the GGUF's own); ConfigError naming it."""
+    if not config.chat_template:
+        return None
+    try:
+        return read_template_file(config.chat_template)
+    except ChatTemplateError as e:
+        raise ConfigError(f"chat_template: {e}") from None
 
 
 def _rope_scaling(config: Config) -> RopeScaling | None:

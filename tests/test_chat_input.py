@@ -9,12 +9,13 @@ import re
 import sys
 
 import pytest
-from conftest import BOOM_TEMPLATE
+from conftest import BOOM_TEMPLATE, CHAT_TEMPLATE, make_tiny_model
 from test_cli import STATS
 from test_server_requests import _serving
 
 import ktquest
 from ktquest.cli import main
+from ktquest.config import ConfigError
 from ktquest.server.app import create_app
 from ktquest.server.worker import Worker
 from ktquest.terminal import PASTE_END, PASTE_START, read_message
@@ -104,6 +105,22 @@ def test_a_chat_template_file_is_used(tiny_llama_base, tmp_path, monkeypatch, ca
     assert "boom refused" in out and _turns(out) == [1]
     assert "base model" not in out and "no chat template" not in err
     assert re.search(r"chat template\s+yes", out)
+
+
+def test_a_chat_template_file_rescues_a_model_whose_own_does_not_compile(tmp_path, tiny_bpe, monkeypatch, capsys):
+    broken = make_tiny_model(tmp_path, "llama", tiny_bpe, chat_template="{% for m in messages %}")
+    with pytest.raises(ktquest.GGUFError, match="chat template: syntax error"):
+        ktquest.load(broken.path, max_seq_len=64, threads=1)  # its own: refused at load, naming the file
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    engine = ktquest.load(broken.path, max_seq_len=64, threads=1, chat_template=str(template))  # (a config key)
+    assert engine.tokenizer.chat_template == CHAT_TEMPLATE
+    assert "hi" in engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    code, out, err = _chat(monkeypatch, capsys, ["--model", str(broken.path), "--chat-template", str(template)],
+                           "the cat\n/stats\n")
+    assert code == 0 and _turns(out) == [1] and re.search(r"chat template\s+yes", out), err
+    with pytest.raises(ConfigError, match=r"^chat_template: \S*gone.jinja: no such file$"):
+        ktquest.load(broken.path, max_seq_len=64, threads=1, chat_template=str(tmp_path / "gone.jinja"))
 
 
 @pytest.mark.parametrize(("text", "why"), [

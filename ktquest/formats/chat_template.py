@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -55,6 +57,33 @@ class ChatTemplateError(ValueError):
 
 
 DEFAULT_LIMITS = TemplateLimits()
+MAX_TEMPLATE_FILE = 1 << 20  # bytes: a template file larger than this is refused before it is read
+
+
+def read_template_file(path: str | os.PathLike) -> str:
+    """The Jinja text of a chat template file (``chat_template:``, ``--chat-template FILE``); a ChatTemplateError
+    naming the file unless it is a UTF-8 file of at most ``MAX_TEMPLATE_FILE`` bytes whose template compiles and
+    renders one user message."""
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise ChatTemplateError(f"{path}: no such file")
+        if p.stat().st_size > MAX_TEMPLATE_FILE:
+            raise ChatTemplateError(f"{path}: {p.stat().st_size:,} bytes, more than a chat template's "
+                                    f"{MAX_TEMPLATE_FILE:,}")
+        source = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ChatTemplateError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ChatTemplateError(f"{path}: {e.strerror or e}") from None
+    if not source.strip():
+        raise ChatTemplateError(f"{path}: the file is empty")
+    try:
+        ChatTemplate(source).render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                    bos_token="", eos_token="")
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{path}: {e}") from None
+    return source
 
 
 class ChatTemplate:

@@ -70,7 +70,8 @@ class TokenizerError(ValueError):
 class Tokenizer:
     """Text <-> token ids plus the model's chat template.  Build with ``from_gguf_metadata``."""
 
-    def __init__(self, metadata: dict[str, Any]):
+    def __init__(self, metadata: dict[str, Any], chat_template: str | None = None):
+        """``chat_template``: Jinja text used over the file's own template (which is then not compiled)."""
         md = metadata
         try:
             self.kind: str = md["tokenizer.ggml.model"]
@@ -83,7 +84,8 @@ class Tokenizer:
         self.bos_id: int | None = md.get("tokenizer.ggml.bos_token_id", 1 if spm else None)
         self.eos_id: int | None = md.get("tokenizer.ggml.eos_token_id", 2 if spm else None)
         self.add_bos: bool = bool(md.get("tokenizer.ggml.add_bos_token", spm)) and self.bos_id is not None
-        self.chat_template: str | None = md.get("tokenizer.chat_template") or None  # None: a base model
+        # None: a base model
+        self.chat_template: str | None = chat_template or md.get("tokenizer.chat_template") or None
         self.eot_ids: frozenset[int] = _find_eot_ids(md, self.tokens)
         self.stop_ids: frozenset[int] = self.eot_ids | ({self.eos_id} if self.eos_id is not None else set())
         if self.kind == "gpt2":
@@ -107,9 +109,10 @@ class Tokenizer:
         self.chat_template = source or None
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """``metadata``: the GGUF ``tokenizer.*`` keys as plain Python values."""
-        return cls(metadata)
+    def from_gguf_metadata(cls, metadata: dict[str, Any], chat_template: str | None = None) -> Tokenizer:
+        """``metadata``: the GGUF ``tokenizer.*`` keys as plain Python values; ``chat_template``: Jinja text used
+        over the file's own."""
+        return cls(metadata, chat_template)
 
     @property
     def vocab_size(self) -> int:

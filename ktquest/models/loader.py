@@ -82,11 +82,12 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
     return GGUFContents(path=f.path, args=args, tensors=tensors, metadata=f.metadata)
 
 
-def read_tokenizer(contents: GGUFContents) -> Tokenizer:
-    """The file's tokenizer and chat template; ``GGUFError`` naming the file where its metadata cannot make them
-    (a ``TokenizerError``, or a ``ChatTemplateError``: a template that does not compile)."""
+def read_tokenizer(contents: GGUFContents, chat_template: str | None = None) -> Tokenizer:
+    """The file's tokenizer and chat template (``chat_template``'s Jinja text over the file's own, which is then
+    not compiled: a broken one is replaced, not refused); ``GGUFError`` naming the file where its metadata cannot
+    make them (a ``TokenizerError``, or a ``ChatTemplateError``: a template that does not compile)."""
     try:
-        return Tokenizer.from_gguf_metadata(contents.metadata)
+        return Tokenizer.from_gguf_metadata(contents.metadata, chat_template)
     except (TokenizerError, ChatTemplateError) as e:
         raise GGUFError(f"{contents.path}: {e}") from None
 
