@@ -5,7 +5,9 @@ For each (preset, context): a fresh KV cache reads ``context`` tokens of natural
 library's sources, ``ktquest.eval.context_text``; the same ids for every engine); ``pp tok/s`` is those tokens
 over the time to read them; ``first token s`` is from the prompt's end to the first token picked and fed (the
 step SnapKV's preselection runs in); ``tg tok/s`` is the steady speed of ``-n`` greedy single-token steps after
-it. tools/bench_decode.py measures the same in alternating rounds, for noisy hosts and longer studies."""
+it. With ``-r N`` each cell runs N times (each in a fresh cache) and shows the median ± the standard deviation,
+as llama-bench does; the JSON keeps every run. tools/bench_decode.py measures the same in alternating rounds
+(engine A, B, A, B), for noisy hosts and longer studies."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +32,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--config {args.presets!r}: a comma-separated list of presets, e.g. dense,snapkv")
     if args.n_gen < 1:
         raise ValueError(f"-n {args.n_gen}: generate at least 1 token")
+    if args.repetitions < 1:
+        raise ValueError(f"-r {args.repetitions}: run each measurement at least once")
     if args.threads < 0:
         raise ValueError(f"-t {args.threads}: 0 (all cores) or more threads")
     lc = llama_cpp_module() if args.llama_cpp else None  # before any model loads: a missing peer fails at once
@@ -48,13 +53,13 @@ def main(args: argparse.Namespace) -> int:
         runner = KtquestRunner(model_path, preset, max_len, threads, args.sets)
         for ctx in contexts:
             tokens = token_ids.setdefault(ctx, runner.context(ctx))
-            rows.append(_measure(runner, ctx, tokens, args.n_gen, threads))
+            rows.append(_measure(runner, ctx, tokens, args.n_gen, threads, args.repetitions))
         del runner
         gc.collect()
     if lc is not None:
         runner = LlamaCppRunner(lc, model_path, max_len, threads)
         for ctx in contexts:
-            rows.append(_measure(runner, ctx, token_ids[ctx], args.n_gen, threads))
+            rows.append(_measure(runner, ctx, token_ids[ctx], args.n_gen, threads, args.repetitions))
     print(format_table(rows))
     if args.json:
         path = Path(args.json)
@@ -160,22 +165,40 @@ def _last_argmax(llm) -> int:
     return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())
 
 
-def _measure(runner, ctx: int, tokens: list[int], n_gen: int, threads: int) -> dict:
-    pp_s, first_s, tg_s = runner.run(tokens, n_gen)
-    row = dict(runner.row(), context=ctx, threads=threads, prefill_s=pp_s, prefill_tok_s=ctx / pp_s,
-               first_token_s=first_s, decode_tokens=n_gen, decode_tok_s=n_gen / tg_s)
+def _measure(runner, ctx: int, tokens: list[int], n_gen: int, threads: int, reps: int = 1) -> dict:
+    """One table row: ``reps`` runs of ``runner`` on ``tokens``, each in a fresh cache; medians, standard
+    deviations (0 for one run) and every run's figures."""
+    runs = []
+    for _ in range(reps):
+        pp_s, first_s, tg_s = runner.run(tokens, n_gen)
+        runs.append({"prefill_s": pp_s, "prefill_tok_s": ctx / pp_s, "first_token_s": first_s,
+                     "decode_tok_s": n_gen / tg_s})
+    row = dict(runner.row(), context=ctx, threads=threads, decode_tokens=n_gen, repetitions=reps)
+    for key in ("prefill_s", "prefill_tok_s", "first_token_s", "decode_tok_s"):
+        values = [r[key] for r in runs]
+        row[key] = statistics.median(values)
+        row[key + "_sd"] = statistics.stdev(values) if reps > 1 else 0.0
+    row["runs"] = runs
     print(f"{row['engine']:>9} {row['preset']:>12} ctx {ctx:>7}: pp {row['prefill_tok_s']:8.1f} tok/s, "
-          f"first token {first_s:.3f} s, tg {row['decode_tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
+          f"first token {row['first_token_s']:.3f} s, tg {row['decode_tok_s']:.2f} tok/s"
+          f"{f' (median of {reps})' if reps > 1 else ''}", file=sys.stderr, flush=True)
     return row
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows as a markdown table (engine, preset, context, pp tok/s, first token s, tg tok/s)."""
+    """The rows as a markdown table (engine, preset, context, pp tok/s, first token s, tg tok/s); a row of
+    several runs shows its medians ± their standard deviations."""
     lines = [TABLE_HEADER]
     for r in rows:
-        lines.append(f"| {r['engine']} | {r['preset']} | {r['context']} | {r['prefill_tok_s']:.1f} "
-                     f"| {r['first_token_s']:.3f} | {r['decode_tok_s']:.2f} |")
+        lines.append(f"| {r['engine']} | {r['preset']} | {r['context']} | {_cell(r, 'prefill_tok_s', '.1f')} "
+                     f"| {_cell(r, 'first_token_s', '.3f')} | {_cell(r, 'decode_tok_s', '.2f')} |")
     return "\n".join(lines)
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    if row.get("repetitions", 1) > 1:
+        return f"{row[key]:{fmt}} ± {row[key + '_sd']:{fmt}}"
+    return f"{row[key]:{fmt}}"
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -194,6 +194,9 @@ def _bench_parser(sub) -> None:
     b.add_argument("-t", "--threads", type=int, default=0, metavar="N", help="CPU threads (default: 0 = all cores)")
     b.add_argument("-n", "--n-gen", type=int, default=32, metavar="N",
                    help="greedy tokens generated after the first (default: 32)")
+    b.add_argument("-r", "--repetitions", type=int, default=1, metavar="N",
+                   help="runs of each measurement, each in a fresh cache: the table shows median ± standard "
+                        "deviation (default: 1)")
     b.add_argument("--llama-cpp", action="store_true",
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF and tokens")
     b.add_argument("--json", metavar="FILE", help="also write the rows to FILE as JSON")

@@ -43,3 +43,18 @@ def test_bench_without_llama_cpp_is_one_error_line(tiny_llama, monkeypatch, caps
 def test_bench_refuses_bad_contexts(capsys):
     assert main(["bench", "-c", "64,abc"]) == 2
     assert "--contexts '64,abc'" in capsys.readouterr().err
+
+
+def test_bench_repetitions_give_medians_and_spread(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["bench", "-m", str(tiny_llama.path), "-c", "64", "--config", "dense", "-n", "2", "-t", "1",
+                 "-r", "3", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["repetitions"] == 3 and len(row["runs"]) == 3
+    for key in ("prefill_tok_s", "first_token_s", "decode_tok_s"):
+        values = sorted(r[key] for r in row["runs"])
+        assert row[key] == values[1] and row[key + "_sd"] >= 0  # the median of the three
+    line = capsys.readouterr().out.strip().splitlines()[2]
+    assert line.startswith("| ktquest | dense | 64 | ") and line.count(" ± ") == 3
+    assert main(["bench", "-c", "64", "-r", "0"]) == 2
+    assert "-r 0: run each measurement at least once" in capsys.readouterr().err
