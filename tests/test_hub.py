@@ -1,15 +1,11 @@
-"""ktquest.hub and ktquest.catalog against a stand-in of the Hugging Face hub on 127.0.0.1: the model-info
-endpoint and ``resolve/main/<file>`` with the headers huggingface_hub reads (X-Repo-Commit, ETag /
-X-Linked-Etag = an LFS file's sha256, X-Linked-Size, Content-Length, Range); it counts the requests and can
-cut a download, lie about a checksum or a size."""
+"""ktquest.hub and ktquest.catalog against a stand-in of the Hugging Face hub on 127.0.0.1
+(tools/hub_standin.py: the model-info endpoint and ``resolve/main/<file>`` with the headers huggingface_hub
+reads; it counts the requests and can cut a download, lie about a checksum or a size)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import socket
+import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import gguf
@@ -23,90 +19,14 @@ from ktquest.formats.gguf import open_gguf
 from ktquest.hub import HubError, ModelNotCached, ModelRef, parse_ref
 from ktquest.models.loader import read_gguf
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-class FakeHub(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.repos: dict[str, dict[str, bytes]] = {}
-        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
-        self.cut_once: set[str] = set()  # files whose first GET is cut off mid-body
-        self.bad_sha: set[str] = set()  # files whose ETag is not their content's sha256
-        self.bad_size: set[str] = set()  # files whose X-Linked-Size is 10 bytes more than they are
-        self.lock = threading.Lock()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: FakeHub
-
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def do_HEAD(self) -> None:
-        self._serve(body=False)
-
-    def do_GET(self) -> None:
-        self._serve(body=True)
-
-    def _serve(self, body: bool) -> None:
-        s = self.server
-        with s.lock:
-            s.requests.append((self.command, self.path, self.headers.get("Range")))
-        path = self.path.split("?")[0]
-        if path.startswith("/api/models/"):
-            repo = path.removeprefix("/api/models/").split("/revision/")[0]
-            if repo not in s.repos:
-                return self._reply(404, b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"})
-            info = {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
-                    "siblings": [{"rfilename": f} for f in s.repos[repo]]}
-            return self._reply(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
-        repo, _, file = path.lstrip("/").partition("/resolve/main/")
-        repo = "/".join(repo.split("/")[:2])
-        data = s.repos.get(repo, {}).get(file)
-        if data is None:
-            return self._reply(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT}, body)
-        sha = hashlib.sha256(data + b"x" * (file in s.bad_sha)).hexdigest()
-        size = len(data) + 10 * (file in s.bad_size)
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
-                   "X-Linked-Size": str(size), "Accept-Ranges": "bytes"}
-        if not body:
-            return self._reply(200, b"", {**headers, "Content-Length": str(len(data))}, False)
-        start = int(self.headers["Range"].split("=")[1].split("-")[0]) if self.headers.get("Range") else 0
-        if file in s.cut_once:
-            s.cut_once.discard(file)
-            self.send_response(200)
-            for k, v in {**headers, "Content-Length": str(len(data))}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data[: len(data) // 2])  # 1.5 chunks of 3
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
-            return
-        if start:
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-        self._reply(206 if start else 200, data[start:], headers)
-
-    def _reply(self, status: int, data: bytes, headers: dict, body: bool = True) -> None:
-        self.send_response(status)
-        headers.setdefault("Content-Length", str(len(data)))
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.end_headers()
-        if body:
-            self.wfile.write(data)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from hub_standin import HubStandin  # noqa: E402
 
 
 @pytest.fixture
 def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A running FakeHub that ktquest.hub talks to, with an empty hub cache under tmp_path."""
-    server = FakeHub()
+    """A running HubStandin that ktquest.hub talks to, with an empty hub cache under tmp_path."""
+    server = HubStandin()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     monkeypatch.setenv("HF_ENDPOINT", server.url)
@@ -180,7 +100,7 @@ def test_quant_of():
 # ---- pull ----
 
 
-def test_pull_downloads_and_lists(fake_hub: FakeHub, tiny_bytes: bytes):
+def test_pull_downloads_and_lists(fake_hub: HubStandin, tiny_bytes: bytes):
     fake_hub.repos["o/m"] = {"README.md": b"hi", "m-Q4_K_M.gguf": tiny_bytes, "m-Q8_0.gguf": tiny_bytes,
                              "mmproj-F16.gguf": b"proj"}
     path = hub.pull(parse_ref("o/m:q4_k_m"), progress=False)
@@ -198,12 +118,12 @@ def test_pull_downloads_and_lists(fake_hub: FakeHub, tiny_bytes: bytes):
         hub.pull(ModelRef("o/missing"), progress=False)
 
 
-def test_pull_the_only_gguf(fake_hub: FakeHub, tiny_bytes: bytes):
+def test_pull_the_only_gguf(fake_hub: HubStandin, tiny_bytes: bytes):
     fake_hub.repos["o/one"] = {"config.json": b"{}", "one.gguf": tiny_bytes}
     assert hub.pull(ModelRef("o/one"), progress=False).read_bytes() == tiny_bytes
 
 
-def test_pull_resumes_a_cut_download(fake_hub: FakeHub):
+def test_pull_resumes_a_cut_download(fake_hub: HubStandin):
     # huggingface_hub writes what it received in chunks of DOWNLOAD_CHUNK_SIZE (10 MiB): a cut resumes after
     # the last whole chunk, so the file (not parsed by pull) is 3 chunks and cut after 1.5
     chunk = constants.DOWNLOAD_CHUNK_SIZE
@@ -216,7 +136,7 @@ def test_pull_resumes_a_cut_download(fake_hub: FakeHub):
     assert gets == [None, f"bytes={chunk}-"]  # the second asks for the rest only
 
 
-def test_pull_refuses_a_wrong_checksum(fake_hub: FakeHub, tiny_bytes: bytes):
+def test_pull_refuses_a_wrong_checksum(fake_hub: HubStandin, tiny_bytes: bytes):
     fake_hub.repos["o/m"] = {"m-Q8_0.gguf": tiny_bytes}
     fake_hub.bad_sha.add("m-Q8_0.gguf")
     with pytest.raises(HubError, match="sha256 .* the file was deleted"):
@@ -225,7 +145,7 @@ def test_pull_refuses_a_wrong_checksum(fake_hub: FakeHub, tiny_bytes: bytes):
     assert not list(Path(constants.HF_HUB_CACHE).rglob("blobs/*"))
 
 
-def test_pull_refuses_a_wrong_size(fake_hub: FakeHub, tiny_bytes: bytes):
+def test_pull_refuses_a_wrong_size(fake_hub: HubStandin, tiny_bytes: bytes):
     fake_hub.repos["o/m"] = {"m-Q8_0.gguf": tiny_bytes}
     fake_hub.bad_size.add("m-Q8_0.gguf")
     with pytest.raises(HubError, match="downloading m-Q8_0.gguf failed: Consistency check failed"):
@@ -233,7 +153,7 @@ def test_pull_refuses_a_wrong_size(fake_hub: FakeHub, tiny_bytes: bytes):
     assert hub.resolve_cached(ModelRef("o/m", quant="Q8_0")) is None
 
 
-def test_pull_joins_a_split_model(fake_hub: FakeHub, tiny_models, tmp_path: Path):
+def test_pull_joins_a_split_model(fake_hub: HubStandin, tiny_models, tmp_path: Path):
     src = tiny_models("llama").path
     parts = split_gguf(src, tmp_path / "split" / "m-Q8_0.gguf", tensors_per_part=8)
     assert len(parts) >= 3
@@ -259,7 +179,7 @@ def test_pull_joins_a_split_model(fake_hub: FakeHub, tiny_models, tmp_path: Path
 # ---- offline and the cache ----
 
 
-def test_offline_resolves_from_the_cache(fake_hub: FakeHub, tiny_bytes: bytes,
+def test_offline_resolves_from_the_cache(fake_hub: HubStandin, tiny_bytes: bytes,
                                          monkeypatch: pytest.MonkeyPatch):
     fake_hub.repos["o/m"] = {"m-Q4_K_M.gguf": tiny_bytes, "m-Q8_0.gguf": tiny_bytes}
     path = hub.pull(ModelRef("o/m", quant="Q4_K_M"), progress=False)
@@ -272,7 +192,7 @@ def test_offline_resolves_from_the_cache(fake_hub: FakeHub, tiny_bytes: bytes,
     assert len(fake_hub.requests) == n  # no request made offline
 
 
-def test_resolve_cached_none_and_the_pull_hint(fake_hub: FakeHub):
+def test_resolve_cached_none_and_the_pull_hint(fake_hub: HubStandin):
     ref = parse_ref("o/m:Q4_K_M")
     assert hub.resolve_cached(ref) is None
     assert hub.pull_hint(ref) == ("the model o/m:Q4_K_M is not downloaded; download it with: "
@@ -286,7 +206,7 @@ def test_resolve_cached_none_and_the_pull_hint(fake_hub: FakeHub):
 # ---- ktquest list ----
 
 
-def test_cached_models(fake_hub: FakeHub, tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_cached_models(fake_hub: HubStandin, tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     src = tiny_models("llama").path
     fake_hub.repos["o/m"] = {"m-F32.gguf": src.read_bytes()}
     parts = split_gguf(src, tmp_path / "split" / "s-Q8_0.gguf", tensors_per_part=8)
@@ -319,7 +239,7 @@ def test_fits(tiny_models, monkeypatch: pytest.MonkeyPatch):
     assert open_gguf(info.path).metadata["general.architecture"] == "llama"
 
 
-def test_the_command_line_pulls_lists_and_chats_offline(fake_hub: FakeHub, tiny_bytes: bytes, capsys,
+def test_the_command_line_pulls_lists_and_chats_offline(fake_hub: HubStandin, tiny_bytes: bytes, capsys,
                                                         monkeypatch: pytest.MonkeyPatch):
     """``ktquest pull o/m:Q4_K_M``, ``ktquest list`` shows it, ``ktquest chat -m o/m:Q4_K_M`` answers with the hub
     offline (no request); a model not pulled is refused with the command to run."""
