@@ -51,6 +51,12 @@ def main(args: argparse.Namespace) -> int:
     token_ids: dict[int, list[int]] = {}
     for preset in presets:
         runner = KtquestRunner(model_path, preset, max_len, threads, args.sets)
+        if preset == presets[0]:
+            from ktquest.context import context_warning
+
+            warning = context_warning(runner.eng.args, max(contexts))
+            if warning:
+                print(f"ktquest: {warning}", file=sys.stderr, flush=True)
         for ctx in contexts:
             tokens = token_ids.setdefault(ctx, runner.context(ctx))
             rows.append(_measure(runner, ctx, tokens, args.n_gen, threads, args.repetitions))
@@ -127,7 +133,7 @@ class KtquestRunner:
     def row(self) -> dict:
         c = self.eng.config
         return {"engine": self.engine, "preset": self.label, "mode": c.mode, "chunk_size": c.chunk_size,
-                "weights": c.weights}
+                "weights": c.weights, "max_seq_len": self.eng.max_seq_len}
 
 
 class LlamaCppRunner:
@@ -155,7 +161,7 @@ class LlamaCppRunner:
 
     def row(self) -> dict:
         return {"engine": self.engine, "preset": self.label, "mode": "dense",
-                "version": getattr(self.lc, "__version__", "?")}
+                "version": getattr(self.lc, "__version__", "?"), "max_seq_len": self.max_len}
 
 
 def _last_argmax(llm) -> int:

@@ -150,7 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ktquest.server import serve
 
     name = args.model or cfg.model or DEFAULT_MODEL  # what clients name the model: as it was given
-    model_id = name if name in BUNDLED_MODELS else Path(name).stem
+    model_id = served_model_id(name)
     engine = load(args.model, cfg)
     _context_lines(engine)
     serve(engine, args.host, args.port, args.slots, args.queue, model_id,
@@ -192,23 +192,20 @@ def _context_lines(engine) -> None:
 
 
 def _what_holds(engine, n_tokens: int) -> str:
-    """The preset of the smallest context that holds ``n_tokens`` on this model (of the engine's mode on a tie),
-    or the key that raises the limit."""
+    """The preset of the smallest context that holds ``n_tokens`` on this model on this machine (of the engine's
+    mode, then the README's order, on a tie), or the key that raises the limit."""
     from ktquest.config import ConfigError
-    from ktquest.context import choose_context
+    from ktquest.context import preset_context, presets_by_preference
 
     holding = []
-    for preset in sorted(PRESETS.glob("*.yaml")):
+    for rank, preset in enumerate(presets_by_preference()):
         try:
             cfg = load_config(preset)
         except ConfigError:
             continue
-        try:
-            n = choose_context(cfg, engine.args, engine.device, engine.dtype)[0]
-        except ConfigError:  # a preset this model cannot take (its kv_type, ...)
-            continue
-        if n > n_tokens and preset.name != "default.yaml":  # (every key at its default: not a preset)
-            holding.append((n, cfg.mode != engine.config.mode, preset.name, preset))
+        n = preset_context(cfg, engine.args, engine.device, engine.dtype, engine.weights_bytes)
+        if n is not None and n > n_tokens:
+            holding.append((n, cfg.mode != engine.config.mode, rank, preset))
     if not holding:
         return f"no preset holds it: --set max_seq_len=N raises the limit (N > {n_tokens:,})"
     n, _, _, preset = min(holding)
@@ -225,6 +222,16 @@ def _read_text(flag: str, path: str) -> str:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def served_model_id(name: str) -> str:
+    """What clients name the model the server was started with: a bundled model's name, a downloaded model's
+    OWNER/NAME[:QUANT] as given, a file's stem."""
+    from ktquest.hub import parse_ref
+
+    if name in BUNDLED_MODELS or parse_ref(name) is not None:
+        return name
+    return Path(name).stem
 
 
 def _check_chat_template(path: str | None) -> None:
@@ -303,8 +310,11 @@ def _interactive(engine, session, err: Console, save_at_end: str | None = None, 
                     session = _kv_command(engine, session, text, console, ctrl_c)
                 elif text in commands:
                     commands[text]()
+                elif text in ("/save", "/load"):
+                    console.print(f"[red]usage: {text} FILE[/]")
                 else:
-                    console.print(f"[red]unknown command {escape(text)}[/]; commands: {COMMANDS}")
+                    console.print(f"[red]unknown command {escape(text)}[/]; commands: {COMMANDS} (a message "
+                                  f'that starts with / goes in a """ block)')
                 continue
             turns = len(session.messages)
             # one turn: whatever fails, one line, and the conversation goes on (ChatSession keeps it whole)

@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", action=_Version)
     p.add_argument("-m", "--model", metavar="PATH|NAME|REPO",
                    help=f"a GGUF file, a bundled model ({', '.join(BUNDLED_MODELS)}) or a downloaded OWNER/NAME[:QUANT] "
                         f"('ktquest pull'; 'ktquest list' shows them) (default: config 'model', else {DEFAULT_MODEL})")
@@ -183,6 +184,7 @@ def _bench_parser(sub) -> None:
                        description="Measure prefill tok/s, time to first token and steady greedy generation tok/s "
                                    "for each (preset, context), each in a fresh KV cache, on natural text (Python "
                                    "standard-library sources); a markdown table on stdout.")
+    b.add_argument("--version", action=_Version)
     b.add_argument("-m", "--model", metavar="PATH|NAME|REPO", help=f"a GGUF file, a bundled or downloaded model "
                                                                     f"(default: {DEFAULT_MODEL})")
     b.add_argument("-c", "--contexts", default="1024,8192", metavar="N[,N...]",

@@ -68,10 +68,12 @@ class Engine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
         contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
+        self.weights_bytes = model_path.stat().st_size  # (what the weights take of the RAM on the CPU)
         self.tokenizer = read_tokenizer(contents, _chat_template(config))
         self.args = contents.args
         # max_seq_len 0: the trained context, or the most of it that fits; context_note says which and why
-        self.max_seq_len, self.context_note = choose_context(config, self.args, self.device, self.dtype)
+        self.max_seq_len, self.context_note = choose_context(config, self.args, self.device, self.dtype,
+                                                             self.weights_bytes)
         # refuse before any allocation (the weights included), with the figure
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)

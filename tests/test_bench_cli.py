@@ -58,3 +58,13 @@ def test_bench_repetitions_give_medians_and_spread(tiny_llama, tmp_path, capsys)
     assert line.startswith("| ktquest | dense | 64 | ") and line.count(" ± ") == 3
     assert main(["bench", "-c", "64", "-r", "0"]) == 2
     assert "-r 0: run each measurement at least once" in capsys.readouterr().err
+
+
+def test_bench_warns_past_the_trained_context_and_records_the_cache(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["bench", "-m", str(tiny_llama.path), "-c", "300", "--config", "dense", "-n", "2", "-t", "1",
+                 "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "ktquest: context 300 tokens is past the 256 the model was trained on" in err
+    (row,) = json.loads(out.read_text())
+    assert row["max_seq_len"] >= 300 + 2

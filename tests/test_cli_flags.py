@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import ktquest
-from ktquest.cli import main
+from ktquest.cli import main, served_model_id
 from ktquest.cli_args import UsageError, build_parser, command_config
 from ktquest.config import ConfigError, load_config
 from ktquest.config_file import PRESETS, preset_names
@@ -63,12 +63,21 @@ def test_flags_override_set():
     assert _parsed(["chat", "--set", "threads=2", "-t", "4"])[1].threads == 4
 
 
-def test_version_prints_the_kernels_and_exits_0(capsys):
+@pytest.mark.parametrize("argv", [["--version"], ["chat", "--version"], ["serve", "--version"],
+                                  ["bench", "--version"]])
+def test_version_prints_the_kernels_and_exits_0(capsys, argv):
     with pytest.raises(SystemExit) as e:
-        main(["--version"])
+        main(argv)
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"ktquest {ktquest.__version__}, ") and "kernels" in out
+
+
+@pytest.mark.parametrize("name, served", [("Qwen/Qwen2.5-7B-Instruct-1M-GGUF:Q4_K_M", None),
+                                          ("bartowski/Llama-3.2-1B-Instruct-GGUF", None),
+                                          ("smollm2-135m", None), ("models/my.model-Q4_K_M.gguf", "my.model-Q4_K_M")])
+def test_the_server_names_a_model_as_it_was_given(name, served):
+    assert served_model_id(name) == (served or name)
 
 
 @pytest.mark.parametrize("name", ["snapkv", "quest", "million", "dense"])

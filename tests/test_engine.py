@@ -310,7 +310,8 @@ def test_a_long_context_store_of_a_type_the_model_cannot_use(tiny_llama):
 def test_a_million_token_context_that_does_not_fit_is_not_the_default_reservation(tmp_path, tiny_bpe,
                                                                                   monkeypatch):
     path = write_model(tmp_path / "1m.gguf", *tiny_model_parts(tiny_bpe), {"llama.context_length": 1 << 20})
-    monkeypatch.setattr("ktquest.kv.memory.available_ram", lambda: 64 << 20)  # the tiny dense cache: 512 B/token
+    # the tiny dense cache: 512 B/token, beside the weights
+    monkeypatch.setattr("ktquest.kv.memory.available_ram", lambda: (64 << 20) + path.stat().st_size)
     e = ktquest.load(path, device="cpu", max_new_tokens=2)
     assert e.args.context_length == 1 << 20
     assert e.max_seq_len == e.cache.max_seq_len == e.model.max_seq_len == e.model.rope_cos.shape[1] == 1 << 17

@@ -52,7 +52,8 @@ def package_text(min_chars: int) -> str:
         n += len(parts[-1])
         if n >= min_chars:
             return "".join(parts)
-    raise RuntimeError(f"only {n} characters of standard-library package source found under {root}")
+    raise ValueError(f"only {n:,} characters of standard-library source found under {root}: not enough natural "
+                     f"text for a context of this length")
 
 
 def filler_text(kind: str, min_chars: int) -> str:
