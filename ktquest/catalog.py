@@ -17,6 +17,7 @@ from huggingface_hub.utils import CacheNotFound
 from ktquest import hub
 from ktquest.config import Config, ConfigError, load_config
 from ktquest.config_file import find_config
+from ktquest.formats import gguf_split
 from ktquest.formats.bundled import BUNDLED_MODELS, BundledModelNotFound
 from ktquest.formats.errors import GGUFError
 from ktquest.formats.gguf import open_gguf
@@ -112,8 +113,9 @@ def fits(info: ModelInfo, mode: Mode, config: Config | None = None) -> bool | No
 
 def cached_models(config: Config | None = None) -> list[CachedModel]:
     """The installed bundled models, then every GGUF model in the hub's cache (a split model once: its joined
-    file if ``pull`` joined it, else its first part, noted), each with ``fits`` in both modes (``config``: the
-    long_context settings, default the snapkv preset). Nothing is downloaded or assembled."""
+    file if ``pull`` joined it, else its first part, noted, with every part's size), each with ``fits`` in
+    both modes (``config``: the long_context settings, default the snapkv preset). Nothing is downloaded or
+    assembled."""
     out = []
     for b in BUNDLED_MODELS.values():
         try:
@@ -123,42 +125,57 @@ def cached_models(config: Config | None = None) -> list[CachedModel]:
             path = None
         if path is not None:
             out.append(_entry(b.name, "bundled", path, config))
-    for name, path, notes in _hub_files():
-        out.append(_entry(name, "hub", path, config, notes))
+    for name, path, notes, size in _hub_files():
+        out.append(_entry(name, "hub", path, config, notes, size))
     return out
 
 
-def _entry(name: str, source: str, path: Path, config: Config | None, notes: list[str] | None = None):
+def _entry(name: str, source: str, path: Path, config: Config | None, notes: list[str] | None = None,
+           size: int | None = None) -> CachedModel:
+    """``ktquest list``'s line of the model in ``path``; ``size``: its bytes when not ``path``'s (a split
+    model not joined yet: every part's, which is what it maps once joined)."""
     try:
         info = read_info(path)
     except (GGUFError, OSError) as e:
-        size = path.stat().st_size if path.is_file() else 0
-        info = ModelInfo(path, size, None, None, None, str(e))
+        info = ModelInfo(path, path.stat().st_size if path.is_file() else 0, None, None, None, str(e))
+    if size is not None:
+        info.file_size = size
     return CachedModel(name, source, info, fits(info, "dense", config), fits(info, "long_context", config),
                        notes or [])
 
 
-def _hub_files() -> list[tuple[str, Path, list[str]]]:
-    """(``REPO:FILE``, path, notes) of every GGUF model in the hub's cache, at each repository's newest
-    cached revision."""
+def _hub_files() -> list[tuple[str, Path, list[str], int | None]]:
+    """(``REPO:FILE``, path, notes, size) of every GGUF model in the hub's cache: each repository's models at
+    the revision ``main`` is at, then those only older cached revisions hold (``--model`` finds them too),
+    newest first. ``size`` is None but for a split model not joined yet: the sum of its parts'."""
     try:
         cache = scan_cache_dir(hub.hub_cache())
     except CacheNotFound:
         return []
     found = []
     for repo in sorted(cache.repos, key=lambda r: r.repo_id):
-        if repo.repo_type != "model" or not repo.revisions:
+        if repo.repo_type != "model":
             continue
-        rev = max(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
-        files = {f.file_path.relative_to(rev.snapshot_path).as_posix() for f in rev.files}
-        for first, parts in hub.gguf_models(sorted(files)).items():
-            path, notes = rev.snapshot_path / first, []
-            if len(parts) > 1:
-                joined = hub.joined_path(repo.repo_id, rev.commit_hash, first)
-                if joined.is_file():
-                    path = joined
-                else:
-                    notes.append(f"split in {len(parts)} parts, not joined yet: ktquest pull "
-                                 f"{repo.repo_id}:{first} joins them")
-            found.append((f"{repo.repo_id}:{first}", path, notes))
+        seen: set[str] = set()
+        for rev in sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True):
+            files = {f.file_path.relative_to(rev.snapshot_path).as_posix() for f in rev.files}
+            for first, parts in hub.gguf_models(sorted(files)).items():
+                if first not in seen:
+                    seen.add(first)
+                    model = _hub_model(repo.repo_id, rev.snapshot_path, parts)
+                    found.append((f"{repo.repo_id}:{first}", *model))
     return found
+
+
+def _hub_model(repo: str, snapshot: Path, parts: list[str]) -> tuple[Path, list[str], int | None]:
+    """(path, notes, size) of the cached model ``parts`` of ``repo``: its file, a split model's joined file,
+    or the first part of one not joined yet (noted, with every part's size)."""
+    paths = [snapshot / p for p in parts]
+    if len(paths) == 1:
+        return paths[0], [], None
+    joined = hub.joined_path(repo, paths)
+    if gguf_split.is_joined(paths, joined):
+        return joined, [], None
+    size = sum(p.stat().st_size for p in paths if p.is_file())
+    return paths[0], [f"split in {len(parts)} parts, not joined yet: ktquest pull {repo}:{parts[0]} joins "
+                      f"them"], size

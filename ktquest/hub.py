@@ -5,10 +5,13 @@
 A reference names a repository and, after a colon, a quantization (``Q4_K_M``, any case, matched against the
 repository's GGUF file names) or a file (``model-Q8_0.gguf``); with neither, the repository holds one model.
 Files go to huggingface_hub's cache (``HF_HOME`` / ``HF_HUB_CACHE``), which resumes a download cut off during
-the call and checks each file's size; ``pull`` checks a new file's sha256 against the hub's (an LFS file's
-ETag) too. A split model (``name-00001-of-00003.gguf``) is downloaded part by part and joined into one file
-(``formats/gguf_split.py``) under ``<HF_HUB_CACHE>/../ktquest-joined``: ktquest maps one file per model, so
-the parts and the joined file take the model's size twice on disk.
+the call and checks each file's size; every file of one pull is of the commit the hub's file list was of. A
+file's sha256 is checked against the hub's (an LFS file's ETag, its blob's name) before it is first used, and
+the check is recorded, so one stopped while hashing is checked again. A split model
+(``name-00001-of-00003.gguf``) is downloaded part by part and joined into one file (``formats/gguf_split.py``)
+under ``ktquest_cache()/joined`` (``$XDG_CACHE_HOME/ktquest``, default ``~/.cache/ktquest``), in a folder
+named by its parts' hashes: ktquest maps one file per model, so the parts and the joined file take the model's
+size twice on disk. ``--model`` searches every cached snapshot of the repository, ``main``'s first.
 
 ``HF_ENDPOINT`` is read at each call (huggingface_hub reads its other settings, ``HF_HUB_OFFLINE`` and the
 cache's folder, once when it is imported: ``huggingface_hub.constants``). Offline, ``pull`` makes no request.
@@ -22,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+from huggingface_hub import HfApi, constants, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import tqdm as hf_tqdm
@@ -162,41 +165,69 @@ def hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def joined_path(repo: str, commit: str, first: str) -> Path:
-    """Where a split model (whose first part is ``first``) of ``repo`` at ``commit`` is joined."""
-    stem = split_part(first.rsplit("/", 1)[-1])
-    name = f"{stem[0]}.gguf" if stem else first.rsplit("/", 1)[-1]
-    folder = repo_folder_name(repo_id=repo, repo_type="model")
-    return hub_cache().parent / "ktquest-joined" / folder / commit / name
+def ktquest_cache() -> Path:
+    """ktquest's own cache folder, ``$XDG_CACHE_HOME/ktquest`` (default ``~/.cache/ktquest``): the split
+    models it joined (``joined/``) and a record of each downloaded file whose sha256 it checked
+    (``verified/``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ktquest"
 
 
-def _cached_snapshot(repo: str) -> tuple[str, Path] | None:
-    """The commit ``main`` pointed at when ``repo`` was last downloaded, and its snapshot's folder."""
+def joined_path(repo: str, parts: list[Path]) -> Path:
+    """Where the split model ``parts`` (its cached files, in order) of ``repo`` is joined: named after the
+    model, in a folder named by its parts' blobs (their hashes), so an upstream commit that leaves the parts
+    as they were does not join them twice."""
+    first = Path(parts[0]).name
+    stem = split_part(first)
+    name = f"{stem[0]}.gguf" if stem else first
+    blobs = "\n".join(Path(os.path.realpath(p)).name for p in parts)
+    key = hashlib.sha256(blobs.encode()).hexdigest()[:32]
+    return ktquest_cache() / "joined" / repo_folder_name(repo_id=repo, repo_type="model") / key / name
+
+
+def _snapshots(repo: str) -> list[Path]:
+    """The folders of ``repo``'s cached snapshots: the one ``main`` pointed at when it was last downloaded
+    first, then the others, newest first."""
     folder = hub_cache() / repo_folder_name(repo_id=repo, repo_type="model")
     try:
-        commit = (folder / "refs" / REVISION).read_text().strip()
+        main = (folder / "refs" / REVISION).read_text().strip()
     except OSError:
-        return None
-    snapshot = folder / "snapshots" / commit
-    return (commit, snapshot) if snapshot.is_dir() else None
+        main = None
+    try:
+        found = [p for p in (folder / "snapshots").iterdir() if p.is_dir()]
+    except OSError:
+        return []
+    return sorted(found, key=lambda p: (p.name != main, -_mtime(p)))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def resolve_cached(ref: ModelRef) -> Path | None:
     """The GGUF file of ``ref`` from the local cache only (no network): the file, or a split model's joined
-    file (joined now if every part is cached); None when it is not cached. ``HubError`` when the cached files
-    hold several models that match (the message lists them)."""
-    found = _cached_snapshot(ref.repo)
-    if found is None:
-        return None
-    commit, snapshot = found
-    files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
-    if not _match(ref, gguf_models(files)):
-        return None  # not downloaded (other files of the repository may be)
-    parts = choose(ref, files)  # (HubError when several match)
-    if len(parts) == 1:
-        return snapshot / parts[0]
-    joined = joined_path(ref.repo, commit, parts[0])
-    return joined if joined.is_file() else join_split([snapshot / p for p in parts], joined)
+    file (joined now if every part is cached); None when it is not cached. Every cached snapshot of the
+    repository is searched, ``main``'s first, so a file pulled before an upstream commit is still found. A
+    file whose sha256 was never checked (a pull stopped while hashing) is checked now, once (``HubError``
+    when it is wrong: the file is deleted and the message says to pull it again). ``HubError`` when the
+    cached files of a snapshot hold several models that match (the message lists them)."""
+    for snapshot in _snapshots(ref.repo):
+        files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
+        if not _match(ref, gguf_models(files)):
+            continue  # not downloaded at this commit (other files of the repository may be)
+        names = choose(ref, files)  # (HubError when several match)
+        for name in names:
+            verify(ref, name, snapshot / name)
+        return _joined(ref.repo, [snapshot / name for name in names])
+    return None
+
+
+def _joined(repo: str, paths: list[Path]) -> Path:
+    """A model's one file: ``paths[0]``, or a split model's parts joined (``gguf_split.join_split``, which
+    keeps a whole join done before)."""
+    return paths[0] if len(paths) == 1 else join_split(paths, joined_path(repo, paths))
 
 
 def require_cached(ref: ModelRef) -> Path:
@@ -205,6 +236,55 @@ def require_cached(ref: ModelRef) -> Path:
     if path is None:
         raise ModelNotCached(pull_hint(ref))
     return path
+
+
+# ---- checksums ----
+
+
+def verify(ref: ModelRef, name: str, path: Path) -> None:
+    """Check the cached file ``path`` (``name`` in ``ref``'s repository) against the sha256 the hub gave it
+    (its blob's name), unless that was done: a record ``verified/<sha256>`` in ``ktquest_cache()``, written
+    once the hash matched, holding the blob's size and mtime (a blob downloaded again is checked again). A
+    git (not LFS) file, whose blob is named by a git hash, had only its size checked. ``HubError`` when the
+    hash is wrong: the blob and its link are deleted."""
+    blob = path.resolve()
+    if not SHA256.match(blob.name) or _is_verified(blob):
+        return
+    digest = hashlib.sha256()
+    try:
+        with open(blob, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    except OSError as e:
+        raise HubError(f"{ref.repo}: {name} ({blob}) cannot be read: {e.strerror or e}") from None
+    if digest.hexdigest() != blob.name:
+        blob.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise HubError(f"{ref.repo}: {name} was downloaded with sha256 {digest.hexdigest()}, and the hub "
+                       f"says {blob.name}; the file was deleted, run ktquest pull {ref} again")
+    try:
+        marker = _marker(blob)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(_stamp(blob))
+    except OSError:
+        pass  # (checked now; without the record it is checked again next time)
+
+
+def _marker(blob: Path) -> Path:
+    return ktquest_cache() / "verified" / blob.name
+
+
+def _stamp(blob: Path) -> str:
+    """What a verified blob's record holds: its size and mtime (a torn record matches nothing)."""
+    st = blob.stat()
+    return f"{st.st_size} {st.st_mtime_ns}\n"
+
+
+def _is_verified(blob: Path) -> bool:
+    try:
+        return _marker(blob).read_text() == _stamp(blob)
+    except OSError:
+        return False
 
 
 # ---- downloading ----
@@ -234,41 +314,38 @@ def pull(ref: ModelRef, progress: bool = True) -> Path:
                        f"log in with `hf auth login`)") from None
     except (HfHubHTTPError, OSError) as e:
         raise HubError(f"{ref.repo}: the file list could not be read from {endpoint()}: {_line(e)}") from None
-    parts = choose(ref, [s.rfilename for s in info.siblings or []])
-    paths = [_download(ref, name, progress) for name in parts]
-    if len(paths) == 1:
-        return paths[0]
-    commit = paths[0].relative_to(hub_cache()).parts[2]  # models--owner--name/snapshots/<commit>/...
-    joined = joined_path(ref.repo, commit, parts[0])
-    return joined if joined.is_file() else join_split(paths, joined)
+    commit = info.sha or REVISION  # every file at the commit the list is of
+    names = choose(ref, [s.rfilename for s in info.siblings or []])
+    paths = [_download(ref, name, commit, progress) for name in names]
+    if info.sha:
+        _record_main(ref.repo, info.sha)
+    return _joined(ref.repo, paths)
 
 
-def _download(ref: ModelRef, name: str, progress: bool) -> Path:
-    """One file into the cache; a file downloaded now has its sha256 checked against the hub's."""
-    cached = try_to_load_from_cache(ref.repo, name, cache_dir=hub_cache(), revision=REVISION)
+def _download(ref: ModelRef, name: str, commit: str, progress: bool) -> Path:
+    """One file at ``commit`` into the cache (none if it is there), its sha256 checked (``verify``)."""
     try:
-        path = Path(hf_hub_download(ref.repo, name, revision=REVISION, cache_dir=hub_cache(),
+        path = Path(hf_hub_download(ref.repo, name, revision=commit, cache_dir=hub_cache(),
                                     endpoint=endpoint(), tqdm_class=None if progress else _Silent))
     except (HfHubHTTPError, OSError) as e:
         raise HubError(f"{ref.repo}: downloading {name} failed: {_line(e)}") from None
-    if not isinstance(cached, str) or Path(cached) != path:
-        _check_sha256(ref, name, path)
+    verify(ref, name, path)
     return path
 
 
-def _check_sha256(ref: ModelRef, name: str, path: Path) -> None:
-    blob = path.resolve()
-    if not SHA256.match(blob.name):  # a git (not LFS) file: its ETag is a git hash, its size was checked
-        return
-    digest = hashlib.sha256()
-    with open(blob, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    if digest.hexdigest() != blob.name:
-        blob.unlink(missing_ok=True)
-        path.unlink(missing_ok=True)
-        raise HubError(f"{ref.repo}: {name} was downloaded with sha256 {digest.hexdigest()}, and the hub "
-                       f"says {blob.name}; the file was deleted, run ktquest pull {ref} again")
+def _record_main(repo: str, commit: str) -> None:
+    """Note in the hub's cache that ``main`` is at ``commit`` (as a download of ``main`` does; a download at a
+    commit does not)."""
+    ref = hub_cache() / repo_folder_name(repo_id=repo, repo_type="model") / "refs" / REVISION
+    try:
+        if ref.is_file() and ref.read_text().strip() == commit:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{REVISION}.{os.getpid()}.tmp")
+        tmp.write_text(commit)
+        os.replace(tmp, ref)
+    except OSError:
+        pass  # (only the order snapshots are searched in)
 
 
 def _line(e: BaseException) -> str:
@@ -276,8 +353,18 @@ def _line(e: BaseException) -> str:
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
-    """The GGUF file ``model`` names: a path or a bundled model's name (``formats.bundled.resolve_model``), or a
-    repository's ``OWNER/NAME[:QUANT|:FILE]`` from the local hub cache, never the network (``ModelNotCached``
-    names the ``ktquest pull`` to run)."""
-    ref = parse_ref(os.fspath(model))
-    return bundled.resolve_model(model) if ref is None else require_cached(ref)
+    """The GGUF file ``model`` names: a path or a bundled model's name (``formats.bundled.resolve_model``), or
+    a repository's ``OWNER/NAME[:QUANT|:FILE]`` from the local hub cache, never the network
+    (``ModelNotCached`` names the ``ktquest pull`` to run; for a bare ``A/B``, maybe a mistyped path, it says
+    there is no such file too)."""
+    text = os.fspath(model)
+    ref = parse_ref(text)
+    if ref is None:
+        return bundled.resolve_model(model)
+    path = resolve_cached(ref)
+    if path is None:
+        if ref.quant is None and ref.file is None:
+            raise ModelNotCached(f"no such file {text}, and OWNER/NAME {ref} is not downloaded; "
+                                 f"download it with: ktquest pull {ref}")
+        raise ModelNotCached(pull_hint(ref))
+    return path

@@ -4,9 +4,11 @@ reads; it counts the requests and can cut a download, lie about a checksum or a 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -20,12 +22,13 @@ from ktquest.hub import HubError, ModelNotCached, ModelRef, parse_ref
 from ktquest.models.loader import read_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from hub_standin import HubStandin  # noqa: E402
+from hub_standin import COMMIT, HubStandin  # noqa: E402
 
 
 @pytest.fixture
 def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A running HubStandin that ktquest.hub talks to, with an empty hub cache under tmp_path."""
+    """A running HubStandin that ktquest.hub talks to, with an empty hub cache and ktquest cache
+    (``XDG_CACHE_HOME``) under tmp_path."""
     server = HubStandin()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -33,6 +36,7 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     yield server
     server.shutdown()
     server.server_close()
@@ -176,7 +180,93 @@ def test_pull_joins_a_split_model(fake_hub: HubStandin, tiny_models, tmp_path: P
     assert len(fake_hub.requests) == n
 
 
+def test_pull_downloads_every_part_at_the_listed_commit(fake_hub: HubStandin, tiny_models, tmp_path: Path):
+    parts = split_gguf(tiny_models("llama").path, tmp_path / "split" / "m-Q8_0.gguf", tensors_per_part=8)
+    fake_hub.repos["o/s"] = {p.name: p.read_bytes() for p in parts}
+    hub.pull(ModelRef("o/s", quant="Q8_0"), progress=False)
+    files = [p for _, p, _ in fake_hub.requests if "/resolve/" in p]
+    assert files and all(f"/resolve/{COMMIT}/" in p for p in files)  # not main: it may move meanwhile
+    main = Path(constants.HF_HUB_CACHE) / "models--o--s" / "refs" / "main"
+    assert main.read_text() == COMMIT
+
+
+def test_a_check_cut_short_is_done_before_the_file_is_used(fake_hub: HubStandin, tiny_bytes: bytes,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """A Ctrl-C while ``pull`` hashed a download whose sha256 is wrong: the next pull, and ``--model``, check
+    it before they use it."""
+    fake_hub.repos["o/m"] = {"m-Q8_0.gguf": tiny_bytes}
+    fake_hub.bad_sha.add("m-Q8_0.gguf")
+
+    class Interrupted:
+        def update(self, _):
+            raise KeyboardInterrupt
+
+    interrupted = SimpleNamespace(sha256=Interrupted)
+    monkeypatch.setattr(hub, "hashlib", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hub.pull(ModelRef("o/m", quant="Q8_0"), progress=False)
+    monkeypatch.setattr(hub, "hashlib", hashlib)
+    with pytest.raises(HubError, match="sha256 .* the file was deleted, run ktquest pull o/m:Q8_0 again"):
+        hub.resolve_cached(ModelRef("o/m", quant="Q8_0"))
+    assert hub.resolve_cached(ModelRef("o/m", quant="Q8_0")) is None
+    monkeypatch.setattr(hub, "hashlib", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hub.pull(ModelRef("o/m", quant="Q8_0"), progress=False)
+    monkeypatch.setattr(hub, "hashlib", hashlib)
+    with pytest.raises(HubError, match="sha256 .* the file was deleted"):
+        hub.pull(ModelRef("o/m", quant="Q8_0"), progress=False)
+    fake_hub.bad_sha.clear()
+    path = hub.pull(ModelRef("o/m", quant="Q8_0"), progress=False)
+    sha = hashlib.sha256(tiny_bytes).hexdigest()
+    assert path.resolve().name == sha and (hub.ktquest_cache() / "verified" / sha).is_file()
+
+
 # ---- offline and the cache ----
+
+
+def test_an_earlier_pull_resolves_after_an_upstream_commit(fake_hub: HubStandin, tiny_bytes: bytes,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    fake_hub.repos["o/m"] = {"m-Q4_K_M.gguf": tiny_bytes}
+    q4 = hub.pull(ModelRef("o/m", quant="Q4_K_M"), progress=False)
+    fake_hub.commit = "fedcba9876543210fedcba9876543210fedcba98"  # upstream: the Q4_K_M file replaced
+    fake_hub.repos["o/m"] = {"m-Q8_0.gguf": tiny_bytes + b"\0"}
+    q8 = hub.pull(ModelRef("o/m", quant="Q8_0"), progress=False)
+    assert q8.parent.name == fake_hub.commit != q4.parent.name
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    n = len(fake_hub.requests)
+    assert hub.require_cached(ModelRef("o/m", quant="Q4_K_M")) == q4
+    assert hub.resolve_model("o/m:Q8_0") == q8
+    monkeypatch.setattr(catalog, "BUNDLED_MODELS", {})
+    assert {m.name for m in catalog.cached_models()} == {"o/m:m-Q4_K_M.gguf", "o/m:m-Q8_0.gguf"}
+    assert len(fake_hub.requests) == n
+
+
+def test_joined_files_are_in_ktquest_cache_keyed_by_the_parts(fake_hub: HubStandin, tiny_models,
+                                                              tmp_path: Path):
+    parts = split_gguf(tiny_models("llama").path, tmp_path / "split" / "m-Q8_0.gguf", tensors_per_part=8)
+    fake_hub.repos["o/s"] = {p.name: p.read_bytes() for p in parts}
+    joined = hub.pull(ModelRef("o/s", quant="Q8_0"), progress=False)
+    assert joined.is_relative_to(tmp_path / "xdg" / "ktquest" / "joined")
+    assert hub.ktquest_cache() == tmp_path / "xdg" / "ktquest"
+    mtime = joined.stat().st_mtime_ns
+    fake_hub.commit = "fedcba9876543210fedcba9876543210fedcba98"  # an unrelated upstream commit
+    fake_hub.repos["o/s"]["README.md"] = b"new"
+    assert hub.pull(ModelRef("o/s", quant="Q8_0"), progress=False) == joined
+    assert joined.stat().st_mtime_ns == mtime  # not joined again
+    whole = joined.read_bytes()
+    joined.write_bytes(whole[:1000])  # torn (a crash while an older version wrote it, a full disk)
+    assert hub.resolve_cached(ModelRef("o/s", quant="Q8_0")) == joined and joined.read_bytes() == whole
+
+
+def test_a_mistyped_path_says_there_is_no_such_file(fake_hub: HubStandin):
+    with pytest.raises(ModelNotCached, match=r"^no such file models/qwen, and OWNER/NAME models/qwen is not "
+                                             r"downloaded; download it with: ktquest pull models/qwen$"):
+        hub.resolve_model("models/qwen")
+    with pytest.raises(ModelNotCached, match=r"^the model models/qwen:Q4_K_M is not downloaded"):
+        hub.resolve_model("models/qwen:Q4_K_M")
+    assert fake_hub.requests == []
+
+
 
 
 def test_offline_resolves_from_the_cache(fake_hub: HubStandin, tiny_bytes: bytes,
@@ -227,6 +317,22 @@ def test_cached_models(fake_hub: HubStandin, tiny_models, tmp_path: Path, monkey
     assert parse_ref(m.name) == ModelRef("o/m", file="m-F32.gguf")
 
 
+def test_cached_models_a_split_model_not_joined(fake_hub: HubStandin, tiny_models, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch):
+    parts = split_gguf(tiny_models("llama").path, tmp_path / "split" / "s-Q8_0.gguf", tensors_per_part=8)
+    fake_hub.repos["o/s"] = {p.name: p.read_bytes() for p in parts}
+    joined = hub.pull(ModelRef("o/s"), progress=False)
+    for p in joined.parent.iterdir():
+        p.unlink()
+    monkeypatch.setattr(catalog, "BUNDLED_MODELS", {})
+    (m,) = catalog.cached_models()
+    assert m.info.file_size == sum(p.stat().st_size for p in parts) and m.info.path.name == parts[0].name
+    assert "split in" in m.notes[0] and "not joined yet" in m.notes[0]
+    whole = tiny_models("llama").path  # the fit check counts the size given (the parts' sum), not the file's
+    assert catalog._entry("m", "hub", whole, None).fits_dense is True
+    assert catalog._entry("m", "hub", whole, None, size=10**18).fits_dense is False
+
+
 def test_fits(tiny_models, monkeypatch: pytest.MonkeyPatch):
     info = catalog.read_info(tiny_models("llama").path)
     fp16 = load_config(overrides=[("mode", "long_context"), ("long_context.kv_type", "FP16")])
@@ -241,8 +347,8 @@ def test_fits(tiny_models, monkeypatch: pytest.MonkeyPatch):
 
 def test_the_command_line_pulls_lists_and_chats_offline(fake_hub: HubStandin, tiny_bytes: bytes, capsys,
                                                         monkeypatch: pytest.MonkeyPatch):
-    """``ktquest pull o/m:Q4_K_M``, ``ktquest list`` shows it, ``ktquest chat -m o/m:Q4_K_M`` answers with the hub
-    offline (no request); a model not pulled is refused with the command to run."""
+    """``ktquest pull o/m:Q4_K_M``, ``ktquest list`` shows it, ``ktquest chat -m o/m:Q4_K_M`` answers with the
+    hub offline (no request); a model not pulled is refused with the command to run."""
     from ktquest.cli import main
 
     fake_hub.repos["o/m"] = {"m-Q4_K_M.gguf": tiny_bytes}

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A stand-in of the Hugging Face hub's HTTP API on 127.0.0.1, for ``ktquest pull`` without a network: the
-model-info endpoint and ``resolve/main/<file>`` with the headers huggingface_hub reads (X-Repo-Commit, ETag /
-X-Linked-Etag = an LFS file's sha256, X-Linked-Size, Content-Length, Range). It counts the requests and can
-cut a download, lie about a checksum or a size (what tests/test_hub.py checks ``pull`` against).
+model-info endpoint and ``resolve/<main or the commit>/<file>`` with the headers huggingface_hub reads
+(X-Repo-Commit, ETag / X-Linked-Etag = an LFS file's sha256, X-Linked-Size, Content-Length, Range). It counts
+the requests and can cut a download, lie about a checksum or a size (what tests/test_hub.py checks ``pull``
+against), or move to another commit (``commit``).
 
     python tools/hub_standin.py --port 8765 local/SmolLM2-135M-Instruct-GGUF=path/to/dir
     HF_ENDPOINT=http://127.0.0.1:8765 ktquest pull local/SmolLM2-135M-Instruct-GGUF:Q4_K_M
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import socket
 import sys
 import threading
@@ -22,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<file>.+)$")
 
 
 class HubStandin(ThreadingHTTPServer):
@@ -36,6 +39,7 @@ class HubStandin(ThreadingHTTPServer):
         self.cut_once: set[str] = set()  # files whose first GET is cut off mid-body
         self.bad_sha: set[str] = set()  # files whose ETag is not their content's sha256
         self.bad_size: set[str] = set()  # files whose X-Linked-Size is 10 bytes more than they are
+        self.commit = COMMIT  # the commit every repository is at (X-Repo-Commit, the model info's "sha")
         self.lock = threading.Lock()
 
     @property
@@ -64,17 +68,19 @@ class _Handler(BaseHTTPRequestHandler):
             repo = path.removeprefix("/api/models/").split("/revision/")[0]
             if repo not in s.repos:
                 return self._reply(404, b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"})
-            info = {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
+            info = {"id": repo, "modelId": repo, "sha": s.commit, "private": False,
                     "siblings": [{"rfilename": f} for f in s.repos[repo]]}
             return self._reply(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
-        repo, _, file = path.lstrip("/").partition("/resolve/main/")
-        repo = "/".join(repo.split("/")[:2])
+        m = RESOLVE.match(path)
+        if m is None or m["revision"] not in ("main", s.commit):  # (only the current commit is served)
+            return self._reply(404, b"", {"X-Error-Code": "RevisionNotFound"}, body)
+        repo, file = m["repo"], m["file"]
         data = s.repos.get(repo, {}).get(file)
         if data is None:
-            return self._reply(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT}, body)
+            return self._reply(404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": s.commit}, body)
         sha = hashlib.sha256(data + b"x" * (file in s.bad_sha)).hexdigest()
         size = len(data) + 10 * (file in s.bad_size)
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
+        headers = {"X-Repo-Commit": s.commit, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
                    "X-Linked-Size": str(size), "Accept-Ranges": "bytes"}
         if not body:
             return self._reply(200, b"", {**headers, "Content-Length": str(len(data))}, False)
