@@ -32,6 +32,7 @@ from ktquest.kv.memory import (
     layer_major_tokens,
     prompt_token_device_bytes,
 )
+from ktquest.kv.recurrent import RecurrentCache
 from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
 from ktquest.models.args import RopeScaling
@@ -344,7 +345,8 @@ def _as_sets(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dtype: torch.dtype):
     """The KV cache of ``config.mode``: dense (every token on the device) or long_context (DRAM store +
     device windows, ``ktquest.kv.long_context``); for a model with sliding-window layers (gemma3), that cache
-    holds its global layers and a ``HybridCache`` the sliding layers' windows (``ktquest.kv.sliding``)."""
+    holds its global layers and a ``HybridCache`` the sliding layers' windows (``ktquest.kv.sliding``); for a
+    hybrid model (qwen35) a ``RecurrentCache`` its DeltaNet layers' states (``ktquest.kv.recurrent``)."""
     threads = config.resolved_threads()
     g = global_args(args)
     if config.mode == "long_context":
@@ -353,6 +355,8 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
         cache = DenseKVCache(g.n_layers, g.n_kv_heads, g.head_dim, max_seq_len, device, dtype, threads=threads)
     if g.n_layers == args.n_layers:
         return cache
+    if args.delta_layers:  # a hybrid model's DeltaNet layers keep a state (qwen35)
+        return RecurrentCache(args, cache, device)
     keep = max(config.sliding_window_keep, config.chunk_size)  # an interrupted chunk must not lose the window
     return HybridCache(args, cache, device, dtype, keep, threads)
 

@@ -67,11 +67,22 @@ class ModelArgs:
     permuted_qk: bool = False  # the converter interleaved each q/k head's rows for ggml's RoPE (models/loader.qk_perm)
     rope_theta_local: float = 10000.0  # RoPE table 1's base (the sliding layers': BlockSpec.rope), unscaled
     emb_scale: float = 1.0  # the embeddings' multiplier (gemma: sqrt(dim))
+    rope_dim: int = 0  # dims of each q/k head that RoPE rotates; 0 = head_dim (models/loader.qk_perm otherwise)
+
+    @property
+    def n_rot(self) -> int:
+        """The rotated dims of a head (``rope_dim``, or all of head_dim)."""
+        return self.rope_dim or self.head_dim
 
     @property
     def global_layers(self) -> tuple[int, ...]:
-        """The layers that attend every position (all of them but the sliding-window ones)."""
-        return tuple(i for i, b in enumerate(self.blocks) if b.attention == "global")
+        """The layers that attend every position (the attention layers but the sliding-window ones)."""
+        return tuple(i for i, b in enumerate(self.blocks) if b.mixer == "attention" and b.attention == "global")
+
+    @property
+    def delta_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers (no k/v: a recurrent state, ``kv/recurrent.py``)."""
+        return tuple(i for i, b in enumerate(self.blocks) if b.mixer == "delta_net")
 
     @property
     def n_params(self) -> int:
@@ -279,10 +290,9 @@ def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
         raise m.error(f"{arch}.attention.key_length", head_dim, "an even head_dim (RoPE rotates pairs of dims)")
     if m.integer(f"{arch}.attention.value_length", 1, default=head_dim) != head_dim:
         raise GGUFError(f"{path}: attention.value_length differs from key_length ({head_dim}); not supported")
-    rope_dim = m.integer(f"{arch}.rope.dimension_count", 1, default=head_dim)
-    if rope_dim != head_dim:
-        raise GGUFError(f"{path}: {arch}.rope.dimension_count={rope_dim} differs from head_dim {head_dim} "
-                        f"(partial rotary embeddings are not supported)")
+    rope_dim = m.integer(f"{arch}.rope.dimension_count", 2, head_dim, default=head_dim)
+    if rope_dim % 2:
+        raise m.error(f"{arch}.rope.dimension_count", rope_dim, f"an even count of dims <= head_dim {head_dim}")
     embd = MODEL_TENSORS["tok_embeddings"]
     if embd not in tensors:
         raise GGUFError(f"{path}: missing tensor {embd!r}")
@@ -296,7 +306,7 @@ def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
         raise m.error(f"{arch}.block_count", n_layers, f"the number of blocks the file has tensors for "
                       f"({n_blocks}: blk.0 to blk.{n_blocks - 1})" if n_blocks else
                       "the number of blocks the file has tensors for, and it has none (no blk.* tensors)")
-    return ModelArgs(
+    args = ModelArgs(
         arch=arch,
         n_layers=n_layers,
         dim=dim,
@@ -309,10 +319,15 @@ def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
         # llama.cpp's default when absent; the inverse frequencies are base^(-2i/head_dim)
         rope_theta=m.number(f"{arch}.rope.freq_base", 1.0, default=10000.0),
         context_length=m.integer(f"{arch}.context_length", 1),
-        rope_scaling=_rope_scaling(m, arch, tensors, head_dim),
+        rope_scaling=_rope_scaling(m, arch, tensors, rope_dim),
         tie_embeddings=MODEL_TENSORS["output"] not in tensors,
+        rope_dim=0 if rope_dim == head_dim else rope_dim,
         **_family_fields(families[arch], m, tensors, arch, n_layers, dim),
     )
+    if args.rope_dim and args.permuted_qk:
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count={rope_dim} with q/k rows interleaved for ggml's RoPE: "
+                        f"partial rotary embeddings are supported on NEOX-style files only (qwen35)")
+    return args
 
 
 def _family_fields(family: Family, m: Metadata, tensors: GGUFTensors, arch: str, n_layers: int,

@@ -26,8 +26,9 @@ from ktquest.kv.base import KVCache
 from ktquest.layers.linear import Embedding, Linear, QuantWeight, stack_rows
 from ktquest.models.args import Family, Metadata, ModelArgs, resolve_max_seq_len
 from ktquest.models.block import BIAS_TENSORS, BlockSpec
+from ktquest.models.delta_net import GatedDeltaNet
 from ktquest.models.ffn import FeedForward, MoEFeedForward
-from ktquest.models.rope import apply_rope, rope_tables, rope_variants
+from ktquest.models.rope import apply_rope, partial_rotary_order, rope_tables, rope_variants
 
 Matrix = torch.Tensor | QuantWeight  # a dequantized tensor, or the file's encoding read in place
 
@@ -37,11 +38,11 @@ class BlockWeights:
     """One block's tensors, [out, in] for matrices, in the file's row order (llama q/k: ``qkv_perm``)."""
 
     attn_norm: torch.Tensor  # [dim]
-    wq: Matrix  # [H*D, dim]
-    wk: Matrix  # [KVH*D, dim]
-    wv: Matrix  # [KVH*D, dim]
-    wo: Matrix  # [dim, H*D]
     ffn_norm: torch.Tensor  # [dim]
+    wq: Matrix | None = None  # [H*D, dim] ([2*H*D, dim]: q and its gate per head, BlockSpec.attn_gate)
+    wk: Matrix | None = None  # [KVH*D, dim]
+    wv: Matrix | None = None  # [KVH*D, dim]
+    wo: Matrix | None = None  # [dim, H*D]
     w_gate: Matrix | None = None  # [ffn, dim] (a dense FFN)
     w_up: Matrix | None = None  # [ffn, dim]
     w_down: Matrix | None = None  # [dim, ffn]
@@ -61,6 +62,16 @@ class BlockWeights:
     w_up_shexp: Matrix | None = None  # [ffn_s, dim]
     w_down_shexp: Matrix | None = None  # [dim, ffn_s]
     shexp_gate: torch.Tensor | None = None  # [dim]
+    # BlockSpec.mixer == "delta_net" (models/delta_net.py), in place of wq, wk, wv, wo
+    w_in_qkv: Matrix | None = None  # [conv_dim, dim]
+    w_in_z: Matrix | None = None  # [Hv*Dv, dim]
+    w_beta: Matrix | None = None  # [Hv, dim]
+    w_alpha: Matrix | None = None  # [Hv, dim]
+    ssm_a: torch.Tensor | None = None  # [Hv]
+    ssm_dt: torch.Tensor | None = None  # [Hv]
+    conv1d: torch.Tensor | None = None  # [conv_dim, K]
+    ssm_norm: torch.Tensor | None = None  # [Dv]
+    w_ssm_out: Matrix | None = None  # [dim, Hv*Dv]
 
 
 @dataclass(slots=True)
@@ -119,8 +130,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """q, k, v from one fused projection [q (H*D) | k (KVH*D) | v (KVH*D)], gathered into the rotate-half order,
-    with the block's biases and QK-norm (``BlockSpec``); attention is the cache's."""
+    """q, k, v from one fused projection [q (H*D) | k (KVH*D) | v (KVH*D) (| gate (H*D))], gathered into the
+    rotate-half order (``loader.qk_perm``), with the block's biases, QK-norm and output gate (``BlockSpec``);
+    attention is the cache's."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, spec: BlockSpec, w: BlockWeights,
                  qkv_perm: torch.Tensor | None):
@@ -130,21 +142,27 @@ class Attention(nn.Module):
         bqkv = torch.cat([w.bq, w.bk, w.bv]) if spec.qkv_bias else None
         self.wqkv = Linear(stack_rows(w.wq, w.wk, w.wv), bqkv, out_perm=qkv_perm)
         self.wo = Linear(w.wo)
-        self.q_norm = RMSNorm(w.q_norm, args.norm_eps) if spec.qk_norm else None  # [D]
-        self.k_norm = RMSNorm(w.k_norm, args.norm_eps) if spec.qk_norm else None  # [D]
+        # a head's dims as the gather leaves them (partial rotary: rope.partial_rotary_order), for the QK-norms
+        order = partial_rotary_order(args.head_dim, args.rope_dim) if args.rope_dim else slice(None)
+        self.q_norm = RMSNorm(w.q_norm[order], args.norm_eps) if spec.qk_norm else None  # [D]
+        self.k_norm = RMSNorm(w.k_norm[order], args.norm_eps) if spec.qk_norm else None  # [D]
+        self.gated = spec.attn_gate
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x).view(t, h + 2 * kvh, d)  # [T, H + 2*KVH, D]
+        out = self.wqkv(x)  # [T, (H + 2*KVH) * D (+ H*D)]
+        qkv = out[:, : (h + 2 * kvh) * d].view(t, h + 2 * kvh, d)  # [T, H + 2*KVH, D]
         if self.q_norm is None:
             qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, D]: q and k rotated in one go
             q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
         else:
             q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)  # [T, H, D]
             k = apply_rope(self.k_norm(qkv[:, h: h + kvh]), cos, sin)  # [T, KVH, D]
-        out = cache.attend(self.layer_idx, q, k, qkv[:, h + kvh:], start_pos)  # [T, H, D]
-        return self.wo(out.reshape(t, h * d))  # [T, dim]
+        att = cache.attend(self.layer_idx, q, k, qkv[:, h + kvh:], start_pos).reshape(t, h * d)  # [T, H*D]
+        if self.gated:
+            att = att * torch.sigmoid(out[:, (h + 2 * kvh) * d:])
+        return self.wo(att)  # [T, dim]
 
 
 class Block(nn.Module):
@@ -155,7 +173,9 @@ class Block(nn.Module):
         super().__init__()
         spec = args.blocks[layer_idx]
         self.attn_norm = RMSNorm(w.attn_norm, args.norm_eps)
-        self.attn = Attention(args, layer_idx, spec, w, qkv_perm)
+        # the mixer: attention over the cache's k/v, or a Gated DeltaNet over the cache's state
+        self.attn = GatedDeltaNet(args, layer_idx, spec, w) if spec.mixer == "delta_net" else \
+            Attention(args, layer_idx, spec, w, qkv_perm)
         self.ffn_norm = RMSNorm(w.ffn_norm, args.norm_eps)
         if spec.ffn == "moe":
             shared = ((w.w_gate_shexp, w.w_up_shexp, w.w_down_shexp, w.shexp_gate) if spec.shared_expert else None)

@@ -27,16 +27,17 @@ from ktquest.formats.chat_template import ChatTemplateError
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.formats.tokenizer import Tokenizer, TokenizerError
 from ktquest.layers.linear import QuantWeight
-from ktquest.models import gemma3, llama, qwen2moe, qwen3, qwen3moe
+from ktquest.models import gemma3, llama, qwen2moe, qwen3, qwen3moe, qwen35
 from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
-from ktquest.models.block import EXPERT_STACKS, VECTORS
+from ktquest.models.block import EXPERT_STACKS, SMALL_TENSORS, VECTORS
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
+from ktquest.models.rope import partial_rotary_order
 from ktquest.native.enums import GGML_TYPES
 
 # The architectures ktquest reads: GGUF name -> its family (models/<family>.py). Adding one is a family file and
 # its line here (docs/design.md, "Adding an architecture").
 FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3moe.FAMILY, qwen2moe.FAMILY,
-                                                  gemma3.FAMILY) for arch in f.archs}
+                                                  gemma3.FAMILY, qwen35.FAMILY) for arch in f.archs}
 
 
 @dataclass(slots=True)
@@ -96,21 +97,31 @@ def read_tokenizer(contents: GGUFContents, chat_template: str | None = None) -> 
 
 
 def qk_perm(a: ModelArgs) -> torch.Tensor | None:
-    """The gather that takes a llama or internlm2 file's q | k | v projection to the Hugging Face order, or
-    None (qwen2).
+    """The gather that takes the file's fused q | k | v projection to the order the model's attention reads:
+    q [H*D] | k [KVH*D] | v [KVH*D] (| gate [H*D] for ``attn_gate`` blocks), rotate-half RoPE in each q/k head;
+    None where the file's order is that already (qwen2, qwen3).
 
-    llama.cpp's converter stores head h's rows as (x0, y0, x1, y1, ...): rotary pair i in rows 2i and 2i + 1,
-    for ggml's interleaved RoPE. The model rotates halves (pair i = dims i and i + D/2), so output j of a
-    head is read from row 2 (j % (D/2)) + j // (D/2) of the file's; v is in order. int64 [(H + 2 KVH) * D].
-    """
-    if not a.permuted_qk:
+    - llama / internlm2: llama.cpp's converter stores head h's rows as (x0, y0, x1, y1, ...), rotary pair i in
+      rows 2i and 2i + 1, for ggml's interleaved RoPE; output j of a head reads row 2 (j % (D/2)) + j // (D/2).
+    - partial rotary (``rope_dim`` < D, NEOX style): ``rope.partial_rotary_order`` within each q/k head.
+    - ``attn_gate`` (qwen35): the file's q rows are [q_h (D), gate_h (D)] per head; q and then the gates.
+    int64 [(H + 2 KVH) * D] (+ H*D with a gate)."""
+    d, h, kvh = a.head_dim, a.n_heads, a.n_kv_heads
+    gated = any(b.attn_gate for b in a.blocks if b.mixer == "attention")
+    if not (a.permuted_qk or a.rope_dim or gated):
         return None
-    d = a.head_dim
     j = torch.arange(d)
-    within = 2 * (j % (d // 2)) + j // (d // 2)  # [D]
-    heads = torch.arange(a.n_heads + a.n_kv_heads)[:, None] * d  # q and k heads
-    v = torch.arange((a.n_heads + a.n_kv_heads) * d, (a.n_heads + 2 * a.n_kv_heads) * d)
-    return torch.cat([(heads + within).reshape(-1), v])
+    within = 2 * (j % (d // 2)) + j // (d // 2) if a.permuted_qk else j  # [D]
+    if a.rope_dim:
+        within = within[partial_rotary_order(d, a.rope_dim)]
+    q_stride = 2 * d if gated else d
+    q_end = h * q_stride
+    parts = [(torch.arange(h)[:, None] * q_stride + within).reshape(-1),
+             (q_end + torch.arange(kvh)[:, None] * d + within).reshape(-1),
+             torch.arange(q_end + kvh * d, q_end + 2 * kvh * d)]
+    if gated:
+        parts.append((torch.arange(h)[:, None] * q_stride + d + j).reshape(-1))
+    return torch.cat(parts)
 
 
 def _check_finite(path: Path, name: str, w: np.ndarray, dtype: torch.dtype) -> None:
@@ -152,7 +163,8 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
     # the vectors (norms, biases): dequantized in both cases (fp32 on the CPU when encoded)
     # [n], or [1, n] as some converters write a one-row Linear (qwen2moe's ffn_gate_inp_shexp; llama.cpp reads both)
     vector = (lambda n: tensor(n, torch.float32, "cpu").reshape(-1)) if encoded else (lambda n: tensor(n).reshape(-1))
-    read = {f: vector for f in VECTORS} | {f: experts for f in EXPERT_STACKS}
+    small = (lambda n: tensor(n, torch.float32, "cpu")) if encoded else tensor
+    read = {f: vector for f in VECTORS} | {f: experts for f in EXPERT_STACKS} | {f: small for f in SMALL_TENSORS}
     layers = [BlockWeights(**{f: read.get(f, matrix)(f"blk.{i}.{n}") for f, n in spec.tensors().items()})
               for i, spec in enumerate(a.blocks)]
     weights = TransformerWeights(

@@ -17,7 +17,7 @@ def rope_frequencies(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, float
     LongRoPE's attn_factor), for a model whose cache holds ``max_len`` tokens (LongRoPE picks its factors and
     dynamic NTK its base by it, as llama.cpp picks LongRoPE's by n_ctx: fixed for the session, so every
     cached key was rotated by the same table)."""
-    d, base, s = args.head_dim, args.rope_theta, args.rope_scaling
+    d, base, s = args.n_rot, args.rope_theta, args.rope_scaling
     orig = (s.original_context_length if s is not None else 0) or args.context_length  # the trained context
     if s is not None and s.type == "dynamic" and max_len > orig:
         # Dynamic NTK (Hugging Face's rope_type "dynamic" for a sequence of max_len tokens): a larger base
@@ -63,20 +63,32 @@ def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,
     """cos, sin: [max_len, D] for a cache of ``max_len`` tokens, angles computed in float64 (fp32 angles drift
     by ~1e-3 rad at 8K positions).
 
-    sin carries rotate-half's sign: ``rotate_half(x) * sin_full == roll(x, D/2) * sin``. The float64 angles
-    are made ``_ROPE_CHUNK`` positions at a time, so the tables are all the memory a long context costs here.
+    sin carries rotate-half's sign: ``rotate_half(x) * sin_full == roll(x, D/2) * sin``. With partial rotary
+    (``args.rope_dim`` = R < D) the rotated pairs are dims (i, i + D/2) for i < R/2, as ``loader.qk_perm`` gathers
+    them, and every other dim has cos 1, sin 0. The float64 angles are made ``_ROPE_CHUNK`` positions at a time,
+    so the tables are all the memory a long context costs here.
     """
     inv_freq, mscale = rope_frequencies(args, max_len)
-    half = inv_freq.shape[0]
-    cos = torch.empty(max_len, 2 * half, dtype=dtype, device=device)  # [S, D]
-    sin = torch.empty(max_len, 2 * half, dtype=dtype, device=device)  # [S, D]
+    half, d = inv_freq.shape[0], args.head_dim
+    cos = torch.ones(max_len, d, dtype=dtype, device=device)  # [S, D]
+    sin = torch.zeros(max_len, d, dtype=dtype, device=device)  # [S, D]
+    lo, hi = slice(0, half), slice(d // 2, d // 2 + half)
     for p0 in range(0, max_len, _ROPE_CHUNK):
         p1 = min(p0 + _ROPE_CHUNK, max_len)
-        angles = torch.outer(torch.arange(p0, p1, dtype=torch.float64), inv_freq)  # [n, D/2]
+        angles = torch.outer(torch.arange(p0, p1, dtype=torch.float64), inv_freq)  # [n, R/2]
         c, s = angles.cos() * mscale, angles.sin() * mscale
-        cos[p0:p1] = torch.cat([c, c], dim=-1)  # rounded to dtype by the copy
-        sin[p0:p1] = torch.cat([-s, s], dim=-1)
+        cos[p0:p1, lo] = c  # rounded to dtype by the copy
+        cos[p0:p1, hi] = c
+        sin[p0:p1, lo] = -s
+        sin[p0:p1, hi] = s
     return cos, sin
+
+
+def partial_rotary_order(d: int, r: int) -> torch.Tensor:
+    """The gather of a head's D dims that puts a partial rotary embedding's R rotated dims (pairs (i, i + R/2),
+    NEOX style) at pairs (i, i + D/2), the D - R others after each half: int64 [D], new dim -> the file's dim."""
+    h, rest = r // 2, torch.arange(r, d)
+    return torch.cat([torch.arange(h), rest[: d // 2 - h], torch.arange(h, r), rest[d // 2 - h:]])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

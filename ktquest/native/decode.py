@@ -50,6 +50,8 @@ class NativeDecoder:
 
     @classmethod
     def build(cls, model, threads: int) -> NativeDecoder | None:
+        if any(s.mixer != "attention" or s.attn_gate for s in model.args.blocks):
+            return None  # (a hybrid model's DeltaNet layers and gated attention run in torch for now)
         linears = [model.output] + [m for b in model.layers for m in _linears(b)]
         if model.tok_embeddings.quant is None or any(m.qm is None for m in linears):
             return None

@@ -1,0 +1,88 @@
+"""The Gated DeltaNet mixer (Qwen3.5, Qwen3-Next: ``BlockSpec.mixer == "delta_net"``), the reference path in
+torch: its projections, the causal conv over the cache's last inputs, and the gated delta rule over the cache's
+state (``kv/recurrent.py``), one token after another.
+
+Per value head (``DeltaNetSpec``: ``n_v_heads`` heads of ``v_head_dim``, each reading q/k head ``j % n_k_heads``:
+llama.cpp's converter stores the value heads tiled, [K0v0, K1v0, ..., K0v1, K1v1, ...]) and token t:
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S'_t^T k_t))^T     (S'_t = exp(g_t) S_{t-1}; S is [Dk, Dv])
+    o_t = S_t^T q_t / sqrt(Dk)
+
+with q, k l2-normed per head, beta = sigmoid(W_beta x), g = ssm_a * softplus(W_alpha x + ssm_dt) (ssm_a is
+-exp(A_log), as the converter writes it). The state stays in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ktquest.layers.linear import Linear
+from ktquest.models.block import BlockSpec
+
+
+def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the reference model's l2norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [T, C] inputs, state: [K-1, C] the inputs before them (updated in place to the last K-1),
+    weight: [C, K] -> silu(depthwise causal conv) [T, C]: out[t] = sum_k weight[:, k] * in[t - (K-1) + k]."""
+    t, k = x.shape[0], weight.shape[1]
+    window = torch.cat([state.to(x.dtype), x])  # [K-1+T, C]
+    out = sum(window[i: i + t] * weight[:, i] for i in range(k))  # [T, C]
+    state.copy_(window[t:])
+    return F.silu(out)
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule token by token, fp32: q, k [T, Hv, Dk] (l2-normed, q scaled), v [T, Hv, Dv],
+    g, beta [T, Hv]; state [Hv, Dk, Dv] updated in place -> o [T, Hv, Dv]."""
+    out = torch.empty_like(v)
+    s = state
+    for t in range(q.shape[0]):
+        s.mul_(g[t].exp()[:, None, None])
+        delta = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t][:, None]  # [Hv, Dv]
+        s.add_(k[t][:, :, None] * delta[:, None, :])
+        out[t] = torch.einsum("hkv,hk->hv", s, q[t])
+    return out
+
+
+class GatedDeltaNet(nn.Module):
+    """A delta_net block's mixer: x [T, dim] at ``start_pos`` -> [T, dim], its state the cache's
+    (``cache.recurrent(layer_idx, start_pos, T)``)."""
+
+    def __init__(self, args, layer_idx: int, spec: BlockSpec, w):
+        super().__init__()
+        d = spec.delta
+        self.layer_idx, self.spec, self.eps = layer_idx, d, args.norm_eps
+        self.w_in_qkv = Linear(w.w_in_qkv)  # [conv_dim, dim]
+        self.w_in_z = Linear(w.w_in_z)  # [Hv*Dv, dim]
+        self.w_beta = Linear(w.w_beta)  # [Hv, dim]
+        self.w_alpha = Linear(w.w_alpha)  # [Hv, dim]
+        self.w_out = Linear(w.w_ssm_out)  # [dim, Hv*Dv]
+        f32 = dict(dtype=torch.float32)
+        self.register_buffer("ssm_a", w.ssm_a.to(**f32), persistent=False)  # [Hv]
+        self.register_buffer("ssm_dt", w.ssm_dt.to(**f32), persistent=False)  # [Hv]
+        self.register_buffer("conv_w", w.conv1d.to(**f32), persistent=False)  # [conv_dim, K]
+        self.register_buffer("norm_w", w.ssm_norm, persistent=False)  # [Dv]
+
+    def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                cache) -> torch.Tensor:
+        d, t = self.spec, x.shape[0]
+        conv_state, ssm_state = cache.recurrent(self.layer_idx, start_pos, t)
+        kd = d.n_k_heads * d.k_head_dim
+        mixed = causal_conv(self.w_in_qkv(x).float(), conv_state, self.conv_w)  # [T, conv_dim] fp32
+        rep = d.n_v_heads // d.n_k_heads  # value heads tiled over the k heads
+        q = l2_normalize(mixed[:, :kd].view(t, d.n_k_heads, d.k_head_dim), self.eps).repeat(1, rep, 1)
+        k = l2_normalize(mixed[:, kd: 2 * kd].view(t, d.n_k_heads, d.k_head_dim), self.eps).repeat(1, rep, 1)
+        v = mixed[:, 2 * kd:].view(t, d.n_v_heads, d.v_head_dim)
+        beta = torch.sigmoid(self.w_beta(x).float())  # [T, Hv]
+        g = self.ssm_a * F.softplus(self.w_alpha(x).float() + self.ssm_dt)  # [T, Hv], <= 0
+        o = delta_rule(q * d.k_head_dim ** -0.5, k, v, g, beta, ssm_state)  # [T, Hv, Dv]
+        z = self.w_in_z(x).view(t, d.n_v_heads, d.v_head_dim)
+        o = F.rms_norm(o, (d.v_head_dim,), eps=self.eps).to(x.dtype) * self.norm_w * F.silu(z)
+        return self.w_out(o.reshape(t, d.value_dim))  # [T, dim]
