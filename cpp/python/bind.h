@@ -12,6 +12,7 @@ void bind_kv_store(pybind11::module_& m);    // bind_kv_store.cpp: the store, it
 void bind_store_plan(pybind11::module_& m);  // step_args.cpp: a layer's store part, planned once
 void bind_dense_attn(pybind11::module_& m);  // bind_dense_attn.cpp: dense decode attention
 void bind_moe(pybind11::module_& m);         // bind_moe.cpp: a mixture-of-experts FFN and its routing
+void bind_delta(pybind11::module_& m);       // bind_delta.cpp: a DeltaNet layer's gated delta rule
 void bind_decode(pybind11::module_& m);      // bind_decode.cpp: a block's stages, a layer's and a token's step
 void bind_sample(pybind11::module_& m);      // bind_sample.cpp: logits -> the next token
 

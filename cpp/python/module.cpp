@@ -14,6 +14,7 @@ PYBIND11_MODULE(_C, m) {
   ktq::python::bind_store_plan(m);
   ktq::python::bind_dense_attn(m);
   ktq::python::bind_moe(m);
+  ktq::python::bind_delta(m);
   ktq::python::bind_decode(m);
   ktq::python::bind_sample(m);
 }

@@ -9,7 +9,9 @@ llama.cpp's converter stores the value heads tiled, [K0v0, K1v0, ..., K0v1, K1v1
     o_t = S_t^T q_t / sqrt(Dk)
 
 with q, k l2-normed per head, beta = sigmoid(W_beta x), g = ssm_a * softplus(W_alpha x + ssm_dt) (ssm_a is
--exp(A_log), as the converter writes it). The state stays in fp32.
+-exp(A_log), as the converter writes it). The state stays in fp32. On the CPU the recurrence runs natively
+(``_C.gated_delta_rule``, cpp/delta/: the heads in parallel, AVX2 with a scalar twin); ``delta_rule`` here is its
+torch reference (and the CUDA path).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ktquest import _C
 from ktquest.layers.linear import Linear
 from ktquest.models.block import BlockSpec
 
@@ -39,8 +42,10 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule token by token, fp32: q, k [T, Hv, Dk] (l2-normed, q scaled), v [T, Hv, Dv],
-    g, beta [T, Hv]; state [Hv, Dk, Dv] updated in place -> o [T, Hv, Dv]."""
+    """The gated delta rule token by token, fp32: q, k [T, Hk, Dk] (l2-normed, q scaled), v [T, Hv, Dv],
+    g, beta [T, Hv]; state [Hv, Dk, Dv] updated in place -> o [T, Hv, Dv]. Value head h reads q/k head h % Hk."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # (tiled: head h is h % Hk's)
     out = torch.empty_like(v)
     s = state
     for t in range(q.shape[0]):
@@ -76,13 +81,24 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm_state = cache.recurrent(self.layer_idx, start_pos, t)
         kd = d.n_k_heads * d.k_head_dim
         mixed = causal_conv(self.w_in_qkv(x).float(), conv_state, self.conv_w)  # [T, conv_dim] fp32
-        rep = d.n_v_heads // d.n_k_heads  # value heads tiled over the k heads
-        q = l2_normalize(mixed[:, :kd].view(t, d.n_k_heads, d.k_head_dim), self.eps).repeat(1, rep, 1)
-        k = l2_normalize(mixed[:, kd: 2 * kd].view(t, d.n_k_heads, d.k_head_dim), self.eps).repeat(1, rep, 1)
+        q = l2_normalize(mixed[:, :kd].view(t, d.n_k_heads, d.k_head_dim), self.eps) * d.k_head_dim ** -0.5
+        k = l2_normalize(mixed[:, kd: 2 * kd].view(t, d.n_k_heads, d.k_head_dim), self.eps)
         v = mixed[:, 2 * kd:].view(t, d.n_v_heads, d.v_head_dim)
         beta = torch.sigmoid(self.w_beta(x).float())  # [T, Hv]
         g = self.ssm_a * F.softplus(self.w_alpha(x).float() + self.ssm_dt)  # [T, Hv], <= 0
-        o = delta_rule(q * d.k_head_dim ** -0.5, k, v, g, beta, ssm_state)  # [T, Hv, Dv]
+        o = _delta_rule(q, k, v.contiguous(), g, beta, ssm_state, self.w_out.threads)  # [T, Hv, Dv]
         z = self.w_in_z(x).view(t, d.n_v_heads, d.v_head_dim)
         o = F.rms_norm(o, (d.v_head_dim,), eps=self.eps).to(x.dtype) * self.norm_w * F.silu(z)
         return self.w_out(o.reshape(t, d.value_dim))  # [T, dim]
+
+
+def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, threads: int) -> torch.Tensor:
+    """``delta_rule``: native on the CPU (the state in place; the heads on ``threads`` threads, as the layer's
+    matmuls: ``layers.linear.set_threads``), the torch reference elsewhere."""
+    if state.device.type != "cpu":
+        return delta_rule(q, k, v, g, beta, state)
+    out = torch.empty_like(v)
+    _C.gated_delta_rule(q.contiguous().numpy(), k.contiguous().numpy(), v.numpy(), g.contiguous().numpy(),
+                        beta.contiguous().numpy(), state.numpy(), out.numpy(), threads)
+    return out
