@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ktquest.engine_lock import EngineLock, exclusive
 from ktquest.formats.chat_template import TemplateLimits
+from ktquest.kv.recurrent import RecurrentCache
 from ktquest.sequence import common_prefix_len
 from ktquest.turn import (
     ProgressCallback,
@@ -64,6 +65,7 @@ class SessionStats:
     first_token_s: float  # over all turns: each from the end of its prefill to its first token
     decode_tok_s: float  # steady, over all turns: their tokens after the first over their time after it
     last: TurnStats | None
+    state_bytes: int = 0  # a hybrid model's DeltaNet states and their checkpoints (kv/recurrent.py); not in kv_cache
 
 
 class ChatSession:
@@ -209,8 +211,9 @@ class ChatSession:
         steady = [t for t in self._turns if t.new_tokens > 1]  # (as ``steady_tok_s``, turn by turn, summed)
         steady_s = sum(t.decode_s - t.first_token_s for t in steady)
         steady_tok_s = sum(t.new_tokens - 1 for t in steady) / steady_s if steady_s > 0 else 0.0
+        state = eng.cache.state_bytes() if isinstance(eng.cache, RecurrentCache) else 0
         return SessionStats(turns=len(self._turns), context_tokens=held, max_seq_len=eng.max_seq_len,
-                            kv_cache_bytes=eng.cache.nbytes(), load_s=eng.load_s,
+                            kv_cache_bytes=eng.cache.nbytes() - state, state_bytes=state, load_s=eng.load_s,
                             prompt_tokens=sum(t.prompt_tokens for t in self._turns),
                             new_tokens=sum(t.new_tokens for t in self._turns),
                             prefill_s=sum(t.prefill_s for t in self._turns),

@@ -184,9 +184,9 @@ def _check_document_fits(engine, session, path: str) -> None:
 
 
 def _context_lines(engine) -> None:
-    """The context the engine took, where RAM cut the default, and a context past the trained one: a line each
-    on stderr (``ktquest.context``), unwrapped."""
-    for line in (engine.context_note, engine.context_warning):
+    """The context the engine took, where RAM cut the default, a context past the trained one (``ktquest.context``)
+    and a hybrid model's recurrent state with its checkpoints: a line each on stderr, unwrapped."""
+    for line in (engine.context_note, engine.context_warning, engine.state_note):
         if line:
             print(f"ktquest: {line}", file=sys.stderr)
 

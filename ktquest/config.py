@@ -204,6 +204,9 @@ class PrefillConfig:
                "'chunk' with prefill.mode: sparse (layer-major prefill reads every block)")
 
 
+MAX_STATE_CHECKPOINTS = 256
+
+
 @dataclass(slots=True)
 class Config:
     """The whole runtime configuration (``configs/default.yaml`` shows every key)."""
@@ -236,6 +239,10 @@ class Config:
     rope_scaling: Literal["gguf", "dynamic"] = "gguf"
     rope_scaling_factor: float = 0.0  # dynamic NTK's factor (>= 1); 0 = unset (rope_scaling: gguf)
     sliding_window_keep: int = field(default=1024, metadata={"max": SEQ_LEN_MAX})  # gemma3: kv/sliding.py
+    # hybrid models (qwen35, kv/recurrent.py): their DeltaNet state is copied at each prompt's start and end and
+    # every state_checkpoint_tokens tokens of a prompt (0: turn boundaries only), the last state_checkpoints kept
+    state_checkpoint_tokens: int = field(default=4096, metadata={"max": SEQ_LEN_MAX})
+    state_checkpoints: int = 8
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
@@ -249,6 +256,10 @@ class Config:
                f"an integer in [0, {SEQ_LEN_MAX}] (0 = the model's context)")
         _check(self.sliding_window_keep >= 0, "sliding_window_keep", self.sliding_window_keep,
                f"an integer in [0, {SEQ_LEN_MAX}]")
+        _check(self.state_checkpoint_tokens >= 0, "state_checkpoint_tokens", self.state_checkpoint_tokens,
+               f"an integer in [0, {SEQ_LEN_MAX}] (0: at turn boundaries only)")
+        _check(0 <= self.state_checkpoints <= MAX_STATE_CHECKPOINTS, "state_checkpoints", self.state_checkpoints,
+               f"an integer in [0, {MAX_STATE_CHECKPOINTS}] (0: none; a rewind then reads the conversation again)")
         dynamic, factor = self.rope_scaling == "dynamic", self.rope_scaling_factor
         _check(factor >= 1.0 if dynamic else factor == 0.0, "rope_scaling_factor", factor,
                "a number >= 1 with rope_scaling: dynamic (the model's dynamic NTK factor, e.g. 2.0)" if dynamic else

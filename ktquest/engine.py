@@ -22,6 +22,7 @@ from ktquest.formats.chat_template import ChatTemplateError, read_template_file
 from ktquest.generate import generate, prefill
 from ktquest.kv import compat as kv_compat
 from ktquest.kv import files as kv_files
+from ktquest.kv import memory
 from ktquest.kv.attention import fused_scratch_bytes, lse_tile_bytes, tiled_attention
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
@@ -73,8 +74,13 @@ class Engine:
         self.tokenizer = read_tokenizer(contents, _chat_template(config))
         self.args = contents.args
         # max_seq_len 0: the trained context, or the most of it that fits; context_note says which and why
+        # a hybrid model's DeltaNet states, live and checkpointed (kv/recurrent.py): beside the weights in memory
+        states = memory.recurrent_state_bytes(self.args) * (1 + config.state_checkpoints)
         self.max_seq_len, self.context_note = choose_context(config, self.args, self.device, self.dtype,
-                                                             self.weights_bytes)
+                                                             self.weights_bytes + states)
+        if states:
+            memory.check_states_fit(self.args, 1 + config.state_checkpoints, self.device)
+        self.state_note = _state_note(config, self.args)
         # refuse before any allocation (the weights included), with the figure
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)
@@ -356,9 +362,22 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
     if g.n_layers == args.n_layers:
         return cache
     if args.delta_layers:  # a hybrid model's DeltaNet layers keep a state (qwen35)
-        return RecurrentCache(args, cache, device)
+        return RecurrentCache(args, cache, device, config.state_checkpoint_tokens, config.state_checkpoints)
     keep = max(config.sliding_window_keep, config.chunk_size)  # an interrupted chunk must not lose the window
     return HybridCache(args, cache, device, dtype, keep, threads)
+
+
+def _state_note(config: Config, args) -> str | None:
+    """What a hybrid model's DeltaNet states take (the CLI prints it once), or None for another model."""
+    one = memory.recurrent_state_bytes(args)
+    if not one:
+        return None
+    mib = one / 2**20
+    every = (f" and every {config.state_checkpoint_tokens:,} prompt tokens" if config.state_checkpoint_tokens
+             else "")
+    return (f"recurrent state {mib:.1f} MiB ({len(args.delta_layers)} DeltaNet layers), and {mib:.1f} MiB a "
+            f"checkpoint at each turn boundary{every}, the last {config.state_checkpoints} kept: up to "
+            f"{mib * (1 + config.state_checkpoints):.1f} MiB")
 
 
 def _chat_template(config: Config) -> str | None:

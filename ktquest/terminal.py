@@ -236,6 +236,8 @@ def stats_table(session) -> Table:
     t.add_row("chat template", "yes" if session.engine.tokenizer.chat_template else BASE_MODEL)
     t.add_row("context", f"{s.context_tokens} / {s.max_seq_len} tokens")
     t.add_row("KV cache", f"{s.kv_cache_bytes / 2**20:.1f} MiB")
+    if s.state_bytes:
+        t.add_row("recurrent state", f"{s.state_bytes / 2**20:.1f} MiB (with its checkpoints)")
     t.add_row("model load", f"{s.load_s:.2f} s")
     t.add_row("prefilled", f"{s.prompt_tokens} tokens in {s.prefill_s:.2f} s")
     t.add_row("generated", f"{s.new_tokens} tokens in {s.decode_s:.2f} s (first tokens "

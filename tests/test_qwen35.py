@@ -40,10 +40,10 @@ def qwen35_models(tmp_path_factory, tiny_bpe):
     return get
 
 
-def hybrid_cache(model, max_seq_len: int, main=None) -> RecurrentCache:
+def hybrid_cache(model, max_seq_len: int, main=None, every: int = 0, keep: int = 8) -> RecurrentCache:
     g = global_args(model.args)
     main = main or DenseKVCache(g.n_layers, g.n_kv_heads, g.head_dim, max_seq_len)
-    return RecurrentCache(model.args, main, torch.device("cpu"))
+    return RecurrentCache(model.args, main, torch.device("cpu"), every, keep)
 
 
 def prompt_ids(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
@@ -194,6 +194,29 @@ def test_an_interrupted_prompt_leaves_the_states_as_they_were(qwen35_models):
             assert torch.equal(cache.states.ssm, saved[0]) and torch.equal(cache.states.conv, saved[1])
 
 
+@pytest.mark.parametrize("order", ["chunk", "layer"])
+def test_checkpoints_every_n_tokens_in_both_orders(qwen35_models, order):
+    """A prompt of 45 tokens in chunks of 4 with a checkpoint every 8: copies at 8, 16, ... 40 (chunk starts) and
+    at its end, each the state a prompt of that length leaves; the latest ``keep`` kept; a rewind to one of them
+    continues as a conversation that never stopped."""
+    model, _ = load_model(qwen35_models("qwen35")[0], encoded=True)
+    prompt = prompt_ids(45, model.args.vocab_size, seed=6)
+    with torch.inference_mode():
+        cache = hybrid_cache(model, 128, every=8, keep=4)
+        prefill(model, cache, prompt, chunk_size=4, order=order)
+        assert sorted(cache.checkpoints) == [24, 32, 40, 45]  # 8, 16, ..., 40 and 45 taken: the latest 4 kept
+        for p in (24, 40):
+            ref = hybrid_cache(model, 128)
+            prefill(model, ref, prompt[:p], chunk_size=4)
+            torch.testing.assert_close(cache.checkpoints[p][1], ref.states.ssm, atol=1e-5, rtol=1e-5)
+        assert cache.state_bytes() == cache.states.nbytes() * 5  # the live state and 4 copies
+        cache.truncate(cache.rewind_point(37))
+        assert cache.pos == 32
+        got = prefill(model, cache, prompt[32:], chunk_size=4)
+        torch.testing.assert_close(got, prefill(model, hybrid_cache(model, 128), prompt, chunk_size=4),
+                                   atol=ATOL, rtol=RTOL)
+
+
 # ---- the engine ----
 
 
@@ -244,3 +267,37 @@ def test_a_file_with_wrong_delta_net_keys_is_one_error(tmp_path, tiny_bpe, key, 
     with pytest.raises(GGUFError) as info:
         read_gguf(path)
     assert str(path) in str(info.value) and needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_states_are_said_counted_and_checked(qwen35_models, monkeypatch, capsys):
+    """The memory a hybrid model's states take is said once at load, /stats shows it apart from the KV cache,
+    and a checkpoint count that does not fit is refused with the figure."""
+    import io
+    import re
+    import sys
+
+    from ktquest.cli import main
+    from ktquest.config import ConfigError
+    from ktquest.kv import memory
+
+    path = qwen35_models("qwen35")[0]
+    engine = ktquest.load(path, max_seq_len=128, threads=1)
+    one = memory.recurrent_state_bytes(engine.args)
+    assert one == engine.cache.states.nbytes()
+    assert engine.state_note == (f"recurrent state {one / 2**20:.1f} MiB (3 DeltaNet layers), and "
+                                 f"{one / 2**20:.1f} MiB a checkpoint at each turn boundary and every 4,096 prompt "
+                                 f"tokens, the last 8 kept: up to {9 * one / 2**20:.1f} MiB")
+    chat = engine.chat_session()
+    chat.send("the cat")
+    stats = chat.stats()
+    assert stats.state_bytes == one * (1 + len(engine.cache.checkpoints)) > one
+    assert stats.kv_cache_bytes == engine.cache.main.nbytes()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the cat\n/stats\n"))
+    assert main(["chat", "-m", str(path), "-c", "128", "-n", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "ktquest: recurrent state " in err and re.search(r"recurrent state\s+[\d.]+ MiB \(with its checkpoints\)", out)
+    monkeypatch.setattr(memory, "available_ram", lambda: 3 * one)
+    with pytest.raises(ConfigError, match=r"^state_checkpoints=8 is not allowed: the recurrent states would need .* "
+                                          r"\(9 copies of .*\) and .* of RAM is available; lower state_checkpoints$"):
+        ktquest.load(path, max_seq_len=128, threads=1)
+    assert ktquest.load(path, max_seq_len=128, threads=1, state_checkpoints=1).cache.keep == 1

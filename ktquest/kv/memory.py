@@ -213,3 +213,25 @@ def check_cache_fits(config: Config, args, max_seq_len: int, device: torch.devic
                          layer_major_tokens(config, max_seq_len))
     else:
         check_dense_fits(args.n_layers, args.n_kv_heads, args.head_dim, max_seq_len, device, dtype)
+
+
+def recurrent_state_bytes(args) -> int:
+    """One copy of a hybrid model's DeltaNet states (kv/recurrent.py, fp32: each DeltaNet layer's conv inputs
+    [K-1, conv_dim] and S [Hv, Dk, Dv]); 0 for a model without DeltaNet layers."""
+    total = 0
+    for i in args.delta_layers:
+        d = args.blocks[i].delta
+        total += 4 * ((d.conv_kernel - 1) * d.conv_dim + d.n_v_heads * d.k_head_dim * d.v_head_dim)
+    return total
+
+
+def check_states_fit(args, copies: int, device: torch.device) -> None:
+    """ConfigError (with the figure) when ``copies`` of the DeltaNet states (the live one and the checkpoints)
+    would not fit on ``device``."""
+    one = recurrent_state_bytes(args)
+    need = one * copies
+    have, where = available_memory(torch.device(device))
+    if need > have:
+        raise ConfigError(f"state_checkpoints={copies - 1} is not allowed: the recurrent states would need "
+                          f"{_size(need)} ({copies} copies of {_size(one)}) and {_size(have)} {where}; lower "
+                          f"state_checkpoints")

@@ -8,9 +8,12 @@ conv's last K-1 inputs [K-1, conv_dim] and the delta rule's S [Hv, Dk, Dv], both
 A state cannot be rewound: it is a sum over every token. So the cache keeps checkpoints, copies of every
 DeltaNet layer's state at a position: at each prompt's start and end (turn boundaries: a regenerated reply
 rewinds to the end of its prompt, a follow-up whose template re-renders the last reply, dropping its thinking
-or re-tokenizing its end, to the start of that reply), the last ``MAX_CHECKPOINTS`` of them.
-``rewind_point(n)`` is then the latest checkpoint at or before n (0, the empty state, at least), and the caller
-feeds the tokens after it again.
+or re-tokenizing its end, to the start of that reply) and every ``every`` tokens of a prompt (the config's
+``state_checkpoint_tokens``: a server request that shares a long document with a cached one but asks another
+question goes back to the last copy before the question), the latest ``keep`` of them (``state_checkpoints``).
+A copy every N tokens is taken layer by layer, as each layer reaches a multiple of N at a chunk's start, so both
+prefill orders take it. ``rewind_point(n)`` is the latest checkpoint at or before n (0, the empty state, at
+least), and the caller feeds the tokens after it again.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from ktquest.native.plans import TokenPlan
 
-MAX_CHECKPOINTS = 8
+DEFAULT_KEEP = 8
 
 
 class RecurrentStates:
@@ -32,6 +35,10 @@ class RecurrentStates:
 
     def copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv.clone(), self.ssm.clone()
+
+    def copy_nbytes(self) -> int:
+        """The bytes of one copy (a checkpoint)."""
+        return self.nbytes()
 
     def restore(self, saved: tuple[torch.Tensor, torch.Tensor], pos: int) -> None:
         self.conv.copy_(saved[0])
@@ -51,8 +58,10 @@ class RecurrentCache:
     """A ``KVCache`` (kv/base.py) for a hybrid model: see the module docstring. ``main``: the attention layers'
     cache (made for ``global_args(args)``)."""
 
-    def __init__(self, args, main, device: torch.device):
+    def __init__(self, args, main, device: torch.device, every: int = 0, keep: int = DEFAULT_KEEP):
+        """every: a checkpoint each ``every`` prompt tokens (0: turn boundaries only); keep: the latest kept."""
         self.main = main
+        self.every, self.keep = every, keep
         self.max_seq_len = main.max_seq_len
         delta = args.delta_layers
         specs = {args.blocks[i].delta for i in delta}
@@ -63,6 +72,7 @@ class RecurrentCache:
         self.route |= {layer: (True, j) for j, layer in enumerate(delta)}
         self.states = RecurrentStates(len(delta), specs.pop(), device)
         self.checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # position -> the states there
+        self._taking: dict[int, tuple[torch.Tensor, torch.Tensor, set[int]]] = {}  # layer by layer: the layers in
         self.last_layer = args.n_layers - 1
         self.pos = 0
         self._prompt_end = -1  # the end of the prompt being read: a checkpoint once every layer is there
@@ -93,9 +103,25 @@ class RecurrentCache:
         if start_pos != self.states.hi[j]:
             raise ValueError(f"recurrent state of layer {layer_idx}: it has read {self.states.hi[j]} tokens and "
                              f"cannot go on from position {start_pos} (rewind to a checkpoint: rewind_point)")
-        self.states.hi[j] = start_pos + t
+        out = self.layer_state(j, start_pos, t)
         self._wrote(layer_idx, start_pos + t)
-        return self.states.conv[j], self.states.ssm[j]
+        return out
+
+    def layer_state(self, j: int, start_pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeltaNet layer j (of the cache's) is to read t tokens at start_pos: its part of a checkpoint due there
+        is copied first; its (conv, S) views."""
+        s = self.states
+        if self.every and self.keep and start_pos and start_pos % self.every == 0 \
+                and start_pos not in self.checkpoints:
+            conv, ssm, done = self._taking.setdefault(start_pos, (torch.empty_like(s.conv), torch.empty_like(s.ssm),
+                                                                  set()))
+            conv[j], ssm[j] = s.conv[j], s.ssm[j]
+            done.add(j)
+            if len(done) == len(s.hi):
+                del self._taking[start_pos]
+                self._keep(start_pos, (conv, ssm))
+        s.hi[j] = start_pos + t
+        return s.conv[j], s.ssm[j]
 
     def _check_write(self, start_pos: int, t: int) -> None:
         if start_pos > self.pos or start_pos + t > self.max_seq_len:
@@ -117,11 +143,14 @@ class RecurrentCache:
         self.main.begin_prompt(end, then_decode)
 
     def checkpoint(self) -> None:
-        """Keep the states at ``pos`` (the last ``MAX_CHECKPOINTS`` are kept; 0 needs none)."""
-        if self.pos == 0 or self.pos in self.checkpoints:
-            return
-        self.checkpoints[self.pos] = self.states.copy()
-        while len(self.checkpoints) > MAX_CHECKPOINTS:
+        """Keep the states at ``pos`` (every layer is there; 0 needs none)."""
+        if self.pos and self.keep and self.pos not in self.checkpoints:
+            self._keep(self.pos, self.states.copy())
+
+    def _keep(self, pos: int, states: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A checkpoint at ``pos``; past ``keep`` of them, the earliest goes."""
+        self.checkpoints[pos] = states
+        while len(self.checkpoints) > self.keep:
             del self.checkpoints[min(self.checkpoints)]
 
     def prompt_layers(self, start: int, n: int) -> RecurrentPromptLayers:
@@ -163,12 +192,14 @@ class RecurrentCache:
         else:
             self.states.reset()
         self.checkpoints = {p: s for p, s in self.checkpoints.items() if p <= n}
+        self._taking.clear()
         self.main.truncate(n)
         self.pos = n
 
     def reset(self) -> None:
         self.states.reset()
         self.checkpoints.clear()
+        self._taking.clear()
         self.main.reset()
         self.pos = 0
 
@@ -179,7 +210,11 @@ class RecurrentCache:
 
     def nbytes(self) -> int:
         """The attention layers' cache, the states and their checkpoints."""
-        return self.main.nbytes() + self.states.nbytes() * (1 + len(self.checkpoints))
+        return self.main.nbytes() + self.state_bytes()
+
+    def state_bytes(self) -> int:
+        """The DeltaNet layers' states and the checkpoints held now (``/stats``)."""
+        return self.states.nbytes() * (1 + len(self.checkpoints) + len(self._taking))
 
     # ---- KV files ----
 
@@ -213,6 +248,7 @@ class RecurrentCache:
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
         self.main.load_state(meta["main"], {k[5:]: v for k, v in arrays.items() if k.startswith("main.")})
         self.checkpoints.clear()
+        self._taking.clear()
         self.states.restore((arrays["conv"], arrays["ssm"]), meta["pos"])
         self.pos = meta["pos"]
 
@@ -246,8 +282,7 @@ class RecurrentPromptLayers:
         if start_pos != s.hi[j] or start_pos + t > self.end:
             raise ValueError(f"recurrent state of layer {layer_idx}: it has read {s.hi[j]} tokens and cannot go "
                              f"on from position {start_pos}")
-        s.hi[j] = start_pos + t
-        return s.conv[j], s.ssm[j]
+        return self.cache.layer_state(j, start_pos, t)
 
     def layer_done(self, layer_idx: int) -> None:
         delta, j = self.cache.route[layer_idx]
@@ -262,4 +297,6 @@ class RecurrentPromptLayers:
     def abort(self) -> None:
         self.main.abort()
         self.cache.states.restore(self._saved, self.start)
+        self.cache.checkpoints = {p: s for p, s in self.cache.checkpoints.items() if p <= self.start}
+        self.cache._taking.clear()
         self._saved = None

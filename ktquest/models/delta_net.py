@@ -10,7 +10,7 @@ llama.cpp's converter stores the value heads tiled, [K0v0, K1v0, ..., K0v1, K1v1
 
 with q, k l2-normed per head, beta = sigmoid(W_beta x), g = ssm_a * softplus(W_alpha x + ssm_dt) (ssm_a is
 -exp(A_log), as the converter writes it). The state stays in fp32. On the CPU the recurrence runs natively
-(``_C.gated_delta_rule``, cpp/delta/: the heads in parallel, AVX2 with a scalar twin); ``delta_rule`` here is its
+(``native/delta.py``, cpp/delta/: the heads in parallel, AVX2 with a scalar twin); ``delta_rule`` here is its
 torch reference (and the CUDA path).
 """
 
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ktquest import _C
 from ktquest.layers.linear import Linear
 from ktquest.models.block import BlockSpec
+from ktquest.native.delta import gated_delta_rule
 
 
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,7 +98,4 @@ def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     matmuls: ``layers.linear.set_threads``), the torch reference elsewhere."""
     if state.device.type != "cpu":
         return delta_rule(q, k, v, g, beta, state)
-    out = torch.empty_like(v)
-    _C.gated_delta_rule(q.contiguous().numpy(), k.contiguous().numpy(), v.numpy(), g.contiguous().numpy(),
-                        beta.contiguous().numpy(), state.numpy(), out.numpy(), threads)
-    return out
+    return gated_delta_rule(q, k, v, g, beta, state, threads)
