@@ -301,3 +301,37 @@ def test_the_states_are_said_counted_and_checked(qwen35_models, monkeypatch, cap
                                           r"\(9 copies of .*\) and .* of RAM is available; lower state_checkpoints$"):
         ktquest.load(path, max_seq_len=128, threads=1)
     assert ktquest.load(path, max_seq_len=128, threads=1, state_checkpoints=1).cache.keep == 1
+
+
+def test_the_server_reuses_a_documents_states(qwen35_models):
+    """Another question about the same document rewinds to the last checkpoint inside the document (every 16
+    tokens here), a follow-up to the end of the last prompt: cached_tokens say so, and the replies are a cold
+    engine's."""
+    from test_server_requests import _serving
+
+    from ktquest.server.app import create_app
+    from ktquest.server.worker import Worker
+
+    path = qwen35_models("qwen35")[0]
+    sets = dict(max_seq_len=256, threads=1, chunk_size=8, state_checkpoint_tokens=16, temperature=0.0)
+    doc = "the cat sat on the mat; the dog sat on the log; " * 4
+
+    def ask(post, messages):
+        status, r = post("/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 6,
+                                                   "temperature": 0})
+        assert status == 200, r
+        return r["choices"][0]["message"]["content"], r["usage"]
+
+    with _serving(create_app(Worker(ktquest.load(path, **sets)), "tiny")) as post:
+        q1 = [{"role": "user", "content": f"{doc}\n\nwhere is the cat?"}]
+        _, u1 = ask(post, q1)
+        q2 = [{"role": "user", "content": f"{doc}\n\nwhere is the dog?"}]
+        a2, u2 = ask(post, q2)
+        shared = u1["prompt_tokens"] - 8  # the document, about: the questions differ in their last tokens
+        assert shared - 16 <= u2["prompt_tokens_details"]["cached_tokens"] <= shared
+        q3 = q2 + [{"role": "assistant", "content": a2}, {"role": "user", "content": "and the mat?"}]
+        a3, u3 = ask(post, q3)
+        assert u3["prompt_tokens_details"]["cached_tokens"] >= u2["prompt_tokens"]
+    for messages, answer in ((q2, a2), (q3, a3)):  # each asked of a cold engine
+        with _serving(create_app(Worker(ktquest.load(path, **sets)), "tiny")) as post:
+            assert ask(post, messages)[0] == answer
