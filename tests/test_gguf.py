@@ -13,6 +13,7 @@ import pytest
 from conftest import TINY_SPECS, finish_gguf, gguf_metadata, hf_to_gguf_tensors, permute_qk, write_gguf
 
 from ktquest.formats.gguf import GGUFError, dequantize_tensor, open_gguf
+from ktquest.models.block import BlockSpec
 from ktquest.models.loader import qk_perm, read_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -178,12 +179,13 @@ def test_qk_perm_inverts_the_converter(n_heads, n_kv_heads):
     """The gather the model applies to a llama file's q | k | v projection undoes the converter's permutation
     of q and k (per head) and leaves v."""
     d = 8
-    a = SimpleNamespace(permuted_qk=True, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d)
+    a = SimpleNamespace(permuted_qk=True, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=d, rope_dim=0,
+                        blocks=(BlockSpec(),))
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((h * d, 5)).astype(np.float32) for h in (n_heads, n_kv_heads, n_kv_heads))
     in_file = np.concatenate([permute_qk(q, n_heads), permute_qk(k, n_kv_heads), v])
     np.testing.assert_array_equal(in_file[qk_perm(a).numpy()], np.concatenate([q, k, v]))
-    assert qk_perm(SimpleNamespace(permuted_qk=False)) is None
+    assert qk_perm(SimpleNamespace(permuted_qk=False, rope_dim=0, blocks=(BlockSpec(),))) is None
 
 
 # ---- bad inputs: GGUFError names the file and the problem (every way a file fails, through ktquest.load and

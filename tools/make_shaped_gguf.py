@@ -63,7 +63,8 @@ Sources (Instruct configs; 0.5B/1.5B/7B/14B/7B-1M/Llama-3 through copies that na
   qwen3-8b        huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
   qwen3-30b-a3b   huggingface.co/Qwen/Qwen3-30B-A3B-Instruct-2507/blob/main/config.json (its values as public
                   test configs quote them; the model card: 48 layers, 32/4 heads, 128 experts, 8 active)
-``smollm2-135m`` is the bundled model's shape (its GGUF metadata), for a machine that has only its tokenizer
+The hybrid shapes (``qwen3.5-9b``, ``qwen3.5-35b-a3b``, ``tiny-hybrid``: Gated DeltaNet layers) are in
+shaped_hybrid.py with their tensors. ``smollm2-135m`` is the bundled model's shape (its GGUF metadata), for a machine that has only its tokenizer
 (a GPU machine that the 98 MB file cannot travel to). ``tiny`` is ours: small dims for tests, with an ``ffn`` that is not whole 256-blocks so ``ffn_down`` takes
 the fallback types; its vocabulary is the tokenizer's own. A check of the mix: the qwen2.5-7b file is
 4,681,224,608 bytes; the published Qwen2.5-7B-Instruct-Q4_K_M.gguf files are 4.68 GB
@@ -94,6 +95,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from random_blocks import random_blocks  # noqa: E402
+from shaped_hybrid import Hybrid, add_hybrid_metadata, mixer_plans, shared_expert_plans  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 WEIGHT_STD = 0.02  # of the dequantized matrices (a trained model's order of magnitude)
@@ -118,6 +120,7 @@ class Shape:
     tied: bool
     head_dim: int | None = None  # None: dim // n_heads (qwen3's is 128 whatever the width)
     experts: tuple[int, int, int] | None = None  # (expert_count, expert_used_count, expert ffn): qwen3moe
+    hybrid: Hybrid | None = None  # qwen35, qwen35moe: the DeltaNet layers (shaped_hybrid.py)
 
     @property
     def head_size(self) -> int:
@@ -137,6 +140,12 @@ SHAPES = {
     "qwen3-8b": Shape("qwen3", 4096, 36, 32, 8, 12288, 151936, 1e6, 40960, 1e-6, False, 128),
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 6144, 151936, 1e7, 262144, 1e-6, False, 128,
                            (128, 8, 768)),
+    "qwen3.5-9b": Shape("qwen35", 4096, 32, 16, 4, 12288, 248320, 1e7, 262144, 1e-6, False, 256,
+                        hybrid=Hybrid(16, 32, 128, 128, 64)),
+    "qwen3.5-35b-a3b": Shape("qwen35moe", 2048, 40, 16, 2, 512, 248320, 1e7, 262144, 1e-6, False, 256,
+                             (256, 8, 512), Hybrid(16, 32, 128, 128, 64, shared_ffn=512)),
+    "tiny-hybrid": Shape("qwen35", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, False, 64,
+                         hybrid=Hybrid(2, 4, 32, 32, 16)),
     "tiny": Shape("qwen2", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, True),
     "tiny-moe": Shape("qwen3moe", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, False, 64, (5, 2, 320)),
 }
@@ -190,6 +199,8 @@ def matrix_type(kind: str, layer: int, n_layers: int, cols: int, ftype: str, tie
             qtype = Q.Q6_K
     elif kind in ("attn_v", "ffn_down") and ftype in ("Q4_K_M", "Q5_K_M") and use_more_bits(layer, n_layers):
         qtype = Q.Q6_K
+    elif kind == "attn_qkv" and ftype in ("Q4_K_M", "Q5_K_M"):  # (a fused qkv: one step up)
+        qtype = Q.Q5_K if ftype == "Q4_K_M" else Q.Q6_K
     if cols % gguf.GGML_QUANT_SIZES[qtype][0]:
         qtype = FALLBACK.get(qtype, Q.F16)
         if cols % gguf.GGML_QUANT_SIZES[qtype][0]:
@@ -200,7 +211,7 @@ def matrix_type(kind: str, layer: int, n_layers: int, cols: int, ftype: str, tie
 def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = None) -> list[TensorPlan]:
     """Every tensor of the file, in the order written: names, shapes, types, target statistics. Rows
     ``n_tokens`` and on of the embeddings and the output are padding tokens'."""
-    dim, ffn, n = shape.dim, shape.ffn, shape.n_layers
+    dim, n = shape.dim, shape.n_layers
     q_dim, kv_dim = shape.head_size * shape.n_heads, shape.head_size * shape.n_kv_heads
 
     def matrix(name: str, kind: str, layer: int, rows: int, cols: int) -> TensorPlan:
@@ -209,11 +220,21 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = No
     def norm(name: str, size: int) -> TensorPlan:
         return TensorPlan(name, (size,), Q.F32, NORM_STD, 1.0)
 
+    def vector(name: str, size: tuple, mean: float, std: float) -> TensorPlan:
+        return TensorPlan(name, size, Q.F32, std, mean)
+
     pad = None if n_tokens is None or n_tokens >= vocab else n_tokens
     plans = [replace(matrix("token_embd.weight", "token_embd", 0, vocab, dim), pad_rows_from=pad)]
     for i in range(n):
         p = f"blk.{i}."
         plans.append(norm(p + "attn_norm.weight", dim))
+        if shape.hybrid is not None:  # the mixer, then the FFN after post_attention_norm
+            plans += mixer_plans(shape, shape.hybrid, i, matrix, norm, vector)
+            plans.append(norm(p + "post_attention_norm.weight", dim))
+            if shape.hybrid.shared_ffn:
+                plans += shared_expert_plans(shape, shape.hybrid, i, matrix, vector)
+            plans += _ffn_plans(shape, i, matrix)
+            continue
         for proj, rows in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
             plans.append(matrix(p + proj + ".weight", proj, i, rows, dim))
             if shape.arch == "qwen2":
@@ -222,19 +243,24 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = No
         if shape.arch in ("qwen3", "qwen3moe"):
             plans += [norm(p + "attn_k_norm.weight", shape.head_size), norm(p + "attn_q_norm.weight", shape.head_size)]
         plans.append(norm(p + "ffn_norm.weight", dim))
-        if shape.experts is None:
-            plans += [matrix(p + "ffn_gate.weight", "ffn_gate", i, ffn, dim),
-                      matrix(p + "ffn_up.weight", "ffn_up", i, ffn, dim),
-                      matrix(p + "ffn_down.weight", "ffn_down", i, dim, ffn)]
-        else:  # the router stays F32 (llama-quantize skips ffn_gate_inp); each stack typed as its dense kind
-            n_exp, _, width = shape.experts
-            plans.append(TensorPlan(p + "ffn_gate_inp.weight", (n_exp, dim), Q.F32, WEIGHT_STD))
-            for kind, rows, cols in (("ffn_gate", width, dim), ("ffn_up", width, dim), ("ffn_down", dim, width)):
-                m = matrix(p + kind + "_exps.weight", kind, i, rows, cols)
-                plans.append(replace(m, shape=(n_exp, rows, cols)))
+        plans += _ffn_plans(shape, i, matrix)
     plans.append(norm("output_norm.weight", dim))
     if not shape.tied:
         plans.append(replace(matrix("output.weight", "output", n, vocab, dim), pad_rows_from=pad))
+    return plans
+
+
+def _ffn_plans(shape: Shape, i: int, matrix) -> list[TensorPlan]:
+    """Layer i's FFN: SwiGLU, or the router (F32: llama-quantize skips ffn_gate_inp) and the expert stacks, each
+    typed as its dense kind."""
+    p, dim, ffn = f"blk.{i}.", shape.dim, shape.ffn
+    if shape.experts is None:
+        return [matrix(p + "ffn_gate.weight", "ffn_gate", i, ffn, dim), matrix(p + "ffn_up.weight", "ffn_up", i, ffn, dim),
+                matrix(p + "ffn_down.weight", "ffn_down", i, dim, ffn)]
+    n_exp, _, width = shape.experts
+    plans = [TensorPlan(p + "ffn_gate_inp.weight", (n_exp, dim), Q.F32, WEIGHT_STD)]
+    for kind, rows, cols in (("ffn_gate", width, dim), ("ffn_up", width, dim), ("ffn_down", dim, width)):
+        plans.append(replace(matrix(p + kind + "_exps.weight", kind, i, rows, cols), shape=(n_exp, rows, cols)))
     return plans
 
 
@@ -297,6 +323,8 @@ def add_model_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, ftype: str, 
         w.add_expert_count(n_exp)
         w.add_expert_used_count(used)
         w.add_expert_feed_forward_length(width)
+    if shape.hybrid is not None:
+        add_hybrid_metadata(w, shape, shape.hybrid)
     w.add_file_type(int(FTYPES[ftype][1]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 

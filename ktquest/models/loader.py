@@ -106,10 +106,10 @@ def qk_perm(a: ModelArgs) -> torch.Tensor | None:
     - partial rotary (``rope_dim`` < D, NEOX style): ``rope.partial_rotary_order`` within each q/k head.
     - ``attn_gate`` (qwen35): the file's q rows are [q_h (D), gate_h (D)] per head; q and then the gates.
     int64 [(H + 2 KVH) * D] (+ H*D with a gate)."""
-    d, h, kvh = a.head_dim, a.n_heads, a.n_kv_heads
     gated = any(b.attn_gate for b in a.blocks if b.mixer == "attention")
     if not (a.permuted_qk or a.rope_dim or gated):
         return None
+    d, h, kvh = a.head_dim, a.n_heads, a.n_kv_heads
     j = torch.arange(d)
     within = 2 * (j % (d // 2)) + j // (d // 2) if a.permuted_qk else j  # [D]
     if a.rope_dim:
