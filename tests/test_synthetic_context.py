@@ -67,6 +67,27 @@ def test_decodes_on_from_n(tiny_llama, case):
                 assert len(set(needles[h].tolist()) & set(cand[h].tolist())) >= 0.75 * needles.shape[1]
 
 
+@pytest.mark.parametrize("case", ["dense", "snapkv"])
+def test_a_hybrid_model_decodes_on_from_n(tmp_path, tiny_bpe, case):
+    """A Qwen3.5-shaped model (partial rotary, gated attention): the attention layers' cache is filled, the
+    DeltaNet states stand at N, and decode goes on from there."""
+    from conftest import write_gguf
+    from tiny_qwen35 import QWEN35_SPECS, build_qwen35, qwen35_gguf_tensors, qwen35_metadata
+
+    spec = QWEN35_SPECS["qwen35"]
+    path = write_gguf(tmp_path / "h.gguf", spec.arch, qwen35_metadata(spec),
+                      qwen35_gguf_tensors(build_qwen35(spec, len(tiny_bpe.tokens)), spec), tiny_bpe)
+    eng, _ = _filled(path, case)
+    cache = eng.cache
+    assert cache.pos == cache.main.pos == N and cache.states.hi == [N] * 3 and cache.states.ssm.abs().sum() > 0
+    tok = 5
+    for i in range(3):
+        logits = decode_one_token(eng.model, cache, tok)
+        assert torch.isfinite(logits).all()
+        tok = int(logits.argmax())
+        assert cache.pos == N + i + 1 and cache.states.hi == [N + i + 1] * 3
+
+
 def test_statistics_as_documented(tiny_models):
     # (tiny qwen3: head_dim 32, RoPE base 1e6, as real models' slow pairs; tiny llama's base 1e4 at head_dim 16
     # turns the mean away within a few thousand positions)

@@ -45,9 +45,12 @@ import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
+from ktquest.kv.recurrent import RecurrentCache
+from ktquest.kv.sliding import global_args
 from ktquest.models.rope import rope_frequencies
 
 
@@ -180,6 +183,10 @@ def fill(cache, args, n: int, spec: SyntheticKV = SyntheticKV(), slab: int = 819
     """Make ``cache`` (empty or not: it is reset) hold ``n`` tokens of made-up K/V, as after a prompt of n tokens
     (module docstring). cache: a ``DenseKVCache`` or a ``LongContextCache`` (exact prefill, linear anchors: its
     layer-major protocol); args: the model's ``ModelArgs`` (shapes, RoPE)."""
+    if isinstance(cache, RecurrentCache):  # a hybrid: its attention layers' cache, and DeltaNet states at n
+        filled = fill(cache.main, global_args(args), n, spec, slab)
+        made_up_states(cache, n, spec.seed)
+        return filled
     if not isinstance(cache, (DenseKVCache, LongContextCache)):
         raise ValueError(f"synthetic context: a dense or long_context cache, not {type(cache).__name__}")
     if not 1 <= n <= cache.max_seq_len:
@@ -193,6 +200,7 @@ def fill(cache, args, n: int, spec: SyntheticKV = SyntheticKV(), slab: int = 819
     lo = cache.init_end if long else 0
     hi = n - (cache.lc.local_windows_len if long else 0)
     inv_freq, mscale = rope_frequencies(args, cache.max_seq_len)
+    inv_freq = F.pad(inv_freq, (0, d // 2 - inv_freq.shape[0]))  # partial rotary: the other pairs do not turn
     slow_pairs = torch.arange(d // 4, d // 2)  # the slowest-rotating half of the pairs
     end_rope = _rope(inv_freq, 1.0, n - 1, n)
     layers = [_Layer(spec, i, kvh, d, bs, lo, hi, slow_pairs, end_rope) for i in range(n_layers)]
@@ -227,6 +235,18 @@ def fill(cache, args, n: int, spec: SyntheticKV = SyntheticKV(), slab: int = 819
         pl.done()
     assert cache.pos == n
     return Filled(n, bs, [lay.needles for lay in layers], [lay.query_dir.float() for lay in layers])
+
+
+def made_up_states(cache, n: int, seed: int) -> None:
+    """A hybrid model's DeltaNet states as after n tokens (a decode step reads the whole state whatever its
+    values: small random ones, like a trained state's scale), no checkpoints."""
+    g = torch.Generator().manual_seed(seed * 13 + 5)
+    s = cache.states
+    s.ssm.copy_(0.02 * torch.randn(s.ssm.shape, generator=g))
+    s.conv.copy_(0.1 * torch.randn(s.conv.shape, generator=g))
+    s.hi = [n] * len(s.hi)
+    cache.checkpoints.clear()
+    cache.pos = n
 
 
 def key_stats(k: torch.Tensor) -> dict[str, float]:
