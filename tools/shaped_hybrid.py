@@ -13,11 +13,13 @@ Shapes (the model cards: Qwen3.5-9B; Qwen3.5-35B-A3B and Qwen3.6-35B-A3B, one ar
 
 | --shape          | dim  | layers | attn heads/kv x D | DeltaNet k/v heads x D | ffn / experts        | rope dims |
 |------------------|------|--------|-------------------|------------------------|----------------------|-----------|
+| qwen3.5-0.8b     | 1024 | 24     | 8/2 x 256         | 16/16 x 128 (*)        | 3584, tied           | 64        |
 | qwen3.5-9b       | 4096 | 32     | 16/4 x 256        | 16/32 x 128            | 12288                | 64        |
 | qwen3.5-35b-a3b  | 2048 | 40     | 16/2 x 256        | 16/32 x 128            | 256 x 512, 8 + 1 sh. | 64        |
 | tiny-hybrid      | 256  | 4      | 4/2 x 64          | 2/4 x 32               | 640                  | 16        |
 
-Vocabulary 248,320, RoPE base 1e7, context 262,144, every fourth layer attention, conv kernel 4.
+Vocabulary 248,320, RoPE base 1e7, context 262,144, every fourth layer attention, conv kernel 4. (*) the
+0.8B's DeltaNet heads are not on its card: 16 q/k and 16 value heads of 128 are assumed.
 """
 
 from __future__ import annotations
