@@ -15,6 +15,11 @@ and resident memory over many sequential requests.
     python tools/bench_server.py --model smollm2-135m --lengths 8192 --json docs/results/bench_server_smollm2.json
     python tools/bench_server.py --model gemma3-270m --lengths 32768 --config configs/snapkv.yaml
     python tools/bench_server.py --sequential 200 --lengths 0 --json docs/results/bench_server_soak.json
+    python tools/bench_server.py --model /work/shaped/qwen3.5-0.8b-q4_k_m.gguf --lengths 16384 --peer llama.cpp
+
+``--peer llama.cpp`` runs llama-cpp-python's OpenAI server (``python -m llama_cpp.server``, its extras
+installed) on the same GGUF, context and threads beside it, the same two requests, one server at a time: the
+peer's row has what a client sees (its own prompt-cache reuse, whatever it can do for the model).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, write_json  # noqa: E402
 
+from ktquest.cli import served_model_id  # noqa: E402
 from ktquest.formats.tokenizer import Tokenizer  # noqa: E402
 from ktquest.hub import resolve_model  # noqa: E402
 from ktquest.models.loader import read_gguf  # noqa: E402
@@ -39,22 +45,31 @@ from ktquest.models.loader import read_gguf  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
+    ready_path = "/health"
+
     def __init__(self, model: str, config: str | None, threads: int, sets: list[str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = _free_port()
         cmd = [sys.executable, "-m", "ktquest.cli", "serve", "--model", model, "--port", str(self.port),
                "--slots", "1", "--set", f"threads={threads}"] + [a for kv in sets for a in ("--set", kv)]
         if config:
             cmd += ["--config", config]
+        self._start(cmd, model)
+
+    def _start(self, cmd: list[str], model: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.model = model
+        self.model = served_model_id(model)  # what the server calls it
         deadline = time.monotonic() + 300
         while True:
             try:
-                if self.get("/health")["status"] == "ok":
+                if self.ready():
                     return
             except OSError:
                 pass
@@ -62,6 +77,9 @@ class Server:
                 self.proc.kill()
                 raise RuntimeError(f"the server did not start: {self.proc.stderr.read()}")
             time.sleep(0.2)
+
+    def ready(self) -> bool:
+        return self.get("/health")["status"] == "ok"
 
     def get(self, path: str) -> dict:
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -115,23 +133,45 @@ class Server:
         self.proc.wait(timeout=60)
 
 
+class LlamaServer(Server):
+    """llama-cpp-python's OpenAI server on the same file, context and threads."""
+
+    def __init__(self, model: str, n_ctx: int, threads: int):
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(resolve_model(model)), "--port",
+               str(self.port), "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch",
+               str(threads), "--verbose", "false", "--model_alias", served_model_id(model)]
+        self._start(cmd, model)
+
+    def ready(self) -> bool:
+        return bool(self.get("/v1/models").get("data"))
+
+
 def document(model: str, n_tokens: int) -> str:
     tok = Tokenizer.from_gguf_metadata(read_gguf(resolve_model(model)).metadata)
     return tok.decode(context_tokens(tok, n_tokens, "prose"))
 
 
-def ttft(args, n: int) -> dict:
+def ttft(args, n: int, peer: bool = False) -> dict:
     doc = document(args.model, n - 64)
     ask = [f"{doc}\n\nWhat is this document about?", f"{doc}\n\nName one word the document uses often."]
-    srv = Server(args.model, args.config, args.threads, args.sets)
+    srv = LlamaServer(args.model, n + 256, args.threads) if peer else Server(args.model, args.config, args.threads,
+                                                                            args.sets)
     try:
         cold = srv.chat([{"role": "user", "content": ask[0]}], 8, stream=True)
-        cold_server = srv.get("/health")["last"]
+        cold_server = None if peer else srv.get("/health")["last"]
         warm = srv.chat([{"role": "user", "content": ask[1]}], 8, stream=True)
-        health = srv.get("/health")
+        health = None if peer else srv.get("/health")
     finally:
         srv.close()
-    row = {"model": args.model, "config": args.config or "dense", "tokens": n,
+    if peer:
+        row = {"engine": "llama.cpp", "model": args.model, "tokens": n, "cold_ttft_s": cold["ttft_s"],
+               "reused_ttft_s": warm["ttft_s"], "speedup": cold["ttft_s"] / warm["ttft_s"],
+               "reused_usage": warm["usage"]}
+        print(f"{n:>6} tokens, llama.cpp: cold TTFT {row['cold_ttft_s']:.2f} s, another question "
+              f"{row['reused_ttft_s']:.3f} s, x{row['speedup']:.1f}", flush=True)
+        return row
+    row = {"engine": "ktquest", "model": args.model, "config": args.config or "dense", "tokens": n,
            "cold_ttft_s": cold["ttft_s"], "reused_ttft_s": warm["ttft_s"],
            "cold_prompt_tokens": cold["usage"]["prompt_tokens"],
            "reused_prompt_tokens": warm["usage"]["prompt_tokens"],
@@ -190,9 +230,14 @@ def main() -> None:
     p.add_argument("--sequential", type=int, default=0, metavar="K", help="also K sequential requests")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
+    p.add_argument("--peer", choices=("none", "llama.cpp"), default="none",
+                   help="also llama-cpp-python's server on the same requests (ttft)")
     p.add_argument("--json")
     args = p.parse_args()
-    rows = {"ttft": [ttft(args, int(n)) for n in args.lengths.split(",") if int(n) > 0]}
+    lengths = [int(n) for n in args.lengths.split(",") if int(n) > 0]
+    rows = {"ttft": [ttft(args, n) for n in lengths]}
+    if args.peer == "llama.cpp":
+        rows["ttft"] += [ttft(args, n, peer=True) for n in lengths]
     if args.sequential:
         rows["sequential"] = sequential(args)
     if args.json:
