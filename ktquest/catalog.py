@@ -145,7 +145,7 @@ def _entry(name: str, source: str, path: Path, config: Config | None, notes: lis
 
 
 def _hub_files() -> list[tuple[str, Path, list[str], int | None]]:
-    """(``REPO:FILE``, path, notes, size) of every GGUF model in the hub's cache: each repository's models at
+    """(``REPO:QUANT`` or ``REPO:FILE``, path, notes, size) of every GGUF model in the hub's cache: each repository's models at
     the revision ``main`` is at, then those only older cached revisions hold (``--model`` finds them too),
     newest first. ``size`` is None but for a split model not joined yet: the sum of its parts'."""
     try:
@@ -159,12 +159,20 @@ def _hub_files() -> list[tuple[str, Path, list[str], int | None]]:
         seen: set[str] = set()
         for rev in sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True):
             files = {f.file_path.relative_to(rev.snapshot_path).as_posix() for f in rev.files}
-            for first, parts in hub.gguf_models(sorted(files)).items():
+            models = hub.gguf_models(sorted(files))
+            for first, parts in models.items():
                 if first not in seen:
                     seen.add(first)
                     model = _hub_model(repo.repo_id, rev.snapshot_path, parts)
-                    found.append((f"{repo.repo_id}:{first}", *model))
+                    found.append((f"{repo.repo_id}:{_pick(first, models)}", *model))
     return found
+
+
+def _pick(first: str, models: dict[str, list[str]]) -> str:
+    """What follows ``REPO:`` to name the model ``first`` as ``--model`` takes it: its quantization where no
+    other model of the revision has it, else its file."""
+    quant = hub.quant_of(first)
+    return quant if quant and [hub.quant_of(m) for m in models].count(quant) == 1 else first
 
 
 def _hub_model(repo: str, snapshot: Path, parts: list[str]) -> tuple[Path, list[str], int | None]:

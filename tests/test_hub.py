@@ -237,7 +237,7 @@ def test_an_earlier_pull_resolves_after_an_upstream_commit(fake_hub: HubStandin,
     assert hub.require_cached(ModelRef("o/m", quant="Q4_K_M")) == q4
     assert hub.resolve_model("o/m:Q8_0") == q8
     monkeypatch.setattr(catalog, "BUNDLED_MODELS", {})
-    assert {m.name for m in catalog.cached_models()} == {"o/m:m-Q4_K_M.gguf", "o/m:m-Q8_0.gguf"}
+    assert {m.name for m in catalog.cached_models()} == {"o/m:Q4_K_M", "o/m:Q8_0"}
     assert len(fake_hub.requests) == n
 
 
@@ -305,16 +305,17 @@ def test_cached_models(fake_hub: HubStandin, tiny_models, tmp_path: Path, monkey
     joined = hub.pull(ModelRef("o/s"), progress=False)
     monkeypatch.setattr(catalog, "BUNDLED_MODELS", {})
     models = {m.name: m for m in catalog.cached_models()}
-    assert set(models) == {"o/m:m-F32.gguf", f"o/s:{parts[0].name}"}
-    m = models["o/m:m-F32.gguf"]
+    assert set(models) == {"o/m:F32", "o/s:Q8_0"}  # as --model takes them: the quantization names the file
+    m = models["o/m:F32"]
     args = read_gguf(src).args
     assert (m.source, m.info.arch, m.info.file_type) == ("hub", "llama", "ALL_F32")
     assert (m.info.n_params, m.info.context_length) == (args.n_params, 256)
     assert m.info.file_size == src.stat().st_size
     assert m.fits_dense is True
     assert m.fits_long_context is False  # the snapkv preset's Q8_0 store needs head_dim in groups of 32
-    assert models[f"o/s:{parts[0].name}"].info.path == joined
-    assert parse_ref(m.name) == ModelRef("o/m", file="m-F32.gguf")
+    assert models["o/s:Q8_0"].info.path == joined
+    assert parse_ref(m.name) == ModelRef("o/m", quant="F32") and hub.resolve_model(m.name) == hub.resolve_model(
+        "o/m:m-F32.gguf")
 
 
 def test_cached_models_a_split_model_not_joined(fake_hub: HubStandin, tiny_models, tmp_path: Path,
@@ -356,7 +357,7 @@ def test_the_command_line_pulls_lists_and_chats_offline(fake_hub: HubStandin, ti
     out = capsys.readouterr().out
     assert "m-Q4_K_M.gguf" in out and "ktquest chat -m o/m:Q4_K_M" in out
     assert main(["list"]) == 0
-    assert "o/m:m-Q4_K_M.gguf" in capsys.readouterr().out
+    assert "o/m:Q4_K_M " in capsys.readouterr().out
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     n = len(fake_hub.requests)
     assert main(["chat", "-m", "o/m:Q4_K_M", "-p", "hi", "-n", "2", "-t", "1"]) == 0
@@ -364,3 +365,8 @@ def test_the_command_line_pulls_lists_and_chats_offline(fake_hub: HubStandin, ti
     capsys.readouterr()
     assert main(["chat", "-m", "o/other:Q4_K_M", "-p", "hi"]) == 2
     assert "download it with: ktquest pull o/other:Q4_K_M" in capsys.readouterr().err
+
+
+def test_list_names_a_model_by_its_quantization_where_that_is_unique():
+    models = {"a-Q4_K_M.gguf": [], "b-Q4_K_M.gguf": [], "a-Q8_0.gguf": [], "notes.gguf": []}
+    assert [catalog._pick(m, models) for m in models] == ["a-Q4_K_M.gguf", "b-Q4_K_M.gguf", "Q8_0", "notes.gguf"]
