@@ -1,11 +1,14 @@
 // AVX2/FMA gated delta rule (delta_kernels.h). Compiled with -mavx2 -mfma -mf16c.
 //
-// The value dims run along the vectors: a pass over S's rows accumulates kv and sq 8 value dims at a time (a
-// block of up to 64 dims in registers: 2 x 8 accumulators), then a second pass updates the rows. A head's S
-// (64 KB at 128 x 128) stays in L2 from one token to the next.
+// The rule is separable along the value dims: column j of S, kv, sq, d and o depend on column j alone (and on
+// the token's scalars a = exp(g), beta and k . q). So a head runs one block of 32 value dims (4 vectors, a
+// [Dk, 32] slice of S: 16 KB at Dk 128, which stays in L1) through every token, then the next block: per token
+// one pass over the slice for kv and sq (8 accumulators), one update pass. A tail of Dv % 8 dims runs the
+// scalar steps on its columns.
 #include <immintrin.h>
 
 #include <cmath>
+#include <vector>
 
 #include "delta/delta_kernels.h"
 
@@ -14,85 +17,86 @@ namespace ktq::avx2 {
 namespace {
 
 constexpr int kVec = 8;
-constexpr int kBlock = 8;  // vectors of value dims a pass keeps in registers (64 dims)
+constexpr int kBlockVecs = 4;  // value dims a block keeps in registers: 32
 
-// kv, sq [n vectors] over rows i of S for the value dims [j0, j0 + 8n): kv = S^T k, sq = S^T q.
+// Tokens 0..T-1 through the value dims [j0, j0 + 8N) of the head: a, kq [T] the tokens' scalars.
 template <int N>
-inline void dots(const float* S, int Dk, int Dv, int j0, const float* k, const float* q, float* kv, float* sq) {
-  __m256 ak[N], aq[N];
-  for (int n = 0; n < N; ++n) ak[n] = aq[n] = _mm256_setzero_ps();
-  for (int i = 0; i < Dk; ++i) {
-    const float* row = S + int64_t(i) * Dv + j0;
-    const __m256 vk = _mm256_set1_ps(k[i]), vq = _mm256_set1_ps(q[i]);
-    for (int n = 0; n < N; ++n) {
-      const __m256 s = _mm256_loadu_ps(row + n * kVec);
-      ak[n] = _mm256_fmadd_ps(vk, s, ak[n]);
-      aq[n] = _mm256_fmadd_ps(vq, s, aq[n]);
+void run_block(const DeltaHead& h, int T, int Dk, int Dv, int j0, const float* a, const float* kq) {
+  float* S = h.S + j0;
+  for (int t = 0; t < T; ++t) {
+    const float* q = h.q + t * h.qs;
+    const float* k = h.k + t * h.ks;
+    __m256 kv[N], sq[N];
+    for (int n = 0; n < N; ++n) kv[n] = sq[n] = _mm256_setzero_ps();
+    for (int i = 0; i < Dk; ++i) {
+      const float* row = S + int64_t(i) * Dv;
+      const __m256 vk = _mm256_set1_ps(k[i]), vq = _mm256_set1_ps(q[i]);
+      for (int n = 0; n < N; ++n) {
+        const __m256 s = _mm256_loadu_ps(row + n * kVec);
+        kv[n] = _mm256_fmadd_ps(vk, s, kv[n]);
+        sq[n] = _mm256_fmadd_ps(vq, s, sq[n]);
+      }
     }
-  }
-  for (int n = 0; n < N; ++n) {
-    _mm256_storeu_ps(kv + j0 + n * kVec, ak[n]);
-    _mm256_storeu_ps(sq + j0 + n * kVec, aq[n]);
+    const __m256 va = _mm256_set1_ps(a[t]), vb = _mm256_set1_ps(h.beta[t * h.gs]), vkq = _mm256_set1_ps(kq[t]);
+    const float* v = h.v + t * h.vs + j0;
+    float* o = h.o + t * h.os + j0;
+    __m256 d[N];
+    for (int n = 0; n < N; ++n) {
+      d[n] = _mm256_mul_ps(vb, _mm256_fnmadd_ps(va, kv[n], _mm256_loadu_ps(v + n * kVec)));
+      _mm256_storeu_ps(o + n * kVec, _mm256_fmadd_ps(vkq, d[n], _mm256_mul_ps(va, sq[n])));
+    }
+    for (int i = 0; i < Dk; ++i) {
+      float* row = S + int64_t(i) * Dv;
+      const __m256 vk = _mm256_set1_ps(k[i]);
+      for (int n = 0; n < N; ++n)
+        _mm256_storeu_ps(row + n * kVec, _mm256_fmadd_ps(vk, d[n], _mm256_mul_ps(va, _mm256_loadu_ps(row + n * kVec))));
+    }
   }
 }
 
-void all_dots(const float* S, int Dk, int Dv, const float* k, const float* q, float* kv, float* sq) {
-  int j = 0;
-  for (; j + kBlock * kVec <= Dv; j += kBlock * kVec) dots<kBlock>(S, Dk, Dv, j, k, q, kv, sq);
-  switch ((Dv - j) / kVec) {
-#define KTQ_CASE(N) \
-  case N: dots<N>(S, Dk, Dv, j, k, q, kv, sq); break;
-    KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7)
-#undef KTQ_CASE
-  }
-  for (int jt = Dv - (Dv % kVec); jt < Dv; ++jt) {  // the scalar tail
-    float a = 0.f, b = 0.f;
-    for (int i = 0; i < Dk; ++i) {
-      a += k[i] * S[int64_t(i) * Dv + jt];
-      b += q[i] * S[int64_t(i) * Dv + jt];
+// The scalar steps on the value dims [j0, Dv) (the tail that is not whole vectors).
+void run_tail(const DeltaHead& h, int T, int Dk, int Dv, int j0, const float* a, const float* kq) {
+  for (int t = 0; t < T; ++t) {
+    const float* q = h.q + t * h.qs;
+    const float* k = h.k + t * h.ks;
+    const float beta = h.beta[t * h.gs];
+    for (int j = j0; j < Dv; ++j) {
+      float kv = 0.f, sq = 0.f;
+      for (int i = 0; i < Dk; ++i) {
+        kv += k[i] * h.S[int64_t(i) * Dv + j];
+        sq += q[i] * h.S[int64_t(i) * Dv + j];
+      }
+      const float d = beta * (h.v[t * h.vs + j] - a[t] * kv);
+      h.o[t * h.os + j] = a[t] * sq + kq[t] * d;
+      for (int i = 0; i < Dk; ++i) h.S[int64_t(i) * Dv + j] = a[t] * h.S[int64_t(i) * Dv + j] + k[i] * d;
     }
-    kv[jt] = a;
-    sq[jt] = b;
   }
 }
 
 }  // namespace
 
 void delta_rule_head(const DeltaHead& h, int T, int Dk, int Dv) {
-  alignas(32) float kv[1024], sq[1024];  // (Dv <= 1024: delta_rule.cpp checks)
-  const int vec_end = Dv - Dv % kVec;
+  thread_local std::vector<float> scalars;
+  scalars.resize(2 * size_t(T));
+  float* a = scalars.data();
+  float* kq = a + T;
   for (int t = 0; t < T; ++t) {
     const float* q = h.q + t * h.qs;
     const float* k = h.k + t * h.ks;
-    const float* v = h.v + t * h.vs;
-    float* o = h.o + t * h.os;
-    const float a = std::exp(h.g[t * h.gs]);
-    const float beta = h.beta[t * h.gs];
-    float kq = 0.f;
-    for (int i = 0; i < Dk; ++i) kq += k[i] * q[i];
-    all_dots(h.S, Dk, Dv, k, q, kv, sq);
-    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(beta), vkq = _mm256_set1_ps(kq);
-    int j = 0;
-    for (; j < vec_end; j += kVec) {
-      const __m256 d = _mm256_mul_ps(vb, _mm256_fnmadd_ps(va, _mm256_loadu_ps(kv + j), _mm256_loadu_ps(v + j)));
-      _mm256_storeu_ps(o + j, _mm256_fmadd_ps(vkq, d, _mm256_mul_ps(va, _mm256_loadu_ps(sq + j))));
-      _mm256_storeu_ps(kv + j, d);
-    }
-    for (; j < Dv; ++j) {
-      const float d = beta * (v[j] - a * kv[j]);
-      o[j] = a * sq[j] + kq * d;
-      kv[j] = d;
-    }
-    for (int i = 0; i < Dk; ++i) {
-      float* row = h.S + int64_t(i) * Dv;
-      const __m256 vk = _mm256_set1_ps(k[i]);
-      int jj = 0;
-      for (; jj < vec_end; jj += kVec)
-        _mm256_storeu_ps(row + jj, _mm256_fmadd_ps(vk, _mm256_loadu_ps(kv + jj),
-                                                   _mm256_mul_ps(va, _mm256_loadu_ps(row + jj))));
-      for (; jj < Dv; ++jj) row[jj] = a * row[jj] + k[i] * kv[jj];
-    }
+    float dot = 0.f;
+    for (int i = 0; i < Dk; ++i) dot += k[i] * q[i];
+    a[t] = std::exp(h.g[t * h.gs]);
+    kq[t] = dot;
   }
+  int j = 0;
+  for (; j + kBlockVecs * kVec <= Dv; j += kBlockVecs * kVec) run_block<kBlockVecs>(h, T, Dk, Dv, j, a, kq);
+  switch ((Dv - j) / kVec) {
+    case 1: run_block<1>(h, T, Dk, Dv, j, a, kq); break;
+    case 2: run_block<2>(h, T, Dk, Dv, j, a, kq); break;
+    case 3: run_block<3>(h, T, Dk, Dv, j, a, kq); break;
+  }
+  j = Dv - Dv % kVec;
+  if (j < Dv) run_tail(h, T, Dk, Dv, j, a, kq);
 }
 
 }  // namespace ktq::avx2

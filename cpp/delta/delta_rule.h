@@ -5,7 +5,7 @@
 
 namespace ktq {
 
-constexpr int kMaxDeltaValueDim = 1024;  // a head's value dims (the kernels' stack buffers)
+constexpr int kMaxDeltaValueDim = 1024;  // a head's value dims (the scalar twin's buffers)
 
 // q, k [T, Hk, Dk] (l2-normed; q scaled by 1/sqrt(Dk)), v [T, Hv, Dv], g, beta [T, Hv], S [Hv, Dk, Dv] (in place),
 // o [T, Hv, Dv]. Value head h reads q/k head h % Hk (llama.cpp's tiled order). Heads run in parallel on up to

@@ -35,9 +35,11 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     weight: [C, K] -> silu(depthwise causal conv) [T, C]: out[t] = sum_k weight[:, k] * in[t - (K-1) + k]."""
     t, k = x.shape[0], weight.shape[1]
     window = torch.cat([state.to(x.dtype), x])  # [K-1+T, C]
-    out = sum(window[i: i + t] * weight[:, i] for i in range(k))  # [T, C]
+    out = window[:t] * weight[:, 0]  # [T, C]
+    for i in range(1, k):
+        out.addcmul_(window[i: i + t], weight[:, i])
     state.copy_(window[t:])
-    return F.silu(out)
+    return F.silu(out, inplace=True)
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
