@@ -241,7 +241,7 @@ class Config:
     sliding_window_keep: int = field(default=1024, metadata={"max": SEQ_LEN_MAX})  # gemma3: kv/sliding.py
     # hybrid models (qwen35, kv/recurrent.py): their DeltaNet state is copied at each prompt's start and end and
     # every state_checkpoint_tokens tokens of a prompt (0: turn boundaries only), the last state_checkpoints kept
-    state_checkpoint_tokens: int = field(default=1024, metadata={"max": SEQ_LEN_MAX})
+    state_checkpoint_tokens: int = field(default=512, metadata={"max": SEQ_LEN_MAX})
     state_checkpoints: int = 8
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)

@@ -285,7 +285,7 @@ def test_the_states_are_said_counted_and_checked(qwen35_models, monkeypatch, cap
     one = memory.recurrent_state_bytes(engine.args)
     assert one == engine.cache.states.nbytes()
     assert engine.state_note == (f"recurrent state {one / 2**20:.1f} MiB (3 DeltaNet layers), and "
-                                 f"{one / 2**20:.1f} MiB a checkpoint at each turn boundary and every 1,024 prompt "
+                                 f"{one / 2**20:.1f} MiB a checkpoint at each turn boundary and every 512 prompt "
                                  f"tokens, the last 8 kept: up to {9 * one / 2**20:.1f} MiB")
     chat = engine.chat_session()
     chat.send("the cat")
