@@ -23,9 +23,10 @@ def inputs(T: int, Hk: int, Hv: int, Dk: int, Dv: int, seed: int = 0):
     return q, k, v, g, beta, S
 
 
-def native(q, k, v, g, beta, S, threads: int = 2):
+def native(q, k, v, g, beta, S, threads: int = 2, grouped: bool = False):
     out = torch.empty_like(v)
-    _C.gated_delta_rule(q.numpy(), k.numpy(), v.numpy(), g.numpy(), beta.numpy(), S.numpy(), out.numpy(), threads)
+    _C.gated_delta_rule(q.numpy(), k.numpy(), v.numpy(), g.numpy(), beta.numpy(), S.numpy(), out.numpy(), threads,
+                        grouped)
     return out
 
 
@@ -38,6 +39,21 @@ def test_native_matches_the_reference(force_scalar, T, Hk, Hv, Dk, Dv):
     got = native(q, k, v, g, beta, S_nat)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(S_nat, S_ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("Hk, Hv", [(2, 6), (3, 9), (4, 4)])
+def test_grouped_heads_read_their_groups_k(force_scalar, Hk, Hv):
+    """Value head h reads q/k head h // (Hv / Hk) with grouped (qwen3next's order), h % Hk without."""
+    q, k, v, g, beta, S = inputs(7, Hk, Hv, 16, 24, seed=5)
+    for grouped in (False, True):
+        S_ref, S_nat = S.clone(), S.clone()
+        want = delta_rule(q, k, v, g, beta, S_ref, grouped)
+        torch.testing.assert_close(native(q, k, v, g, beta, S_nat, grouped=grouped), want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(S_nat, S_ref, atol=2e-5, rtol=2e-5)
+    r = Hv // Hk
+    S1, S2 = S.clone(), S.clone()  # grouped: head h against the tiled rule on k heads spread by repeat_interleave
+    want = delta_rule(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta, S1)
+    torch.testing.assert_close(native(q, k, v, g, beta, S2, grouped=True), want, atol=2e-5, rtol=2e-5)
 
 
 def test_the_state_carries_across_calls(force_scalar):

@@ -1,4 +1,4 @@
-"""Hybrid models (qwen35, qwen35moe: models/qwen35.py, models/delta_net.py, kv/recurrent.py) against
+"""Hybrid models (qwen35, qwen35moe, qwen3next: models/qwen35.py, models/delta_net.py, kv/recurrent.py) against
 transformers' Qwen3.5 on the same weights: logits through chunked prefills and decode steps, greedy tokens, the
 long-context presets on the attention layers, the recurrent state's checkpoints and rewinds, KV files, and files
 whose DeltaNet keys are wrong."""
@@ -72,8 +72,8 @@ def test_blocks_from_the_file(qwen35_models, name):
     kinds = ["attention" if (i + 1) % spec.interval == 0 else "delta_net" for i in range(spec.n_layers)]
     assert [b.mixer for b in a.blocks] == kinds
     d = a.blocks[0].delta
-    assert (d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim, d.conv_kernel) == (
-        spec.n_k_heads, spec.n_v_heads, spec.k_head_dim, spec.v_head_dim, spec.conv_kernel)
+    assert (d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim, d.conv_kernel, d.grouped) == (
+        spec.n_k_heads, spec.n_v_heads, spec.k_head_dim, spec.v_head_dim, spec.conv_kernel, spec.next)
     assert all(b.attn_gate and b.qk_norm for b in a.blocks if b.mixer == "attention")
     assert all(b.ffn == ("moe" if spec.moe else "swiglu") for b in a.blocks)
 

@@ -35,16 +35,18 @@ class Qwen35Spec:
     rope_theta: float = 1e6
     eps: float = 1e-6
     tied: bool = False
+    next: bool = False  # Qwen3-Next (qwen3next: MoE, value heads grouped, beta and alpha fused in the file)
 
     @property
     def arch(self) -> str:
-        return "qwen35moe" if self.moe else "qwen35"
+        return "qwen3next" if self.next else "qwen35moe" if self.moe else "qwen35"
 
 
 QWEN35_SPECS = {
     "qwen35": Qwen35Spec(),
     "qwen35_tied": Qwen35Spec(tied=True, n_layers=6, interval=3, n_k_heads=3, n_v_heads=3, v_head_dim=16),
     "qwen35moe": Qwen35Spec(moe=True),
+    "qwen3next": Qwen35Spec(moe=True, next=True),
 }
 
 
@@ -55,6 +57,8 @@ def build_qwen35(spec: Qwen35Spec, vocab_size: int, seed: int = 0) -> torch.nn.M
         Qwen3_5MoeForCausalLM,
         Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -71,7 +75,14 @@ def build_qwen35(spec: Qwen35Spec, vocab_size: int, seed: int = 0) -> torch.nn.M
                          "partial_rotary_factor": spec.rope_dim / spec.head_dim,
                          "mrope_section": [spec.rope_dim // 4, spec.rope_dim // 8, spec.rope_dim // 8],
                          "mrope_interleaved": True})
-    if spec.moe:
+    if spec.next:
+        rope = {k: v for k, v in common["rope_parameters"].items() if not k.startswith("mrope")}
+        cfg = Qwen3NextConfig(num_experts=spec.n_experts, num_experts_per_tok=spec.n_used,
+                              moe_intermediate_size=spec.expert_ffn, shared_expert_intermediate_size=spec.shared_ffn,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                              **(common | {"rope_parameters": rope}))
+        model = Qwen3NextForCausalLM(cfg).eval()
+    elif spec.moe:
         cfg = Qwen3_5MoeTextConfig(num_experts=spec.n_experts, num_experts_per_tok=spec.n_used,
                                    moe_intermediate_size=spec.expert_ffn,
                                    shared_expert_intermediate_size=spec.shared_ffn, **common)
@@ -115,6 +126,16 @@ def qwen35_gguf_tensors(model: torch.nn.Module, spec: Qwen35Spec) -> dict[str, n
                     b + "attn_v.weight": sd[a + "v_proj.weight"], b + "attn_output.weight": sd[a + "o_proj.weight"],
                     b + "attn_q_norm.weight": sd[a + "q_norm.weight"] + 1,
                     b + "attn_k_norm.weight": sd[a + "k_norm.weight"] + 1}
+        elif spec.next:  # the converter's split of in_proj_qkvz: q, k, v (grouped) and z; in_proj_ba as it is
+            a, r = p + "linear_attn.", spec.n_v_heads // spec.n_k_heads
+            w = sd[a + "in_proj_qkvz.weight"].reshape(spec.n_k_heads, -1, spec.dim)
+            cuts = np.cumsum([spec.k_head_dim, spec.k_head_dim, r * spec.v_head_dim])
+            q, k, v, z = (x.reshape(-1, spec.dim) for x in np.split(w, cuts, axis=1))
+            out |= {b + "attn_qkv.weight": np.concatenate([q, k, v]), b + "attn_gate.weight": z,
+                    b + "ssm_ba.weight": sd[a + "in_proj_ba.weight"], b + "ssm_a": -np.exp(sd[a + "A_log"]),
+                    b + "ssm_dt.bias": sd[a + "dt_bias"],
+                    b + "ssm_conv1d.weight": sd[a + "conv1d.weight"].reshape(-1, spec.conv_kernel),
+                    b + "ssm_norm.weight": sd[a + "norm.weight"], b + "ssm_out.weight": sd[a + "out_proj.weight"]}
         else:
             a = p + "linear_attn."
             qkv = sd[a + "in_proj_qkv.weight"]

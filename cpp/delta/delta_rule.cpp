@@ -11,7 +11,7 @@
 namespace ktq {
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S,
-                      float* o, int T, int Hk, int Hv, int Dk, int Dv, int n_threads) {
+                      float* o, int T, int Hk, int Hv, int Dk, int Dv, int n_threads, bool grouped) {
   if (T < 1 || Hk < 1 || Hv < 1 || Dk < 1 || Dv < 1 || Hv % Hk || Dv > kMaxDeltaValueDim)
     throw std::invalid_argument("gated_delta_rule: T=" + std::to_string(T) + ", Hk=" + std::to_string(Hk) +
                                 ", Hv=" + std::to_string(Hv) + ", Dk=" + std::to_string(Dk) + ", Dv=" +
@@ -19,7 +19,7 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
                                 std::to_string(kMaxDeltaValueDim));
   const bool wide = use_avx2();
   ThreadPool::global().parallel_for(Hv, n_threads, [&](int64_t hv) {
-    const int kh = int(hv % Hk);
+    const int kh = grouped ? int(hv / (Hv / Hk)) : int(hv % Hk);
     DeltaHead h{q + int64_t(kh) * Dk, k + int64_t(kh) * Dk, v + hv * Dv, g + hv, beta + hv,
                 S + hv * Dk * Dv, o + hv * Dv, int64_t(Hk) * Dk, int64_t(Hk) * Dk, int64_t(Hv) * Dv,
                 int64_t(Hv) * Dv, Hv};

@@ -10,7 +10,8 @@ namespace ktq::python {
 void bind_delta(py::module_& m) {
   m.def("gated_delta_rule",
         [](const py::handle& q_obj, const py::handle& k_obj, const py::handle& v_obj, const py::handle& g_obj,
-           const py::handle& beta_obj, const py::handle& S_obj, const py::handle& o_obj, int n_threads) {
+           const py::handle& beta_obj, const py::handle& S_obj, const py::handle& o_obj, int n_threads,
+           bool grouped) {
           auto v = ndim_arg<float>(v_obj, "v", 3);
           auto q = ndim_arg<float>(q_obj, "q", 3);
           const int64_t T = check_positive(v.shape(0), "T (v's tokens)");
@@ -32,13 +33,14 @@ void bind_delta(py::module_& m) {
           const float *qp = q.data(), *kp = k.data(), *vp = v.data(), *gp = g.data(), *bp = beta.data();
           float *Sp = S.mutable_data(), *op = o.mutable_data();
           py::gil_scoped_release nogil;
-          gated_delta_rule(qp, kp, vp, gp, bp, Sp, op, int(T), int(Hk), int(Hv), int(Dk), int(Dv), n_threads);
+          gated_delta_rule(qp, kp, vp, gp, bp, Sp, op, int(T), int(Hk), int(Hv), int(Dk), int(Dv), n_threads,
+                           grouped);
         },
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("S"), py::arg("o"),
-        py::arg("n_threads"),
+        py::arg("n_threads"), py::arg("grouped") = false,
         "The gated delta rule of T tokens, in place: q, k [T, Hk, Dk] fp32 (l2-normed; q scaled), v [T, Hv, Dv], "
         "g, beta [T, Hv], S [Hv, Dk, Dv] (the state, updated), o [T, Hv, Dv] (written). Value head h reads q/k "
-        "head h % Hk.");
+        "head h % Hk, or h / (Hv / Hk) with grouped.");
 }
 
 }  // namespace ktq::python

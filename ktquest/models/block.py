@@ -54,6 +54,8 @@ SHARED_EXPERT_TENSORS = {"w_gate_shexp": "ffn_gate_shexp.weight", "w_up_shexp": 
 DELTA_NET_TENSORS = {"w_in_qkv": "attn_qkv.weight", "w_in_z": "attn_gate.weight", "w_beta": "ssm_beta.weight",
                      "w_alpha": "ssm_alpha.weight", "ssm_a": "ssm_a", "ssm_dt": "ssm_dt.bias",
                      "conv1d": "ssm_conv1d.weight", "ssm_norm": "ssm_norm.weight", "w_ssm_out": "ssm_out.weight"}
+# qwen3next files keep the model's in_proj_ba: beta's and alpha's rows fused, [Hk groups x (r betas, r alphas)]
+FUSED_BA_TENSORS = {"w_ba": "ssm_ba.weight"}
 ATTENTION_TENSORS = ("wq", "wk", "wv", "wo")
 VECTORS = {"attn_norm", "ffn_norm", "shexp_gate", "ssm_a", "ssm_dt", "ssm_norm", *BIAS_TENSORS, *QK_NORM_TENSORS,
            *SANDWICH_TENSORS}
@@ -63,13 +65,16 @@ SMALL_TENSORS = {"conv1d"}  # read as fp32 tensors like the vectors: [conv_dim, 
 @dataclass(frozen=True, slots=True)
 class DeltaNetSpec:
     """A Gated DeltaNet mixer's sizes (GGUF ``ssm.*`` keys): q/k heads of ``k_head_dim``, value heads of
-    ``v_head_dim`` (``n_v_heads`` a multiple of ``n_k_heads``), the causal conv's kernel."""
+    ``v_head_dim`` (``n_v_heads`` a multiple of ``n_k_heads``), the causal conv's kernel. ``grouped``: the file
+    keeps the model's value-head order (qwen3next: head h reads q/k head h // r) and beta's and alpha's
+    projections fused (``ssm_ba``); else tiled (qwen35: h reads h % n_k_heads) with ``ssm_beta``, ``ssm_alpha``."""
 
     n_k_heads: int
     n_v_heads: int
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    grouped: bool = False
 
     @property
     def conv_dim(self) -> int:
@@ -132,6 +137,8 @@ class BlockSpec:
                     | (SHARED_EXPERT_TENSORS if self.shared_expert else {}))
         if self.mixer == "delta_net":
             base = {f: n for f, n in base.items() if f not in ATTENTION_TENSORS} | DELTA_NET_TENSORS
+            if self.delta.grouped:
+                base = {f: n for f, n in base.items() if f not in ("w_beta", "w_alpha")} | FUSED_BA_TENSORS
         base = base | {"ffn_norm": self.ffn_norm_tensor}
         return (base | (BIAS_TENSORS if self.qkv_bias else {}) | (QK_NORM_TENSORS if self.qk_norm else {})
                 | (SANDWICH_TENSORS if self.sandwich_norms else {}))
@@ -150,6 +157,6 @@ class BlockSpec:
                  "w_down_exps": (e, dim, ef), "w_gate_shexp": (sf, dim), "w_up_shexp": (sf, dim),
                  "w_down_shexp": (dim, sf), "shexp_gate": (dim,),
                  "w_in_qkv": (d.conv_dim, dim), "w_in_z": (d.value_dim, dim), "w_beta": (d.n_v_heads, dim),
-                 "w_alpha": (d.n_v_heads, dim), "ssm_a": (d.n_v_heads,), "ssm_dt": (d.n_v_heads,),
+                 "w_alpha": (d.n_v_heads, dim), "w_ba": (2 * d.n_v_heads, dim), "ssm_a": (d.n_v_heads,), "ssm_dt": (d.n_v_heads,),
                  "conv1d": (d.conv_dim, d.conv_kernel), "ssm_norm": (d.v_head_dim,), "w_ssm_out": (dim, d.value_dim)}
         return {f: every[f] for f in self.tensors()}

@@ -3,7 +3,8 @@ torch: its projections, the causal conv over the cache's last inputs, and the ga
 state (``kv/recurrent.py``), one token after another.
 
 Per value head (``DeltaNetSpec``: ``n_v_heads`` heads of ``v_head_dim``, each reading q/k head ``j % n_k_heads``:
-llama.cpp's converter stores the value heads tiled, [K0v0, K1v0, ..., K0v1, K1v1, ...]) and token t:
+llama.cpp's converter stores a qwen35's value heads tiled, [K0v0, K1v0, ..., K0v1, K1v1, ...]; a qwen3next's keep
+the model's grouped order, head j reading q/k head j // r, ``DeltaNetSpec.grouped``) and token t:
 
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S'_t^T k_t))^T     (S'_t = exp(g_t) S_{t-1}; S is [Dk, Dv])
     o_t = S_t^T q_t / sqrt(Dk)
@@ -43,11 +44,13 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor) -> torch.Tensor:
+               state: torch.Tensor, grouped: bool = False) -> torch.Tensor:
     """The gated delta rule token by token, fp32: q, k [T, Hk, Dk] (l2-normed, q scaled), v [T, Hv, Dv],
-    g, beta [T, Hv]; state [Hv, Dk, Dv] updated in place -> o [T, Hv, Dv]. Value head h reads q/k head h % Hk."""
+    g, beta [T, Hv]; state [Hv, Dk, Dv] updated in place -> o [T, Hv, Dv]. Value head h reads q/k head h % Hk,
+    or h // (Hv / Hk) where ``grouped``."""
     rep = v.shape[1] // q.shape[1]
-    q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # (tiled: head h is h % Hk's)
+    spread = (lambda x: x.repeat_interleave(rep, 1)) if grouped else (lambda x: x.repeat(1, rep, 1))
+    q, k = spread(q), spread(k)
     out = torch.empty_like(v)
     s = state
     for t in range(q.shape[0]):
@@ -68,8 +71,10 @@ class GatedDeltaNet(nn.Module):
         self.layer_idx, self.spec, self.eps = layer_idx, d, args.norm_eps
         self.w_in_qkv = Linear(w.w_in_qkv)  # [conv_dim, dim]
         self.w_in_z = Linear(w.w_in_z)  # [Hv*Dv, dim]
-        self.w_beta = Linear(w.w_beta)  # [Hv, dim]
-        self.w_alpha = Linear(w.w_alpha)  # [Hv, dim]
+        # beta's and alpha's projections: two, or one fused [Hk x (r betas, r alphas), dim] (grouped files)
+        self.w_ba = Linear(w.w_ba) if d.grouped else None
+        self.w_beta = None if d.grouped else Linear(w.w_beta)  # [Hv, dim]
+        self.w_alpha = None if d.grouped else Linear(w.w_alpha)  # [Hv, dim]
         self.w_out = Linear(w.w_ssm_out)  # [dim, Hv*Dv]
         f32 = dict(dtype=torch.float32)
         self.register_buffer("ssm_a", w.ssm_a.to(**f32), persistent=False)  # [Hv]
@@ -86,18 +91,23 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(mixed[:, :kd].view(t, d.n_k_heads, d.k_head_dim), self.eps) * d.k_head_dim ** -0.5
         k = l2_normalize(mixed[:, kd: 2 * kd].view(t, d.n_k_heads, d.k_head_dim), self.eps)
         v = mixed[:, 2 * kd:].view(t, d.n_v_heads, d.v_head_dim)
-        beta = torch.sigmoid(self.w_beta(x).float())  # [T, Hv]
-        g = self.ssm_a * F.softplus(self.w_alpha(x).float() + self.ssm_dt)  # [T, Hv], <= 0
-        o = _delta_rule(q, k, v.contiguous(), g, beta, ssm_state, self.w_out.threads)  # [T, Hv, Dv]
+        if d.grouped:
+            ba = self.w_ba(x).float().view(t, d.n_k_heads, 2, d.n_v_heads // d.n_k_heads)
+            b, a = ba[:, :, 0].reshape(t, d.n_v_heads), ba[:, :, 1].reshape(t, d.n_v_heads)
+        else:
+            b, a = self.w_beta(x).float(), self.w_alpha(x).float()
+        beta = torch.sigmoid(b)  # [T, Hv]
+        g = self.ssm_a * F.softplus(a + self.ssm_dt)  # [T, Hv], <= 0
+        o = _delta_rule(q, k, v.contiguous(), g, beta, ssm_state, self.w_out.threads, d.grouped)  # [T, Hv, Dv]
         z = self.w_in_z(x).view(t, d.n_v_heads, d.v_head_dim)
         o = F.rms_norm(o, (d.v_head_dim,), eps=self.eps).to(x.dtype) * self.norm_w * F.silu(z)
         return self.w_out(o.reshape(t, d.value_dim))  # [T, dim]
 
 
 def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, threads: int) -> torch.Tensor:
+                state: torch.Tensor, threads: int, grouped: bool) -> torch.Tensor:
     """``delta_rule``: native on the CPU (the state in place; the heads on ``threads`` threads, as the layer's
     matmuls: ``layers.linear.set_threads``), the torch reference elsewhere."""
     if state.device.type != "cpu":
-        return delta_rule(q, k, v, g, beta, state)
-    return gated_delta_rule(q, k, v, g, beta, state, threads)
+        return delta_rule(q, k, v, g, beta, state, grouped)
+    return gated_delta_rule(q, k, v, g, beta, state, threads, grouped)

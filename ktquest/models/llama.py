@@ -67,6 +67,7 @@ class BlockWeights:
     w_in_z: Matrix | None = None  # [Hv*Dv, dim]
     w_beta: Matrix | None = None  # [Hv, dim]
     w_alpha: Matrix | None = None  # [Hv, dim]
+    w_ba: Matrix | None = None  # [2 Hv, dim]: beta's and alpha's rows fused (DeltaNetSpec.grouped)
     ssm_a: torch.Tensor | None = None  # [Hv]
     ssm_dt: torch.Tensor | None = None  # [Hv]
     conv1d: torch.Tensor | None = None  # [conv_dim, K]

@@ -1,4 +1,6 @@
-"""The qwen35 family (Qwen3.5 / Qwen3.6: ``qwen35`` dense, ``qwen35moe`` with experts): hybrid models whose
+"""The qwen35 family (Qwen3.5 / Qwen3.6: ``qwen35`` dense, ``qwen35moe`` with experts; and Qwen3-Next,
+``qwen3next``, whose files keep the DeltaNet's value heads in the model's grouped order with beta's and alpha's
+projections fused, ``DeltaNetSpec.grouped``): hybrid models whose
 layers are Gated DeltaNet mixers (``BlockSpec.mixer == "delta_net"``, models/delta_net.py) but every
 ``full_attention_interval``-th, which is attention with
 
@@ -31,7 +33,7 @@ FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default where the file has no full_at
 POST_ATTENTION_NORM = "post_attention_norm.weight"
 
 
-def delta_net_spec(m: Metadata, arch: str) -> DeltaNetSpec:
+def delta_net_spec(m: Metadata, arch: str, grouped: bool = False) -> DeltaNetSpec:
     """The DeltaNet's sizes from the file's ``{arch}.ssm.*`` keys, each checked."""
     p = f"{arch}.ssm."
     n_k = m.integer(p + "group_count", 1)
@@ -43,12 +45,12 @@ def delta_net_spec(m: Metadata, arch: str) -> DeltaNetSpec:
     if inner % n_v:
         raise m.error(p + "inner_size", inner, f"a multiple of {p}time_step_rank={n_v} (value heads x their dim)")
     return DeltaNetSpec(n_k_heads=n_k, n_v_heads=n_v, k_head_dim=m.integer(p + "state_size", 1),
-                        v_head_dim=inner // n_v, conv_kernel=m.integer(p + "conv_kernel", 1, 64))
+                        v_head_dim=inner // n_v, conv_kernel=m.integer(p + "conv_kernel", 1, 64), grouped=grouped)
 
 
 def _family_args(m: Metadata, tensors: GGUFTensors, arch: str, n_layers: int, dim: int) -> dict:
     ffn: dict = {}
-    if arch == "qwen35moe":
+    if arch in ("qwen35moe", "qwen3next"):
         gate = f"blk.0.{SHARED_EXPERT_TENSORS['w_gate_shexp']}"
         width = tensors.shape(gate)[0] if gate in tensors and len(tensors.shape(gate)) == 2 else None
         shared = m.integer(f"{arch}.expert_shared_feed_forward_length", 1,
@@ -56,8 +58,9 @@ def _family_args(m: Metadata, tensors: GGUFTensors, arch: str, n_layers: int, di
         ffn = dict(shared_expert=True, shared_ffn=shared, **moe_fields(m, tensors, arch, norm_default=True))
     interval = m.integer(f"{arch}.full_attention_interval", 1, default=FULL_ATTENTION_INTERVAL)
     attention = BlockSpec(qk_norm=True, attn_gate=True, ffn_norm_tensor=POST_ATTENTION_NORM, **ffn)
-    delta = BlockSpec(mixer="delta_net", delta=delta_net_spec(m, arch), ffn_norm_tensor=POST_ATTENTION_NORM, **ffn)
+    delta = BlockSpec(mixer="delta_net", delta=delta_net_spec(m, arch, grouped=arch == "qwen3next"),
+                      ffn_norm_tensor=POST_ATTENTION_NORM, **ffn)
     return {"blocks": tuple(attention if (i + 1) % interval == 0 else delta for i in range(n_layers))}
 
 
-FAMILY = Family(archs=("qwen35", "qwen35moe"), read=_family_args)
+FAMILY = Family(archs=("qwen35", "qwen35moe", "qwen3next"), read=_family_args)
