@@ -335,3 +335,33 @@ def test_the_server_reuses_a_documents_states(qwen35_models):
     for messages, answer in ((q2, a2), (q3, a3)):  # each asked of a cold engine
         with _serving(create_app(Worker(ktquest.load(path, **sets)), "tiny")) as post:
             assert ask(post, messages)[0] == answer
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda a: {k: v for k, v in a.items() if k != "ssm"}, "ssm"),  # the states missing
+    (lambda a: a | {"ssm": a["ssm"][:, :-1].contiguous()}, "ssm"),  # of another shape
+    (lambda a: a | {"conv": a["conv"] * float("nan")}, "not finite"),
+])
+def test_a_kv_file_without_the_states_or_with_others_is_refused(qwen35_models, tmp_path, change, needle):
+    """A KV file must hold the DeltaNet states of this model's shapes (finite): otherwise one KVFileError line,
+    and the conversation in the engine is unchanged."""
+    from ktquest.kv import files
+    from ktquest.kv.files import KVFileError
+
+    path = qwen35_models("qwen35")[0]
+    engine = ktquest.load(path, max_seq_len=128, threads=1, max_new_tokens=4)
+    chat = engine.chat_session()
+    chat.send("the cat sat")
+    kv = tmp_path / "h.kvq"
+    chat.save(kv)
+    header, arrays = files.load(kv)
+    files.save(tmp_path / "bad.kvq", {k: v for k, v in header.items() if k not in ("arrays", "payload_bytes")},
+               change(dict(arrays)))
+    other = ktquest.load(path, max_seq_len=128, threads=1, max_new_tokens=4)
+    other_chat = other.chat_session()
+    other_chat.send("a dog")
+    held, ssm = list(other.sequence.ids), other.cache.states.ssm.clone()
+    with pytest.raises(KVFileError, match=needle) as info:
+        other.load_session(tmp_path / "bad.kvq")
+    assert "\n" not in str(info.value)
+    assert other.sequence.ids == held and torch.equal(other.cache.states.ssm, ssm)
