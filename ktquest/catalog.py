@@ -82,7 +82,8 @@ def read_info(path: str | os.PathLike) -> ModelInfo:
 
 def fits(info: ModelInfo, mode: Mode, config: Config | None = None) -> bool | None:
     """Whether this machine's available RAM holds the model at its trained context on the CPU: the mapped file
-    (its weights) and, in ``dense`` mode, the fp32 KV cache of every global layer
+    (its weights), a hybrid's DeltaNet states with their checkpoints, and, in ``dense`` mode, the fp32 KV cache
+    of every global layer
     (``memory.dense_bytes``); in ``long_context`` mode, ``config``'s (default: the snapkv preset's) KV store
     with its huge-page rounding and the prefill's workspace (``memory.check_store_fits``' sum). None when it
     cannot be told: the model cannot be read, or ``long_context`` without a config and no snapkv preset. A
@@ -108,7 +109,9 @@ def fits(info: ModelInfo, mode: Mode, config: Config | None = None) -> bool | No
         need = (store + memory.HUGE_PAGE * memory.store_regions(lc, args.n_layers)
                 + memory.prefill_workspace_bytes(lc, args, ctx, config.chunk_size,
                                                  memory.layer_major_tokens(config, ctx)))
-    return info.file_size + need <= memory.available_ram()
+    # a hybrid's DeltaNet states, live and checkpointed (kv/recurrent.py), as the engine counts them
+    states = memory.recurrent_state_bytes(info.args) * (1 + (config or Config()).state_checkpoints)
+    return info.file_size + need + states <= memory.available_ram()
 
 
 def cached_models(config: Config | None = None) -> list[CachedModel]:

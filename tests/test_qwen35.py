@@ -365,3 +365,18 @@ def test_a_kv_file_without_the_states_or_with_others_is_refused(qwen35_models, t
         other.load_session(tmp_path / "bad.kvq")
     assert "\n" not in str(info.value)
     assert other.sequence.ids == held and torch.equal(other.cache.states.ssm, ssm)
+
+
+def test_list_counts_a_hybrids_states(qwen35_models, monkeypatch):
+    """ktquest list's fit check adds the DeltaNet states and their checkpoints to the weights and the attention
+    layers' KV, as the engine does."""
+    from ktquest import catalog
+    from ktquest.kv import memory
+
+    info = catalog.read_info(qwen35_models("qwen35")[0])
+    g = global_args(info.args)
+    kv = memory.dense_bytes(g.n_layers, g.n_kv_heads, g.head_dim, info.args.context_length, torch.float32)
+    states = memory.recurrent_state_bytes(info.args) * 9  # the live one and 8 checkpoints
+    for ram, fits in ((info.file_size + kv + states, True), (info.file_size + kv + states - 1, False)):
+        monkeypatch.setattr(memory, "available_ram", lambda ram=ram: ram)
+        assert catalog.fits(info, "dense") is fits
