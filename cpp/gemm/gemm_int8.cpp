@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common/cpu_features.h"
@@ -183,6 +184,8 @@ int block_of(const QuantMatrix& m) {
 
 bool gemm_int8_supported(const QuantMatrix& m) { return block_of(m) != 0; }
 
+int gemm_int8_block(const QuantMatrix& m) { return block_of(m); }
+
 void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
   const int64_t in = p.in, nsb = in / p.qk, ng = p.qk / 16;
   for (int c = 0; c < nt; ++c) {
@@ -216,11 +219,12 @@ void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, i
   }
 }
 
-void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
-  const int qk = block_of(m);
-  const int64_t in = m.in, out = m.out, nsb = in / qk;
-  // x quantized once per call (tokens across the threads), read by every task; the calling thread's buffers are
-  // kept (a prefill calls with the same shapes chunk after chunk).
+namespace {
+
+// x [T, in] quantized per qk values (tokens across the threads) into the calling thread's buffers, kept from call
+// to call (a prefill calls with the same shapes chunk after chunk).
+KAct quantize_x(const float* x, int64_t T, int64_t in, int qk, int n_threads) {
+  const int64_t nsb = in / qk;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
   thread_local std::vector<int16_t> xs;
@@ -240,11 +244,21 @@ void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_
       for (int64_t s = 0; s < nsb; ++s)
         qsx[t * nsb + s] = qd[t * nsb + s] * float(qs[t * (in / 16) + 2 * s] + qs[t * (in / 16) + 2 * s + 1]);
   });
-  const KAct act{q, qd, qs, qsx};
-  KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
+  return {q, qd, qs, qsx};
+}
 
-  // Row of the matrix -> its part's type and bytes.
-  auto row_of = [&](int64_t o, GgmlType& t) -> const uint8_t* {
+int64_t panel_groups(const QuantMatrix& m) {
+  const int64_t n_panels = (m.out + kPanelRows - 1) / kPanelRows;
+  return (n_panels + kPanelsPerTask - 1) / kPanelsPerTask;
+}
+
+// Panel group gi of m (kPanelsPerTask panels of kPanelRows rows, unpacked into the thread's buffer) against the
+// tokens [t_begin, t_end) of act: y[t * m.out + row] (no bias).
+void run_group(const QuantMatrix& m, int qk, int64_t gi, const KAct& act, int64_t t_begin, int64_t t_end, float* y,
+               KTile* tile) {
+  thread_local PanelBuf buf;
+  const int64_t in = m.in, out = m.out;
+  auto row_of = [&](int64_t o, GgmlType& t) -> const uint8_t* {  // a row of the matrix: its part's type and bytes
     for (const QuantPart& p : m.parts) {
       if (o < p.rows) return t = p.type, p.w + o * ggml_row_bytes(p.type, in);
       o -= p.rows;
@@ -252,37 +266,65 @@ void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_
     return nullptr;
   };
   const int64_t n_panels = (out + kPanelRows - 1) / kPanelRows;
-  const int64_t n_groups = (n_panels + kPanelsPerTask - 1) / kPanelsPerTask;
+  buf.size(in);
+  const int64_t p0 = gi * kPanelsPerTask, np = std::min<int64_t>(kPanelsPerTask, n_panels - p0);
+  KPanel panels[kPanelsPerTask];
+  int rows[kPanelsPerTask];
+  for (int p = 0; p < np; ++p) {
+    const int64_t r0 = (p0 + p) * kPanelRows;
+    rows[p] = int(std::min<int64_t>(kPanelRows, out - r0));
+    int steps = 8;
+    for (int r = 0; r < kPanelRows; ++r) {
+      GgmlType t = GgmlType::Q4_K;
+      const uint8_t* row = r < rows[p] ? row_of(r0 + r, t) : nullptr;
+      buf.put_row(p, r, t, row, qk);
+      if (row != nullptr) steps = std::min(steps, steps_of(t));
+    }
+    panels[p] = buf.panel(p, steps, qk);
+  }
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileTokens) {
+    const int nt = int(std::min<int64_t>(kTileTokens, t_end - t0));
+    for (int p = 0; p < np; ++p) tile(panels[p], act, t0, nt, rows[p], y + t0 * out + (p0 + p) * kPanelRows, out);
+  }
+}
+
+void add_bias(const QuantMatrix& m, int64_t t_begin, int64_t t_end, float* y) {
+  if (m.bias)
+    for (int64_t t = t_begin; t < t_end; ++t)
+      for (int64_t o = 0; o < m.out; ++o) y[t * m.out + o] += m.bias[o];
+}
+
+}  // namespace
+
+void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
+  const int qk = block_of(m);
+  const KAct act = quantize_x(x, T, m.in, qk, n_threads);  // once per call, read by every task
+  KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
+  const int64_t n_groups = panel_groups(m);
   const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(int64_t(n_threads) * 4, n_groups));
   ThreadPool::global().parallel_for(n_tasks, n_threads, [&](int64_t task) {
-    thread_local PanelBuf buf;
-    for (int64_t gi = n_groups * task / n_tasks; gi < n_groups * (task + 1) / n_tasks; ++gi) {
-      buf.size(in);
-      const int64_t p0 = gi * kPanelsPerTask, np = std::min<int64_t>(kPanelsPerTask, n_panels - p0);
-      KPanel panels[kPanelsPerTask];
-      int rows[kPanelsPerTask];
-      for (int p = 0; p < np; ++p) {
-        const int64_t r0 = (p0 + p) * kPanelRows;
-        rows[p] = int(std::min<int64_t>(kPanelRows, out - r0));
-        int steps = 8;
-        for (int r = 0; r < kPanelRows; ++r) {
-          GgmlType t = GgmlType::Q4_K;
-          const uint8_t* row = r < rows[p] ? row_of(r0 + r, t) : nullptr;
-          buf.put_row(p, r, t, row, qk);
-          if (row != nullptr) steps = std::min(steps, steps_of(t));
-        }
-        panels[p] = buf.panel(p, steps, qk);
-      }
-      for (int64_t t0 = 0; t0 < T; t0 += kTileTokens) {
-        const int nt = int(std::min<int64_t>(kTileTokens, T - t0));
-        for (int p = 0; p < np; ++p)
-          tile(panels[p], act, t0, nt, rows[p], y + t0 * out + (p0 + p) * kPanelRows, out);
-      }
-    }
+    for (int64_t gi = n_groups * task / n_tasks; gi < n_groups * (task + 1) / n_tasks; ++gi)
+      run_group(m, qk, gi, act, 0, T, y, tile);
   });
-  if (m.bias)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t o = 0; o < out; ++o) y[t * out + o] += m.bias[o];
+  add_bias(m, 0, T, y);
+}
+
+void gemm_int8_grouped(const QuantMatrix* const* mats, const int64_t* offsets, int n, const float* x, float* y,
+                       int n_threads) {
+  const QuantMatrix& first = *mats[0];
+  const int qk = block_of(first);
+  const int64_t N = offsets[n];
+  const KAct act = quantize_x(x, N, first.in, qk, n_threads);  // every group's rows at once
+  KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
+  std::vector<std::pair<int, int64_t>> tasks;  // (matrix, its panel group), for the matrices with rows of x
+  for (int e = 0; e < n; ++e)
+    if (offsets[e + 1] > offsets[e])
+      for (int64_t gi = 0; gi < panel_groups(*mats[e]); ++gi) tasks.emplace_back(e, gi);
+  ThreadPool::global().parallel_for(int64_t(tasks.size()), n_threads, [&](int64_t i) {
+    const auto [e, gi] = tasks[size_t(i)];
+    run_group(*mats[e], qk, gi, act, offsets[e], offsets[e + 1], y, tile);
+  });
+  for (int e = 0; e < n; ++e) add_bias(*mats[e], offsets[e], offsets[e + 1], y);
 }
 
 }  // namespace ktq

@@ -37,11 +37,21 @@ namespace ktq {
 // True when every part of m is a K-quant (in % 256 == 0), or every part one of Q4_0, Q4_1, Q5_0, Q5_1: the
 // GEMM's types (a panel's rows share one block length).
 bool gemm_int8_supported(const QuantMatrix& m);
+// The values per scaled block the GEMM reads m in: 256 (K-quants), 32 (the 32-value types), 0 (not taken).
+int gemm_int8_block(const QuantMatrix& m);
 
 // x: [T, in] fp32, y: [T, out] fp32; gemm_int8_supported(m).
 // Rows split across threads; every output is one row's blocks summed in a fixed order (the thread count
 // and the kernel path do not change the result).
 void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads);
+
+// Many matrices on their own rows of x in one call (a mixture of experts' prefill: each expert's tokens, grouped):
+// rows [offsets[e], offsets[e + 1]) of x [offsets[n], in] through mats[e] into the same rows of y [offsets[n],
+// out]. Every matrix has the same in, out and block length (gemm_int8_supported, checked by the caller). x is
+// quantized once; the tasks are (matrix, panel group) pairs across the threads. Each output is what gemm_int8 of
+// that matrix on those rows gives, bit for bit.
+void gemm_int8_grouped(const QuantMatrix* const* mats, const int64_t* offsets, int n, const float* x, float* y,
+                       int n_threads);
 
 // ---- what the kernels read ----
 

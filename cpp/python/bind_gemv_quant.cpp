@@ -2,6 +2,7 @@
 //      (quant/ggml_blocks.h, gemm/gemv_blocks.h) ----
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/checked.h"
 #include "gemm/gemm_int8.h"
@@ -114,6 +115,42 @@ void bind_gemv_quant(py::module_& m) {
      "y[T, out] = q8(x)[T, in] @ dequant(m)^T (+ bias) for K-quant parts (Q4_K, Q5_K, Q6_K) or 4/5-bit 32-value "
      "parts (Q4_0, Q4_1, Q5_0, Q5_1): the prefill GEMM, x rounded to int8 per 256 or 32 values as the decode GEMV "
      "rounds it.");
+
+  m.def("gemm_int8_grouped", [](const py::sequence& mats_obj, const py::handle& offsets_obj, const py::handle& x_obj,
+                                const py::handle& y_obj, int n_threads) {
+    const size_t n = py::len(mats_obj);
+    if (n < 1) throw py::value_error("mats: at least one matrix");
+    std::vector<const QuantMatrix*> mats;
+    for (size_t e = 0; e < n; ++e) {
+      const py::handle h = mats_obj[py::int_(e)];
+      if (!py::isinstance<PyQuantMatrix>(h))
+        throw py::type_error("mats[" + std::to_string(e) + "]: expected a QuantMatrix");
+      mats.push_back(&h.cast<const PyQuantMatrix&>().m);
+    }
+    const QuantMatrix& m0 = *mats[0];
+    const int qk = gemm_int8_block(m0);
+    if (qk == 0) throw py::value_error("mats[0]: the int8 GEMM does not take its parts");
+    for (size_t e = 1; e < n; ++e)
+      if (mats[e]->in != m0.in || mats[e]->out != m0.out || gemm_int8_block(*mats[e]) != qk)
+        throw py::value_error("mats[" + std::to_string(e) + "]: every matrix must have mats[0]'s shape [" +
+                              std::to_string(m0.out) + ", " + std::to_string(m0.in) + "] and block family");
+    auto offsets = array_arg<int64_t>(offsets_obj, "offsets", {int64_t(n) + 1});
+    const int64_t* off = offsets.data();
+    if (off[0] != 0) throw py::value_error("offsets: must start at 0");
+    for (size_t e = 0; e < n; ++e)
+      if (off[e + 1] < off[e]) throw py::value_error("offsets: must not decrease");
+    auto x = array_arg<float>(x_obj, "x", {off[n], m0.in});
+    auto y = array_arg<float>(y_obj, "y", {off[n], m0.out});
+    if (!y.writeable()) throw py::value_error("y: must be writeable");
+    check_threads(n_threads);
+    if (off[n] == 0) return;
+    const float* xp = x.data();
+    float* yp = y.mutable_data();
+    py::gil_scoped_release nogil;
+    gemm_int8_grouped(mats.data(), off, int(n), xp, yp, n_threads);
+  }, py::arg("mats"), py::arg("offsets"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
+     "Rows [offsets[e], offsets[e + 1]) of x [N, in] through mats[e] into the same rows of y [N, out], in one call "
+     "(gemm_int8 of each, bit for bit): every matrix of one shape and block family.");
 
   m.def("dequantize_matrix", [](const PyQuantMatrix& M, int64_t r0, int64_t r1, const py::handle& out_obj,
                                 int n_threads, const py::handle& order_obj) {

@@ -7,16 +7,21 @@
 Each expert is a SwiGLU ``FeedForward`` on its slice of the stacked tensors [n_experts, rows, cols]: a view of
 the dequantized stack, or (weights in the file's encoding) a ``QuantWeight`` view of the mapped file, so an
 expert's pages are read only when a token is routed to it. A prefill chunk groups its tokens by expert and runs
-each used expert once on its group (a GEMV for a few tokens, the quantized GEMM for more: ``layers/linear.py``).
+each used expert once on its group (a GEMV for a few tokens, the quantized GEMM for more: ``layers/linear.py``);
+with every expert on the int8 GEMM, the groups of more than a few tokens go through one native call a matrix
+(``matrix.gemm_int8_grouped``: x quantized once, the experts' panels as the tasks of one parallel pass) instead of
+a call an expert.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ktquest.layers.linear import Linear, QuantWeight, stack_rows
+from ktquest.layers.linear import GEMV_MAX_TOKENS, Linear, QuantWeight, stack_rows
+from ktquest.native import matrix
 
 Matrix = torch.Tensor | QuantWeight  # a dequantized tensor, or the file's encoding read in place
 
@@ -79,15 +84,49 @@ class MoEFeedForward(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         xs = x.index_select(0, order // self.n_used)  # [T * k, dim], grouped by expert
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                ys[start: start + n] = self.experts[e](xs[start: start + n])
-                start += n
+        ys = self._experts(xs, counts)
         ys = ys.index_select(0, order.argsort())  # [T * k, dim] in (token, slot) order
         out = torch.bmm(weights.to(ys.dtype).unsqueeze(1), ys.view(len(x), self.n_used, -1)).squeeze(1)  # [T, dim]
         if self.shared is not None:
             g = torch.sigmoid(x @ self.shared_gate.to(x.dtype))  # [T]
             out += g[:, None] * self.shared(x)
         return out
+
+    def _experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """xs [N, dim] grouped by expert (``counts`` rows each) -> each expert's output on its rows [N, dim]: a
+        group of a few tokens through its expert's GEMV, the rest in two grouped GEMM calls (gate|up, down)
+        where every expert takes the int8 GEMM, else one expert at a time."""
+        ys = torch.empty_like(xs)
+        big = [n > GEMV_MAX_TOKENS for n in counts]
+        if any(big) and not self._groupable(xs):  # (checked only where a group is big: a decode step has none)
+            big = [False] * len(counts)
+        start = 0
+        for e, n in enumerate(counts):
+            if n and not big[e]:
+                ys[start: start + n] = self.experts[e](xs[start: start + n])
+            start += n
+        if any(big):
+            self._grouped(xs, counts, big, ys)
+        return ys
+
+    def _groupable(self, xs: torch.Tensor) -> bool:
+        """Every expert's gate|up and down on the int8 GEMM (encoded, int8 activations: ``Linear.use_x16``)."""
+        return xs.dtype == torch.float32 and all(
+            e.w_gate_up.quant is not None and e.w_gate_up._int8_gemm and e.w_down._int8_gemm for e in self.experts)
+
+    def _grouped(self, xs: torch.Tensor, counts: list[int], big: list[bool], ys: torch.Tensor) -> None:
+        """The ``big`` groups' rows of ys from two native calls (the others' rows left as they are)."""
+        ends = torch.tensor([0] + counts).cumsum(0)
+        take = torch.cat([torch.arange(int(ends[e]), int(ends[e + 1])) for e in range(len(counts)) if big[e]])
+        sizes = [n if b else 0 for n, b in zip(counts, big)]
+        offsets = np.asarray([0] + sizes, np.int64).cumsum()
+        x = xs.index_select(0, take).contiguous()  # [M, dim]: the big groups' rows, in expert order
+        first = self.experts[0]
+        threads = first.w_gate_up.threads
+        gu = torch.empty(x.shape[0], first.w_gate_up.out_features)
+        matrix.gemm_int8_grouped([e.w_gate_up.qm for e in self.experts], offsets, x.numpy(), gu.numpy(), threads)
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up).contiguous()
+        down = torch.empty(x.shape[0], first.w_down.out_features)
+        matrix.gemm_int8_grouped([e.w_down.qm for e in self.experts], offsets, act.numpy(), down.numpy(), threads)
+        ys.index_copy_(0, take, down)

@@ -23,6 +23,13 @@ def gemm_int8(m: QuantMatrix, x: np.ndarray, y: np.ndarray, threads: int) -> Non
     _C.gemm_int8(m, x, y, threads)
 
 
+def gemm_int8_grouped(mats: list[QuantMatrix], offsets: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      threads: int) -> None:
+    """Rows [offsets[e], offsets[e + 1]) of x [N, in] through mats[e] into the same rows of y [N, out], one call
+    (cpp/gemm/gemm_int8.h: each matrix's ``gemm_int8`` on its rows, bit for bit; x quantized once)."""
+    _C.gemm_int8_grouped(mats, offsets, x, y, threads)
+
+
 def dequantize_matrix(m: QuantMatrix, r0: int, r1: int, out: np.ndarray, threads: int,
                       order: np.ndarray | None = None) -> None:
     """Rows [r0, r1) of W (or, with ``order`` int32 [out], rows order[r0:r1]) as fp32 into out [r1 - r0, in]."""
