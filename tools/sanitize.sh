@@ -44,7 +44,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export PYTHONPATH="$OUT/pkg:$SITE"
 TESTS=()
 for t in test_kv_store test_dense_attention test_sparse_attention test_selection test_index test_quant_matrix test_gemv_quant \
-         test_native_decode test_fuzz_native test_snapkv_native test_delta_rule; do TESTS+=("$ROOT/tests/$t.py"); done
+         test_native_decode test_fuzz_native test_snapkv_native test_delta_rule test_gemm_grouped; do TESTS+=("$ROOT/tests/$t.py"); done
 cd "$OUT/pkg"
 "$PY" -S -c 'import ktquest._C as c, sys; assert "/build/" in c.__file__ or "sanitize" in c.__file__, c.__file__' \
   || { echo "sanitize.sh: ktquest._C is not the instrumented module" >&2; exit 1; }
