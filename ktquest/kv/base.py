@@ -15,6 +15,14 @@ import torch
 from ktquest.native.plans import TokenPlan
 
 
+def check_write(start: int, n: int, held: int, capacity: int) -> None:
+    """ValueError unless ``n`` >= 1 positions from ``start`` can be written to a cache that holds ``held``
+    tokens of at most ``capacity`` (the caches that wrap others: kv/sliding.py, kv/recurrent.py)."""
+    if n < 1 or not 0 <= start <= held or start + n > capacity:
+        raise ValueError(f"KV cache: cannot write positions {start}..{start + n - 1}: the cache holds {held} "
+                         f"tokens of at most {capacity} (max_seq_len)")
+
+
 class PromptLayers(Protocol):
     """A prompt read layer by layer (``prefill.order: layer``; ``Transformer.prefill_layers``): layer 0 over
     every chunk of the prompt in order, then layer 1, ...; made by ``KVCache.prompt_layers``."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ktquest.kv.base import check_write
 from ktquest.native.plans import TokenPlan
 
 DEFAULT_KEEP = 8
@@ -90,7 +91,7 @@ class RecurrentCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> torch.Tensor:
         """``KVCache.attend`` of an attention layer (the main cache's)."""
-        self._check_write(start_pos, q.shape[0])
+        check_write(start_pos, q.shape[0], self.pos, self.max_seq_len)
         out = self.main.attend(self.route[layer_idx][1], q, k, v, start_pos)
         self._wrote(layer_idx, start_pos + q.shape[0])
         return out
@@ -98,7 +99,7 @@ class RecurrentCache:
     def recurrent(self, layer_idx: int, start_pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """DeltaNet layer ``layer_idx``'s state for its next ``t`` tokens at ``start_pos`` (where the layer is):
         (conv [K-1, C], S [Hv, Dk, Dv]) views the layer updates in place."""
-        self._check_write(start_pos, t)
+        check_write(start_pos, t, self.pos, self.max_seq_len)
         j = self.route[layer_idx][1]
         if start_pos != self.states.hi[j]:
             raise ValueError(f"recurrent state of layer {layer_idx}: it has read {self.states.hi[j]} tokens and "
@@ -122,11 +123,6 @@ class RecurrentCache:
                 self._keep(start_pos, (conv, ssm))
         s.hi[j] = start_pos + t
         return s.conv[j], s.ssm[j]
-
-    def _check_write(self, start_pos: int, t: int) -> None:
-        if start_pos > self.pos or start_pos + t > self.max_seq_len:
-            raise ValueError(f"KV cache: cannot write positions {start_pos}..{start_pos + t - 1}: the "
-                             f"cache holds {self.pos} tokens of at most {self.max_seq_len} (max_seq_len)")
 
     def _wrote(self, layer_idx: int, end: int) -> None:
         if layer_idx == self.last_layer:
@@ -259,9 +255,7 @@ class RecurrentPromptLayers:
     prompt's start are a checkpoint, and what an interrupted prompt is put back to."""
 
     def __init__(self, cache: RecurrentCache, start: int, n: int):
-        if n < 1 or not 0 <= start <= cache.pos or start + n > cache.max_seq_len:
-            raise ValueError(f"KV cache: cannot write positions {start}..{start + n - 1}: the cache holds "
-                             f"{cache.pos} tokens of at most {cache.max_seq_len} (max_seq_len)")
+        check_write(start, n, cache.pos, cache.max_seq_len)
         if cache.rewind_point(start) != start:
             raise ValueError(f"KV cache: cannot rewind to position {start} (the recurrent state is kept at "
                              f"checkpoints only: rewind_point)")

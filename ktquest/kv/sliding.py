@@ -22,6 +22,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from ktquest.kv.base import check_write
 from ktquest.kv.placement import Placement
 from ktquest.native.attention import dense_decode_attention
 from ktquest.native.plans import TokenPlan, dense_layer
@@ -196,9 +197,7 @@ class HybridCache:
                start_pos: int) -> torch.Tensor:
         """``KVCache.attend``: the layer's window or the global cache."""
         sliding, j = self.route[layer_idx]
-        if start_pos > self.pos or start_pos + q.shape[0] > self.max_seq_len:
-            raise ValueError(f"KV cache: cannot write positions {start_pos}..{start_pos + q.shape[0] - 1}: the "
-                             f"cache holds {self.pos} tokens of at most {self.max_seq_len} (max_seq_len)")
+        check_write(start_pos, q.shape[0], self.pos, self.max_seq_len)
         out = (self.windows if sliding else self.main).attend(j, q, k, v, start_pos)
         if layer_idx == self.last_layer:
             self.pos = start_pos + q.shape[0]
@@ -304,9 +303,7 @@ class HybridPromptLayers:
     cache's ``prompt_layers``. The sliding windows are copied first: a prompt stopped part-way puts them back."""
 
     def __init__(self, cache: HybridCache, start: int, n: int):
-        if n < 1 or not 0 <= start <= cache.pos or start + n > cache.max_seq_len:
-            raise ValueError(f"KV cache: cannot write positions {start}..{start + n - 1}: the cache holds "
-                             f"{cache.pos} tokens of at most {cache.max_seq_len} (max_seq_len)")
+        check_write(start, n, cache.pos, cache.max_seq_len)
         if cache.rewind_point(start) != start:
             raise ValueError(f"KV cache: cannot rewind to position {start} (the sliding layers moved past it)")
         if start < cache.pos:
