@@ -140,21 +140,16 @@ def test_pull_resumes_a_cut_download(fake_hub: HubStandin):
     assert gets == [None, f"bytes={chunk}-"]  # the second asks for the rest only
 
 
-def test_pull_refuses_a_wrong_checksum(fake_hub: HubStandin, tiny_bytes: bytes):
+@pytest.mark.parametrize("lie, error", [("bad_sha", "sha256 .* the file was deleted"),
+                                         ("bad_size", "downloading m-Q8_0.gguf failed: Consistency check failed")])
+def test_pull_refuses_a_wrong_checksum_or_size(fake_hub: HubStandin, tiny_bytes: bytes, lie, error):
     fake_hub.repos["o/m"] = {"m-Q8_0.gguf": tiny_bytes}
-    fake_hub.bad_sha.add("m-Q8_0.gguf")
-    with pytest.raises(HubError, match="sha256 .* the file was deleted"):
+    getattr(fake_hub, lie).add("m-Q8_0.gguf")
+    with pytest.raises(HubError, match=error):
         hub.pull(ModelRef("o/m", quant="Q8_0"), progress=False)
     assert hub.resolve_cached(ModelRef("o/m", quant="Q8_0")) is None
-    assert not list(Path(constants.HF_HUB_CACHE).rglob("blobs/*"))
-
-
-def test_pull_refuses_a_wrong_size(fake_hub: HubStandin, tiny_bytes: bytes):
-    fake_hub.repos["o/m"] = {"m-Q8_0.gguf": tiny_bytes}
-    fake_hub.bad_size.add("m-Q8_0.gguf")
-    with pytest.raises(HubError, match="downloading m-Q8_0.gguf failed: Consistency check failed"):
-        hub.pull(ModelRef("o/m", quant="Q8_0"), progress=False)
-    assert hub.resolve_cached(ModelRef("o/m", quant="Q8_0")) is None
+    if lie == "bad_sha":
+        assert not list(Path(constants.HF_HUB_CACHE).rglob("blobs/*"))
 
 
 def test_pull_joins_a_split_model(fake_hub: HubStandin, tiny_models, tmp_path: Path):

@@ -90,16 +90,17 @@ def test_moe_logits_match_hf(tiny_moe, encoded):
     check_chunked_logits_match_hf(*tiny_moe, encoded)
 
 
-def check_chunked_logits_match_hf(path, hf, encoded: bool) -> None:
-    """48 tokens prefilled in uneven chunks (17, 7, 16), then 8 decode steps, against one HF forward."""
+def check_chunked_logits_match_hf(path, hf, encoded: bool, cache_of=None, tol: float = FP32_ATOL) -> None:
+    """48 tokens prefilled in uneven chunks (17, 7, 16), then 8 decode steps, against one HF forward;
+    ``cache_of(model, max_seq_len)`` makes the cache (a dense one by default), ``tol`` the atol and rtol."""
     model, _ = load_model(path, max_seq_len=64, encoded=encoded)
     tokens = prompt_ids(48, model.args.vocab_size)
     with torch.inference_mode():
         expected = hf(tokens[None]).logits[0]  # [48, V]
-        cache = make_cache(model, 64)
+        cache = (cache_of or make_cache)(model, 64)
         got = [model(tokens[0:17], 0, cache), model(tokens[17:24], 17, cache), model(tokens[24:40], 24, cache)]
         got += [model(tokens[i:i + 1], i, cache) for i in range(40, 48)]
-    torch.testing.assert_close(torch.cat(got), expected, atol=FP32_ATOL, rtol=FP32_RTOL)
+    torch.testing.assert_close(torch.cat(got), expected, atol=tol, rtol=tol)
 
 
 def greedy(model, prompt: torch.Tensor, n: int) -> list[int]:

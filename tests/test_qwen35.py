@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import write_gguf
 from test_long_context import PRESETS, full_budget
+from test_moe import check_chunked_logits_match_hf
 from tiny_qwen35 import QWEN35_SPECS, build_qwen35, qwen35_gguf_tensors, qwen35_metadata
 
 import ktquest
@@ -83,15 +84,7 @@ def test_blocks_from_the_file(qwen35_models, name):
 def test_chunked_logits_match_transformers(qwen35_models, name, encoded):
     """48 tokens prefilled in uneven chunks (17, 7, 16: the conv's state across chunk edges), then 8 decode
     steps, against one transformers forward."""
-    path, hf = qwen35_models(name)
-    model, _ = load_model(path, max_seq_len=64, encoded=encoded)
-    tokens = prompt_ids(48, model.args.vocab_size)
-    with torch.inference_mode():
-        expected = hf(tokens[None]).logits[0]  # [48, V]
-        cache = hybrid_cache(model, 64)
-        got = [model(tokens[0:17], 0, cache), model(tokens[17:24], 17, cache), model(tokens[24:40], 24, cache)]
-        got += [model(tokens[i:i + 1], i, cache) for i in range(40, 48)]
-    torch.testing.assert_close(torch.cat(got), expected, atol=ATOL, rtol=RTOL)
+    check_chunked_logits_match_hf(*qwen35_models(name), encoded, hybrid_cache, ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(QWEN35_SPECS))
