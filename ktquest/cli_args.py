@@ -40,14 +40,15 @@ _CONFIG_FLAGS = [("ctx_size", "max_seq_len"), ("threads", "threads"), ("chat_tem
 
 
 def version_line() -> str:
-    """``ktquest 0.1.0, AVX2 kernels`` (or the scalar kernels and why): what ``--version`` prints."""
+    """``ktquest 0.1.0, AVX2/FMA/F16C kernels (and AVX-VNNI)`` (or the scalar kernels and why): what
+    ``--version`` prints."""
     try:
-        from ktquest.native.cpu import cpu_features, use_avx2
+        from ktquest.native.cpu import cpu_features, use_avx2, use_avx_vnni
     except ImportError as e:  # the native extension is not built: say so, not a traceback
         return f"ktquest {ktquest.__version__}, native extension not loaded ({e})"
     if use_avx2():
-        return f"ktquest {ktquest.__version__}, AVX2/FMA/F16C kernels"
-    missing = [name for name, has in cpu_features().items() if not has]
+        return f"ktquest {ktquest.__version__}, AVX2/FMA/F16C kernels" + (" (and AVX-VNNI)" if use_avx_vnni() else "")
+    missing = [name for name in ("avx2", "fma", "f16c") if not cpu_features()[name]]
     why = f"the CPU lacks {', '.join(missing)}" if missing else "forced: KTQUEST_FORCE_SCALAR"
     return f"ktquest {ktquest.__version__}, scalar kernels ({why})"
 

@@ -9,12 +9,13 @@ from ktquest import _C
 
 def test_extension_reports_cpu_features():
     f = _C.cpu_features()
-    assert set(f) == {"avx2", "fma", "f16c"}
+    assert set(f) == {"avx2", "fma", "f16c", "avx_vnni"}
     assert all(isinstance(v, bool) for v in f.values())
 
 
 def test_force_scalar_switches_kernels():
-    has_avx2 = all(_C.cpu_features().values())
+    f = _C.cpu_features()
+    has_avx2 = f["avx2"] and f["fma"] and f["f16c"]
     try:
         _C.set_force_scalar(True)
         assert _C.use_avx2() is False
@@ -29,6 +30,27 @@ def test_env_var_forces_scalar_at_import():
     out = subprocess.run([sys.executable, "-c", "from ktquest import _C; print(_C.use_avx2())"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_vnni_kernels_follow_the_cpu_and_the_switches():
+    """The AVX-VNNI variants run only on the AVX2 path of a CPU that has AVX-VNNI; set_allow_vnni(False) and
+    KTQUEST_NO_VNNI=1 keep the AVX2 kernels, forcing scalar turns both off."""
+    f = _C.cpu_features()
+    has = f["avx2"] and f["fma"] and f["f16c"] and f["avx_vnni"]
+    try:
+        assert _C.use_avx_vnni() is has
+        _C.set_allow_vnni(False)
+        assert _C.use_avx_vnni() is False
+        _C.set_allow_vnni(True)
+        _C.set_force_scalar(True)
+        assert _C.use_avx_vnni() is False
+    finally:
+        _C.set_force_scalar(False)
+        _C.set_allow_vnni(True)
+    env = dict(os.environ, KTQUEST_NO_VNNI="1")
+    out = subprocess.run([sys.executable, "-c", "from ktquest import _C; print(_C.use_avx_vnni(), _C.use_avx2())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", str(f["avx2"] and f["fma"] and f["f16c"])]
 
 
 MALLINFO = """

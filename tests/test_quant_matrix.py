@@ -222,26 +222,55 @@ def test_int8_gemm_matches_the_int8_reference(force_scalar, family, T, threads):
         row += n
 
 
+PATHS = ("vnni", "avx2", "scalar")  # "vnni" is the AVX2 path where the CPU has no AVX-VNNI
+
+
+def on_path(path: str, fn):
+    """fn() with the GEMM's kernels of one path: the AVX-VNNI tile, the AVX2 tile or the scalar twins."""
+    _C.set_force_scalar(path == "scalar")
+    _C.set_allow_vnni(path == "vnni")
+    try:
+        return fn()
+    finally:
+        _C.set_force_scalar(False)
+        _C.set_allow_vnni(True)
+
+
 @pytest.mark.parametrize("family,inp", [("kquant", 768), ("q32", 96)])
 def test_int8_gemm_paths_agree_bitwise(family, inp):
-    """The AVX2 tile and its scalar twin take the same integer sums and the same fp32 operations per row and
-    block: the same bits, with padding rows (the row counts are not a multiple of the panel's 16) and a token
+    """The AVX-VNNI tile, the AVX2 tile and the scalar twin take the same integer sums and the same fp32
+    operations per row and block, on panels unpacked by the AVX2 kernel or its twin: the same bits, with padding
+    rows (the row counts are not a multiple of the panel's 16), panels whose rows are of two types, and a token
     count that is not a multiple of the tile's."""
     parts = family_parts(family, inp, 21)
     out = sum(raw.shape[0] for _, raw in parts)
     m = _C.QuantMatrix(parts)
     x = (torch.randn(7, inp, generator=torch.Generator().manual_seed(5)) * 3.0).numpy()
     ys = []
-    for scalar in (False, True):
-        _C.set_force_scalar(scalar)
-        try:
-            y = np.full((7, out), np.nan, np.float32)
-            _C.gemm_int8(m, x, y, 2)
-            ys.append(y)
-        finally:
-            _C.set_force_scalar(False)
+    for path in PATHS:
+        y = np.full((7, out), np.nan, np.float32)
+        on_path(path, lambda: _C.gemm_int8(m, x, y, 2))
+        ys.append(y)
     assert np.isfinite(ys[0]).all()
-    np.testing.assert_array_equal(ys[0], ys[1])
+    np.testing.assert_array_equal(ys[0], ys[2])
+    np.testing.assert_array_equal(ys[1], ys[2])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_int8_gemm_one_type_paths_agree_bitwise(qtype):
+    """A matrix of one type, 40 rows (two full panels and one of 8 rows and 8 padding rows) over three scaled
+    blocks or more (the AVX2 unpacking's prefetch two blocks ahead): the three paths give the same bits."""
+    inp = 768 if qtype.endswith("_K") else 128
+    m = _C.QuantMatrix([(qtype, random_rows(qtype, 40, inp, 9))])
+    x = (torch.randn(5, inp, generator=torch.Generator().manual_seed(6)) * 2.0).numpy()
+    ys = []
+    for path in PATHS:
+        y = np.full((5, 40), np.nan, np.float32)
+        on_path(path, lambda: _C.gemm_int8(m, x, y, 2))
+        ys.append(y)
+    assert np.isfinite(ys[2]).all()
+    np.testing.assert_array_equal(ys[0], ys[2])
+    np.testing.assert_array_equal(ys[1], ys[2])
 
 
 def max_code_rows(qtype: str, out: int, inp: int) -> np.ndarray:
@@ -258,23 +287,20 @@ def max_code_rows(qtype: str, out: int, inp: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-@pytest.mark.parametrize("scalar", [False, True])
-def test_int8_gemm_at_the_int16_bound(qtype, scalar):
+@pytest.mark.parametrize("path", PATHS)
+def test_int8_gemm_at_the_int16_bound(qtype, path):
     """The int16 pair sums at their largest: every code at its type's maximum against x of one magnitude (every
     quantized value +-127), the most steps each type adds up before widening; a step too many would saturate
-    and miss the reference by far. Both kernel paths; a single 32-value block, and several."""
+    and miss the reference by far (and the VNNI tile's int32 sums at their largest). The three kernel paths; a
+    single 32-value block, and several."""
     for inp in ((256, 512) if qtype in ("Q4_K", "Q5_K", "Q6_K") else (32, 96)):
         raw = max_code_rows(qtype, 19, inp)
         m = _C.QuantMatrix([(qtype, raw)])
         x = torch.full((4, inp), 0.75)
         x[1] = -0.75
         x[2, ::2] = -0.75
-        _C.set_force_scalar(scalar)
-        try:
-            y = np.full((4, 19), np.nan, np.float32)
-            _C.gemm_int8(m, x.numpy(), y, 2)
-        finally:
-            _C.set_force_scalar(False)
+        y = np.full((4, 19), np.nan, np.float32)
+        on_path(path, lambda: _C.gemm_int8(m, x.numpy(), y, 2))
         ref, tol = reference(qtype, raw, x, torch.zeros(19))
         got = torch.from_numpy(y).double()
         assert ((got - ref).abs() <= tol).all(), f"{qtype} in={inp}: max excess {((got - ref).abs() - tol).max():.3g}"

@@ -19,52 +19,60 @@ namespace {
 
 constexpr int kPanelsPerTask = 4;  // panels unpacked together: a token's x is read once per four panels
 
-// One scaled block of a row (a super-block of 256 values, or a block of 32) in the type-free form: codes
-// 0..63, each 16-value group's integer scale and min; the first qk / 16 groups are used.
-struct SuperBlock {
-  uint8_t codes[kQK];
+// One scaled block's scales, type-free: each 16-value group's integer scale and min (the first qk / 16 used), and
+// the block's d and dmin (the codes: block_codes).
+struct BlockScales {
   int16_t scale[16], min[16];
   float d, dm;
 };
 
-// Q4_K / Q5_K: their codes (k_code); a sub-block's 6-bit scale and min on both of its groups.
+// Q4_K / Q5_K: a sub-block's 6-bit scale and min on both of its groups.
 template <class Block>
-void unpack(const Block& b, SuperBlock& u) {
+void k_scales(const Block& b, BlockScales& u) {
   uint8_t sc[16];
   unpack_k_scales(b.scales, sc);
   for (int s = 0; s < 8; ++s) {
-    for (int l = 0; l < 32; ++l) u.codes[32 * s + l] = uint8_t(k_code(b, s, l));
     u.scale[2 * s] = u.scale[2 * s + 1] = sc[s];
     u.min[2 * s] = u.min[2 * s + 1] = sc[8 + s];
   }
   u.d = f16_to_f32(b.d), u.dm = f16_to_f32(b.dmin);
 }
 
-// Q6_K (ggml_blocks.h): element l + 32k of half h, codes 0..63 (the -32 moves into the min: 32 x the scale).
-void unpack(const BlockQ6_K& b, SuperBlock& u) {
-  for (int half = 0; half < 2; ++half) {
-    const uint8_t* ql = b.ql + 64 * half;
-    const uint8_t* qh = b.qh + 32 * half;
-    for (int k = 0; k < 4; ++k) {
-      const int s = 4 * half + k;  // sub-block of 32 values
-      for (int l = 0; l < 32; ++l) {
-        const int lo = k % 2 ? ql[l + 32] : ql[l];
-        u.codes[32 * s + l] = uint8_t((k < 2 ? lo & 15 : lo >> 4) | ((qh[l] >> (2 * k)) & 3) << 4);
-      }
+// Scaled block s of a row of type t (a super-block of 256 values, or a block of 32). Q6_K: the -32 moves into
+// the min (32 x the scale); the 32-value types: scale 1, the offset a min (Q4_0 / Q5_0: 8 / 16 with dm = d;
+// Q4_1 / Q5_1: 1 with dm = -m).
+void block_scales(GgmlType t, const uint8_t* row, int64_t s, BlockScales& u) {
+  switch (t) {
+    case GgmlType::Q4_K: return k_scales(reinterpret_cast<const BlockQ4_K*>(row)[s], u);
+    case GgmlType::Q5_K: return k_scales(reinterpret_cast<const BlockQ5_K*>(row)[s], u);
+    case GgmlType::Q6_K: {
+      const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[s];
+      for (int g = 0; g < 16; ++g) u.scale[g] = b.scales[g], u.min[g] = int16_t(32 * b.scales[g]);
+      u.d = u.dm = f16_to_f32(b.d);
+      return;
+    }
+    case GgmlType::Q4_0: u.min[0] = 8, u.d = u.dm = f16_to_f32(reinterpret_cast<const BlockQ4_0*>(row)[s].d); break;
+    case GgmlType::Q5_0: u.min[0] = 16, u.d = u.dm = f16_to_f32(reinterpret_cast<const BlockQ5_0*>(row)[s].d); break;
+    case GgmlType::Q4_1: {
+      const auto& b = reinterpret_cast<const BlockQ4_1*>(row)[s];
+      u.min[0] = 1, u.d = f16_to_f32(b.d), u.dm = -f16_to_f32(b.m);
+      break;
+    }
+    default: {  // Q5_1
+      const auto& b = reinterpret_cast<const BlockQ5_1*>(row)[s];
+      u.min[0] = 1, u.d = f16_to_f32(b.d), u.dm = -f16_to_f32(b.m);
+      break;
     }
   }
-  for (int g = 0; g < 16; ++g) u.scale[g] = b.scales[g], u.min[g] = int16_t(32 * b.scales[g]);
-  u.d = u.dm = f16_to_f32(b.d);
+  u.scale[0] = u.scale[1] = 1, u.min[1] = u.min[0];  // the 32-value types
 }
 
-// The 32-value types (ggml_blocks.h): nibble j (and bit j of qh) is element j; scale 1, the offset a min.
-template <class Block>
-void unpack32(const Block& b, uint32_t qh, SuperBlock& u) {
+// The 32-value types (ggml_blocks.h): nibble j (and bit j of qh) is element j.
+void codes32(const uint8_t* qs, uint32_t qh, uint8_t* codes) {
   for (int j = 0; j < 16; ++j) {
-    u.codes[j] = uint8_t((b.qs[j] & 15) | ((qh >> j) & 1) << 4);
-    u.codes[j + 16] = uint8_t((b.qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    codes[j] = uint8_t((qs[j] & 15) | ((qh >> j) & 1) << 4);
+    codes[j + 16] = uint8_t((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
   }
-  u.scale[0] = u.scale[1] = 1;
 }
 
 uint32_t qh_of(const uint8_t* qh) {
@@ -73,35 +81,44 @@ uint32_t qh_of(const uint8_t* qh) {
   return v;
 }
 
-// Scaled block s of a row of type t (a super-block of 256 values, or a block of 32).
-void unpack_any(GgmlType t, const uint8_t* row, int64_t s, SuperBlock& u) {
+// The qk codes (0..63) of scaled block s of a row of type t, in element order: Q4_K / Q5_K through k_code, Q6_K
+// element l + 32k of half h as ggml_blocks.h spells it.
+void block_codes(GgmlType t, const uint8_t* row, int64_t s, uint8_t* codes) {
   switch (t) {
-    case GgmlType::Q4_K: return unpack(reinterpret_cast<const BlockQ4_K*>(row)[s], u);
-    case GgmlType::Q5_K: return unpack(reinterpret_cast<const BlockQ5_K*>(row)[s], u);
-    case GgmlType::Q6_K: return unpack(reinterpret_cast<const BlockQ6_K*>(row)[s], u);
-    case GgmlType::Q4_0: {  // d * (q - 8)
-      const auto& b = reinterpret_cast<const BlockQ4_0*>(row)[s];
-      unpack32(b, 0, u);
-      u.min[0] = u.min[1] = 8, u.d = u.dm = f16_to_f32(b.d);
+    case GgmlType::Q4_K: {
+      const auto& b = reinterpret_cast<const BlockQ4_K*>(row)[s];
+      for (int sb = 0; sb < 8; ++sb)
+        for (int l = 0; l < 32; ++l) codes[32 * sb + l] = uint8_t(k_code(b, sb, l));
       return;
     }
-    case GgmlType::Q4_1: {  // d * q + m
-      const auto& b = reinterpret_cast<const BlockQ4_1*>(row)[s];
-      unpack32(b, 0, u);
-      u.min[0] = u.min[1] = 1, u.d = f16_to_f32(b.d), u.dm = -f16_to_f32(b.m);
+    case GgmlType::Q5_K: {
+      const auto& b = reinterpret_cast<const BlockQ5_K*>(row)[s];
+      for (int sb = 0; sb < 8; ++sb)
+        for (int l = 0; l < 32; ++l) codes[32 * sb + l] = uint8_t(k_code(b, sb, l));
       return;
     }
-    case GgmlType::Q5_0: {  // d * (q - 16)
+    case GgmlType::Q6_K: {
+      const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[s];
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* ql = b.ql + 64 * half;
+        const uint8_t* qh = b.qh + 32 * half;
+        for (int k = 0; k < 4; ++k)
+          for (int l = 0; l < 32; ++l) {
+            const int lo = k % 2 ? ql[l + 32] : ql[l];
+            codes[32 * (4 * half + k) + l] = uint8_t((k < 2 ? lo & 15 : lo >> 4) | ((qh[l] >> (2 * k)) & 3) << 4);
+          }
+      }
+      return;
+    }
+    case GgmlType::Q4_0: return codes32(reinterpret_cast<const BlockQ4_0*>(row)[s].qs, 0, codes);
+    case GgmlType::Q4_1: return codes32(reinterpret_cast<const BlockQ4_1*>(row)[s].qs, 0, codes);
+    case GgmlType::Q5_0: {
       const auto& b = reinterpret_cast<const BlockQ5_0*>(row)[s];
-      unpack32(b, qh_of(b.qh), u);
-      u.min[0] = u.min[1] = 16, u.d = u.dm = f16_to_f32(b.d);
-      return;
+      return codes32(b.qs, qh_of(b.qh), codes);
     }
-    default: {  // Q5_1: d * q + m
+    default: {  // Q5_1
       const auto& b = reinterpret_cast<const BlockQ5_1*>(row)[s];
-      unpack32(b, qh_of(b.qh), u);
-      u.min[0] = u.min[1] = 1, u.d = f16_to_f32(b.d), u.dm = -f16_to_f32(b.m);
-      return;
+      return codes32(b.qs, qh_of(b.qh), codes);
     }
   }
 }
@@ -144,29 +161,10 @@ struct PanelBuf {
     return {codes.data() + r * size_t(in), sv.data() + r * size_t(in / 8), mi.data() + r * size_t(in / 16),
             d.data() + r * size_t(in / kQ32), dm.data() + r * size_t(in / kQ32), in, steps, qk};
   }
-  // Row r of panel p from a row of type t in blocks of qk values; row == nullptr writes a padding row (zero codes,
-  // scales and mins).
-  void put_row(int p, int r, GgmlType t, const uint8_t* row, int qk) {
-    const size_t base = size_t(p * kPanelRows);
-    uint8_t* c = codes.data() + base * size_t(in);
-    int16_t* s_v = sv.data() + base * size_t(in / 8);
-    int16_t* m_i = mi.data() + base * size_t(in / 16);
-    float* d_ = d.data() + base * size_t(in / kQ32);
-    float* dm_ = dm.data() + base * size_t(in / kQ32);
-    const int ng = qk / 16;  // 16-value groups of a block
-    SuperBlock u{};
-    for (int64_t s = 0; s < in / qk; ++s) {
-      if (row != nullptr) unpack_any(t, row, s, u);  // a padding row keeps u all zeros
-      for (int q = 0; q < qk / 4; ++q)
-        std::memcpy(c + ((s * qk / 4 + q) * kPanelRows + r) * 4, u.codes + 4 * q, 4);
-      for (int g = 0; g < ng; ++g) {
-        const int64_t gg = s * ng + g;
-        s_v[(gg * kPanelRows + r) * 2] = s_v[(gg * kPanelRows + r) * 2 + 1] = u.scale[g];
-        m_i[((gg / 2) * kPanelRows + r) * 2 + gg % 2] = u.min[g];
-      }
-      d_[s * kPanelRows + r] = u.d;
-      dm_[s * kPanelRows + r] = qk == kQ32 ? u.dm * float(u.min[0]) : u.dm;  // (KPanel::dm)
-    }
+  KPanelOut out(int p) {
+    const size_t r = size_t(p * kPanelRows);
+    return {codes.data() + r * size_t(in), sv.data() + r * size_t(in / 8), mi.data() + r * size_t(in / 16),
+            d.data() + r * size_t(in / kQ32), dm.data() + r * size_t(in / kQ32)};
   }
 };
 
@@ -219,6 +217,30 @@ void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, i
   }
 }
 
+void gemm_int8_unpack_scalar(const GgmlType* types, const uint8_t* const* rows, int64_t in, int qk,
+                             const KPanelOut& out) {
+  const int ng = qk / 16;  // 16-value groups of a block
+  uint8_t u[kQK];
+  for (int r = 0; r < kPanelRows; ++r)
+    for (int64_t s = 0; s < in / qk; ++s) {
+      BlockScales b{};  // a padding row keeps zeros
+      if (rows[r] != nullptr) {
+        block_codes(types[r], rows[r], s, u);
+        block_scales(types[r], rows[r], s, b);
+      } else {
+        std::memset(u, 0, size_t(qk));
+      }
+      for (int q = 0; q < qk / 4; ++q) std::memcpy(out.codes + ((s * qk / 4 + q) * kPanelRows + r) * 4, u + 4 * q, 4);
+      for (int g = 0; g < ng; ++g) {
+        const int64_t gg = s * ng + g;
+        out.sv[(gg * kPanelRows + r) * 2] = out.sv[(gg * kPanelRows + r) * 2 + 1] = b.scale[g];
+        out.mi[((gg / 2) * kPanelRows + r) * 2 + gg % 2] = b.min[g];
+      }
+      out.d[s * kPanelRows + r] = b.d;
+      out.dm[s * kPanelRows + r] = qk == kQ32 ? b.dm * float(b.min[0]) : b.dm;  // (KPanel::dm)
+    }
+}
+
 namespace {
 
 // x [T, in] quantized per qk values (tokens across the threads) into the calling thread's buffers, kept from call
@@ -247,6 +269,17 @@ KAct quantize_x(const float* x, int64_t T, int64_t in, int qk, int n_threads) {
   return {q, qd, qs, qsx};
 }
 
+struct Kernels {  // the AVX2 pair or the scalar twins
+  KUnpack* unpack;
+  KTile* tile;
+};
+
+Kernels kernels() {
+  if (use_avx_vnni()) return {gemm_int8_unpack_avx2, gemm_int8_tile_vnni};
+  if (use_avx2()) return {gemm_int8_unpack_avx2, gemm_int8_tile_avx2};
+  return {gemm_int8_unpack_scalar, gemm_int8_tile_scalar};
+}
+
 int64_t panel_groups(const QuantMatrix& m) {
   const int64_t n_panels = (m.out + kPanelRows - 1) / kPanelRows;
   return (n_panels + kPanelsPerTask - 1) / kPanelsPerTask;
@@ -255,7 +288,7 @@ int64_t panel_groups(const QuantMatrix& m) {
 // Panel group gi of m (kPanelsPerTask panels of kPanelRows rows, unpacked into the thread's buffer) against the
 // tokens [t_begin, t_end) of act: y[t * m.out + row] (no bias).
 void run_group(const QuantMatrix& m, int qk, int64_t gi, const KAct& act, int64_t t_begin, int64_t t_end, float* y,
-               KTile* tile) {
+               const Kernels& kernels) {
   thread_local PanelBuf buf;
   const int64_t in = m.in, out = m.out;
   auto row_of = [&](int64_t o, GgmlType& t) -> const uint8_t* {  // a row of the matrix: its part's type and bytes
@@ -273,18 +306,21 @@ void run_group(const QuantMatrix& m, int qk, int64_t gi, const KAct& act, int64_
   for (int p = 0; p < np; ++p) {
     const int64_t r0 = (p0 + p) * kPanelRows;
     rows[p] = int(std::min<int64_t>(kPanelRows, out - r0));
+    GgmlType types[kPanelRows];
+    const uint8_t* row[kPanelRows];
     int steps = 8;
     for (int r = 0; r < kPanelRows; ++r) {
-      GgmlType t = GgmlType::Q4_K;
-      const uint8_t* row = r < rows[p] ? row_of(r0 + r, t) : nullptr;
-      buf.put_row(p, r, t, row, qk);
-      if (row != nullptr) steps = std::min(steps, steps_of(t));
+      types[r] = GgmlType::Q4_K;
+      row[r] = r < rows[p] ? row_of(r0 + r, types[r]) : nullptr;
+      if (row[r] != nullptr) steps = std::min(steps, steps_of(types[r]));
     }
+    kernels.unpack(types, row, in, qk, buf.out(p));
     panels[p] = buf.panel(p, steps, qk);
   }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTileTokens) {
     const int nt = int(std::min<int64_t>(kTileTokens, t_end - t0));
-    for (int p = 0; p < np; ++p) tile(panels[p], act, t0, nt, rows[p], y + t0 * out + (p0 + p) * kPanelRows, out);
+    for (int p = 0; p < np; ++p)
+      kernels.tile(panels[p], act, t0, nt, rows[p], y + t0 * out + (p0 + p) * kPanelRows, out);
   }
 }
 
@@ -299,12 +335,12 @@ void add_bias(const QuantMatrix& m, int64_t t_begin, int64_t t_end, float* y) {
 void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_threads) {
   const int qk = block_of(m);
   const KAct act = quantize_x(x, T, m.in, qk, n_threads);  // once per call, read by every task
-  KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
+  const Kernels k = kernels();
   const int64_t n_groups = panel_groups(m);
   const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(int64_t(n_threads) * 4, n_groups));
   ThreadPool::global().parallel_for(n_tasks, n_threads, [&](int64_t task) {
     for (int64_t gi = n_groups * task / n_tasks; gi < n_groups * (task + 1) / n_tasks; ++gi)
-      run_group(m, qk, gi, act, 0, T, y, tile);
+      run_group(m, qk, gi, act, 0, T, y, k);
   });
   add_bias(m, 0, T, y);
 }
@@ -315,14 +351,14 @@ void gemm_int8_grouped(const QuantMatrix* const* mats, const int64_t* offsets, i
   const int qk = block_of(first);
   const int64_t N = offsets[n];
   const KAct act = quantize_x(x, N, first.in, qk, n_threads);  // every group's rows at once
-  KTile* tile = use_avx2() ? gemm_int8_tile_avx2 : gemm_int8_tile_scalar;
+  const Kernels k = kernels();
   std::vector<std::pair<int, int64_t>> tasks;  // (matrix, its panel group), for the matrices with rows of x
   for (int e = 0; e < n; ++e)
     if (offsets[e + 1] > offsets[e])
       for (int64_t gi = 0; gi < panel_groups(*mats[e]); ++gi) tasks.emplace_back(e, gi);
   ThreadPool::global().parallel_for(int64_t(tasks.size()), n_threads, [&](int64_t i) {
     const auto [e, gi] = tasks[size_t(i)];
-    run_group(*mats[e], qk, gi, act, offsets[e], offsets[e + 1], y, tile);
+    run_group(*mats[e], qk, gi, act, offsets[e], offsets[e + 1], y, k);
   });
   for (int e = 0; e < n; ++e) add_bias(*mats[e], offsets[e], offsets[e + 1], y);
 }

@@ -10,7 +10,8 @@
 //   maddubs(codes of 8 rows x 4 values, x broadcast)  -> 16 int16 pair sums (two per row)
 // and the pair sums of W steps add up in int16 before one madd with the rows' scales widens them to int32
 // (W = 8 for Q4_K, Q4_0, Q4_1; 4 for Q5_K, Q5_0, Q5_1; 2 for Q6_K: the most steps whose sum cannot leave int16,
-// codes < 16 / 32 / 64 against |x| <= 127). Per scaled block (a super-block of 256 values, or 32) each row's sum is
+// codes < 16 / 32 / 64 against |x| <= 127; where the CPU has AVX-VNNI, one vpdpbusd a step sums in int32 instead,
+// gemm_int8_vnni.cpp). Per scaled block (a super-block of 256 values, or 32) each row's sum is
 //   d * dx * sum_g scale_g * dot_g(codes, xq)  -  dm * dx * sum_g min_g * sum16_g(xq)
 // over its 16-value groups g, exactly the type's dequant(w) . (dx * xq) (Q4_K / Q5_K: each sub-block's 6-bit
 // scale and min on both its groups, d and dmin; Q6_K: codes 0..63, the int8 group scale, min 32 x the scale,
@@ -81,5 +82,23 @@ struct KAct {  // x quantized per qk values (quant/q8_act.h): token t's data at 
 using KTile = void(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
 void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
 void gemm_int8_tile_avx2(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
+void gemm_int8_tile_vnni(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
+
+struct KPanelOut {  // where a panel is unpacked: KPanel's arrays, writable
+  uint8_t* codes;
+  int16_t* sv;
+  int16_t* mi;
+  float* d;
+  float* dm;
+};
+
+// A panel's sixteen rows, every scaled block of in values, unpacked into KPanel's layout: rows[r] the bytes of a
+// row of type types[r] (one family: blocks of qk values), nullptr a padding row (zero codes, scales and mins).
+// One call a panel: what a prefill pays once per matrix and chunk, and a mixture of experts once per expert and
+// chunk for its few tokens.
+using KUnpack = void(const GgmlType* types, const uint8_t* const* rows, int64_t in, int qk, const KPanelOut& out);
+void gemm_int8_unpack_scalar(const GgmlType* types, const uint8_t* const* rows, int64_t in, int qk,
+                             const KPanelOut& out);
+void gemm_int8_unpack_avx2(const GgmlType* types, const uint8_t* const* rows, int64_t in, int qk, const KPanelOut& out);
 
 }  // namespace ktq

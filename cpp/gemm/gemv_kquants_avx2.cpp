@@ -18,20 +18,6 @@ inline __m256i bcast_i16(__m256i v, int s) {
   return _mm256_shuffle_epi8(v, _mm256_set1_epi16(short(0x0202 * s + 0x0100)));
 }
 
-// The 12 packed bytes of a Q4_K/Q5_K super-block -> [sc0..sc7 | mn0..mn7] as int16 (unpack_k_scales on the three
-// little-endian words w0 w1 w2, in vector registers: scalar stores reloaded as one vector would stall the load).
-//   sc0..3 = w0 & 63, mn0..3 = w1 & 63, sc4..7 = (w2 & 15) | (w0 >> 6) << 4, mn4..7 = (w2 >> 4 & 15) | (w1 >> 6) << 4
-// (per byte). The 16-byte load reads 4 bytes past the scales, inside the block.
-inline __m256i scales_mins(const uint8_t* packed) {
-  const __m128i v = loadu128(packed);
-  const __m128i m6 = _mm_set1_epi8(0x3f), m4 = _mm_set1_epi8(0x0f), m2 = _mm_set1_epi8(0x03);
-  const __m128i low6 = _mm_and_si128(v, m6);                                             // [sc0..3, mn0..3, .]
-  const __m128i top2 = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(v, 6), m2), 4);        // [w0's, w1's, .]
-  const __m128i w2 = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0xAA), _mm_setr_epi32(0, 4, 0, 0));  // [w2, w2 >> 4, .]
-  const __m128i high = _mm_or_si128(_mm_and_si128(w2, m4), top2);                        // [sc4..7, mn4..7, .]
-  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi32(low6, high));
-}
-
 // sum_s mn[s] * sum(q8 over sub-block s) as 4 int32 lanes.
 inline __m128i mins_dot(__m256i sc_mn, const int16_t* sum32) {
   return _mm_madd_epi16(_mm256_extracti128_si256(sc_mn, 1), loadu128(sum32));

@@ -1,5 +1,5 @@
-"""The native code's process-wide settings: which kernels run (AVX2/FMA/F16C, picked from the CPU's features at
-run time, or the scalar twins when forced) and the C heap's settings while a prompt is read."""
+"""The native code's process-wide settings: which kernels run (AVX2/FMA/F16C, with AVX-VNNI variants where the
+CPU has it, picked from the CPU's features at run time, or the scalar twins when forced) and the C heap's settings while a prompt is read."""
 
 from __future__ import annotations
 
@@ -9,13 +9,18 @@ from ktquest import _C
 
 
 def cpu_features() -> dict[str, bool]:
-    """The CPU's features as the kernels see them: {'avx2', 'fma', 'f16c'} -> bool."""
+    """The CPU's features as the kernels see them: {'avx2', 'fma', 'f16c', 'avx_vnni'} -> bool."""
     return _C.cpu_features()
 
 
 def use_avx2() -> bool:
     """True when the AVX2/FMA/F16C kernels run (the CPU has them and the scalar twins are not forced)."""
     return _C.use_avx2()
+
+
+def use_avx_vnni() -> bool:
+    """True when the kernels with an AVX-VNNI variant use it (on the AVX2 path; KTQUEST_NO_VNNI=1 says no)."""
+    return _C.use_avx_vnni()
 
 
 def set_force_scalar(force: bool) -> None:
