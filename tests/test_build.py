@@ -110,3 +110,29 @@ def test_prefill_heap_serves_temporaries_from_the_heap_then_trims():
     assert inside == 0
     assert after >= 4 << 20
     assert trimmed >= 4 << 20
+
+
+def test_prefill_pauses_the_cycle_collector_and_restores_it():
+    """``prefill_heap`` pauses Python's cycle collector while a prompt is read and leaves it as it found it
+    (on, or off where the caller had turned it off), an exception included."""
+    import gc
+
+    from ktquest.native.cpu import prefill_heap
+
+    assert gc.isenabled()
+    with prefill_heap():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with prefill_heap():
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with prefill_heap():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
