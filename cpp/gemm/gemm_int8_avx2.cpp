@@ -31,7 +31,16 @@ struct Maddubs {
 
 // The 32 codes of sub-block j (32 values) of scaled block s of a row of type t, in element order: the same
 // values as the scalar twin's block_codes.
-__m256i sub_codes(GgmlType t, const uint8_t* row, int64_t s, int j) {
+// kT: the panel's one type (a GgmlType), each function then compiled for it alone; -1: each row's own type t.
+template <int kT>
+inline GgmlType type_of(GgmlType t) {
+  if constexpr (kT >= 0) return GgmlType(kT);
+  return t;
+}
+
+template <int kT>
+inline __attribute__((always_inline)) __m256i sub_codes(GgmlType t, const uint8_t* row, int64_t s, int j) {
+  t = type_of<kT>(t);
   const __m256i m4 = _mm256_set1_epi8(0xF);
   switch (t) {
     case GgmlType::Q4_K:
@@ -114,7 +123,9 @@ struct RowScales {
   float d, dm;
 };
 
-RowScales k_row_scales(GgmlType t, const uint8_t* row, int64_t s) {
+template <int kT>
+inline __attribute__((always_inline)) RowScales k_row_scales(GgmlType t, const uint8_t* row, int64_t s) {
+  t = type_of<kT>(t);
   if (t == GgmlType::Q6_K) {  // int8 scales, one a group; min 32 x the scale
     const auto& b = reinterpret_cast<const BlockQ6_K*>(row)[s];
     const __m256i sc = _mm256_cvtepi8_epi16(avx2::loadu128(b.scales));  // 16 int16
@@ -142,11 +153,12 @@ inline void store_dwords(int16_t* p, int64_t dword, __m256i v) {
 
 // Eight rows' scales of K-quant block s: three transposes, each register k then the eight rows' dword of group
 // (or pair) k.
+template <int kT>
 void k_scales8(const GgmlType* types, const uint8_t* const* rows, int64_t s, int r0, const KPanelOut& out) {
   __m256i g0[8], g1[8], mi[8];
   for (int i = 0; i < 8; ++i) {
     RowScales v{_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), 0.f, 0.f};  // padding
-    if (rows[r0 + i] != nullptr) v = k_row_scales(types[r0 + i], rows[r0 + i], s);
+    if (rows[r0 + i] != nullptr) v = k_row_scales<kT>(types[r0 + i], rows[r0 + i], s);
     g0[i] = v.g0, g1[i] = v.g1, mi[i] = v.mi;
     out.d[s * kPanelRows + r0 + i] = v.d, out.dm[s * kPanelRows + r0 + i] = v.dm;
   }
@@ -175,20 +187,19 @@ void q32_scales(GgmlType t, const uint8_t* row, int64_t s, int r, const KPanelOu
   out.d[s * kPanelRows + r] = d, out.dm[s * kPanelRows + r] = dm * float(mn);
 }
 
-}  // namespace
 
 // Eight rows at a time: a sub-block of each is eight registers of eight dwords (four codes each); transposed,
 // register k holds dword k of every row, the eight rows' lanes of step q0 + k in the panel (gemm_int8.h: row r's
 // four values of step q at bytes (16q + r) * 4). The rows' next blocks are prefetched two blocks ahead: sixteen
 // rows are sixteen streams, more than the hardware prefetchers follow (a [12288 x 4096] Q4_K matrix against 16
 // tokens, one thread: 47 -> 55 GMAC/s).
-void gemm_int8_unpack_avx2(const GgmlType* types, const uint8_t* const* rows, int64_t in, int qk,
-                           const KPanelOut& out) {
+template <int kT>
+void unpack_panel(const GgmlType* types, const uint8_t* const* rows, int64_t in, int qk, const KPanelOut& out) {
   const int64_t nb = in / qk;
   for (int64_t s = 0; s < nb; ++s) {
     for (int r = 0; r < kPanelRows && s + 2 < nb; ++r)
       if (rows[r] != nullptr) {
-        const int64_t bb = ggml_row_bytes(types[r], qk);
+        const int64_t bb = ggml_row_bytes(type_of<kT>(types[r]), qk);
         for (int64_t off = 0; off < bb; off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + (s + 2) * bb + off, _MM_HINT_T0);
       }
@@ -196,18 +207,37 @@ void gemm_int8_unpack_avx2(const GgmlType* types, const uint8_t* const* rows, in
       for (int j = 0; j < qk / 32; ++j) {
         __m256i v[8];
         for (int i = 0; i < 8; ++i)
-          v[i] = rows[r0 + i] != nullptr ? sub_codes(types[r0 + i], rows[r0 + i], s, j) : _mm256_setzero_si256();
+          v[i] = rows[r0 + i] != nullptr ? sub_codes<kT>(types[r0 + i], rows[r0 + i], s, j) : _mm256_setzero_si256();
         transpose8(v);
         const int64_t q0 = s * (qk / 4) + 8 * j;
         for (int k = 0; k < 8; ++k)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.codes + ((q0 + k) * kPanelRows + r0) * 4), v[k]);
       }
       if (qk == kQK)
-        k_scales8(types, rows, s, r0, out);
+        k_scales8<kT>(types, rows, s, r0, out);
       else
         for (int i = 0; i < 8; ++i) q32_scales(types[r0 + i], rows[r0 + i], s, r0 + i, out);
     }
   }
+}
+
+}  // namespace
+
+// A panel whose rows are all of one type (every panel but one straddling two parts of a fused matrix) takes the
+// code compiled for that type: no dispatch per row and block.
+void gemm_int8_unpack_avx2(const GgmlType* types, const uint8_t* const* rows, int64_t in, int qk,
+                           const KPanelOut& out) {
+  bool one = true;
+  for (int r = 1; r < kPanelRows; ++r) one = one && (rows[r] == nullptr || types[r] == types[0]);
+  if (one && rows[0] != nullptr) {
+    switch (types[0]) {
+      case GgmlType::Q4_K: return unpack_panel<int(GgmlType::Q4_K)>(types, rows, in, qk, out);
+      case GgmlType::Q5_K: return unpack_panel<int(GgmlType::Q5_K)>(types, rows, in, qk, out);
+      case GgmlType::Q6_K: return unpack_panel<int(GgmlType::Q6_K)>(types, rows, in, qk, out);
+      default: break;
+    }
+  }
+  unpack_panel<-1>(types, rows, in, qk, out);
 }
 
 }  // namespace ktq
