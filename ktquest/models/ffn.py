@@ -115,18 +115,25 @@ class MoEFeedForward(nn.Module):
             e.w_gate_up.quant is not None and e.w_gate_up._int8_gemm and e.w_down._int8_gemm for e in self.experts)
 
     def _grouped(self, xs: torch.Tensor, counts: list[int], big: list[bool], ys: torch.Tensor) -> None:
-        """The ``big`` groups' rows of ys from two native calls (the others' rows left as they are)."""
-        ends = torch.tensor([0] + counts).cumsum(0)
-        take = torch.cat([torch.arange(int(ends[e]), int(ends[e + 1])) for e in range(len(counts)) if big[e]])
+        """The ``big`` groups' rows of ys from two native calls (the others' rows left as they are). Where every
+        group is big (a prefill chunk: some 16 tokens an expert), on xs and into ys in place, without gathering
+        the rows (two copies of [T * k, dim] a layer and chunk)."""
+        every = all(big)
+        if every:
+            x, take = xs, None
+        else:
+            ends = torch.tensor([0] + counts).cumsum(0)
+            take = torch.cat([torch.arange(int(ends[e]), int(ends[e + 1])) for e in range(len(counts)) if big[e]])
+            x = xs.index_select(0, take).contiguous()  # [M, dim]: the big groups' rows, in expert order
         sizes = [n if b else 0 for n, b in zip(counts, big)]
         offsets = np.asarray([0] + sizes, np.int64).cumsum()
-        x = xs.index_select(0, take).contiguous()  # [M, dim]: the big groups' rows, in expert order
         first = self.experts[0]
         threads = first.w_gate_up.threads
         gu = torch.empty(x.shape[0], first.w_gate_up.out_features)
         matrix.gemm_int8_grouped([e.w_gate_up.qm for e in self.experts], offsets, x.numpy(), gu.numpy(), threads)
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up).contiguous()
-        down = torch.empty(x.shape[0], first.w_down.out_features)
+        down = ys if every else torch.empty(x.shape[0], first.w_down.out_features)
         matrix.gemm_int8_grouped([e.w_down.qm for e in self.experts], offsets, act.numpy(), down.numpy(), threads)
-        ys.index_copy_(0, take, down)
+        if not every:
+            ys.index_copy_(0, take, down)
