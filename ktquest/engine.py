@@ -85,8 +85,6 @@ class Engine:
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)
         self.weights = _pick_weights(config.weights, self.device, self.dtype)
-        if self.weights == "gguf" and self.device.type == "cpu" and self.weights_bytes < memory.available_ram():
-            contents.tensors.populate()  # the weights are read in place: their pages mapped now, not prompt by prompt
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf",
                                  _rope_scaling(config))
         self.args = self.model.args  # the file's, but for the config's RoPE scaling when it sets one

@@ -348,25 +348,3 @@ def _tensor_info_offset(data: bytes, name: str) -> int:
 def test_tensor_info_out_of_range_names_the_tensor(tmp_path, at, fmt, value, needle):
     data = _write_small(tmp_path / "a.gguf", {}).read_bytes()
     _assert_open_error(_patched(tmp_path, data, _tensor_info_offset(data, "w") + at, fmt, value), needle)
-
-
-def _rss_file_kib() -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(next(s for s in status.splitlines() if s.startswith("RssFile:")).split()[1])
-
-
-def test_populate_maps_the_whole_file_into_the_process(tmp_path):
-    """``GGUFTensors.populate`` maps every page of the file at once (what the engine does at load, where the
-    weights are read in place): 32 MiB of tensor data that nothing has touched are in the process's RSS after
-    it, not before, and the tensors still read the same."""
-    path = tmp_path / "big.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    data = np.random.default_rng(0).standard_normal((2048, 4096)).astype(np.float32)  # 32 MiB
-    w.add_tensor("big", data)
-    finish_gguf(w)
-    f = open_gguf(path)
-    before = _rss_file_kib()
-    assert f.tensors.populate()
-    grew = _rss_file_kib() - before
-    assert grew >= 30 * 1024, f"RssFile grew by {grew} KiB"
-    np.testing.assert_array_equal(f.tensors["big"], data)

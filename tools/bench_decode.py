@@ -217,9 +217,11 @@ class LlamaCppRunner:
         # swa_full=False: a sliding-window model's SWA layers keep their window only, as llama.cpp's own CLI
         # does by default (llama-cpp-python 0.3.36 defaults to the full-size cache, which those layers then
         # read whole and mask: at 30K tokens Gemma 3's decode ran at a third of the speed)
+        t_load = time.perf_counter()
         llm = self.lc.Llama(model_path=str(self.model_path), n_ctx=self.max_len, n_threads=self.threads,
                             n_threads_batch=self.threads, n_batch=512, verbose=False, swa_full=False)
         t0 = time.perf_counter()
+        self.model_load_s = t0 - t_load  # (its file mapped and populated: bench_engines adds it to load_s)
         llm.eval(tokens)
         t1 = time.perf_counter()
         llm.eval([_last_argmax(llm)])  # the first token's step: not in the decode rounds, timed on its own

@@ -172,13 +172,14 @@ def child(engine: str, model: str, context: int, decode_n: int, threads: int, ma
         from ktquest.models.loader import read_gguf
         tokenizer = Tokenizer.from_gguf_metadata(read_gguf(model).metadata)
         runner = bd.LlamaCppRunner(lc, model, max_len, threads, tokenizer)
-    load_s = time.perf_counter() - t0  # (llama.cpp loads in its prefill: its load is in prefill_s)
+    load_s = time.perf_counter() - t0  # (llama.cpp's model load is added below: prefill() makes it)
     if engine == "llama.cpp-twin":
         prefill_s = llama_twin_fill(runner, lc, model, twin_path(model, twin_shape), context)
     elif engine == "llama.cpp-filled":
         prefill_s = llama_state_fill(runner, lc, model, context)
     else:
         prefill_s = runner.prefill(context)
+    load_s += getattr(runner, "model_load_s", 0.0)  # llama.cpp: its model is made in prefill(), before the timer
     decode_s = runner.decode(context, decode_n)
     mem = _status_mib(("VmHWM", "RssAnon", "RssFile"))
     kv = runner.memory(context) if hasattr(runner, "memory") else {}  # ktquest: its KV's and store's MiB

@@ -8,7 +8,6 @@ format only: what the tensors and keys mean to a model is ``ktquest.models``' bu
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import stat
 import sys
@@ -54,26 +53,6 @@ class GGUFTensors(Mapping):
     def __init__(self, path: Path, reader: gguf.GGUFReader):
         self._path = path
         self._by_name = {t.name: t for t in reader.tensors}
-        self._reader = reader  # (its memory map: populate)
-
-    def populate(self) -> bool:
-        """Map every page of the file into this process now, reading from disk what the page cache lacks
-        (``madvise(MADV_POPULATE_READ)``, Linux 5.14), as llama.cpp's ``MAP_POPULATE`` does at load. Otherwise
-        the first prompt takes a page fault for each few pages of weights it touches: 1.6 s of a 21 GB
-        mixture of experts' first 1K-token prefill, which reads every expert. False where the platform cannot
-        (nothing changes: the pages come in as they are touched)."""
-        m = self._reader.data
-        while m is not None and not isinstance(m, np.memmap):
-            m = getattr(m, "base", None)
-        mm = getattr(m, "_mmap", None)
-        advice = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
-        if mm is None or advice is None or not hasattr(mm, "madvise"):
-            return False
-        try:
-            mm.madvise(advice)
-        except OSError:  # an older kernel (EINVAL), or pages it could not read (EFAULT, ENOMEM)
-            return False
-        return True
 
     def __getitem__(self, name: str) -> np.ndarray:
         t = self._by_name[name]
