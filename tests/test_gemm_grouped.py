@@ -73,11 +73,11 @@ def test_bad_arguments_are_one_error():
         matrix.gemm_int8_grouped(["no"], np.array([0, 4], np.int64), x, y, 1)
 
 
-@pytest.mark.parametrize("counts", [[10, 6, 13, 5, 7, 9], [10, 2, 13, 0, 7, 8]])
+@pytest.mark.parametrize("counts", [[10, 6, 13, 5, 7, 9], [10, 0, 13, 5, 0, 9], [10, 2, 13, 0, 7, 8]])
 def test_grouped_experts_in_place_or_gathered_give_the_per_expert_bits(counts):
-    """The experts' rows grouped by expert: with every group big, the two grouped calls read and write the
-    grouped rows in place; with some groups of a few tokens (their GEMV) or none, the big groups' rows are
-    gathered first. Either way each row is its expert's output, bit for bit the one-expert-at-a-time path."""
+    """The experts' rows grouped by expert: with every group big or empty, the two grouped calls read and write
+    the grouped rows in place; with some groups of a few tokens (their GEMV), the big groups' rows are gathered
+    first. Either way each row is its expert's output, bit for bit the one-expert-at-a-time path."""
     dim, width, n_exp = 256, 512, 6
     gate = [encoded(width, dim, "Q4_K", 40 + e) for e in range(n_exp)]
     up = [encoded(width, dim, "Q4_K", 50 + e) for e in range(n_exp)]

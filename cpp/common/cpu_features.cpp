@@ -46,5 +46,6 @@ bool force_scalar() { return g_force_scalar.load(std::memory_order_relaxed); }
 
 bool use_avx_vnni() { return use_avx2() && cpu_features().avx_vnni && g_allow_vnni.load(std::memory_order_relaxed); }
 void set_allow_vnni(bool allow) { g_allow_vnni.store(allow, std::memory_order_relaxed); }
+bool allow_vnni() { return g_allow_vnni.load(std::memory_order_relaxed); }
 
 }  // namespace ktq

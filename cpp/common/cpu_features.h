@@ -26,5 +26,6 @@ bool force_scalar();
 // AVX2 kernels (the kernels with a VNNI variant give the same bits either way; tests compare the three paths).
 bool use_avx_vnni();
 void set_allow_vnni(bool allow);
+bool allow_vnni();
 
 }  // namespace ktq

@@ -31,6 +31,20 @@ struct Maddubs {
 
 // The 32 codes of sub-block j (32 values) of scaled block s of a row of type t, in element order: the same
 // values as the scalar twin's block_codes.
+// Bytes of one scaled block of type t (this file's own: ggml_blocks.h's inline functions have external linkage,
+// and a copy compiled here with -mavx2 could be the one the plain-flag files link to).
+int64_t block_bytes(GgmlType t) {
+  switch (t) {
+    case GgmlType::Q4_K: return sizeof(BlockQ4_K);
+    case GgmlType::Q5_K: return sizeof(BlockQ5_K);
+    case GgmlType::Q6_K: return sizeof(BlockQ6_K);
+    case GgmlType::Q4_0: return sizeof(BlockQ4_0);
+    case GgmlType::Q4_1: return sizeof(BlockQ4_1);
+    case GgmlType::Q5_0: return sizeof(BlockQ5_0);
+    default: return sizeof(BlockQ5_1);
+  }
+}
+
 // kT: the panel's one type (a GgmlType), each function then compiled for it alone; -1: each row's own type t.
 template <int kT>
 inline GgmlType type_of(GgmlType t) {
@@ -175,7 +189,7 @@ void q32_scales(GgmlType t, const uint8_t* row, int64_t s, int r, const KPanelOu
   int16_t mn = 0, one = 0;
   float d = 0.f, dm = 0.f;
   if (row != nullptr) {
-    const auto* b = reinterpret_cast<const uint16_t*>(row + s * ggml_row_bytes(t, kQ32));  // d, then m (Q4_1 / Q5_1)
+    const auto* b = reinterpret_cast<const uint16_t*>(row + s * block_bytes(t));  // d, then m (Q4_1 / Q5_1)
     one = 1, d = avx2::h2f(b[0]);
     if (t == GgmlType::Q4_0 || t == GgmlType::Q5_0)
       mn = t == GgmlType::Q4_0 ? 8 : 16, dm = d;
@@ -199,7 +213,7 @@ void unpack_panel(const GgmlType* types, const uint8_t* const* rows, int64_t in,
   for (int64_t s = 0; s < nb; ++s) {
     for (int r = 0; r < kPanelRows && s + 2 < nb; ++r)
       if (rows[r] != nullptr) {
-        const int64_t bb = ggml_row_bytes(type_of<kT>(types[r]), qk);
+        const int64_t bb = block_bytes(type_of<kT>(types[r]));
         for (int64_t off = 0; off < bb; off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + (s + 2) * bb + off, _MM_HINT_T0);
       }

@@ -11,18 +11,20 @@
 // Dot::widen1(part)      the same with scales of 1 (the 32-value types)
 // Dot::kUnrollAll        the steps of a group unrolled in full (else two at a time)
 //
-// Everything here has internal linkage: each kernel file compiles its own copy with its own flags.
+// Everything here has internal linkage (and nothing from another header is called): each kernel file compiles its
+// own copy with its own flags.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstring>
 
-#include "gemm/avx2_blocks.h"
 #include "gemm/gemm_int8.h"
 
 namespace ktq {
 namespace {
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 inline __m256i bcast4(const void* p) {
   int32_t v;
@@ -51,7 +53,7 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
         for (int c = 0; c < kTokens; ++c) part[h][c] = _mm256_setzero_si256();
       auto step = [&](int64_t q) {
         __m256i w[kHalves];
-        for (int h = 0; h < kHalves; ++h) w[h] = avx2::loadu256(p.codes + (q * kHalves + h) * 32);
+        for (int h = 0; h < kHalves; ++h) w[h] = load32(p.codes + (q * kHalves + h) * 32);
         for (int c = 0; c < kTokens; ++c) {
           const __m256i xb = bcast4(xq[c] + 4 * q);
           for (int h = 0; h < kHalves; ++h) part[h][c] = Dot::step(part[h][c], w[h], xb);
@@ -68,7 +70,7 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
         if constexpr (kQB == kQ32) {  // (a 32-value block's scales are 1)
           for (int c = 0; c < kTokens; ++c) isum[h][c] = _mm256_add_epi32(isum[h][c], Dot::widen1(part[h][c]));
         } else {
-          const __m256i sv = avx2::loadu256(p.sv + ((q0 / 4) * kHalves + h) * 16);  // step q0's group
+          const __m256i sv = load32(p.sv + ((q0 / 4) * kHalves + h) * 16);  // step q0's group
           for (int c = 0; c < kTokens; ++c) isum[h][c] = _mm256_add_epi32(isum[h][c], Dot::widen(part[h][c], sv));
         }
       }
@@ -90,7 +92,7 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
         const int16_t* s16 = a.sum16 + (t0 + c) * (in / 16) + s * (kQB / 16);
         __m256i imin = _mm256_setzero_si256();
         for (int g2 = 0; g2 < kQB / 32; ++g2)
-          imin = _mm256_add_epi32(imin, _mm256_madd_epi16(avx2::loadu256(p.mi + ((s * (kQB / 32) + g2) * kHalves + h) * 16),
+          imin = _mm256_add_epi32(imin, _mm256_madd_epi16(load32(p.mi + ((s * (kQB / 32) + g2) * kHalves + h) * 16),
                                                           bcast4(s16 + 2 * g2)));
         const __m256 dx = _mm256_set1_ps(a.d[(t0 + c) * nsb + s]);
         acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][c]), _mm256_mul_ps(d, dx), acc[h][c]);

@@ -116,9 +116,9 @@ class MoEFeedForward(nn.Module):
 
     def _grouped(self, xs: torch.Tensor, counts: list[int], big: list[bool], ys: torch.Tensor) -> None:
         """The ``big`` groups' rows of ys from two native calls (the others' rows left as they are). Where every
-        group is big (a prefill chunk: some 16 tokens an expert), on xs and into ys in place, without gathering
-        the rows (two copies of [T * k, dim] a layer and chunk)."""
-        every = all(big)
+        group is big or empty (a prefill chunk: some 16 tokens an expert), on xs and into ys in place, without
+        gathering the rows (two copies of [T * k, dim] a layer and chunk)."""
+        every = all(b or n == 0 for n, b in zip(counts, big))  # (an expert no token chose has no rows)
         if every:
             x, take = xs, None
         else:
