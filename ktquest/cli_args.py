@@ -47,7 +47,8 @@ def version_line() -> str:
     except ImportError as e:  # the native extension is not built: say so, not a traceback
         return f"ktquest {ktquest.__version__}, native extension not loaded ({e})"
     if use_avx2():
-        return f"ktquest {ktquest.__version__}, AVX2/FMA/F16C kernels" + (" (and AVX-VNNI)" if use_avx_vnni() else "")
+        vnni = " (and AVX-VNNI)" if use_avx_vnni() else ""
+        return f"ktquest {ktquest.__version__}, AVX2/FMA/F16C kernels{vnni}"
     missing = [name for name in ("avx2", "fma", "f16c") if not cpu_features()[name]]
     why = f"the CPU lacks {', '.join(missing)}" if missing else "forced: KTQUEST_FORCE_SCALAR"
     return f"ktquest {ktquest.__version__}, scalar kernels ({why})"

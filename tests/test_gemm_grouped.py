@@ -45,13 +45,18 @@ def test_grouped_equals_each_matrix_on_its_rows(force_scalar, qtype):
             np.testing.assert_array_equal(y[a:b], want)
 
 
+def encoded_moe(seed: int, router_seed: int, dim: int = 256, width: int = 512, n_exp: int = 6) -> MoEFeedForward:
+    """A MoE FFN of n_exp experts in the file's encoding (gate and up Q4_K, down Q6_K), 2 used a token; the
+    experts' weights from seeds seed, seed + 10 and seed + 20 (plus the expert's index)."""
+    gate = [encoded(width, dim, "Q4_K", seed + e) for e in range(n_exp)]
+    up = [encoded(width, dim, "Q4_K", seed + 10 + e) for e in range(n_exp)]
+    down = [encoded(dim, width, "Q6_K", seed + 20 + e) for e in range(n_exp)]
+    router = torch.randn(n_exp, dim, generator=torch.Generator().manual_seed(router_seed))
+    return MoEFeedForward(router, gate, up, down, n_used=2, norm_topk=True)
+
+
 def test_a_moe_ffn_on_encoded_experts_gives_the_per_expert_bits():
-    dim, width, n_exp = 256, 512, 6
-    gate = [encoded(width, dim, "Q4_K", 10 + e) for e in range(n_exp)]
-    up = [encoded(width, dim, "Q4_K", 20 + e) for e in range(n_exp)]
-    down = [encoded(dim, width, "Q6_K", 30 + e) for e in range(n_exp)]
-    router = torch.randn(n_exp, dim, generator=torch.Generator().manual_seed(2))
-    ffn = MoEFeedForward(router, gate, up, down, n_used=2, norm_topk=True)
+    ffn, dim = encoded_moe(10, 2), 256
     x = torch.randn(40, dim, generator=torch.Generator().manual_seed(3))
     assert ffn._groupable(x)
     got = ffn(x)
@@ -78,12 +83,7 @@ def test_grouped_experts_in_place_or_gathered_give_the_per_expert_bits(counts):
     """The experts' rows grouped by expert: with every group big or empty, the two grouped calls read and write
     the grouped rows in place; with some groups of a few tokens (their GEMV), the big groups' rows are gathered
     first. Either way each row is its expert's output, bit for bit the one-expert-at-a-time path."""
-    dim, width, n_exp = 256, 512, 6
-    gate = [encoded(width, dim, "Q4_K", 40 + e) for e in range(n_exp)]
-    up = [encoded(width, dim, "Q4_K", 50 + e) for e in range(n_exp)]
-    down = [encoded(dim, width, "Q6_K", 60 + e) for e in range(n_exp)]
-    router = torch.randn(n_exp, dim, generator=torch.Generator().manual_seed(4))
-    ffn = MoEFeedForward(router, gate, up, down, n_used=2, norm_topk=True)
+    ffn, dim = encoded_moe(40, 4, n_exp=len(counts)), 256
     xs = torch.randn(sum(counts), dim, generator=torch.Generator().manual_seed(5))
     got = ffn._experts(xs, counts)
     ffn._groupable = lambda xs: False  # one expert at a time

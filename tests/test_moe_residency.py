@@ -59,4 +59,3 @@ def test_only_the_routed_experts_pages_become_resident(sparse_moe):
     used = mapped_rss(str(path)) - loaded
     one = expert_bytes / N_EXPERTS
     assert 0.9 * one < used <= 3 * one + 3 * 3 * 2 * FOLIO, (used, one)  # (about 40% of the experts at most)
-

@@ -156,15 +156,14 @@ struct PanelBuf {
     d.resize(rows * size_t(in / kQ32));
     dm.resize(rows * size_t(in / kQ32));
   }
-  KPanel panel(int p, int steps, int qk) const {
-    const size_t r = size_t(p * kPanelRows);
-    return {codes.data() + r * size_t(in), sv.data() + r * size_t(in / 8), mi.data() + r * size_t(in / 16),
-            d.data() + r * size_t(in / kQ32), dm.data() + r * size_t(in / kQ32), in, steps, qk};
-  }
-  KPanelOut out(int p) {
+  KPanelOut out(int p) {  // panel p's arrays, to unpack into
     const size_t r = size_t(p * kPanelRows);
     return {codes.data() + r * size_t(in), sv.data() + r * size_t(in / 8), mi.data() + r * size_t(in / 16),
             d.data() + r * size_t(in / kQ32), dm.data() + r * size_t(in / kQ32)};
+  }
+  KPanel panel(int p, int steps, int qk) {  // the same arrays, to read
+    const KPanelOut o = out(p);
+    return {o.codes, o.sv, o.mi, o.d, o.dm, in, steps, qk};
   }
 };
 

@@ -1,5 +1,6 @@
 """The native code's process-wide settings: which kernels run (AVX2/FMA/F16C, with AVX-VNNI variants where the
-CPU has it, picked from the CPU's features at run time, or the scalar twins when forced) and the C heap's settings while a prompt is read."""
+CPU has it, picked from the CPU's features at run time, or the scalar twins when forced) and the C heap's
+settings while a prompt is read."""
 
 from __future__ import annotations
 
