@@ -186,18 +186,19 @@ int gemm_int8_block(const QuantMatrix& m) { return block_of(m); }
 void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy) {
   const int64_t in = p.in, nsb = in / p.qk, ng = p.qk / 16;
   for (int c = 0; c < nt; ++c) {
-    const int8_t* xq = a.q + (t0 + c) * in;
-    const int16_t* s16 = a.sum16 + (t0 + c) * (in / 16);
+    const int64_t tok = a.row(t0 + c);  // its x row
+    const int8_t* xq = a.q + tok * in;
+    const int16_t* s16 = a.sum16 + tok * (in / 16);
     for (int r = 0; r < nr; ++r) {
       float acc = 0.f;
       for (int64_t s = 0; s < nsb; ++s) {
-        const float dx = a.d[(t0 + c) * nsb + s];
+        const float dx = a.d[tok * nsb + s];
         if (p.qk == kQ32) {  // scales 1, one min: the offset term from KPanel::dm and KAct::sx
           int32_t isum = 0;
           for (int64_t q = 8 * s; q < 8 * s + 8; ++q)
             for (int b = 0; b < 4; ++b) isum += p.codes[(q * kPanelRows + r) * 4 + b] * xq[4 * q + b];
           acc = std::fma(float(isum), p.d[s * kPanelRows + r] * dx, acc);
-          acc = std::fma(-p.dm[s * kPanelRows + r], a.sx[(t0 + c) * nsb + s], acc);
+          acc = std::fma(-p.dm[s * kPanelRows + r], a.sx[tok * nsb + s], acc);
           continue;
         }
         int32_t isum = 0, imin = 0;
@@ -265,7 +266,7 @@ KAct quantize_x(const float* x, int64_t T, int64_t in, int qk, int n_threads) {
       for (int64_t s = 0; s < nsb; ++s)
         qsx[t * nsb + s] = qd[t * nsb + s] * float(qs[t * (in / 16) + 2 * s] + qs[t * (in / 16) + 2 * s + 1]);
   });
-  return {q, qd, qs, qsx};
+  return {q, qd, qs, qsx, nullptr};
 }
 
 struct Kernels {  // the AVX2 pair or the scalar twins
@@ -345,11 +346,11 @@ void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_
 }
 
 void gemm_int8_grouped(const QuantMatrix* const* mats, const int64_t* offsets, int n, const float* x, float* y,
-                       int n_threads) {
+                       int n_threads, const int64_t* rows, int64_t n_x) {
   const QuantMatrix& first = *mats[0];
   const int qk = block_of(first);
-  const int64_t N = offsets[n];
-  const KAct act = quantize_x(x, N, first.in, qk, n_threads);  // every group's rows at once
+  KAct act = quantize_x(x, rows != nullptr ? n_x : offsets[n], first.in, qk, n_threads);  // every row once
+  act.rows = rows;
   const Kernels k = kernels();
   std::vector<std::pair<int, int64_t>> tasks;  // (matrix, its panel group), for the matrices with rows of x
   for (int e = 0; e < n; ++e)

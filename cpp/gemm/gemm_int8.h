@@ -51,8 +51,11 @@ void gemm_int8(const QuantMatrix& m, const float* x, int64_t T, float* y, int n_
 // out]. Every matrix has the same in, out and block length (gemm_int8_supported, checked by the caller). x is
 // quantized once; the tasks are (matrix, panel group) pairs across the threads. Each output is what gemm_int8 of
 // that matrix on those rows gives, bit for bit.
+// With rows (not nullptr), x is [n_x, in] and row i of the grouped order reads x row rows[i] (0 <= rows[i] <
+// n_x, checked by the caller): the experts' tokens without a gathered copy of x, each token quantized once
+// however many experts it is routed to.
 void gemm_int8_grouped(const QuantMatrix* const* mats, const int64_t* offsets, int n, const float* x, float* y,
-                       int n_threads);
+                       int n_threads, const int64_t* rows = nullptr, int64_t n_x = 0);
 
 // ---- what the kernels read ----
 
@@ -75,9 +78,11 @@ struct KAct {  // x quantized per qk values (quant/q8_act.h): token t's data at 
   const float* d;        // [T, in / qk]
   const int16_t* sum16;  // [T, in / 16]
   const float* sx;       // qk 32: [T, in / 32], each block's d * (its integer sum of q), for the offset term
+  const int64_t* rows;   // nullptr, or the x row each row of y reads: token t of a tile is x row rows[t]
+  int64_t row(int64_t t) const { return rows != nullptr ? rows[t] : t; }
 };
 
-// y[c * ldy + r] = row r of the panel . token (t0 + c), for r in [0, nr), c in [0, nt); nr <= kPanelRows,
+// y[c * ldy + r] = row r of the panel . token (t0 + c) (x row a.row(t0 + c)), for r in [0, nr), c in [0, nt); nr <= kPanelRows,
 // nt <= kTileTokens (no bias). Rows past nr are padding (all-zero codes and scales).
 using KTile = void(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);
 void gemm_int8_tile_scalar(const KPanel& p, const KAct& a, int64_t t0, int nt, int nr, float* y, int64_t ldy);

@@ -39,7 +39,8 @@ template <class Dot, int kTokens, int kSteps, int kQB>
 void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int nr) {
   const int64_t in = p.in, nsb = in / kQB;
   const int8_t* xq[kTokens];
-  for (int c = 0; c < kTokens; ++c) xq[c] = a.q + (t0 + c) * in;
+  int64_t tok[kTokens];  // the x row of each token
+  for (int c = 0; c < kTokens; ++c) tok[c] = a.row(t0 + c), xq[c] = a.q + tok[c] * in;
   __m256 acc[kHalves][kTokens];
   for (int h = 0; h < kHalves; ++h)
     for (int c = 0; c < kTokens; ++c) acc[h][c] = _mm256_setzero_ps();
@@ -79,9 +80,9 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
       for (int h = 0; h < kHalves; ++h) {
         const __m256 d = _mm256_loadu_ps(p.d + (s * kHalves + h) * 8), dm = _mm256_loadu_ps(p.dm + (s * kHalves + h) * 8);
         for (int c = 0; c < kTokens; ++c) {
-          const __m256 dx = _mm256_set1_ps(a.d[(t0 + c) * nsb + s]);
+          const __m256 dx = _mm256_set1_ps(a.d[tok[c] * nsb + s]);
           acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][c]), _mm256_mul_ps(d, dx), acc[h][c]);
-          acc[h][c] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(a.sx[(t0 + c) * nsb + s]), acc[h][c]);
+          acc[h][c] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(a.sx[tok[c] * nsb + s]), acc[h][c]);
         }
       }
       continue;
@@ -89,12 +90,12 @@ void tile(const KPanel& p, const KAct& a, int64_t t0, float* y, int64_t ldy, int
     for (int h = 0; h < kHalves; ++h) {
       const __m256 d = _mm256_loadu_ps(p.d + (s * kHalves + h) * 8), dm = _mm256_loadu_ps(p.dm + (s * kHalves + h) * 8);
       for (int c = 0; c < kTokens; ++c) {
-        const int16_t* s16 = a.sum16 + (t0 + c) * (in / 16) + s * (kQB / 16);
+        const int16_t* s16 = a.sum16 + tok[c] * (in / 16) + s * (kQB / 16);
         __m256i imin = _mm256_setzero_si256();
         for (int g2 = 0; g2 < kQB / 32; ++g2)
           imin = _mm256_add_epi32(imin, _mm256_madd_epi16(load32(p.mi + ((s * (kQB / 32) + g2) * kHalves + h) * 16),
                                                           bcast4(s16 + 2 * g2)));
-        const __m256 dx = _mm256_set1_ps(a.d[(t0 + c) * nsb + s]);
+        const __m256 dx = _mm256_set1_ps(a.d[tok[c] * nsb + s]);
         acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][c]), _mm256_mul_ps(d, dx), acc[h][c]);
         acc[h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dm, dx), acc[h][c]);
       }

@@ -117,7 +117,7 @@ void bind_gemv_quant(py::module_& m) {
      "rounds it.");
 
   m.def("gemm_int8_grouped", [](const py::sequence& mats_obj, const py::handle& offsets_obj, const py::handle& x_obj,
-                                const py::handle& y_obj, int n_threads) {
+                                const py::handle& y_obj, int n_threads, const py::handle& rows_obj) {
     const size_t n = py::len(mats_obj);
     if (n < 1) throw py::value_error("mats: at least one matrix");
     std::vector<const QuantMatrix*> mats;
@@ -139,18 +139,28 @@ void bind_gemv_quant(py::module_& m) {
     if (off[0] != 0) throw py::value_error("offsets: must start at 0");
     for (size_t e = 0; e < n; ++e)
       if (off[e + 1] < off[e]) throw py::value_error("offsets: must not decrease");
-    auto x = array_arg<float>(x_obj, "x", {off[n], m0.in});
+    py::array_t<int64_t> rows;
+    if (!rows_obj.is_none()) rows = array_arg<int64_t>(rows_obj, "rows", {off[n]});
+    auto x = array_arg<float>(x_obj, "x", {rows_obj.is_none() ? off[n] : -1, m0.in});
+    const int64_t n_x = x.shape(0);
+    if (!rows_obj.is_none())
+      for (int64_t i = 0; i < off[n]; ++i)
+        if (rows.data()[i] < 0 || rows.data()[i] >= n_x)
+          throw py::index_error("rows[" + std::to_string(i) + "] = " + std::to_string(rows.data()[i]) +
+                                " is outside the " + std::to_string(n_x) + " rows of x");
     auto y = array_arg<float>(y_obj, "y", {off[n], m0.out});
     if (!y.writeable()) throw py::value_error("y: must be writeable");
     check_threads(n_threads);
     if (off[n] == 0) return;
     const float* xp = x.data();
     float* yp = y.mutable_data();
+    const int64_t* rp = rows_obj.is_none() ? nullptr : rows.data();
     py::gil_scoped_release nogil;
-    gemm_int8_grouped(mats.data(), off, int(n), xp, yp, n_threads);
-  }, py::arg("mats"), py::arg("offsets"), py::arg("x"), py::arg("y"), py::arg("n_threads"),
+    gemm_int8_grouped(mats.data(), off, int(n), xp, yp, n_threads, rp, n_x);
+  }, py::arg("mats"), py::arg("offsets"), py::arg("x"), py::arg("y"), py::arg("n_threads"), py::arg("rows") = py::none(),
      "Rows [offsets[e], offsets[e + 1]) of x [N, in] through mats[e] into the same rows of y [N, out], in one call "
-     "(gemm_int8 of each, bit for bit): every matrix of one shape and block family.");
+     "(gemm_int8 of each, bit for bit): every matrix of one shape and block family. With rows (int64 [N]), x is "
+     "[n_x, in] and row i reads x row rows[i] (the experts' tokens without a gathered copy of x).");
 
   m.def("dequantize_matrix", [](const PyQuantMatrix& M, int64_t r0, int64_t r1, const py::handle& out_obj,
                                 int n_threads, const py::handle& order_obj) {

@@ -24,10 +24,11 @@ def gemm_int8(m: QuantMatrix, x: np.ndarray, y: np.ndarray, threads: int) -> Non
 
 
 def gemm_int8_grouped(mats: list[QuantMatrix], offsets: np.ndarray, x: np.ndarray, y: np.ndarray,
-                      threads: int) -> None:
+                      threads: int, rows: np.ndarray | None = None) -> None:
     """Rows [offsets[e], offsets[e + 1]) of x [N, in] through mats[e] into the same rows of y [N, out], one call
-    (cpp/gemm/gemm_int8.h: each matrix's ``gemm_int8`` on its rows, bit for bit; x quantized once)."""
-    _C.gemm_int8_grouped(mats, offsets, x, y, threads)
+    (cpp/gemm/gemm_int8.h: each matrix's ``gemm_int8`` on its rows, bit for bit; x quantized once). With
+    ``rows`` (int64 [N]), row i reads x row rows[i] instead (x [n_x, in]: no gathered copy)."""
+    _C.gemm_int8_grouped(mats, offsets, x, y, threads, rows)
 
 
 def dequantize_matrix(m: QuantMatrix, r0: int, r1: int, out: np.ndarray, threads: int,
