@@ -1,7 +1,7 @@
 """The grouped int8 GEMM (cpp/gemm/gemm_int8.h ``gemm_int8_grouped``: many matrices on their own rows of x in one
 call, what a mixture of experts' prefill chunk needs) gives each matrix's ``gemm_int8`` on its rows bit for bit,
-on both kernel paths; the MoE FFN that uses it gives the per-expert path's output bit for bit; bad arguments are
-one error."""
+on both kernel paths, also reading each row's token of x through an index; the MoE FFN that uses it gives the
+per-expert path's output bit for bit; bad arguments are one error."""
 
 from __future__ import annotations
 
@@ -45,6 +45,27 @@ def test_grouped_equals_each_matrix_on_its_rows(force_scalar, qtype):
             np.testing.assert_array_equal(y[a:b], want)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1"])
+def test_grouped_rows_read_through_an_index(force_scalar, qtype):
+    """With rows, grouped row i reads x row rows[i] (a token routed to several experts is read, and quantized,
+    once): each group is its matrix's gemm_int8 on the gathered rows, bit for bit; tokens repeated and unused."""
+    cols = 512 if qtype.endswith("_K") else 96
+    mats = [matrix.QuantMatrix(list(encoded(24, cols, qtype, s).parts), None) for s in range(4)]
+    sizes = [5, 0, 9, 4]
+    offsets = np.cumsum([0, *sizes]).astype(np.int64)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((11, cols)).astype(np.float32)
+    rows = rng.integers(0, 10, offsets[-1]).astype(np.int64)  # token 10 unused
+    y = np.full((offsets[-1], 24), np.nan, np.float32)
+    matrix.gemm_int8_grouped(mats, offsets, x, y, 2, rows)
+    for e, m in enumerate(mats):
+        a, b = offsets[e], offsets[e + 1]
+        if b > a:
+            want = np.empty((b - a, 24), np.float32)
+            matrix.gemm_int8(m, np.ascontiguousarray(x[rows[a:b]]), want, 1)
+            np.testing.assert_array_equal(y[a:b], want)
+
+
 def encoded_moe(seed: int, router_seed: int, dim: int = 256, width: int = 512, n_exp: int = 6) -> MoEFeedForward:
     """A MoE FFN of n_exp experts in the file's encoding (gate and up Q4_K, down Q6_K), 2 used a token; the
     experts' weights from seeds seed, seed + 10 and seed + 20 (plus the expert's index)."""
@@ -76,15 +97,23 @@ def test_bad_arguments_are_one_error():
         matrix.gemm_int8_grouped([a, a], np.array([0, 3, 5], np.int64), x, y, 1)
     with pytest.raises(TypeError, match=r"mats\[0\]: expected a QuantMatrix"):
         matrix.gemm_int8_grouped(["no"], np.array([0, 4], np.int64), x, y, 1)
+    with pytest.raises(IndexError, match=r"rows\[2\] = 4 is outside the 4 rows of x"):
+        matrix.gemm_int8_grouped([a, a], np.array([0, 2, 4], np.int64), x, y, 1, np.array([0, 3, 4, 1], np.int64))
+    with pytest.raises(IndexError, match=r"rows\[0\] = -1 is outside"):
+        matrix.gemm_int8_grouped([a, a], np.array([0, 2, 4], np.int64), x, y, 1, np.array([-1, 3, 2, 1], np.int64))
+    with pytest.raises(ValueError, match=r"rows: expected shape \[4\], got \[3\]"):
+        matrix.gemm_int8_grouped([a, a], np.array([0, 2, 4], np.int64), x, y, 1, np.array([0, 1, 2], np.int64))
 
 
 @pytest.mark.parametrize("counts", [[10, 6, 13, 5, 7, 9], [10, 0, 13, 5, 0, 9], [10, 2, 13, 0, 7, 8]])
 def test_grouped_experts_in_place_or_gathered_give_the_per_expert_bits(counts):
-    """The experts' rows grouped by expert: with every group big or empty, the two grouped calls read and write
-    the grouped rows in place; with some groups of a few tokens (their GEMV), the big groups' rows are gathered
-    first. Either way each row is its expert's output, bit for bit the one-expert-at-a-time path."""
+    """The experts' rows grouped by expert, each a token of x read in place: with every group big or empty, the
+    down call writes the grouped rows in place; with some groups of a few tokens (their GEMV), the big groups'
+    rows are taken apart first. Either way each row is its expert's output on its token, bit for bit the
+    one-expert-at-a-time path."""
     ffn, dim = encoded_moe(40, 4, n_exp=len(counts)), 256
-    xs = torch.randn(sum(counts), dim, generator=torch.Generator().manual_seed(5))
-    got = ffn._experts(xs, counts)
-    ffn._groupable = lambda xs: False  # one expert at a time
-    torch.testing.assert_close(got, ffn._experts(xs, counts), atol=0, rtol=0)
+    x = torch.randn(30, dim, generator=torch.Generator().manual_seed(5))
+    src = torch.randint(0, 30, (sum(counts),), generator=torch.Generator().manual_seed(6))
+    got = ffn._experts(x, src, counts)
+    ffn._groupable = lambda x: False  # one expert at a time
+    torch.testing.assert_close(got, ffn._experts(x, src, counts), atol=0, rtol=0)
