@@ -6,7 +6,9 @@ For each shape (out x in) and type, one matrix of random blocks with sane scales
 (the prefill's chunk_size): GMAC/s = out * in * T over the median call time, x's quantization and the rows'
 unpacking included (both run once per call, as in prefill). torch's F.linear runs on the rows dequantized
 once, before timing (the old prefill path's panel work left out: an upper bound for it). The two alternate
-inside every round.
+inside every round. With --experts E, E matrices of each shape take T tokens each through one
+_C.gemm_int8_grouped call (a mixture of experts' prefill: a 512-token chunk gives each of 256 experts 16 tokens
+on average at 8 routed a token), and torch runs one F.linear per expert.
 
     python tools/bench_gemm_int8.py --threads 2 --json tools/out/bench_gemm_int8.json
 """
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--experts", type=int, default=1, help="matrices of each shape, T tokens each, in one grouped call")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,26 +54,32 @@ def main() -> None:
     for spec in args.shapes.split(","):
         shape, qtype = spec.split(":")
         out, inp = (int(v) for v in shape.split("x"))
-        raw = random_rows(qtype, out, inp, rng)
-        m = _C.QuantMatrix([(qtype, raw)])
-        w = torch.empty(out, inp)
-        _C.dequantize_matrix(m, 0, out, w.numpy(), args.threads, None)
-        x = torch.from_numpy(rng.standard_normal((args.tokens, inp), dtype=np.float32))
-        y = np.empty((args.tokens, out), np.float32)
+        E, T = args.experts, args.tokens
+        mats = [_C.QuantMatrix([(qtype, random_rows(qtype, out, inp, rng))]) for _ in range(E)]
+        ws = [torch.empty(out, inp) for _ in range(E)]
+        for m, w in zip(mats, ws):
+            _C.dequantize_matrix(m, 0, out, w.numpy(), args.threads, None)
+        x = torch.from_numpy(rng.standard_normal((E * T, inp), dtype=np.float32))
+        y = np.empty((E * T, out), np.float32)
+        offsets = np.arange(E + 1, dtype=np.int64) * T
         times = {"int8": [], "torch": []}
         for r in range(args.rounds + 1):  # round 0 warms up
             t0 = time.perf_counter()
-            _C.gemm_int8(m, x.numpy(), y, args.threads)
+            if E == 1:
+                _C.gemm_int8(mats[0], x.numpy(), y, args.threads)
+            else:
+                _C.gemm_int8_grouped(mats, offsets, x.numpy(), y, args.threads)
             t1 = time.perf_counter()
-            F.linear(x, w)
+            for e, w in enumerate(ws):
+                F.linear(x[e * T:(e + 1) * T], w)
             t2 = time.perf_counter()
             if r:
                 times["int8"].append(t1 - t0)
                 times["torch"].append(t2 - t1)
-        macs = out * inp * args.tokens / 1e9
+        macs = E * out * inp * T / 1e9
         kq, tf = macs / statistics.median(times["int8"]), macs / statistics.median(times["torch"])
         print(f"{shape:>12} {qtype:>5} {args.tokens:>4} {kq:>14.1f} {tf:>11.1f} {kq / tf:>6.2f}")
-        rows.append({"shape": shape, "type": qtype, "tokens": args.tokens, "threads": args.threads,
+        rows.append({"shape": shape, "type": qtype, "tokens": T, "experts": E, "threads": args.threads,
                      "int8_gmacs": kq, "torch_fp32_gmacs": tf})
     if args.json:
         write_json(args.json, {"rows": rows})
