@@ -198,3 +198,43 @@ def test_tiny_moe_shape_loads_and_decodes(shaped, tokenizer_gguf, tmp_path):
     assert [b.n_experts for b in eng.args.blocks] == [5] * 4
     text = eng.generate("hello world", max_new_tokens=4)
     assert isinstance(text, str)
+
+
+def test_fused_shapes_take_the_converters_layout(shaped):
+    """glm4-9b-1m and phi3.5-mini: one attn_qkv (GLM's with its bias), gate | up as one ffn_up, Q5_K qkv in Q4_K_M,
+    GLM's ffn_down of 13696 columns on the fallback types; Phi-3's LongRoPE factor tensors [48]."""
+    glm = {p.name: p for p in shaped.plan_tensors(shaped.SHAPES["glm4-9b-1m"], "Q4_K_M", 151552)}
+    assert glm["blk.0.attn_qkv.weight"].shape == (4096 + 2 * 512, 4096) and glm["blk.0.attn_qkv.weight"].qtype == Q.Q5_K
+    assert glm["blk.0.attn_qkv.bias"].shape == (5120,) and "blk.0.attn_q.weight" not in glm
+    assert glm["blk.0.ffn_up.weight"].shape == (2 * 13696, 4096) and "blk.0.ffn_gate.weight" not in glm
+    assert {glm[f"blk.{i}.ffn_down.weight"].qtype for i in range(40)} == {Q.Q5_0, Q.Q8_0}
+    assert 6.2e9 < sum(p.nbytes for p in glm.values()) < 6.4e9  # 9.5B parameters, 5.3 bits each
+    phi = {p.name: p for p in shaped.plan_tensors(shaped.SHAPES["phi3.5-mini"], "Q4_K_M", 32064)}
+    assert phi["blk.0.attn_qkv.weight"].shape == (3 * 3072, 3072) and "blk.0.attn_qkv.bias" not in phi
+    assert phi["rope_factors_long.weight"].shape == (48,) and phi["rope_factors_short.weight"].mean == 1.0
+    assert 2.2e9 < sum(p.nbytes for p in phi.values()) < 2.5e9  # 3.8B parameters, 5 bits each
+
+
+@pytest.mark.parametrize("name", ["glm4-9b-1m", "phi3.5-mini"])
+def test_fused_shapes_load_and_decode(shaped, tokenizer_gguf, tmp_path, name):
+    """Each fused shape, made small, as the tool writes it is one ktquest reads: the family, the fused tensors,
+    the rotated dims, LongRoPE's factors and keys."""
+    import ktquest
+    from ktquest.config import load_config
+
+    out = tmp_path / f"{name}.gguf"
+    shape = dataclasses.replace(shaped.SHAPES[name], dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn=320, vocab=384,
+                                fused=dataclasses.replace(shaped.SHAPES[name].fused, rope_dim=32))
+    shaped.write_shaped_gguf(out, shape, name, tokenizer=tokenizer_gguf)
+    md = open_gguf(out).metadata
+    arch = shape.arch
+    assert md[f"{arch}.rope.dimension_count"] == 32
+    assert ("Phi 3" in md["general.name"]) == (arch == "phi3")  # (llama.cpp's phi3 name rule: shaped_glm_phi.py)
+    eng = ktquest.load(model=str(out), config=load_config(None, ["threads=1", "max_seq_len=256"]))
+    a = eng.args
+    assert a.arch == arch and a.n_rot == 32 and all(b.fused_qkv and b.fused_gate_up for b in a.blocks)
+    assert all(b.qkv_bias == (arch == "chatglm") for b in a.blocks)
+    if arch == "phi3":
+        assert a.rope_scaling.type == "longrope" and a.rope_scaling.original_context_length == 4096
+        assert md["phi3.rope.scaling.attn_factor"] == pytest.approx((1 + np.log(32) / np.log(4096)) ** 0.5)
+    assert isinstance(eng.generate("hello world", max_new_tokens=4), str)

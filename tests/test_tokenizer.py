@@ -131,6 +131,8 @@ PRE_SPLITS = {
     "smollm": ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġabc", "!!", "ĊĊĠ", "Ġx"],
     "llama-bpe": ["I", "'m", "Ġ", "123", "45", "Ġabc", "!!ĊĊ", "Ġ", "Ġx"],
     "qwen2": ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġabc", "!!ĊĊ", "Ġ", "Ġx"],
+    "chatglm-bpe": ["I", "'m", "Ġ", "123", "45", "Ġabc", "!!ĊĊ", "Ġ", "Ġx"],  # GLM-4: llama3's regex
+    "gpt-4o": ["I'm", "Ġ", "123", "45", "Ġabc", "!!ĊĊ", "Ġ", "Ġx"],  # Phi-4-mini: a word keeps its contraction
     "some-new-model": ["I", "'m", "Ġ12345", "Ġabc", "!!", "ĊĊĠ", "Ġx"],  # unknown: GPT-2
 }
 

@@ -64,15 +64,14 @@ Sources (Instruct configs; 0.5B/1.5B/7B/14B/7B-1M/Llama-3 through copies that na
   qwen3-30b-a3b   huggingface.co/Qwen/Qwen3-30B-A3B-Instruct-2507/blob/main/config.json (its values as public
                   test configs quote them; the model card: 48 layers, 32/4 heads, 128 experts, 8 active)
 The hybrid shapes (``qwen3.5-9b``, ``qwen3.5-35b-a3b``, ``tiny-hybrid``: Gated DeltaNet layers) are in
-shaped_hybrid.py with their tensors. ``smollm2-135m`` is the bundled model's shape (its GGUF metadata), for a machine that has only its tokenizer
-(a GPU machine that the 98 MB file cannot travel to). ``tiny`` is ours: small dims for tests, with an ``ffn`` that is not whole 256-blocks so ``ffn_down`` takes
-the fallback types; its vocabulary is the tokenizer's own. A check of the mix: the qwen2.5-7b file is
+shaped_hybrid.py with their tensors, the fused ones (``glm4-9b-1m``, ``phi3.5-mini``) in shaped_glm_phi.py.
+``smollm2-135m`` is the bundled model's shape, for a machine that has only its tokenizer (a GPU machine the
+98 MB file cannot travel to). ``tiny`` is ours: small dims for tests, ``ffn`` not whole 256-blocks (``ffn_down``
+takes the fallback types), the tokenizer's vocabulary. A check of the mix: the qwen2.5-7b file is
 4,681,224,608 bytes; the published Qwen2.5-7B-Instruct-Q4_K_M.gguf files are 4.68 GB
 (huggingface.co/bartowski/Qwen2.5-7B-Instruct-GGUF, lmstudio-community/Qwen2.5-7B-Instruct-GGUF). The qwen3
 files: 2.495 GB (4B-2507; published Q4_K_M 2.50 GB), 5.026 GB (8B; 5.03 GB), 18.555 GB (30B-A3B; 18.56 GB,
-17.28 GiB).
-
-Examples:
+17.28 GiB). Examples:
 
     python tools/make_shaped_gguf.py --shape qwen2.5-1.5b --out /work/shaped/qwen2.5-1.5b-q4_k_m.gguf
     python tools/make_shaped_gguf.py --shape qwen2.5-7b-1m --context 131072 --out /tmp/q7-1m.gguf
@@ -95,6 +94,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from random_blocks import random_blocks  # noqa: E402
+from shaped_glm_phi import Fused, add_fused_metadata, display_name, fused_block_plans, rope_factor_plans  # noqa: E402
 from shaped_hybrid import Hybrid, add_hybrid_metadata, mixer_plans, shared_expert_plans  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -121,6 +121,7 @@ class Shape:
     head_dim: int | None = None  # None: dim // n_heads (qwen3's is 128 whatever the width)
     experts: tuple[int, int, int] | None = None  # (expert_count, expert_used_count, expert ffn): qwen3moe
     hybrid: Hybrid | None = None  # qwen35, qwen35moe: the DeltaNet layers (shaped_hybrid.py)
+    fused: Fused | None = None  # chatglm, phi3: fused q | k | v and gate | up (shaped_glm_phi.py)
 
     @property
     def head_size(self) -> int:
@@ -146,6 +147,9 @@ SHAPES = {
                         hybrid=Hybrid(16, 32, 128, 128, 64)),
     "qwen3.5-35b-a3b": Shape("qwen35moe", 2048, 40, 16, 2, 512, 248320, 1e7, 262144, 1e-6, False, 256,
                              (256, 8, 512), Hybrid(16, 32, 128, 128, 64, shared_ffn=512)),
+    "glm4-9b-1m": Shape("chatglm", 4096, 40, 32, 4, 13696, 151552, 1e8, 1048576, 1.5625e-7, False,
+                        fused=Fused(64, True)),
+    "phi3.5-mini": Shape("phi3", 3072, 32, 32, 32, 8192, None, 1e4, 131072, 1e-5, False, fused=Fused(96, False, 4096)),
     "tiny-hybrid": Shape("qwen35", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, False, 64,
                          hybrid=Hybrid(2, 4, 32, 32, 16)),
     "tiny": Shape("qwen2", 256, 4, 4, 2, 640, None, 1e6, 4096, 1e-6, True),
@@ -227,6 +231,7 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = No
 
     pad = None if n_tokens is None or n_tokens >= vocab else n_tokens
     plans = [replace(matrix("token_embd.weight", "token_embd", 0, vocab, dim), pad_rows_from=pad)]
+    plans += rope_factor_plans(shape.fused, TensorPlan) if shape.fused is not None else []
     for i in range(n):
         p = f"blk.{i}."
         plans.append(norm(p + "attn_norm.weight", dim))
@@ -236,6 +241,9 @@ def plan_tensors(shape: Shape, ftype: str, vocab: int, n_tokens: int | None = No
             if shape.hybrid.shared_ffn:
                 plans += shared_expert_plans(shape, shape.hybrid, i, matrix, vector)
             plans += _ffn_plans(shape, i, matrix)
+            continue
+        if shape.fused is not None:  # the fused attention and FFN
+            plans += fused_block_plans(shape, shape.fused, i, matrix, norm, vector)
             continue
         for proj, rows in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
             plans.append(matrix(p + proj + ".weight", proj, i, rows, dim))
@@ -306,7 +314,7 @@ def pad_tokenizer(md: dict, n_tokens: int, vocab: int) -> list[tuple]:
 def add_model_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, ftype: str, context: int) -> None:
     """What convert_hf_to_gguf.py writes for the architecture, plus the quantizer's file type."""
     w.add_type("model")
-    w.add_name(f"shaped {name} (random weights)")
+    w.add_name(f"shaped {display_name(name)} (random weights)")
     w.add_block_count(shape.n_layers)
     w.add_context_length(context)
     w.add_embedding_length(shape.dim)
@@ -327,6 +335,8 @@ def add_model_metadata(w: gguf.GGUFWriter, shape: Shape, name: str, ftype: str, 
         w.add_expert_feed_forward_length(width)
     if shape.hybrid is not None:
         add_hybrid_metadata(w, shape, shape.hybrid)
+    if shape.fused is not None:
+        add_fused_metadata(w, shape, shape.fused)
     w.add_file_type(int(FTYPES[ftype][1]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 

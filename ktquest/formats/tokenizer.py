@@ -35,12 +35,19 @@ _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k (GPT-4o; Phi-4-mini's files): a word's capitals and lower-case letters together, its contraction after it
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTION
+          + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTION
+          + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_REGEXES: dict[str, list[str]] = {
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
     "gpt-2": [_GPT2],
     "smollm": [r"\p{N}", _GPT2],  # StarCoder family: single digits, then GPT-2
     "llama3": [_LLAMA3],
     "qwen2": [_QWEN2],
+    "chatglm4": [_LLAMA3],  # llama3's regex, without its whole-piece lookup
+    "gpt-4o": [_GPT4O],
 }
 _PRE_ALIASES = {
     "gpt2": "gpt-2", "mpt": "gpt-2", "olmo": "gpt-2", "jais": "gpt-2", "phi-2": "gpt-2",
@@ -48,6 +55,7 @@ _PRE_ALIASES = {
     "exaone": "smollm", "minerva-7b": "smollm",
     "llama-bpe": "llama3", "llama-v3": "llama3", "falcon3": "llama3", "pixtral": "llama3",
     "qwen2.5": "qwen2", "qwen-2.5": "qwen2", "deepseek-r1-qwen": "qwen2", "stablelm2": "qwen2",
+    "chatglm-bpe": "chatglm4", "glm4": "chatglm4", "llama4": "gpt-4o",
 }
 _IGNORE_MERGES = {"llama3"}  # llama.cpp looks whole pieces up in the vocab first for these
 

@@ -64,7 +64,8 @@ class ModelArgs:
     rope_scaling: RopeScaling | None
     tie_embeddings: bool
     blocks: tuple[BlockSpec, ...]  # [n_layers]: each layer's block, as its family builds it (models/block.py)
-    permuted_qk: bool = False  # the converter interleaved each q/k head's rows for ggml's RoPE (models/loader.qk_perm)
+    # RoPE pairs adjacent q/k dims (llama's converter interleaves them; ChatGLM's model does): loader.qk_perm
+    permuted_qk: bool = False
     rope_theta_local: float = 10000.0  # RoPE table 1's base (the sliding layers': BlockSpec.rope), unscaled
     emb_scale: float = 1.0  # the embeddings' multiplier (gemma: sqrt(dim))
     rope_dim: int = 0  # dims of each q/k head that RoPE rotates; 0 = head_dim (models/loader.qk_perm otherwise)
@@ -324,9 +325,6 @@ def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
         rope_dim=0 if rope_dim == head_dim else rope_dim,
         **_family_fields(families[arch], m, tensors, arch, n_layers, dim),
     )
-    if args.rope_dim and args.permuted_qk:
-        raise GGUFError(f"{path}: {arch}.rope.dimension_count={rope_dim} with q/k rows interleaved for ggml's RoPE: "
-                        f"partial rotary embeddings are supported on NEOX-style files only (qwen35)")
     return args
 
 

@@ -9,7 +9,10 @@ one of these fields, read in each of those places, with its kernel in a folder o
     x -> attn_norm -> Wqkv (+ bias) -> [q_norm, k_norm] -> RoPE (table ``rope``) -> attention (``attention``)
       -> Wo -> [post_attn_norm] -> + x -> ffn_norm -> FFN (``ffn``) -> [post_ffn_norm] -> + residual
 
-The bracketed norms are ``qk_norm`` and ``sandwich_norms``. RoPE is rotate-half over head_dim; a file that rotates
+The bracketed norms are ``qk_norm`` and ``sandwich_norms``. Wqkv is one matrix whatever the file holds:
+``attn_q``, ``attn_k``, ``attn_v`` stacked, or the file's own fused ``attn_qkv`` (``fused_qkv``: Phi-3, ChatGLM),
+and likewise the FFN's gate | up (``fused_gate_up``: one ``ffn_up`` of 2 x ffn rows, the gate's first).
+RoPE is rotate-half over head_dim; a file that rotates
 only ``rope_dim`` < head_dim dims of each head (Qwen3.5) reaches attention with its q/k dims gathered so that the
 rotated pairs are (i, i + D/2) and the tables hold cos 1, sin 0 on the rest (``models/loader.qk_perm``). With
 ``attn_gate`` (Qwen3.5's full attention) the q projection carries a second [H*D] half per head, an output gate:
@@ -56,9 +59,13 @@ DELTA_NET_TENSORS = {"w_in_qkv": "attn_qkv.weight", "w_in_z": "attn_gate.weight"
                      "conv1d": "ssm_conv1d.weight", "ssm_norm": "ssm_norm.weight", "w_ssm_out": "ssm_out.weight"}
 # qwen3next files keep the model's in_proj_ba: beta's and alpha's rows fused, [Hk groups x (r betas, r alphas)]
 FUSED_BA_TENSORS = {"w_ba": "ssm_ba.weight"}
+# Phi-3's and ChatGLM's fused projections: q | k | v rows in one tensor (with its bias), gate | up rows in one
+FUSED_QKV_TENSORS = {"wqkv": "attn_qkv.weight"}
+FUSED_QKV_BIAS = {"bqkv": "attn_qkv.bias"}
+FUSED_GATE_UP_TENSORS = {"w_gate_up": "ffn_up.weight"}
 ATTENTION_TENSORS = ("wq", "wk", "wv", "wo")
 VECTORS = {"attn_norm", "ffn_norm", "shexp_gate", "ssm_a", "ssm_dt", "ssm_norm", *BIAS_TENSORS, *QK_NORM_TENSORS,
-           *SANDWICH_TENSORS}
+           *SANDWICH_TENSORS, *FUSED_QKV_BIAS}
 SMALL_TENSORS = {"conv1d"}  # read as fp32 tensors like the vectors: [conv_dim, conv_kernel], not a Linear
 
 
@@ -108,6 +115,8 @@ class BlockSpec:
     delta: DeltaNetSpec | None = None
     attn_gate: bool = False  # attention's output times sigmoid(a gate the q projection also makes)
     ffn_norm_tensor: str = "ffn_norm.weight"  # the FFN's pre-norm's GGUF name (Qwen3.5: post_attention_norm)
+    fused_qkv: bool = False  # the file holds q | k | v as one attn_qkv (and attn_qkv.bias with qkv_bias)
+    fused_gate_up: bool = False  # the file holds the FFN's gate | up as one ffn_up [2 x ffn, dim]
 
     def __post_init__(self) -> None:
         if (self.attention == "sliding") != (self.window > 0):
@@ -125,9 +134,12 @@ class BlockSpec:
         if (self.mixer == "delta_net") != (self.delta is not None):
             raise ValueError(f"BlockSpec: mixer={self.mixer!r} with delta={self.delta}: a delta_net block has its sizes, "
                              "an attention block none")
-        if self.mixer == "delta_net" and (self.attn_gate or self.qkv_bias or self.qk_norm or self.window):
+        if self.mixer == "delta_net" and (self.attn_gate or self.qkv_bias or self.qk_norm or self.window
+                                          or self.fused_qkv):
             raise ValueError("BlockSpec: a delta_net block has no attention options (attn_gate, qkv_bias, qk_norm, "
-                             "window)")
+                             "window, fused_qkv)")
+        if self.fused_gate_up and self.ffn == "moe":
+            raise ValueError("BlockSpec: fused_gate_up on a moe block (its experts' gate and up are stacks)")
 
     def tensors(self) -> dict[str, str]:
         """This block's tensors: field -> GGUF name under "blk.{i}."."""
@@ -140,7 +152,13 @@ class BlockSpec:
             if self.delta.grouped:
                 base = {f: n for f, n in base.items() if f not in ("w_beta", "w_alpha")} | FUSED_BA_TENSORS
         base = base | {"ffn_norm": self.ffn_norm_tensor}
-        return (base | (BIAS_TENSORS if self.qkv_bias else {}) | (QK_NORM_TENSORS if self.qk_norm else {})
+        bias = BIAS_TENSORS if self.qkv_bias else {}
+        if self.fused_qkv:
+            base = {f: n for f, n in base.items() if f not in ("wq", "wk", "wv")} | FUSED_QKV_TENSORS
+            bias = FUSED_QKV_BIAS if self.qkv_bias else {}
+        if self.fused_gate_up:
+            base = {f: n for f, n in base.items() if f not in ("w_gate", "w_up")} | FUSED_GATE_UP_TENSORS
+        return (base | bias | (QK_NORM_TENSORS if self.qk_norm else {})
                 | (SANDWICH_TENSORS if self.sandwich_norms else {}))
 
     def shapes(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int) -> dict[str, tuple]:
@@ -152,6 +170,7 @@ class BlockSpec:
         every = {"attn_norm": (dim,), "wq": (q * (2 if self.attn_gate else 1), dim), "wk": (kv, dim), "wv": (kv, dim), "wo": (dim, q),
                  "ffn_norm": (dim,), "w_gate": (ffn_dim, dim), "w_up": (ffn_dim, dim), "w_down": (dim, ffn_dim),
                  "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (head_dim,), "k_norm": (head_dim,),
+                 "wqkv": (q + 2 * kv, dim), "bqkv": (q + 2 * kv,), "w_gate_up": (2 * ffn_dim, dim),
                  "post_attn_norm": (dim,), "post_ffn_norm": (dim,),
                  "w_router": (e, dim), "w_gate_exps": (e, ef, dim), "w_up_exps": (e, ef, dim),
                  "w_down_exps": (e, dim, ef), "w_gate_shexp": (sf, dim), "w_up_shexp": (sf, dim),

@@ -30,9 +30,9 @@ class FeedForward(nn.Module):
     """Gated: down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act = silu (SwiGLU) or
     tanh-GELU (GeGLU)."""
 
-    def __init__(self, w_gate: Matrix, w_up: Matrix, w_down: Matrix, kind: str = "swiglu"):
+    def __init__(self, w_gate_up: Matrix, w_down: Matrix, kind: str = "swiglu"):
         super().__init__()
-        self.w_gate_up = Linear(stack_rows(w_gate, w_up))  # [2*ffn, dim]
+        self.w_gate_up = Linear(w_gate_up)  # [2*ffn, dim]: the gate's rows, then the up's (stack_rows)
         self.w_down = Linear(w_down)  # [dim, ffn]
         self.kind = kind
 
@@ -68,9 +68,9 @@ class MoEFeedForward(nn.Module):
                  shared: tuple | None = None):
         super().__init__()
         self.router = Linear(w_router)  # [E, dim]
-        self.experts = nn.ModuleList(FeedForward(g, u, d) for g, u, d in zip(gate, up, down, strict=True))
+        self.experts = nn.ModuleList(FeedForward(stack_rows(g, u), d) for g, u, d in zip(gate, up, down, strict=True))
         self.n_used, self.norm_topk = n_used, norm_topk
-        self.shared = None if shared is None else FeedForward(*shared[:3])
+        self.shared = None if shared is None else FeedForward(stack_rows(*shared[:2]), shared[2])
         self.shared_gate = None if shared is None else nn.Parameter(shared[3], requires_grad=False)  # [dim]
 
     @property

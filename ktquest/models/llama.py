@@ -46,6 +46,9 @@ class BlockWeights:
     w_gate: Matrix | None = None  # [ffn, dim] (a dense FFN)
     w_up: Matrix | None = None  # [ffn, dim]
     w_down: Matrix | None = None  # [dim, ffn]
+    wqkv: Matrix | None = None  # [(H + 2 KVH) * D, dim]: q | k | v fused in the file (BlockSpec.fused_qkv)
+    bqkv: torch.Tensor | None = None  # [(H + 2 KVH) * D]
+    w_gate_up: Matrix | None = None  # [2 * ffn, dim]: gate | up fused in the file (BlockSpec.fused_gate_up)
     bq: torch.Tensor | None = None  # [H*D] (BlockSpec.qkv_bias)
     bk: torch.Tensor | None = None  # [KVH*D]
     bv: torch.Tensor | None = None  # [KVH*D]
@@ -140,8 +143,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        bqkv = torch.cat([w.bq, w.bk, w.bv]) if spec.qkv_bias else None
-        self.wqkv = Linear(stack_rows(w.wq, w.wk, w.wv), bqkv, out_perm=qkv_perm)
+        if spec.fused_qkv:  # the file's own q | k | v
+            wqkv, bqkv = w.wqkv, w.bqkv
+        else:
+            wqkv, bqkv = stack_rows(w.wq, w.wk, w.wv), torch.cat([w.bq, w.bk, w.bv]) if spec.qkv_bias else None
+        self.wqkv = Linear(wqkv, bqkv, out_perm=qkv_perm)
         self.wo = Linear(w.wo)
         # a head's dims as the gather leaves them (partial rotary: rope.partial_rotary_order), for the QK-norms
         order = partial_rotary_order(args.head_dim, args.rope_dim) if args.rope_dim else slice(None)
@@ -183,7 +189,8 @@ class Block(nn.Module):
             self.ffn = MoEFeedForward(w.w_router, w.w_gate_exps, w.w_up_exps, w.w_down_exps, spec.n_experts_used,
                                       spec.norm_topk, shared)
         else:
-            self.ffn = FeedForward(w.w_gate, w.w_up, w.w_down, spec.ffn)
+            gate_up = w.w_gate_up if spec.fused_gate_up else stack_rows(w.w_gate, w.w_up)
+            self.ffn = FeedForward(gate_up, w.w_down, spec.ffn)
         self.post_attn_norm = RMSNorm(w.post_attn_norm, args.norm_eps) if spec.sandwich_norms else None
         self.post_ffn_norm = RMSNorm(w.post_ffn_norm, args.norm_eps) if spec.sandwich_norms else None
         self.layer_idx = layer_idx

@@ -27,7 +27,7 @@ from ktquest.formats.chat_template import ChatTemplateError
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.formats.tokenizer import Tokenizer, TokenizerError
 from ktquest.layers.linear import QuantWeight
-from ktquest.models import gemma3, llama, qwen2moe, qwen3, qwen3moe, qwen35
+from ktquest.models import chatglm, gemma3, llama, phi3, qwen2moe, qwen3, qwen3moe, qwen35
 from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
 from ktquest.models.block import EXPERT_STACKS, SMALL_TENSORS, VECTORS
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
@@ -37,7 +37,8 @@ from ktquest.native.enums import GGML_TYPES
 # The architectures ktquest reads: GGUF name -> its family (models/<family>.py). Adding one is a family file and
 # its line here (docs/design.md, "Adding an architecture").
 FAMILIES: dict[str, Family] = {arch: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3moe.FAMILY, qwen2moe.FAMILY,
-                                                  gemma3.FAMILY, qwen35.FAMILY) for arch in f.archs}
+                                                  gemma3.FAMILY, qwen35.FAMILY, chatglm.FAMILY, phi3.FAMILY)
+                               for arch in f.archs}
 
 
 @dataclass(slots=True)
@@ -101,17 +102,19 @@ def qk_perm(a: ModelArgs) -> torch.Tensor | None:
     q [H*D] | k [KVH*D] | v [KVH*D] (| gate [H*D] for ``attn_gate`` blocks), rotate-half RoPE in each q/k head;
     None where the file's order is that already (qwen2, qwen3).
 
-    - llama / internlm2: llama.cpp's converter stores head h's rows as (x0, y0, x1, y1, ...), rotary pair i in
-      rows 2i and 2i + 1, for ggml's interleaved RoPE; output j of a head reads row 2 (j % (D/2)) + j // (D/2).
-    - partial rotary (``rope_dim`` < D, NEOX style): ``rope.partial_rotary_order`` within each q/k head.
+    - adjacent pairs (``permuted_qk``): llama.cpp's converter stores llama's and internlm2's head h as (x0, y0,
+      x1, y1, ...), rotary pair i in rows 2i and 2i + 1, for ggml's interleaved RoPE; ChatGLM's model rotates
+      such pairs itself, over its first R = ``n_rot`` dims. Output j < R of a head reads row 2 (j % (R/2)) +
+      j // (R/2); the rest keep their rows.
+    - partial rotary (``rope_dim`` < D): then ``rope.partial_rotary_order`` within each q/k head.
     - ``attn_gate`` (qwen35): the file's q rows are [q_h (D), gate_h (D)] per head; q and then the gates.
     int64 [(H + 2 KVH) * D] (+ H*D with a gate)."""
     gated = any(b.attn_gate for b in a.blocks if b.mixer == "attention")
     if not (a.permuted_qk or a.rope_dim or gated):
         return None
     d, h, kvh = a.head_dim, a.n_heads, a.n_kv_heads
-    j = torch.arange(d)
-    within = 2 * (j % (d // 2)) + j // (d // 2) if a.permuted_qk else j  # [D]
+    j, r = torch.arange(d), a.rope_dim or d
+    within = torch.cat([2 * (j[:r] % (r // 2)) + j[:r] // (r // 2), j[r:]]) if a.permuted_qk else j  # [D]
     if a.rope_dim:
         within = within[partial_rotary_order(d, a.rope_dim)]
     q_stride = 2 * d if gated else d
