@@ -204,6 +204,27 @@ class PrefillConfig:
                "'chunk' with prefill.mode: sparse (layer-major prefill reads every block)")
 
 
+@dataclass(slots=True)
+class DualChunkConfig:
+    """Dual chunk attention (models/dual_chunk.py: Qwen's 1M models past their trained 262,144 positions).
+    ``mode`` auto: on where the file is a known 1M DCA model (its keys, or a qwen-family file of context
+    1,010,000), said on stderr; on: also for another file (its sizes from here); off: never (positions past the
+    trained context as they come). ``chunk_size`` / ``local_size`` 0: the file's."""
+
+    mode: Literal["auto", "on", "off"] = "auto"
+    chunk_size: int = field(default=0, metadata={"max": SEQ_LEN_MAX})
+    local_size: int = field(default=0, metadata={"max": SEQ_LEN_MAX})
+    scale_logits: bool = True  # past chunk_size, a query's logits times max(1, 0.1 ln(n / chunk_size) + 1)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "dual_chunk.")
+        _check(self.chunk_size >= 0, "dual_chunk.chunk_size", self.chunk_size, "an integer >= 0 (0 = the file's)")
+        _check(self.local_size >= 0, "dual_chunk.local_size", self.local_size, "an integer >= 0 (0 = the file's)")
+        if self.chunk_size and self.local_size:
+            _check(self.local_size < self.chunk_size, "dual_chunk.local_size", self.local_size,
+                   f"less than chunk_size ({self.chunk_size})")
+
+
 MAX_STATE_CHECKPOINTS = 256
 
 
@@ -246,6 +267,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    dual_chunk: DualChunkConfig = field(default_factory=DualChunkConfig)
 
     def __post_init__(self) -> None:
         _check_types(self, "")

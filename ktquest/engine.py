@@ -37,6 +37,7 @@ from ktquest.kv.recurrent import RecurrentCache
 from ktquest.kv.sliding import HybridCache, global_args
 from ktquest.layers.linear import set_x16
 from ktquest.models.args import RopeScaling
+from ktquest.models.dual_chunk import resolve_dual_chunk
 from ktquest.models.loader import build_model, read_gguf, read_tokenizer
 from ktquest.native.decode import use_native_decode
 from ktquest.sequence import Sequence
@@ -85,8 +86,11 @@ class Engine:
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)
         self.weights = _pick_weights(config.weights, self.device, self.dtype)
+        dual_chunk, note = resolve_dual_chunk(config, self.args, self.max_seq_len)
+        if note:
+            print(note, file=sys.stderr)
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf",
-                                 _rope_scaling(config))
+                                 _rope_scaling(config), dual_chunk)
         self.args = self.model.args  # the file's, but for the config's RoPE scaling when it sets one
         self.context_warning = context_warning(self.args, self.max_seq_len)  # past the trained context: why
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
@@ -356,9 +360,12 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
     threads = config.resolved_threads()
     g = global_args(args)
     if config.mode == "long_context":
+        if args.dual_chunk is not None:
+            raise ConfigError("mode: long_context with dual chunk attention: the sparse store does not take it yet")
         cache = LongContextCache(g, config, max_seq_len, device, dtype)
     else:
-        cache = DenseKVCache(g.n_layers, g.n_kv_heads, g.head_dim, max_seq_len, device, dtype, threads=threads)
+        cache = DenseKVCache(g.n_layers, g.n_kv_heads, g.head_dim, max_seq_len, device, dtype, threads=threads,
+                             dual_chunk=args.dual_chunk)
     if g.n_layers == args.n_layers:
         return cache
     if args.delta_layers:  # a hybrid model's DeltaNet layers keep a state (qwen35)

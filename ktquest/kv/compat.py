@@ -5,7 +5,7 @@ The config's fingerprint (``cache_fingerprint``) holds every setting that change
 engine applies it: the numbers each key and value is computed with (the compute dtype, the weights' encoding
 and the activations' rounding on it), the RoPE frequencies the keys were rotated by (``rope``: the file's
 scaling or the config's dynamic NTK, at the cache's length: dynamic NTK and LongRoPE choose theirs by
-max_seq_len), the layout (mode; a long_context cache's knobs and chunk_size; a sliding-window model's keep),
+max_seq_len) and the positions (``dual_chunk``: a key's place in its chunk), the layout (mode; a long_context cache's knobs and chunk_size; a sliding-window model's keep),
 and how a long_context cache's later layers were computed (its selection knobs, the prefill's mode: a sparse
 prefill attends a selection, so the keys of every layer after the first differ). Head counts and dims are the
 model file's (its own fingerprint).
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 # what a difference in a fingerprint's key means, where its values do not say it
 _HINTS = {"rope": " (the keys were rotated by other RoPE frequencies: rope_scaling, rope_scaling_factor, or "
-                  "max_seq_len under dynamic NTK or LongRoPE)"}
+                  "max_seq_len under dynamic NTK or LongRoPE)",
+          "dual_chunk": " (with dual chunk attention the keys are rotated at their place in their chunk: "
+                        "dual_chunk.mode, chunk_size, local_size)"}
 
 
 class Contents(NamedTuple):
@@ -48,6 +50,9 @@ def cache_fingerprint(eng: Engine) -> dict:
     c, model = eng.config, eng.model
     out = {"mode": c.mode, "dtype": str(eng.dtype).removeprefix("torch."), "weights": eng.weights,
            "rope": rope_fingerprint(model.args, model.max_seq_len)}
+    dc = model.args.dual_chunk
+    if dc is not None:  # the keys past the first chunk were rotated at their place in their chunk
+        out["dual_chunk"] = {"chunk_size": dc.chunk_size, "local_size": dc.local_size, "scale_logits": dc.scale_logits}
     if eng.weights == "gguf":  # (dequantized weights multiply the activations as they are)
         out["activations"] = eng.activations
     if isinstance(eng.cache, HybridCache):

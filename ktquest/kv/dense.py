@@ -21,8 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ktquest.kv.dual_chunk_attention import dca_decode, dca_prefill
 from ktquest.kv.memory import check_dense_fits
 from ktquest.kv.placement import Placement
+from ktquest.models.dual_chunk import DualChunk
 from ktquest.native.attention import dense_decode_attention
 from ktquest.native.plans import TokenPlan, dense_layer
 
@@ -31,7 +33,8 @@ GROW_TOKENS = 1024  # a layer's first capacity, and the multiple its capacities 
 
 class DenseKVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, threads: int = 1):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, threads: int = 1,
+                 dual_chunk: DualChunk | None = None):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 1")
         check_dense_fits(n_layers, n_kv_heads, head_dim, max_seq_len, torch.device(device), dtype)
@@ -49,6 +52,8 @@ class DenseKVCache:
         self.scale = head_dim ** -0.5
         self._mask_key: tuple[int, int] | None = None
         self._mask: torch.Tensor | None = None
+        # dual chunk attention (models/dual_chunk.py): the model then sends q as [3, T, H, D], its three rotations
+        self.dual_chunk = dual_chunk
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> torch.Tensor:
@@ -57,7 +62,7 @@ class DenseKVCache:
         q: [T, H, D], k/v: [T, KVH, D] -> out [T, H, D]. start_pos may be < pos (overwrite, e.g. after a
         rewind) but not > pos (a gap), and the chunk must fit in max_seq_len.
         """
-        t = q.shape[0]
+        t = q.shape[-3]
         end = start_pos + t
         if start_pos > self.pos or end > self.max_seq_len or start_pos < 0:
             self._raise_bad_positions(start_pos, end)
@@ -81,11 +86,21 @@ class DenseKVCache:
                      start_pos: int) -> torch.Tensor:
         """``attend`` without its checks and without moving ``pos``: the layer holds rows up to start_pos + T
         (``reserve``)."""
-        t = q.shape[0]
+        t = q.shape[-3]
         end = start_pos + t
         k_all, v_all = self._k[layer_idx], self._v[layer_idx]  # [1, KVH, cap, D]
         k_all[:, :, start_pos:end] = k.transpose(0, 1)  # [KVH, T, D]
         v_all[:, :, start_pos:end] = v.transpose(0, 1)
+        if q.dim() == 4:  # dual chunk attention's three rotations of q
+            if self.dual_chunk is None:
+                raise ValueError("the model sends dual chunk attention's queries to a cache made without it "
+                                 "(make it with the model's args.dual_chunk)")
+            if self.dual_chunk.active(end):
+                if t == 1 and self.placement.native:
+                    return dca_decode(q[:, 0], k_all[0], v_all[0], start_pos, self.scale, self.dual_chunk,
+                                      self.threads)[None]
+                return dca_prefill(q, k_all[0], v_all[0], start_pos, self.scale, self.dual_chunk).to(q.dtype)
+            q = q[0]  # every key in the query's chunk: the intra rotation is the true position
         if t == 1 and self.placement.native:  # decode: the one query sees every position
             out, _ = dense_decode_attention(q[0], k_all[0], v_all[0], end, self.scale, self.threads)
             return out[None]  # [1, H, D]
@@ -154,8 +169,8 @@ class DenseKVCache:
     def plan_decode(self, pos: int) -> TokenPlan | None:
         """The whole decode token at ``pos`` in one native call (``KVCache.plan_decode``), every layer grown to
         hold it first; None off the CPU in fp32 (the token then goes block by block through ``attend``)."""
-        if not self.placement.native:
-            return None
+        if not self.placement.native or (self.dual_chunk is not None and self.dual_chunk.active(pos + 1)):
+            return None  # (past the first chunk, dual chunk attention's token goes through the model's layers)
         self.reserve(pos, pos + 1)
         if self._np is None:  # numpy views of every layer, made again only when a layer grew
             self._np = [(k[0].numpy(), v[0].numpy()) for k, v in zip(self._k, self._v)]
@@ -239,8 +254,8 @@ class DensePromptLayers:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> torch.Tensor:
         """``KVCache.attend`` for the layer being read (its chunks in order)."""
-        if not (self.start <= start_pos and start_pos + q.shape[0] <= self.end):
-            raise ValueError(f"layer-major prompt: positions {start_pos}..{start_pos + q.shape[0] - 1} are outside "
+        if not (self.start <= start_pos and start_pos + q.shape[-3] <= self.end):
+            raise ValueError(f"layer-major prompt: positions {start_pos}..{start_pos + q.shape[-3] - 1} are outside "
                              f"the prompt's {self.start}..{self.end - 1}")
         return self.cache.write_attend(layer_idx, q, k, v, start_pos)
 

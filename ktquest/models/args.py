@@ -15,6 +15,7 @@ import numpy as np
 from ktquest.config import show
 from ktquest.formats.gguf import GGUFError, GGUFFile, GGUFTensors
 from ktquest.models.block import BlockSpec
+from ktquest.models.dual_chunk import DualChunk, file_dual_chunk
 
 # llama.cpp's names of the tensors outside the blocks: model field -> GGUF name (a block's: models/block.py)
 MODEL_TENSORS = {"tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight"}
@@ -69,6 +70,8 @@ class ModelArgs:
     rope_theta_local: float = 10000.0  # RoPE table 1's base (the sliding layers': BlockSpec.rope), unscaled
     emb_scale: float = 1.0  # the embeddings' multiplier (gemma: sqrt(dim))
     rope_dim: int = 0  # dims of each q/k head that RoPE rotates; 0 = head_dim (models/loader.qk_perm otherwise)
+    # dual chunk attention (models/dual_chunk.py): the file's (its keys, or a known 1M release's), or the config's
+    dual_chunk: DualChunk | None = None
 
     @property
     def n_rot(self) -> int:
@@ -307,6 +310,11 @@ def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
         raise m.error(f"{arch}.block_count", n_layers, f"the number of blocks the file has tensors for "
                       f"({n_blocks}: blk.0 to blk.{n_blocks - 1})" if n_blocks else
                       "the number of blocks the file has tensors for, and it has none (no blk.* tensors)")
+    context_length = m.integer(f"{arch}.context_length", 1)
+    try:
+        dual_chunk = file_dual_chunk(m.md, arch, context_length)
+    except ValueError as e:
+        raise GGUFError(f"{path}: {e}") from None
     args = ModelArgs(
         arch=arch,
         n_layers=n_layers,
@@ -319,10 +327,11 @@ def model_args(f: GGUFFile, families: dict[str, Family]) -> ModelArgs:
         norm_eps=m.number(f"{arch}.attention.layer_norm_rms_epsilon", 0.0),
         # llama.cpp's default when absent; the inverse frequencies are base^(-2i/head_dim)
         rope_theta=m.number(f"{arch}.rope.freq_base", 1.0, default=10000.0),
-        context_length=m.integer(f"{arch}.context_length", 1),
+        context_length=context_length,
         rope_scaling=_rope_scaling(m, arch, tensors, rope_dim),
         tie_embeddings=MODEL_TENSORS["output"] not in tensors,
         rope_dim=0 if rope_dim == head_dim else rope_dim,
+        dual_chunk=dual_chunk,
         **_family_fields(families[arch], m, tensors, arch, n_layers, dim),
     )
     return args

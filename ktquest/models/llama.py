@@ -154,13 +154,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(w.q_norm[order], args.norm_eps) if spec.qk_norm else None  # [D]
         self.k_norm = RMSNorm(w.k_norm[order], args.norm_eps) if spec.qk_norm else None  # [D]
         self.gated = spec.attn_gate
+        self.dual_chunk = args.dual_chunk is not None  # cos/sin then [4, T, 1, D]: Transformer.rope_rows
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
         t, h, kvh, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         out = self.wqkv(x)  # [T, (H + 2*KVH) * D (+ H*D)]
         qkv = out[:, : (h + 2 * kvh) * d].view(t, h + 2 * kvh, d)  # [T, H + 2*KVH, D]
-        if self.q_norm is None:
+        if self.dual_chunk:  # k once at its key position, q three ways (kv/dual_chunk_attention.py)
+            q = qkv[:, :h] if self.q_norm is None else self.q_norm(qkv[:, :h])
+            k = qkv[:, h: h + kvh] if self.k_norm is None else self.k_norm(qkv[:, h: h + kvh])
+            k = apply_rope(k, cos[0], sin[0])  # [T, KVH, D]
+            q = torch.stack([apply_rope(q, cos[i], sin[i]) for i in (1, 2, 3)])  # [3, T, H, D]
+        elif self.q_norm is None:
             qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # [T, H + KVH, D]: q and k rotated in one go
             q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
         else:
@@ -222,7 +228,9 @@ class Transformer(nn.Module):
         self.dtype, self.device = weights.norm.dtype, weights.norm.device
         # RoPE tables [n_tables, S, D]: one, or (gemma3) the global layers' and the sliding layers'
         # (layer_rope[i]: layer i's table, BlockSpec.rope)
-        tables = [rope_tables(a, self.max_seq_len, self.dtype, self.device) for a in rope_variants(args)]
+        self.dual_chunk = args.dual_chunk  # DCA (models/dual_chunk.py): its positions reach chunk_size
+        n_pos = self.max_seq_len if self.dual_chunk is None else max(self.max_seq_len, self.dual_chunk.chunk_size + 1)
+        tables = [rope_tables(a, n_pos, self.dtype, self.device) for a in rope_variants(args)]
         self.register_buffer("rope_cos", torch.stack([c for c, _ in tables]), persistent=False)
         self.register_buffer("rope_sin", torch.stack([s for _, s in tables]), persistent=False)
         self.layer_rope = [b.rope for b in args.blocks]
@@ -238,18 +246,31 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {start_pos}..{start_pos + t - 1} exceed the model's rope tables "
                              f"(max_seq_len {self.max_seq_len})")
 
+    def rope_rows(self, table: int, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions start..start+t-1 in RoPE table ``table``: [T, 1, D] each; with dual chunk
+        attention [4, T, 1, D]: the keys' rows (their place in their chunk), then the queries' intra, successive
+        and inter rows (models/dual_chunk.py), those times the query's logit temperature."""
+        if self.dual_chunk is None:
+            return self.rope_cos[table, start: start + t, None], self.rope_sin[table, start: start + t, None]
+        dc = self.dual_chunk
+        pos = torch.arange(start, start + t, device=self.rope_cos.device)
+        index = torch.cat([dc.key_positions(pos)[None], dc.query_positions(pos)])  # [4, T]
+        temper = torch.ones(4, t, 1, 1, dtype=torch.float64, device=pos.device)
+        temper[1:] = dc.logit_scale(pos)[:, None, None]
+        cos, sin = self.rope_cos[table][index][:, :, None], self.rope_sin[table][index][:, :, None]  # [4, T, 1, D]
+        return (cos * temper).to(cos.dtype), (sin * temper).to(sin.dtype)
+
     def forward(self, tokens: torch.Tensor, start_pos: int, cache: KVCache,
                 last_only: bool = False) -> torch.Tensor:
         """tokens: [T] at positions start_pos..start_pos+T-1 -> logits [T, V] ([1, V] with last_only)."""
         t = tokens.shape[0]
         self.check_positions(start_pos, t)
-        cos = self.rope_cos[:, start_pos: start_pos + t, None]  # [n_tables, T, 1, D]
-        sin = self.rope_sin[:, start_pos: start_pos + t, None]  # [n_tables, T, 1, D]
         x = self.tok_embeddings(tokens)  # [T, dim]
         if self.emb_scale != 1.0:
             x = x * self.emb_scale
+        rows = {r: self.rope_rows(r, start_pos, t) for r in set(self.layer_rope)}
         for layer, r in zip(self.layers, self.layer_rope):
-            x = layer(x, start_pos, cos[r], sin[r], cache)
+            x = layer(x, start_pos, *rows[r], cache)
         if last_only:
             x = x[-1:]  # [1, dim]: prefill only needs the next-token logits
         return self.output(self.norm(x))  # [T, V]
@@ -274,8 +295,7 @@ class Transformer(nn.Module):
             for i, (layer, r) in enumerate(zip(self.layers, self.layer_rope)):
                 for a in range(0, n, chunk_size):
                     b, s = min(n, a + chunk_size), start_pos + a
-                    cos = self.rope_cos[r, s: s + b - a, None]  # [C, 1, D]
-                    sin = self.rope_sin[r, s: s + b - a, None]
+                    cos, sin = self.rope_rows(r, s, b - a)
                     x[a:b] = layer(x[a:b].to(self.device, non_blocking=True), s, cos, sin, prompt)
                     if on_progress is not None:
                         on_progress((i * n + b) // len(self.layers), n)

@@ -28,8 +28,9 @@ from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.formats.tokenizer import Tokenizer, TokenizerError
 from ktquest.layers.linear import QuantWeight
 from ktquest.models import chatglm, gemma3, llama, phi3, qwen2moe, qwen3, qwen3moe, qwen35
-from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args
+from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args, resolve_max_seq_len
 from ktquest.models.block import EXPERT_STACKS, SMALL_TENSORS, VECTORS
+from ktquest.models.dual_chunk import DualChunk
 from ktquest.models.llama import BlockWeights, Transformer, TransformerWeights
 from ktquest.models.rope import partial_rotary_order
 from ktquest.native.enums import GGML_TYPES
@@ -250,28 +251,36 @@ def nonfinite_blocks(t: str, data: np.ndarray) -> int:
                for o in offsets)
 
 
+FILE = "file"  # build_model's dual_chunk: the file's own
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int = 0,
                encoded: bool = False,
-               rope_scaling: RopeScaling | None = None) -> tuple[Transformer, GGUFContents]:
+               rope_scaling: RopeScaling | None = None,
+               dual_chunk: DualChunk | None | str = FILE) -> tuple[Transformer, GGUFContents]:
     """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
 
     max_seq_len: positions the RoPE tables cover; 0 = the trained context length (``resolve_max_seq_len``).
     encoded: the matrices stay in their GGUF encoding (``model_weights``; the CPU in fp32 only).
-    rope_scaling: replaces the file's (``build_model``).
+    rope_scaling, dual_chunk: ``build_model``'s.
     """
     contents = read_gguf(path)
-    return build_model(contents, device, dtype, max_seq_len, encoded, rope_scaling), contents
+    return build_model(contents, device, dtype, max_seq_len, encoded, rope_scaling, dual_chunk), contents
 
 
 def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 max_seq_len: int = 0, encoded: bool = False,
-                rope_scaling: RopeScaling | None = None) -> Transformer:
+                rope_scaling: RopeScaling | None = None,
+                dual_chunk: DualChunk | None | str = FILE) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
     ``max_seq_len`` positions; 0 = the trained context length: ``resolve_max_seq_len``).
 
     rope_scaling: None = the file's; else it replaces the file's in the model's args (the config's dynamic
     NTK, which no GGUF file can express: ``Config.rope_scaling``).
+    dual_chunk: the file's dual chunk attention (``FILE``: its keys, or a known 1M release's), another, or None
+    (off). A model whose positions end inside the first chunk has none: there DCA is plain attention. Its cache
+    is made with ``model.args.dual_chunk``.
     """
     if encoded and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"weights in their GGUF encoding run on the CPU in float32, not {device}/{dtype}")
@@ -279,4 +288,8 @@ def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtyp
     args = contents.args
     if rope_scaling is not None:
         args = dataclasses.replace(args, rope_scaling=rope_scaling)
+    dc = args.dual_chunk if isinstance(dual_chunk, str) else dual_chunk
+    if dc is not None and not dc.active(resolve_max_seq_len(args, max_seq_len)):
+        dc = None
+    args = dataclasses.replace(args, dual_chunk=dc)
     return Transformer(args, weights, max_seq_len=max_seq_len).eval()

@@ -24,6 +24,7 @@ from ktquest.kv.base import KVCache
 from ktquest.layers.linear import set_threads
 from ktquest.models.block import BlockSpec
 from ktquest.models.ffn import MoEFeedForward
+from ktquest.models.rope import apply_rope
 from ktquest.native import matrix
 from ktquest.native.moe import MoeFfn
 
@@ -46,6 +47,10 @@ class NativeDecoder:
         self.norm_w, self.eps = model.norm.weight.detach().numpy(), model.norm.eps  # [dim]
         self.head = model.output.qm  # _C.QuantMatrix [V, dim]
         self.check_positions = model.check_positions
+        # dual chunk attention past its first chunk: q and k come unrotated from the qkv stage (identity rows) and
+        # are rotated by the model's rows (k once, q three ways: models/dual_chunk.py)
+        self.dual_chunk, self.rope_rows = model.args.dual_chunk, model.rope_rows
+        self._identity = (np.ones(a.head_dim, np.float32), np.zeros(a.head_dim, np.float32))
         self._qkv = np.empty((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, np.float32)
 
     @classmethod
@@ -93,9 +98,17 @@ class NativeDecoder:
         h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = torch.from_numpy(self._qkv).view(1, h + 2 * kvh, d)  # [1, H + 2*KVH, D], q and k rotated
         q, k, v = qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]  # [1, H, D], [1, KVH, D], [1, KVH, D]
+        dual = self.dual_chunk is not None and self.dual_chunk.active(pos + 1)
+        rows = {r: self.rope_rows(int(r), pos, 1) for r in set(self.rope.tolist())} if dual else {}
         for i, (block, r) in enumerate(zip(self.blocks, self.rope)):
-            block.qkv(x, cos[r], sin[r], self._qkv, self.threads)
-            out = cache.attend(i, q, k, v, pos)  # [1, H, D]
+            if dual:  # unrotated from the stage, then k at its key position and q three ways
+                block.qkv(x, *self._identity, self._qkv, self.threads)
+                c, s = rows[int(r)]  # [4, 1, 1, D]
+                qv = torch.stack([apply_rope(q, c[j], s[j]) for j in (1, 2, 3)])  # [3, 1, H, D]
+                out = cache.attend(i, qv, apply_rope(k, c[0], s[0]), v, pos)
+            else:
+                block.qkv(x, cos[r], sin[r], self._qkv, self.threads)
+                out = cache.attend(i, q, k, v, pos)  # [1, H, D]
             block.out(out.reshape(-1).contiguous().numpy(), x, self.threads)
 
 
