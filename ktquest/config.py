@@ -324,6 +324,8 @@ def _coerce(key: str, value: Any, tp: Any, int_max: int = INT_MAX) -> Any:
 
     if typing.get_origin(tp) is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):  # YAML 1.1 reads on / off as booleans
+            return "on" if value else "off"
         if isinstance(value, str):
             for a in allowed:  # enum names are case-insensitive: quest == QUEST
                 if a.lower() == value.lower():

@@ -62,6 +62,15 @@ def test_file_values(tmp_path):
     assert cfg.long_context.anchor_type == "BLOCK_MAX"  # enum names are case-insensitive
 
 
+def test_on_and_off_read_as_yaml_booleans_are_the_modes(tmp_path):
+    """YAML 1.1 reads on / off as true / false: where a key's values are "on" and "off" they mean those (a file
+    and --set alike); elsewhere a boolean is still refused."""
+    assert load_config(_write(tmp_path, "dual_chunk:\n  mode: off\n")).dual_chunk.mode == "off"
+    assert load_config(None, ["dual_chunk.mode=on"]).dual_chunk.mode == "on"
+    with pytest.raises(ConfigError, match="mode=False is not allowed"):
+        load_config(None, ["mode=off"])
+
+
 def test_unknown_key(tmp_path):
     p = _write(tmp_path, "generation:\n  max_tokens: 5\n")
     with pytest.raises(ConfigError) as e:
