@@ -368,6 +368,8 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
                              dual_chunk=args.dual_chunk)
     if g.n_layers == args.n_layers:
         return cache
+    if args.dual_chunk is not None:  # (build_model leaves it off for these models)
+        raise ConfigError("dual chunk attention on a model with sliding-window or recurrent layers")
     if args.delta_layers:  # a hybrid model's DeltaNet layers keep a state (qwen35)
         return RecurrentCache(args, cache, device, config.state_checkpoint_tokens, config.state_checkpoints)
     keep = max(config.sliding_window_keep, config.chunk_size)  # an interrupted chunk must not lose the window

@@ -247,3 +247,25 @@ def test_known_1m_files_and_bad_keys(tmp_path, tiny_bpe):
         args(**{"qwen2.dual_chunk_attention.chunk_size": 32, "qwen2.dual_chunk_attention.local_size": 32})
     with pytest.raises(GGUFError, match="both must be integers"):
         args(**{"qwen2.dual_chunk_attention.chunk_size": 32.5, "qwen2.dual_chunk_attention.local_size": 8})
+
+
+def test_dca_keeps_the_caches_rope_frequencies_and_skips_sliding_models(tmp_path, tiny_bpe):
+    """The tables reach chunk_size for DCA's query positions, but their frequencies are the cache's: a LongRoPE
+    model whose cache (60) is within its trained 64 keeps its short factors though chunk_size is 80. A model with
+    sliding-window layers (gemma3) builds without DCA."""
+    from conftest import GEMMA3_SPECS
+    from tiny_glm_phi import GLM_PHI_SPECS, build_glm_phi, glm_phi_gguf_tensors, glm_phi_metadata
+
+    spec = GLM_PHI_SPECS["phi3"]
+    hf = build_glm_phi(spec, len(tiny_bpe.tokens))
+    path = write_gguf(tmp_path / "phi3.gguf", "phi3", glm_phi_metadata(spec), glm_phi_gguf_tensors(hf, spec), tiny_bpe)
+    dca, _ = load_model(path, max_seq_len=60, dual_chunk=DualChunk(80, 40))
+    plain, _ = load_model(path, max_seq_len=60)
+    assert dca.args.dual_chunk is not None and dca.rope_cos.shape[1] == 81
+    assert torch.equal(dca.rope_cos[:, :60], plain.rope_cos) and torch.equal(dca.rope_sin[:, :60], plain.rope_sin)
+
+    g = GEMMA3_SPECS["gemma3"]
+    hf = build_hf_model(g, len(tiny_bpe.tokens))
+    gpath = write_gguf(tmp_path / "g.gguf", "gemma3", gguf_metadata(g, len(tiny_bpe.tokens)), hf_to_gguf_tensors(hf, g),
+                       tiny_bpe)
+    assert load_model(gpath, max_seq_len=128, dual_chunk=DC)[0].args.dual_chunk is None

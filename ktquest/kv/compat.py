@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 # what a difference in a fingerprint's key means, where its values do not say it
 _HINTS = {"rope": " (the keys were rotated by other RoPE frequencies: rope_scaling, rope_scaling_factor, or "
                   "max_seq_len under dynamic NTK or LongRoPE)",
-          "dual_chunk": " (with dual chunk attention the keys are rotated at their place in their chunk: "
-                        "dual_chunk.mode, chunk_size, local_size)"}
+          "dual_chunk": " (dual chunk attention rotates the keys at their place in their chunk and shapes every "
+                        "later layer's keys through its attention: dual_chunk.mode, chunk_size, local_size, "
+                        "scale_logits)"}
 
 
 class Contents(NamedTuple):

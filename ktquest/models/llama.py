@@ -230,7 +230,7 @@ class Transformer(nn.Module):
         # (layer_rope[i]: layer i's table, BlockSpec.rope)
         self.dual_chunk = args.dual_chunk  # DCA (models/dual_chunk.py): its positions reach chunk_size
         n_pos = self.max_seq_len if self.dual_chunk is None else max(self.max_seq_len, self.dual_chunk.chunk_size + 1)
-        tables = [rope_tables(a, n_pos, self.dtype, self.device) for a in rope_variants(args)]
+        tables = [rope_tables(a, self.max_seq_len, self.dtype, self.device, n_pos) for a in rope_variants(args)]
         self.register_buffer("rope_cos", torch.stack([c for c, _ in tables]), persistent=False)
         self.register_buffer("rope_sin", torch.stack([s for _, s in tables]), persistent=False)
         self.layer_rope = [b.rope for b in args.blocks]

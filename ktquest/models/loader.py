@@ -279,8 +279,8 @@ def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtyp
     rope_scaling: None = the file's; else it replaces the file's in the model's args (the config's dynamic
     NTK, which no GGUF file can express: ``Config.rope_scaling``).
     dual_chunk: the file's dual chunk attention (``FILE``: its keys, or a known 1M release's), another, or None
-    (off). A model whose positions end inside the first chunk has none: there DCA is plain attention. Its cache
-    is made with ``model.args.dual_chunk``.
+    (off). A model whose positions end inside the first chunk has none (there DCA is plain attention), nor one
+    with sliding-window or recurrent layers. Its cache is made with ``model.args.dual_chunk``.
     """
     if encoded and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"weights in their GGUF encoding run on the CPU in float32, not {device}/{dtype}")
@@ -291,5 +291,7 @@ def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtyp
     dc = args.dual_chunk if isinstance(dual_chunk, str) else dual_chunk
     if dc is not None and not dc.active(resolve_max_seq_len(args, max_seq_len)):
         dc = None
+    if dc is not None and any(b.mixer != "attention" or b.attention != "global" for b in args.blocks):
+        dc = None  # (sliding windows and recurrent layers do not take it: resolve_dual_chunk says so)
     args = dataclasses.replace(args, dual_chunk=dc)
     return Transformer(args, weights, max_seq_len=max_seq_len).eval()

@@ -59,9 +59,10 @@ def rope_variants(args: ModelArgs) -> list[ModelArgs]:
 
 
 def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,
-                device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                device: str | torch.device, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_len, D] for a cache of ``max_len`` tokens, angles computed in float64 (fp32 angles drift
-    by ~1e-3 rad at 8K positions).
+    by ~1e-3 rad at 8K positions). ``rows`` > 0: that many positions instead, the frequencies still the cache's
+    (dual chunk attention's query positions reach its chunk_size, past a shorter cache).
 
     sin carries rotate-half's sign: ``rotate_half(x) * sin_full == roll(x, D/2) * sin``. With partial rotary
     (``args.rope_dim`` = R < D) the rotated pairs are dims (i, i + D/2) for i < R/2, as ``loader.qk_perm`` gathers
@@ -69,12 +70,12 @@ def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype,
     so the tables are all the memory a long context costs here.
     """
     inv_freq, mscale = rope_frequencies(args, max_len)
-    half, d = inv_freq.shape[0], args.head_dim
-    cos = torch.ones(max_len, d, dtype=dtype, device=device)  # [S, D]
-    sin = torch.zeros(max_len, d, dtype=dtype, device=device)  # [S, D]
+    half, d, n = inv_freq.shape[0], args.head_dim, rows or max_len
+    cos = torch.ones(n, d, dtype=dtype, device=device)  # [S, D]
+    sin = torch.zeros(n, d, dtype=dtype, device=device)  # [S, D]
     lo, hi = slice(0, half), slice(d // 2, d // 2 + half)
-    for p0 in range(0, max_len, _ROPE_CHUNK):
-        p1 = min(p0 + _ROPE_CHUNK, max_len)
+    for p0 in range(0, n, _ROPE_CHUNK):
+        p1 = min(p0 + _ROPE_CHUNK, n)
         angles = torch.outer(torch.arange(p0, p1, dtype=torch.float64), inv_freq)  # [n, R/2]
         c, s = angles.cos() * mscale, angles.sin() * mscale
         cos[p0:p1, lo] = c  # rounded to dtype by the copy
