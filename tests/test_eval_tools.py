@@ -499,3 +499,21 @@ def test_bench_load_smoke(tiny_llama, tmp_path, capsys):
     assert "| ktquest |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tool.main(["--model", str(tmp_path / "missing.gguf")])
+
+
+def test_attention_recall_on_a_sliding_window_model(recall_tool, tiny_models, tmp_path, capsys):
+    """A gemma3 model (sliding-window layers beside global ones: a HybridCache) is measured on its global layers,
+    under the model's layer numbers, dense_layer_num counting global layers as the cache does."""
+    path = tiny_models("gemma3").path  # layers 0-4 slide, 5 is global
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The grass is green. The sky is blue. " * 20 + "The pass key is 4242.")
+    out_json = tmp_path / "r.json"
+    rc = recall_tool.main(["--prompt-file", str(prompt), "--model", str(path), "--raw", "--max-tokens", "200",
+                           "--budget", "2", "--queries", "2", "--anchors", "QUEST", "--set", "long_context.block_size=8",
+                           "--set", "long_context.local_windows_len=16", "--set", "long_context.dense_layer_num=0",
+                           "--json", str(out_json), "--quiet"])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert {r["layer"] for r in data["rows"]} == {5} and not any(r["dense_layer"] for r in data["rows"])
+    assert all(0 <= r["recall"] <= 1 + 1e-5 for r in data["rows"])
+    assert "| 5 |" in capsys.readouterr().out

@@ -84,6 +84,15 @@ def prompt_tokens(eng, path: str, raw: bool, max_tokens: int) -> list[int]:
     return ids
 
 
+def global_layers(cache) -> tuple[DenseKVCache, list[int]]:
+    """The dense cache of the model's global layers and, for each of its layers, the model's layer index: the
+    cache itself and every layer, or a ``HybridCache``'s (gemma3) main cache and its global layers."""
+    route = getattr(cache, "route", None)  # HybridCache: model layer -> (sliding, index in its part)
+    if route is None:
+        return cache, list(range(cache.n_layers))
+    return cache.main, sorted((i for i, (sliding, _) in route.items() if not sliding), key=lambda i: route[i][1])
+
+
 def candidate_range(n: int, block_size: int, init_len: int, local_len: int) -> tuple[int, int]:
     """Context blocks [b0, b1), as ``LongContextCache`` lays them out for n tokens: the init window is whole
     blocks [0, b0) (init_len rounded up), the local window starts at a block boundary at or before
@@ -104,9 +113,10 @@ def measure(
     anchors: list[str],
     on_layer=None,
 ) -> tuple[list[dict], list[dict]]:
-    """Recall rows (anchor, layer, head) and QUEST rows (layer, head), averaged over the recorded queries."""
-    dense = rec.inner
-    L = dense.n_layers
+    """Recall rows (anchor, layer, head) and QUEST rows (layer, head), averaged over the recorded queries; the
+    model's global layers (a sliding-window model's windows never reach the store: its ``HybridCache`` holds the
+    global layers in a dense cache of their own, renumbered, and ``dense_layer_num`` counts them)."""
+    dense, layers = global_layers(rec.inner)
     KVH, _, D = dense.layer_kv(0)[0].shape
     bs = lc.block_size
     nb = -(-n // bs)
@@ -114,11 +124,11 @@ def measure(
     exclude = [(0, b0), (b1, nb)]
     mode = lc.head_select_mode
     rows, quest_rows = [], []
-    for layer in range(L):
+    for j, layer in enumerate(layers):  # j: the layer in the dense cache, layer: the model's
         q = rec.query(layer)  # [W, H, D]
         W, H, _ = q.shape
         G = H // KVH
-        k, v = (t[:, :n].float() for t in dense.layer_kv(layer))  # [KVH, n, D]
+        k, v = (t[:, :n].float() for t in dense.layer_kv(j))  # [KVH, n, D]
         qpos = torch.arange(n - W, n)  # [W]
         # ---- dense softmax mass per token and per block ----
         kh = k.repeat_interleave(G, 0)  # [H, n, D]: query head h reads KV head h // G
@@ -176,7 +186,7 @@ def measure(
                         "anchor": a_type,
                         "layer": layer,
                         "head": h,
-                        "dense_layer": layer < lc.dense_layer_num,
+                        "dense_layer": j < lc.dense_layer_num,
                         "recall": recall[h].mean().item(),
                         "ctx_recall": ctx[h].mean().item(),
                         "oracle": oracle[h].mean().item(),
@@ -260,7 +270,7 @@ def markdown(rows: list[dict], quest_rows: list[dict], anchors: list[str], n_lay
         "| layer | window mass | " + " | ".join(anchors) + " | oracle | QUEST gap | QUEST top-k overlap |",
         "|---" * (len(anchors) + 5) + "|",
     ]
-    for layer in range(n_layers):
+    for layer in sorted({r["layer"] for r in rows}):  # (a sliding-window model's global layers only)
         sel = [r for r in rows if r["layer"] == layer]
         qs = [r for r in quest_rows if r["layer"] == layer]
         mark = "*" if sel and sel[0]["dense_layer"] else ""
