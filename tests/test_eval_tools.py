@@ -128,6 +128,26 @@ def test_eval_longctx_smoke(bundled_gguf, tmp_path, capsys):
     assert out_png.stat().st_size > 1000
 
 
+def test_eval_longctx_runs_ruler_tasks(tiny_models, tmp_path, capsys):
+    """A RULER task through the tool: one prompt a length and trial (its depths are the task's: --depths and
+    --fillers refused), each trial's ``correct`` RULER's share of the expected strings in the reply."""
+    tool = _tool("eval_longctx")
+    out_json = tmp_path / "r.json"
+    rc = tool.main(["--task", "niah_multiquery", "--lengths", "600", "--trials", "2", "--configs", "dense",
+                    "--model", str(tiny_models("llama").path), "--json", str(out_json), "--quiet"])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert [t["depth"] for t in data["trials"]] == [0.0, 0.0] and len(data["rows"]) == 1
+    assert all(0 <= t["correct"] <= 1 and len(t["answer"].split("; ")) == 4 for t in data["trials"])
+    assert all(t["correct"] == sum(a in t["reply"].lower() for a in t["answer"].split("; ")) / 4
+               for t in data["trials"])
+    assert "| dense |" in capsys.readouterr().out
+    for bad in (["--depths", "0.5"], ["--fillers", "prose"]):
+        with pytest.raises(SystemExit):
+            tool.main(["--task", "vt", *bad])
+        assert "part of the task" in capsys.readouterr().err
+
+
 def test_eval_longctx_fillers(capsys):
     tool = _tool("eval_longctx")
     assert tool.parse_fillers("held-out,code,prose") == ["prose", "narrative", "json", "code"]

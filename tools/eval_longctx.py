@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Long-context retrieval accuracy (passkey, needle, kv-retrieval) per config x length x filler x depth.
+"""Long-context retrieval accuracy (passkey, needle, kv-retrieval, and RULER's tasks) per config x length x filler x
+depth.
 
 Each trial is one prompt from ``ktquest.eval.tasks`` (the answer hidden at a depth of a document of
 ``length`` tokens of a filler kind, asked about in a chat turn), answered greedily as the first turn of a conversation on
@@ -14,6 +15,10 @@ json: report these, never choose settings on them) or ``all``. Example:
 
     python tools/eval_longctx.py --task passkey --lengths 2048,4096,8192 --depths 0,0.25,0.5,0.75,1 \
         --trials 5 --configs dense,configs/quest.yaml --json tools/out/passkey.json --png tools/out/passkey.png
+
+RULER's synthetic tasks (``ktquest.eval.ruler``: ``niah_single_1`` ... ``fwe``) are asked the same way; their
+haystack and needle depths are part of the task (``--fillers`` and ``--depths`` are not taken), and a reply scores
+RULER's share of the expected strings it holds (``correct`` is that share, 0..1).
 
 ``dense`` (or ``default``) in --configs means the built-in defaults (mode: dense). A config the runtime
 refuses to load is reported and skipped, the others still run.
@@ -46,6 +51,7 @@ from common import variant_knobs, write_atomic, write_json
 
 import ktquest
 from ktquest.config import ConfigError, load_config
+from ktquest.eval import ruler
 from ktquest.eval.tasks import (
     FILLERS,
     HELD_OUT_FILLERS,
@@ -58,6 +64,32 @@ from ktquest.eval.tasks import (
 )
 
 BUILTIN = ("dense", "default")
+TASK_CHOICES = (*TASKS, *ruler.RULER_TASKS)
+
+
+class RulerPrompt:
+    """A RULER sample as the tool reads a retrieval one: its answers joined as ``answer``, no key or phrasing."""
+
+    def __init__(self, s: ruler.RulerSample):
+        self.s, self.answers = s, s.answers
+        self.document, self.question, self.tokens, self.user_text = s.document, s.question, s.tokens, s.user_text
+        self.answer, self.key, self.phrasing = "; ".join(s.answers), "", 0
+
+
+def make_prompt(tokenizer, task: str, length: int, depth: float, seed: int, trial: int, filler: str):
+    """The prompt of (task, length, depth, seed, trial, filler): a retrieval task's sample or a RULER one."""
+    if task in TASKS:
+        return make_sample(tokenizer, task, length, depth, seed, trial, filler)
+    return RulerPrompt(ruler.make_ruler_sample(tokenizer, task, length, seed, trial))
+
+
+def grade(task: str, reply: str, s) -> bool | float:
+    """A retrieval task's exact match, or RULER's share of the answers found."""
+    return score(task, reply, s.answer, s.key) if task in TASKS else ruler.score(reply, s.answers)
+
+
+def max_new_tokens(task: str) -> int:
+    return MAX_NEW_TOKENS[task] if task in TASKS else ruler.MAX_NEW_TOKENS[task]
 
 
 def parse_list(text: str, kind=str) -> list:
@@ -90,7 +122,7 @@ def load_engine(model: str | None, config: str, task: str, max_len: int, threads
 
     max_seq_len becomes exactly that (a smaller KV allocation than the model's context for short runs);
     at the model's full context the reply runs up to MAX_NEW_TOKENS positions past it."""
-    new = MAX_NEW_TOKENS[task]
+    new = max_new_tokens(task)
     overrides = [f"max_new_tokens={new}", "temperature=0", *sets]
     if threads:
         overrides.append(f"threads={threads}")
@@ -114,7 +146,8 @@ def ask(session, s, task: str, fresh: bool):
 
     def on_text(piece: str) -> None:
         text.append(piece)
-        done[0] = answer_complete(task, "".join(text), s.answer, s.key)
+        reply = "".join(text)  # (RULER: every expected string found; more text cannot lose one)
+        done[0] = answer_complete(task, reply, s.answer, s.key) if task in TASKS else grade(task, reply, s) == 1
 
     session.document = s.document
     session.reset(keep_cache=not fresh)
@@ -237,7 +270,7 @@ def run(args, prior: list[list[dict]] = (), partial: Path | None = None) -> tupl
             bar.update(job, description=f"{args.task} {name}")
             for key in todo:
                 if key not in samples:
-                    samples[key] = make_sample(eng.tokenizer, args.task, key[0], key[2], args.seed, key[3], key[1])
+                    samples[key] = make_prompt(eng.tokenizer, args.task, key[0], key[2], args.seed, key[3], key[1])
             # In token order: a prompt follows the one it shares the longest prefix with (prompts that share a
             # haystack differ from the needle on), so each re-prefills only what is new.
             order = sorted(todo, key=lambda k: (k[0], fillers.index(k[1]), samples[k].tokens)) if not args.fresh else todo
@@ -299,7 +332,7 @@ def record(trials: list[dict], args, label: str, config: str, eng, s, key: tuple
             "prefilled_tokens": st.prompt_tokens,
             "answer": s.answer,
             "reply": reply.text,
-            "correct": score(args.task, reply.text, s.answer, s.key),
+            "correct": grade(args.task, reply.text, s),
             "prefill_s": st.prefill_s,
             "decode_s": st.decode_s,
             "prefill_tok_s": st.prefill_tok_s,
@@ -366,7 +399,7 @@ def markdown(rows: list[dict]) -> str:
     def acc(pred) -> str:
         sel = [r for r in rows if pred(r)]
         n, c = sum(r["trials"] for r in sel), sum(r["correct"] for r in sel)
-        return f"{c / n:.2f} ({c}/{n})" if n else "-"
+        return f"{c / n:.2f} ({c:g}/{n})" if n else "-"  # (RULER's scores are shares: c a sum of them)
 
     def s_per_trial(config: str, length: int) -> str:
         sel = [r for r in rows if r["config"] == config and r["length"] == length]
@@ -454,7 +487,7 @@ def heatmap(rows: list[dict], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=TASKS, default="passkey")
+    ap.add_argument("--task", choices=TASK_CHOICES, default="passkey")
     ap.add_argument("--lengths", default="2048,4096,8192", help="comma-separated prompt lengths, tokens")
     ap.add_argument(
         "--depths",
@@ -499,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if args.task == "kvretrieval" and fillers != ["classic"]:
         ap.error("--fillers: kvretrieval has only its own JSON haystack (classic)")
+    if args.task in ruler.RULER_TASKS:
+        if args.fillers != ap.get_default("fillers") or args.depths != ap.get_default("depths"):
+            ap.error(f"--fillers and --depths: {args.task}'s haystack and needle depths are part of the task")
+        args.depths = "0"  # one prompt a length and trial: the task draws its needles' depths
 
     if args.resume and not args.json:
         ap.error("--resume needs --json (the run's answers so far are in JSON.partial)")
