@@ -150,12 +150,14 @@ def _serve(args: argparse.Namespace) -> int:
     from ktquest.server import serve
 
     name = args.model or cfg.model or DEFAULT_MODEL  # what clients name the model: as it was given
-    model_id = served_model_id(name)
+    if args.alias is not None and (not args.alias.strip() or args.alias != args.alias.strip()):
+        raise UsageError("--alias: a name must be non-empty, without spaces around it")
+    model_id = args.alias or served_model_id(name)
     engine = load(args.model, cfg)
     _context_lines(engine)
     serve(engine, args.host, args.port, args.slots, args.queue, model_id,
           int(args.max_body_mb * 2**20), args.load_kv, guard=guard, prefix_reuse=args.prefix_reuse,
-          api_keys=api_keys)
+          api_keys=api_keys, strict_model_name=args.strict_model_name)
     return 0
 
 

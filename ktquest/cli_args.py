@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="whose cached prompts a request reuses: per-key, only those sent with its own API key "
                             "(no key: one anonymous group), so no client learns another's prompts from "
                             "cached_tokens or timing; shared, anyone's; off, none (default: per-key)")
+    serve.add_argument("--alias", metavar="NAME",
+                       help="the model's name in /v1/models and in replies (default: the --model as given)")
+    serve.add_argument("--strict-model-name", action="store_true",
+                       help="answer 404 to a request that names another model (default: the loaded model answers "
+                            "any name, as clients hard-code theirs)")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY", dest="api_keys",
                        help="require 'Authorization: Bearer KEY' with one of these keys, else 401 (repeatable; "
                             "default: $KTQ_API_KEY if set, else no key needed)")

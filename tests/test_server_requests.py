@@ -184,3 +184,20 @@ def test_health_shows_the_time_to_first_token(post):
     assert post("/v1/completions", {**body, "prompt": "the dog sat on the log"})[0] == 200
     h = post("/health")[1]
     assert h["answered"] == 2 and h["ttft_s_mean"] == pytest.approx((last["ttft_s"] + h["last"]["ttft_s"]) / 2)
+
+
+def test_any_model_name_is_served_unless_strict(engine):
+    """Clients hard-code model names: the loaded model answers any (the reply names the served one); with
+    strict_model_name another name is a 404 naming both. Fields the server does not honour yet are a 400,
+    not a silent plain-text answer; their defaults (text format, no tools, logprobs false) pass."""
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logprobs": False}
+    with _serving(create_app(Worker(engine), MODEL)) as post:
+        status, reply = post("/v1/chat/completions", body)
+        assert status == 200 and reply["model"] == MODEL
+        status, reply = post("/v1/completions", {"model": "text-davinci-003", "prompt": "hi", "max_tokens": 2,
+                                                 "logprobs": 3})
+        assert status == 400 and reply["error"]["param"] == "logprobs"
+    with _serving(create_app(Worker(engine), MODEL, strict_model_name=True)) as post:
+        status, reply = post("/v1/chat/completions", body)
+        assert status == 404 and "gpt-4o-mini" in reply["error"]["message"] and MODEL in reply["error"]["message"]

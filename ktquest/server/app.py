@@ -111,8 +111,10 @@ class _Job:
 
 
 def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES,
-               guard: GuardConfig | None = None, api_keys: tuple[str, ...] = ()) -> FastAPI:
-    """The API over ``worker``; ``model_id`` is the name /v1/models reports and requests must give. ``guard``:
+               guard: GuardConfig | None = None, api_keys: tuple[str, ...] = (),
+               strict_model_name: bool = False) -> FastAPI:
+    """The API over ``worker``; ``model_id`` is the name /v1/models reports and replies carry; a request may name
+    any model (clients hard-code theirs), unless ``strict_model_name``: then another name is a 404. ``guard``:
     the Host/Origin/Content-Type checks (``guard.py``; by default a server on 127.0.0.1:8080's). ``api_keys``:
     when given, a request must bring one of them (``Authorization: Bearer KEY``), else 401."""
     if queue < 0:
@@ -157,7 +159,11 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             req = kind.model_validate(body)
         except ValidationError as e:
             raise _invalid(e) from None
-        if req.model != model_id:
+        unsupported = req.unsupported()
+        if unsupported:  # honoured nowhere yet: a 400 rather than an answer the client takes for one
+            raise APIError(400, f"{unsupported} is not supported by this server yet", param=unsupported.split()[0],
+                           code="unsupported_parameter")
+        if strict_model_name and req.model != model_id:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_id!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
         ticket = gate.enter()
