@@ -277,11 +277,14 @@ class Engine:
 
     @exclusive
     def run(self, seq: Sequence, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
-            on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None) -> tuple[str, TurnStats]:
+            on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,
+            on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[str, TurnStats]:
         """Read ``tokens`` after what ``seq`` holds and generate after them; returns the reply text and its
         stats. ``seq``: the engine's own, or another over a cache made by ``make_cache`` (the server's slots).
-        The callbacks run inside this call: one that calls the engine gets a RuntimeError (``engine_lock``)."""
-        on_text, on_progress, should_stop = map(self.lock.callback, (on_text, on_progress, should_stop))
+        ``on_logits``: ``generate``'s (each sampled token and its logits). The callbacks run inside this call: one
+        that calls the engine gets a RuntimeError (``engine_lock``)."""
+        on_text, on_progress, should_stop, on_logits = map(self.lock.callback,
+                                                           (on_text, on_progress, should_stop, on_logits))
         stop_ids = self.tokenizer.stop_ids
         decoder = self.tokenizer.stream_decoder()
         reply: list[int] = []
@@ -296,7 +299,8 @@ class Engine:
 
         r = generate(self.model, seq, tokens, gen, set(stop_ids), self.config.chunk_size,
                      on_token=token_arrived, on_progress=on_progress, should_stop=should_stop,
-                     order=self.config.prefill.order, slab_tokens=self.config.prefill.slab_tokens)
+                     order=self.config.prefill.order, slab_tokens=self.config.prefill.slab_tokens,
+                     on_logits=on_logits)
         rest = decoder.flush()
         if rest and on_text is not None:
             on_text(rest)

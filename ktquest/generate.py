@@ -132,7 +132,8 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
              on_token: Callable[[int], None] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
              should_stop: Callable[[], bool] | None = None, order: PrefillOrder = "chunk",
-             slab_tokens: int = 0) -> GenerationResult:
+             slab_tokens: int = 0,
+             on_logits: Callable[[int, torch.Tensor], None] | None = None) -> GenerationResult:
     """Prefill ``prompt_tokens`` after what ``seq`` holds, then sample until a stop id, max_new_tokens or a
     full cache.
 
@@ -140,6 +141,8 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
     ``gen.seed``. ``should_stop()`` is polled between tokens; it and Ctrl-C
     (KeyboardInterrupt) end generation with stopped_by="interrupted" and the invariant of the module
     docstring intact. The prompt must fit in the cache (ValueError otherwise, nothing changed).
+    ``on_logits(token, logits)``: each sampled token with the logits [V] it was drawn from (before the sampler's
+    temperature and penalties), before its decode step (the server's logprobs).
     """
     cache = seq.cache
     sampler = Sampler(gen)
@@ -166,6 +169,8 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
                 stopped_by = "max_seq_len"
                 break
             token = sampler(logits, history)
+            if on_logits is not None:
+                on_logits(token, logits)
             seq.feeding([token])
             logits = decode_one_token(model, cache, token)  # token is now in the cache
             tokens.append(token)

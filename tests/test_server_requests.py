@@ -189,15 +189,75 @@ def test_health_shows_the_time_to_first_token(post):
 def test_any_model_name_is_served_unless_strict(engine):
     """Clients hard-code model names: the loaded model answers any (the reply names the served one); with
     strict_model_name another name is a 404 naming both. Fields the server does not honour yet are a 400,
-    not a silent plain-text answer; their defaults (text format, no tools, logprobs false) pass."""
+    not a silent plain-text answer; their defaults (text format, no tools) pass."""
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "logprobs": False}
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
     with _serving(create_app(Worker(engine), MODEL)) as post:
         status, reply = post("/v1/chat/completions", body)
         assert status == 200 and reply["model"] == MODEL
         status, reply = post("/v1/completions", {"model": "text-davinci-003", "prompt": "hi", "max_tokens": 2,
-                                                 "logprobs": 3})
-        assert status == 400 and reply["error"]["param"] == "logprobs"
+                                                 "response_format": {"type": "json_object"}})
+        assert status == 400 and reply["error"]["param"] == "response_format"
     with _serving(create_app(Worker(engine), MODEL, strict_model_name=True)) as post:
         status, reply = post("/v1/chat/completions", body)
         assert status == 404 and "gpt-4o-mini" in reply["error"]["message"] and MODEL in reply["error"]["message"]
+
+
+def _stream(port: int, path: str, body: dict) -> list[dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"content-type": "application/json"})
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+
+
+def test_logprobs_are_the_models_own(engine):
+    """Greedy chat with logprobs and 3 alternatives: one entry a reply token (the end of turn left out), their
+    texts laid end to end are the reply, each the best of its alternatives (sorted), and each log probability is
+    log_softmax of the model's own logits there (a forward pass over the prompt and the reply's tokens); streamed,
+    the chunks carry the same entries; completions give the parallel lists; top_logprobs alone is a 400."""
+    import torch
+
+    from ktquest.kv.dense import DenseKVCache
+
+    messages = [{"role": "user", "content": "tell me about the sky"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3}
+    with _serving(create_app(Worker(engine), MODEL)) as post:
+        status, reply = post("/v1/chat/completions", body)
+        assert status == 200, reply
+        content = reply["choices"][0]["logprobs"]["content"]
+        assert "".join(e["token"] for e in content) == reply["choices"][0]["message"]["content"]
+        eos = reply["choices"][0]["finish_reason"] == "stop"
+        assert len(content) == reply["usage"]["completion_tokens"] - eos
+        for e in content:
+            tops = [t["logprob"] for t in e["top_logprobs"]]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e["logprob"] == tops[0] <= 0
+            assert e["bytes"] == list(e["token"].encode())
+        streamed = [e for c in _stream(post.port, "/v1/chat/completions", body)
+                    for e in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
+        assert [e["token"] for e in streamed] == [e["token"] for e in content]  # (the prompt now cached: its
+        assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(streamed, content))  # sums split anew)
+        status, comp = post("/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 6,
+                                                "temperature": 0, "logprobs": 2})
+        lp = comp["choices"][0]["logprobs"]
+        assert "".join(lp["tokens"]) == comp["choices"][0]["text"] and len(lp["top_logprobs"][0]) <= 2
+        assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+        status, bad = post("/v1/chat/completions", {**body, "logprobs": False})
+        assert status == 400 and "top_logprobs needs logprobs" in bad["error"]["message"]
+    # the reference: the same greedy tokens through a forward pass over the prompt and the reply
+    ids: list[int] = []
+    prompt = engine.tokenizer.encode_chat(engine.tokenizer.apply_chat_template(messages))
+    a = engine.model.args
+    cache = DenseKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 64)
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor(prompt), 0, cache, last_only=True)[0]
+        for e in content:
+            lsm = torch.log_softmax(logits.float(), -1)
+            token = int(lsm.argmax())
+            ids.append(token)
+            assert abs(float(lsm[token]) - e["logprob"]) < 2e-3
+            logits = engine.model(torch.tensor([token]), cache.pos, cache)[0]
+    assert engine.tokenizer.decode(ids) == reply["choices"][0]["message"]["content"]

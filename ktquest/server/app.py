@@ -45,6 +45,7 @@ from starlette.requests import ClientDisconnect
 from ktquest.chat import encode_chat, opens_prompt_thinking
 from ktquest.config import GenerationConfig
 from ktquest.server.guard import GuardConfig, HostOriginGuard
+from ktquest.server.logprobs import LogprobCollector, chat_logprobs, completion_logprobs
 from ktquest.server.schema import ChatRequest, CompletionRequest
 from ktquest.server.worker import Result, Worker
 from ktquest.turn import PromptTooLongError, ThinkSplit, split_thinking
@@ -108,6 +109,7 @@ class _Job:
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     split: bool = False  # a chat reply: its think block goes to reasoning_content
     open_block: bool = False  # its prompt opened the think block (``opens_thinking``)
+    logprobs: LogprobCollector | None = None  # the reply tokens' log probabilities, where asked for
 
 
 def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES,
@@ -147,7 +149,8 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         try:
             if job.cancel.is_set():
                 return None
-            return worker.complete(job.tokens, job.gen, job.stops, on_text, job.cancel.is_set, key=job.key)
+            return worker.complete(job.tokens, job.gen, job.stops, on_text, job.cancel.is_set, key=job.key,
+                                   on_logits=job.logprobs)
         finally:
             job.ticket.release()
 
@@ -171,8 +174,11 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             loop = asyncio.get_running_loop()
             tokens = await loop.run_in_executor(None, _tokens, engine, req, longest)  # off the event loop
             split = isinstance(req, ChatRequest) and req.reasoning_format != "none"
+            top = req.n_logprobs()
+            collector = None if top is None else LogprobCollector(engine.tokenizer, top, engine.tokenizer.stop_ids)
             return req, _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
-                             split=split, open_block=split and opens_prompt_thinking(engine, tokens))
+                             split=split, open_block=split and opens_prompt_thinking(engine, tokens),
+                             logprobs=collector)
         except BaseException:
             ticket.release()
             raise
@@ -202,8 +208,12 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                 job.cancel.set()  # (an error on this side: the job is skipped or stopped)
             if result is None or result.finish_reason == "cancelled":
                 return JSONResponse({}, status_code=499)  # nobody reads it
+            choice = _choice(chat, result.text, result.finish_reason, job)
+            if job.logprobs is not None:
+                records = job.logprobs.take(len(result.text), final=True)
+                choice["logprobs"] = chat_logprobs(records) if chat else completion_logprobs(records)
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": [_choice(chat, result.text, result.finish_reason, job)],
+                                 "choices": [choice],
                                  "usage": _usage(result)})
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -214,12 +224,20 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         future.add_done_callback(lambda f: pieces.put_nowait(None))
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None = None, first: bool = False, field: str = "content") -> str:
+        sent = [0]  # the reply's characters streamed so far (thinking and answer alike)
+
+        def chunk(text: str | None, finish: str | None = None, first: bool = False, field: str = "content",
+                  final_len: int | None = None) -> str:
+            lp = None
+            if job.logprobs is not None and not first:  # the tokens whose text this chunk completes
+                sent[0] += len(text or "")
+                records = job.logprobs.take(sent[0] if final_len is None else final_len, final=final_len is not None)
+                lp = chat_logprobs(records) if chat else completion_logprobs(records)
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {} if text is None else {field: text}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
             return _sse({**head, "object": obj, "choices": [choice]})
 
         async def events() -> AsyncIterator[str]:
@@ -239,7 +257,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                     yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
                                           "param": None, "code": None}})
                     return
-                yield chunk(None, result.finish_reason)
+                yield chunk(None, result.finish_reason, final_len=len(result.text))
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield _sse({**head, "object": obj, "choices": [], "usage": _usage(result)})
                 yield "data: [DONE]\n\n"

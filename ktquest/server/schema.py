@@ -2,8 +2,8 @@
 pydantic in strict mode: a wrong type is an error, not a conversion (``true`` is not 1). Every number is bounded
 as ``GenerationConfig`` bounds it (so a value past them is a 400 naming the field, never an error later), floats
 are finite. Fields ktquest does not know are ignored, as OpenAI's clients send many; ``n`` other than 1 and
-content parts other than text are refused, and so are ``logprobs``, ``response_format`` other than text and
-``tools`` (a 400 naming them, until the server honours them: a client must not take free text for them). An assistant message may bring its thinking (``reasoning_content``,
+content parts other than text are refused, and so are ``response_format`` other than text and ``tools`` (a 400
+naming them, until the server honours them: a client must not take free text for them). An assistant message may bring its thinking (``reasoning_content``,
 as the server answers it): the chat template decides whether to render it."""
 
 from __future__ import annotations
@@ -31,16 +31,12 @@ class _Request(BaseModel):
     n: Annotated[int, Field(ge=1, le=1)] = 1  # (not Literal[1]: True == 1 would match it)
 
     # Known but not honoured yet: a request that sets them is refused (``unsupported``), not silently answered
-    logprobs: bool | int | None = None  # (chat: bool; completions: int)
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
 
     def unsupported(self) -> str | None:
         """The first field set that this server does not honour yet (with how it was set), or None."""
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            return "logprobs" if self.logprobs not in (None, False, 0) else "top_logprobs"
         fmt = (self.response_format or {}).get("type", "text")
         if fmt != "text":
             return f"response_format type {fmt!r}"
@@ -92,6 +88,18 @@ class ChatRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT_MAX)] | None = None
     # llama.cpp's name: "none" keeps a think block in ``content``; else it goes to ``reasoning_content``
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
+    logprobs: bool = False  # each reply token's log probability (server/logprobs.py) ...
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # ... and this many most likely tokens
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def n_logprobs(self) -> int | None:
+        """The alternatives a token's logprobs list (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -105,9 +113,14 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # each token's log probability, and this many best
+
     # text, one text in a list, or token ids (as OpenAI's API takes them)
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | \
         Annotated[list[Annotated[int, Field(ge=0, le=INT_MAX)]], Field(min_length=1)]
+
+    def n_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _not_empty(self) -> CompletionRequest:
