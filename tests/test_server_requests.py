@@ -206,7 +206,8 @@ def test_any_model_name_is_served_unless_strict(engine):
 def _stream(port: int, path: str, body: dict) -> list[dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"content-type": "application/json"})
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                     headers={"content-type": "application/json"})
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
