@@ -3,8 +3,9 @@ pydantic in strict mode: a wrong type is an error, not a conversion (``true`` is
 as ``GenerationConfig`` bounds it (so a value past them is a 400 naming the field, never an error later), floats
 are finite. Fields ktquest does not know are ignored, as OpenAI's clients send many; ``n`` other than 1 and
 content parts other than text are refused, and so are ``response_format`` other than text and ``tools``
-(a 400 naming them, until the server honours them: a client must not take free text for them). An assistant message may bring its thinking (``reasoning_content``,
-as the server answers it): the chat template decides whether to render it."""
+(a 400 naming them, until the server honours them: a client must not take free text for them). An assistant
+message may bring its thinking (``reasoning_content``, as the server answers it): the chat template decides
+whether to render it."""
 
 from __future__ import annotations
 
