@@ -157,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
     _context_lines(engine)
     serve(engine, args.host, args.port, args.slots, args.queue, model_id,
           int(args.max_body_mb * 2**20), args.load_kv, guard=guard, prefix_reuse=args.prefix_reuse,
-          api_keys=api_keys, strict_model_name=args.strict_model_name)
+          api_keys=api_keys, strict_model_name=args.strict_model_name, verbose=args.verbose)
     return 0
 
 

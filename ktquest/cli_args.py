@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--strict-model-name", action="store_true",
                        help="answer 404 to a request that names another model (default: the loaded model answers "
                             "any name, as clients hard-code theirs)")
+    serve.add_argument("--verbose", action="store_true",
+                       help="also uvicorn's access log (a line per request is always printed; /metrics has the "
+                            "counts)")
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY", dest="api_keys",
                        help="require 'Authorization: Bearer KEY' with one of these keys, else 401 (repeatable; "
                             "default: $KTQ_API_KEY if set, else no key needed)")

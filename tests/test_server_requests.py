@@ -262,3 +262,29 @@ def test_logprobs_are_the_models_own(engine):
             assert abs(float(lsm[token]) - e["logprob"]) < 2e-3
             logits = engine.model(torch.tensor([token]), cache.pos, cache)[0]
     assert engine.tokenizer.decode(ids) == reply["choices"][0]["message"]["content"]
+
+
+def test_a_line_per_request_and_prometheus_metrics(engine, caplog):
+    """Each request leaves one line on the ktquest.serve logger (answered: its tokens, time to first token and
+    speed; refused: its status and message), and /metrics counts them in Prometheus' text format."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="ktquest.serve")
+    with _serving(create_app(Worker(engine), MODEL)) as post:
+        status, _ = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 3})
+        assert status == 200
+        status, _ = post("/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert status == 400
+        conn = http.client.HTTPConnection("127.0.0.1", post.port, timeout=60)
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        text = r.read().decode()
+        conn.close()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/plain")
+    assert 'ktquest_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'ktquest_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in text
+    assert 'ktquest_tokens_total{kind="completion"}' in text and "ktquest_time_to_first_token_seconds_bucket" in text
+    lines = [r.getMessage() for r in caplog.records if r.name == "ktquest.serve"]
+    assert any(" /v1/chat/completions 200 prompt=" in x and " tok/s " in x for x in lines)
+    assert any(x.startswith("/v1/chat/completions 400 ") for x in lines)

@@ -12,11 +12,14 @@ from ktquest.server.guard import GuardConfig
 def serve(engine, host: str = "127.0.0.1", port: int = 8080, slots: int = 2, queue: int = 8,
           model_id: str | None = None, max_body: int | None = None, load_kv: str | None = None,
           guard: GuardConfig | None = None, prefix_reuse: str = "per-key", api_keys: tuple[str, ...] = (),
-          strict_model_name: bool = False) -> None:
+          strict_model_name: bool = False, verbose: bool = False) -> None:
     """Serve ``engine`` until interrupted (uvicorn; Ctrl-C stops it). ``guard``: the connection limits and the
     allowed hosts and origins (its ``host``/``port`` are set from these). ``prefix_reuse``: whose cached
     prompts a request may reuse (``worker.REUSE``); ``api_keys``: when given, a request needs one of them;
-    ``strict_model_name``: a request naming another model than ``model_id`` is a 404 (else any name is served)."""
+    ``strict_model_name``: a request naming another model than ``model_id`` is a 404 (else any name is served);
+    a line per request goes to stderr (``server/metrics.py``), and with ``verbose`` uvicorn's own access log too."""
+    import logging
+
     import uvicorn
 
     from ktquest.server.app import create_app
@@ -31,7 +34,12 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8080, slots: int = 2, que
     guard = dataclasses.replace(guard or GuardConfig(), host=host, port=port)
     app = create_app(worker, name, queue, max_body or MAX_BODY_BYTES, guard, api_keys=tuple(api_keys),
                      strict_model_name=strict_model_name)
+    lines = logging.StreamHandler(sys.stderr)
+    lines.setFormatter(logging.Formatter("ktquest serve: %(message)s"))
+    log = logging.getLogger("ktquest.serve")
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
     print(f"ktquest serve: {name} ({engine.config.mode}, context {engine.max_seq_len} tokens, {slots} slots) on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning", timeout_graceful_shutdown=5,
                 **guard.uvicorn_options())

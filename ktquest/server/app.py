@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -46,6 +46,8 @@ from ktquest.chat import encode_chat, opens_prompt_thinking
 from ktquest.config import GenerationConfig
 from ktquest.server.guard import GuardConfig, HostOriginGuard
 from ktquest.server.logprobs import LogprobCollector, chat_logprobs, completion_logprobs
+from ktquest.server.metrics import CONTENT_TYPE as METRICS_TYPE
+from ktquest.server.metrics import ServerMetrics
 from ktquest.server.schema import ChatRequest, CompletionRequest
 from ktquest.server.worker import Result, Worker
 from ktquest.turn import PromptTooLongError, ThinkSplit, split_thinking
@@ -130,8 +132,11 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
     app = FastAPI(title="ktquest", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(HostOriginGuard, config=guard or GuardConfig(), error=APIError)
 
+    metrics = ServerMetrics()
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        metrics.refused(request.url.path, e.status, e.message)
         return e.response()
 
     @app.exception_handler(HTTPException)
@@ -207,7 +212,9 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             finally:
                 job.cancel.set()  # (an error on this side: the job is skipped or stopped)
             if result is None or result.finish_reason == "cancelled":
+                metrics.refused(request.url.path, 499, "the client left")
                 return JSONResponse({}, status_code=499)  # nobody reads it
+            metrics.answered(rid, request.url.path, result)
             choice = _choice(chat, result.text, result.finish_reason, job)
             if job.logprobs is not None:
                 records = job.logprobs.take(len(result.text), final=True)
@@ -258,6 +265,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                                           "param": None, "code": None}})
                     return
                 yield chunk(None, result.finish_reason, final_len=len(result.text))
+                metrics.answered(rid, request.url.path, result)
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield _sse({**head, "object": obj, "choices": [], "usage": _usage(result)})
                 yield "data: [DONE]\n\n"
@@ -273,6 +281,14 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "ktquest",
                                             "chat_template": engine.tokenizer.chat_template is not None}]}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):  # (with api keys: for them only, as /health)
+        _client_key(request, api_keys)
+        with gate.lock:
+            inside = gate.inside
+        body = metrics.render(inside, [len(s.seq) for s in worker.slots])
+        return Response(body, media_type=METRICS_TYPE)
 
     @app.get("/health")
     async def health(request: Request):  # (with api keys: for them only; it tells the slots' lengths)
