@@ -288,3 +288,20 @@ def test_a_line_per_request_and_prometheus_metrics(engine, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "ktquest.serve"]
     assert any(" /v1/chat/completions 200 prompt=" in x and " tok/s " in x for x in lines)
     assert any(x.startswith("/v1/chat/completions 400 ") for x in lines)
+
+
+def test_the_chat_page(engine):
+    """GET / is the chat page: one HTML file, nothing fetched from elsewhere (no URL to another host), talking to
+    the server's own /v1/chat/completions with streamed replies and usage, model text put in as text only."""
+    from ktquest.server.page import PAGE
+
+    with _serving(create_app(Worker(engine), MODEL)) as post:
+        conn = http.client.HTTPConnection("127.0.0.1", post.port, timeout=60)
+        conn.request("GET", "/")
+        r = conn.getresponse()
+        html = r.read().decode()
+        conn.close()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/html") and html == PAGE
+    assert "/v1/chat/completions" in html and "stream: true" in html and "include_usage: true" in html
+    assert "http://" not in html and "https://" not in html and "<script src" not in html
+    assert "innerHTML" not in html and "textContent = reply" in html

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -48,6 +48,7 @@ from ktquest.server.guard import GuardConfig, HostOriginGuard
 from ktquest.server.logprobs import LogprobCollector, chat_logprobs, completion_logprobs
 from ktquest.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ktquest.server.metrics import ServerMetrics
+from ktquest.server.page import PAGE
 from ktquest.server.schema import ChatRequest, CompletionRequest
 from ktquest.server.worker import Result, Worker
 from ktquest.turn import PromptTooLongError, ThinkSplit, split_thinking
@@ -281,6 +282,10 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "ktquest",
                                             "chat_template": engine.tokenizer.chat_template is not None}]}
+
+    @app.get("/")
+    async def page(request: Request):  # the chat page (server/page.py): its requests bring their key
+        return HTMLResponse(PAGE, headers={"Cache-Control": "no-store"})
 
     @app.get("/metrics")
     async def prometheus(request: Request):  # (with api keys: for them only, as /health)
