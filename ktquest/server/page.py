@@ -81,7 +81,10 @@ async function send(text) {
   try {
     const r = await api("/v1/chat/completions", {method: "POST", signal: ctl.signal, body: JSON.stringify(
       {model, messages, stream: true, stream_options: {include_usage: true}})});
-    if (!r.ok) { const e = await r.json().catch(() => ({})); throw new Error((e.error && e.error.message) || r.status); }
+    if (!r.ok) {
+      const e = await r.json().catch(() => ({}));
+      throw new Error((e.error && e.error.message) || r.status);
+    }
     const reader = r.body.getReader(), dec = new TextDecoder();
     let buf = "";
     for (;;) {
@@ -113,12 +116,17 @@ async function send(text) {
   if (usage) parts.push(`${usage.prompt_tokens} prompt tokens (${usage.prompt_tokens_details.cached_tokens} cached)`,
                         `${usage.completion_tokens} new`);
   if (first) parts.push(`first token ${((first - t0) / 1000).toFixed(2)} s`);
-  if (usage && secs > 0 && usage.completion_tokens > 1) parts.push(`${((usage.completion_tokens - 1) / secs).toFixed(1)} tok/s`);
+  if (usage && secs > 0 && usage.completion_tokens > 1)
+    parts.push(`${((usage.completion_tokens - 1) / secs).toFixed(1)} tok/s`);
   if (finish) parts.push(finish);
   note(parts.join(" · "));
   busy = null; $("stop").disabled = true; $("send").disabled = false;
 }
-$("form").onsubmit = (e) => { e.preventDefault(); const t = $("input").value.trim(); if (t && !busy) { $("input").value = ""; send(t); } };
+$("form").onsubmit = (e) => {
+  e.preventDefault();
+  const t = $("input").value.trim();
+  if (t && !busy) { $("input").value = ""; send(t); }
+};
 $("input").onkeydown = (e) => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("form").requestSubmit(); } };
 $("stop").onclick = () => busy && busy.abort();
 $("reset").onclick = () => { messages = []; $("log").textContent = ""; };
