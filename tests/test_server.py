@@ -12,6 +12,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -287,3 +288,44 @@ def test_bad_completion_requests(server):
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     r = _request(f"{server}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_sigterm_ends_a_running_stream_at_its_next_token(bundled_gguf):
+    """SIGTERM while a long reply streams: the stream ends at the next token with an error event saying the
+    server is shutting down and [DONE], and the process exits within 3 s, no traceback (uvicorn used to
+    generate on until its 5 s grace ran out and cut the stream without a last event)."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "ktquest.cli", "serve", "--port", str(port), "--set", "threads=1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if _request(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(
+            {"model": "x", "stream": True, "max_tokens": 3000, "temperature": 0,
+             "messages": [{"role": "user", "content": "Write a very long story about a cat."}]}),
+            headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        first = r.readline()  # the stream has begun
+        assert first.startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        rest = r.read().decode()
+        conn.close()
+        out, _ = proc.communicate(timeout=10)
+        assert time.monotonic() - t0 < 3.0
+        events = [line for line in rest.split("\n") if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "server_shutting_down" in events[-2]
+        assert "Traceback" not in out and "timeout graceful shutdown exceeded" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()

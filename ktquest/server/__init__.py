@@ -41,5 +41,13 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8080, slots: int = 2, que
     log.setLevel(logging.INFO)
     print(f"ktquest serve: {name} ({engine.config.mode}, context {engine.max_seq_len} tokens, {slots} slots) on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning", timeout_graceful_shutdown=5,
-                **guard.uvicorn_options())
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
+                                           timeout_graceful_shutdown=5, **guard.uvicorn_options()))
+    stop = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:  # SIGINT / SIGTERM: the requests inside end at their next token first
+        app.state.begin_shutdown()
+        stop(sig, frame)
+
+    server.handle_exit = handle_exit
+    server.run()

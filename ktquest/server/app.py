@@ -102,7 +102,7 @@ class _Ticket:
                 self.gate.inside -= 1
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)  # (hashed by identity: the live set)
 class _Job:
     tokens: list[int]
     gen: GenerationConfig
@@ -134,6 +134,19 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
     app.add_middleware(HostOriginGuard, config=guard or GuardConfig(), error=APIError)
 
     metrics = ServerMetrics()
+    # SIGINT / SIGTERM (``serve``): every request inside stops at its next token; a stream ends with an error
+    # event and [DONE], a waiting one gets a 503, instead of generating on until uvicorn cancels it mid-stream
+    live: set[_Job] = set()
+    live_lock = threading.Lock()
+    shutting_down = threading.Event()
+
+    def begin_shutdown() -> None:
+        shutting_down.set()
+        with live_lock:
+            for job in live:
+                job.cancel.set()
+
+    app.state.begin_shutdown = begin_shutdown
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -151,14 +164,16 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
     def run(job: _Job, on_text=None) -> Result | None:
-        """On the worker thread: the request, unless its client left while it waited."""
+        """On the worker thread: the request, unless its client left while it waited (or the server stops)."""
         try:
-            if job.cancel.is_set():
+            if job.cancel.is_set() or shutting_down.is_set():
                 return None
             return worker.complete(job.tokens, job.gen, job.stops, on_text, job.cancel.is_set, key=job.key,
                                    on_logits=job.logprobs)
         finally:
             job.ticket.release()
+            with live_lock:
+                live.discard(job)
 
     async def admit(request: Request, kind: type[BaseModel]) -> tuple[BaseModel, _Job]:
         """The request's body checked and tokenized, a place in the queue taken: an APIError otherwise."""
@@ -182,9 +197,13 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             split = isinstance(req, ChatRequest) and req.reasoning_format != "none"
             top = req.n_logprobs()
             collector = None if top is None else LogprobCollector(engine.tokenizer, top, engine.tokenizer.stop_ids)
-            return req, _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
-                             split=split, open_block=split and opens_prompt_thinking(engine, tokens),
-                             logprobs=collector)
+            job = _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
+                       split=split, open_block=split and opens_prompt_thinking(engine, tokens), logprobs=collector)
+            with live_lock:
+                if shutting_down.is_set():
+                    raise APIError(503, "the server is shutting down", "server_error", code="server_shutting_down")
+                live.add(job)
+            return req, job
         except BaseException:
             ticket.release()
             raise
@@ -212,6 +231,9 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                 result = await future
             finally:
                 job.cancel.set()  # (an error on this side: the job is skipped or stopped)
+            if shutting_down.is_set() and (result is None or result.finish_reason == "cancelled"):
+                raise APIError(503, "the server is shutting down: the reply was cut short", "server_error",
+                               code="server_shutting_down")
             if result is None or result.finish_reason == "cancelled":
                 metrics.refused(request.url.path, 499, "the client left")
                 return JSONResponse({}, status_code=499)  # nobody reads it
@@ -264,6 +286,11 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                     log.exception("error while streaming")
                     yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
                                           "param": None, "code": None}})
+                    return
+                if shutting_down.is_set() and (result is None or result.finish_reason == "cancelled"):
+                    yield _sse({"error": {"message": "the server is shutting down: the reply was cut short",
+                                          "type": "server_error", "param": None, "code": "server_shutting_down"}})
+                    yield "data: [DONE]\n\n"
                     return
                 yield chunk(None, result.finish_reason, final_len=len(result.text))
                 metrics.answered(rid, request.url.path, result)
