@@ -59,25 +59,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(bundled_gguf):
+def _start_server(*flags: str) -> tuple[subprocess.Popen, str, int]:
+    """``ktquest serve`` with ``flags`` in a subprocess, once /health answers: (process, URL, port)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "ktquest.cli", "serve", "--port", str(port), "--set", "threads=1",
-                             "--queue", "2", "--slots", "2", "--max-body-mb", "1"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "ktquest.cli", "serve", "--port", str(port), *flags], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         try:
             if _request(f"{url}/health", timeout=1).status_code == 200:
-                break
+                return proc, url, port
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the server did not start: {proc.stdout.read()}")
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(bundled_gguf):
+    proc, url, _ = _start_server("--set", "threads=1", "--queue", "2", "--slots", "2", "--max-body-mb", "1")
     yield url
     proc.terminate()
     out, _ = proc.communicate(timeout=30)
@@ -294,21 +298,8 @@ def test_sigterm_ends_a_running_stream_at_its_next_token(bundled_gguf):
     """SIGTERM while a long reply streams: the stream ends at the next token with an error event saying the
     server is shutting down and [DONE], and the process exits within 3 s, no traceback (uvicorn used to
     generate on until its 5 s grace ran out and cut the stream without a last event)."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "ktquest.cli", "serve", "--port", str(port), "--set", "threads=1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, _, port = _start_server("--set", "threads=1")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if _request(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/v1/chat/completions", body=json.dumps(
             {"model": "x", "stream": True, "max_tokens": 3000, "temperature": 0,

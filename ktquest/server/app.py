@@ -5,12 +5,15 @@
     GET  /v1/models             the one model ("chat_template": false for a base model)
     GET  /health                status, queue, the worker's counters (prefilled vs cached tokens), time to
                                 first token (mean, and the last request's with its prefill and decode speed)
+    GET  /metrics               the same in Prometheus' text format (``metrics.py``), and a line per request
+    GET  /                      a chat page (``page.py``)
 
 One sequence at a time: requests run one by one on a single worker thread, at most ``queue`` waiting behind
 the running one; past that a request is answered 429 at once. Every error is an OpenAI-style JSON body
-(``{"error": {"message", "type", "param", "code"}}``) with a 4xx status naming what is wrong; the server goes
-on serving. A streaming client that disconnects stops its generation at the next token (the cache stays
-consistent: ``generate``'s invariant), and a request still waiting when its client leaves never runs.
+(``{"error": {"message", "type", "param", "code"}}``, ``intake.APIError``) with a 4xx status naming what is
+wrong; the server goes on serving. A streaming client that disconnects stops its generation at the next token
+(the cache stays consistent: ``generate``'s invariant), and a request still waiting when its client leaves never
+runs.
 
 A chat reply's leading think block (Qwen3, QwQ, DeepSeek-R1) is the message's ``reasoning_content``, the rest
 its ``content`` (``ktquest.turn.ThinkSplit``; streamed too: ``reasoning_content`` deltas until ``</think>``),
@@ -25,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
 import json
 import logging
 import threading
@@ -40,11 +41,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from ktquest.chat import encode_chat, opens_prompt_thinking
 from ktquest.config import GenerationConfig
 from ktquest.server.guard import GuardConfig, HostOriginGuard
+from ktquest.server.intake import APIError, client_key, invalid, read_json
 from ktquest.server.logprobs import LogprobCollector, chat_logprobs, completion_logprobs
 from ktquest.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ktquest.server.metrics import ServerMetrics
@@ -55,19 +56,7 @@ from ktquest.turn import PromptTooLongError, ThinkSplit, split_thinking
 
 log = logging.getLogger("ktquest.serve")
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this is refused (413) before it is read whole
-MAX_DEPTH = 64  # JSON nested deeper than this is refused (400): OpenAI's requests nest a few levels
 TOKEN_SLACK_BYTES = 1024  # over the context times the longest token: what normalization may shrink
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
 
 
 class _Admission:
@@ -177,12 +166,12 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
 
     async def admit(request: Request, kind: type[BaseModel]) -> tuple[BaseModel, _Job]:
         """The request's body checked and tokenized, a place in the queue taken: an APIError otherwise."""
-        key = _client_key(request, api_keys)
-        body = await _read_json(request, max_body)
+        key = client_key(request, api_keys)
+        body = await read_json(request, max_body)
         try:
             req = kind.model_validate(body)
         except ValidationError as e:
-            raise _invalid(e) from None
+            raise invalid(e) from None
         unsupported = req.unsupported()
         if unsupported:  # honoured nowhere yet: a 400 rather than an answer the client takes for one
             raise APIError(400, f"{unsupported} is not supported by this server yet", param=unsupported.split()[0],
@@ -304,7 +293,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
 
     @app.get("/v1/models")
     async def models(request: Request):
-        _client_key(request, api_keys)
+        client_key(request, api_keys)
         # chat_template false: a base model, whose chat is the conversation as plain text that it continues
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "ktquest",
@@ -316,7 +305,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
 
     @app.get("/metrics")
     async def prometheus(request: Request):  # (with api keys: for them only, as /health)
-        _client_key(request, api_keys)
+        client_key(request, api_keys)
         with gate.lock:
             inside = gate.inside
         body = metrics.render(inside, [len(s.seq) for s in worker.slots])
@@ -324,7 +313,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
 
     @app.get("/health")
     async def health(request: Request):  # (with api keys: for them only; it tells the slots' lengths)
-        _client_key(request, api_keys)
+        client_key(request, api_keys)
         with gate.lock:
             inside, refused = gate.inside, gate.refused
         counters = {**worker.snapshot(), "refused": refused}
@@ -332,78 +321,6 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                 "running_or_waiting": inside, "queue": gate.limit - 1,
                 "slots": [len(s.seq) for s in worker.slots], **counters}
     return app
-
-
-def _client_key(request: Request, api_keys: tuple[str, ...]) -> str | None:
-    """Who is asking, as the worker keys its slots: the ``Authorization`` header's value hashed (None: no
-    header, the anonymous group). With ``api_keys``, 401 unless the header is ``Bearer`` one of them (each
-    compared in constant time)."""
-    auth = request.headers.get("authorization")
-    if api_keys:
-        scheme, _, token = (auth or "").partition(" ")
-        given = token.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" else b""
-        if not sum(hmac.compare_digest(given, k.encode()) for k in api_keys):
-            raise APIError(401, "a valid API key is required: send it as 'Authorization: Bearer KEY'",
-                           param="authorization", code="invalid_api_key")
-    return None if auth is None else hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-async def _read_json(request: Request, max_body: int) -> object:
-    """The body as JSON: 413 past ``max_body`` bytes (said by Content-Length, or found while reading); 400 for
-    invalid JSON (NaN and Infinity included) or JSON nested deeper than ``MAX_DEPTH``."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > max_body:
-        raise _too_large(int(size), max_body)
-    body = bytearray()
-    try:
-        async for part in request.stream():
-            body += part
-            if len(body) > max_body:
-                raise _too_large(len(body), max_body)
-    except ClientDisconnect:  # the client left mid-body: nobody reads the answer, nothing to log
-        raise APIError(499, "the client disconnected before sending the whole body", code="client_disconnected") \
-            from None
-    try:
-        value = json.loads(body, parse_constant=_not_json)
-        too_deep = _deeper_than(value, MAX_DEPTH)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, _not_json's
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:  # json's parser recurses per level: past the interpreter's limit
-        too_deep = True
-    if too_deep:
-        raise APIError(400, f"the request body is nested too deeply: more than {MAX_DEPTH} levels of arrays and "
-                            "objects", code="invalid_value") from None
-    return value
-
-
-def _not_json(name: str) -> float:  # Python's json reads NaN and Infinity; JSON has neither
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _deeper_than(value: object, limit: int) -> bool:
-    """Whether arrays and objects nest in ``value`` more than ``limit`` levels (without recursion)."""
-    todo = [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        todo.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
-    return False
-
-
-def _invalid(e: ValidationError) -> APIError:
-    """400 naming the first field pydantic refused and why."""
-    err = e.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
-    got = f" (got {json.dumps(err['input'])[:80]})" if err.get("type") != "missing" else ""
-    return APIError(400, f"{where}: {err['msg']}{got}", param=where,
-                    code="missing_field" if err["type"] == "missing" else "invalid_value")
-
-
-def _too_large(n: int, limit: int) -> APIError:
-    return APIError(413, f"the request body is too large: {n:,} bytes, more than the {limit:,} allowed",
-                    code="request_too_large")
 
 
 def _tokens(engine, req: BaseModel, longest: int) -> list[int]:

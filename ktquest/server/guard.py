@@ -85,7 +85,7 @@ class GuardConfig:
 class HostOriginGuard:
     """ASGI middleware: 403 for a Host or Origin that is not allowed, 415 for a POST that is not JSON, CORS
     preflights answered for allowed origins, and their responses marked readable by them. ``error``: the
-    server's error (``app.APIError``: ``error(status, message, type, code=...).response()``)."""
+    server's error (``intake.APIError``: ``error(status, message, type, code=...).response()``)."""
 
     def __init__(self, app, config: GuardConfig, error):
         self.app, self.config, self.error = app, config, error
