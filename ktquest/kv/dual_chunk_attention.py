@@ -23,7 +23,8 @@ from ktquest.native.attention import dense_decode_attention
 INTRA, SUCC, INTER = 0, 1, 2  # the query variants' order (DualChunk.query_positions)
 
 
-def _full(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _full(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [m, H, D] over every key of keys/values [KVH, S, D] (GQA: head h reads KV head h // G) -> out [m, H, D]
     fp32, lse [m, H]."""
     m, h, d = q.shape
@@ -35,7 +36,8 @@ def _full(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: floa
             lse.view(kvh, g, m).permute(2, 0, 1).reshape(m, h))
 
 
-def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [m, H, D] over keys/values [KVH, m, D] at the queries' own positions, query i seeing keys <= i."""
     g = q.shape[1] // keys.shape[0]
     out, lse = attention_lse(q.transpose(0, 1), keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0), scale,

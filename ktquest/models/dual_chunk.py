@@ -70,8 +70,9 @@ class DualChunk:
         return (0.1 * torch.log(n / self.chunk_size) + 1.0).clamp(min=1.0)
 
     def describe(self) -> str:
+        tempered = f", logits tempered past {self.chunk_size:,}" if self.scale_logits else ""
         return (f"dual chunk attention: chunks of {self.length:,} positions (chunk_size {self.chunk_size:,}, "
-                f"local_size {self.local_size:,}){', logits tempered past ' + format(self.chunk_size, ',') if self.scale_logits else ''}")
+                f"local_size {self.local_size:,}){tempered}")
 
 
 def file_dual_chunk(md: dict, arch: str, context_length: int) -> DualChunk | None:
