@@ -201,10 +201,16 @@ void CandCaches::score_set(const CandCache& C, const BlockSelector& sel, int s) 
   const int heads = shape.heads;
   const size_t row = shape.row;
   float* sc = cscores_.data() + s * C.stride;
-  for (int j = 0; j < heads; ++j) {  // SHARED: every head's score summed in head order, as score_runs does
-    const size_t at = (size_t(s) * heads + j) * C.stride;
-    sel.score_linear_rows(C.anchors.data() + at * row, C.count[s], heads == 1 ? s : j, sc, j > 0,
-                          shape.scaled ? C.scales.data() + at : nullptr);
+  const int32_t* ids = C.ids.data() + s * C.stride;  // ascending
+  const QueryVariants& var = sel.variants();
+  for (int64_t i = 0; i < C.count[s];) {  // pieces of candidates that one query rotation scores (dual chunk)
+    const int64_t e = std::lower_bound(ids + i, ids + C.count[s], var.end_of(ids[i])) - ids;
+    for (int j = 0; j < heads; ++j) {  // SHARED: every head's score summed in head order, as score_runs does
+      const size_t at = (size_t(s) * heads + j) * C.stride + i;
+      sel.score_linear_rows(C.anchors.data() + at * row, e - i, heads == 1 ? s : j, sc + i, j > 0,
+                            shape.scaled ? C.scales.data() + at : nullptr, var.of(ids[i]));
+    }
+    i = e;
   }
   score_task_s_[s] = seconds_since(t0);
 }

@@ -100,19 +100,23 @@ class KVStore {
   void check_import(int layer, int64_t len, const uint8_t* in, size_t n) const;
 
   // ---- the decode operations (kv_store_decode.cpp) ----
-  // q: [H, D] fp32 (H a multiple of KVH). Unscaled block scores, summed over the query heads of each
+  // q: [H, D] fp32 (H a multiple of KVH), or with dual chunk attention [3, H, D] and `var` (select/request.h):
+  // each block is scored and attended with the rotation var gives it. Unscaled block scores, summed over the query heads of each
   // KV head (SEPARATE: out [KVH, nb]) or over all heads (SHARED: out [nb]), nb = n_blocks; as read().
-  bool block_scores(int layer, const float* q, int H, HeadMode mode, int64_t nb, float* out);
+  bool block_scores(int layer, const float* q, int H, HeadMode mode, int64_t nb, float* out,
+                    const QueryVariants& var = {});
   // The index's bound of every group for q (select/selector.h group_bounds): out [n_sets, ng] fp64 (SEPARATE:
   // n_sets = KVH, SHARED: 1), ng = n_groups; as read(). std::invalid_argument without an index.
-  bool group_bounds(int layer, const float* q, int H, HeadMode mode, int64_t ng, double* out);
+  bool group_bounds(int layer, const float* q, int H, HeadMode mode, int64_t ng, double* out,
+                    const QueryVariants& var = {});
   // Top-k blocks per set: out_ids [n_sets, out_cols], ascending, -1 padded. Ties -> lower block id.
-  void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols);
+  void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
+              const QueryVariants& var = {});
   // softmax(q K^T / sqrt(D)) V over the given blocks. out: [H, D], lse: [H] (natural log, -inf and a
   // zero row for a head with no block).
   // block_lse (optional): [KVH, blocks.cols, G] each block's own LSE per query head (SparseAttention::run).
   void attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse,
-              float* block_lse = nullptr);
+              float* block_lse = nullptr, const QueryVariants& var = {});
   // The copies of req's candidate list (cand_cache.h: its anchor rows and K/V tiles) made now, so that a decode
   // step with the same candidates and exclusions finds them: SnapKV's candidates chosen as a prompt is read are
   // copied then, not by the first decode step. Nothing without a list, with anchors that are not linear, or
@@ -121,7 +125,7 @@ class KVStore {
   void cache_candidates(int layer, const SelectRequest& req);
   // select + attend in one call (the decode hot path).
   void select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
-                     float* out, float* lse);
+                     float* out, float* lse, const QueryVariants& var = {});
   // SnapKV's block scores of `layer` by a prompt's last queries (select/snapkv.h): out [KVH, r.n_blocks].
   // std::invalid_argument naming the field for a request that does not fit the layer.
   void snapkv_scores(int layer, const SnapKVRequest& r, float* out);
@@ -146,8 +150,9 @@ class KVStore {
   // every value it computes with is finite, as append keeps them; std::invalid_argument naming the layer, the
   // KV head, the block and the value.
   void check_state(int layer, int64_t len, const uint8_t* in) const;
-  // Throws std::invalid_argument unless q [H, D] has a positive multiple of KVH heads, all finite.
-  void check_q(const float* q, int H) const;
+  // Throws std::invalid_argument unless q [var.n, H, D] has a positive multiple of KVH heads, all finite, and
+  // var is 1 rotation or 3 with 0 <= succ <= intra.
+  void check_q(const float* q, int H, const QueryVariants& var = {}) const;
   void check_index() const;  // std::invalid_argument unless the store has an index
   void update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance);
   // The selection of select() and select_attend(), with mu_ held and the selector's query set. Returns the

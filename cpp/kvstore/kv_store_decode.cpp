@@ -10,34 +10,40 @@
 
 namespace ktq {
 
-void KVStore::check_q(const float* q, int H) const {
+void KVStore::check_q(const float* q, int H, const QueryVariants& var) const {
   const int KVH = lay_.cfg.n_kv_heads;
   if (H < 1 || H % KVH != 0)
     throw std::invalid_argument("q has " + std::to_string(H) + " heads: must be a positive multiple of n_kv_heads=" +
                                 std::to_string(KVH) + " (GQA)");
-  check_finite_q(q, H, lay_.cfg.head_dim);
+  if (!(var.n == 1 || (var.n == 3 && 0 <= var.succ && var.succ <= var.intra)))
+    throw std::invalid_argument("query rotations: " + std::to_string(var.n) + " with bounds (" +
+                                std::to_string(var.succ) + ", " + std::to_string(var.intra) +
+                                ") are not allowed: 1, or 3 with 0 <= succ <= intra (dual chunk attention)");
+  check_finite_q(q, int64_t(var.n) * H, lay_.cfg.head_dim);
 }
 
 // ---- selection ----
 
-bool KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, int64_t nb, float* out) {
+bool KVStore::block_scores(int layer, const float* q, int H, HeadMode mode, int64_t nb, float* out,
+                           const QueryVariants& var) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
-  check_q(q, H);
+  check_q(q, H, var);
   if (lay_.n_blocks(L) != nb) return false;
-  sel_.set_query(q, H);
+  sel_.set_query(q, H, var);
   sel_.build_runs(nb, mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads, nullptr);
   sel_.score_runs(L, H, mode, out);
   return true;
 }
 
-bool KVStore::group_bounds(int layer, const float* q, int H, HeadMode mode, int64_t ng, double* out) {
+bool KVStore::group_bounds(int layer, const float* q, int H, HeadMode mode, int64_t ng, double* out,
+                           const QueryVariants& var) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
   check_index();
-  check_q(q, H);
+  check_q(q, H, var);
   if (lay_.n_groups(lay_.n_blocks(L)) != ng) return false;
-  sel_.set_query(q, H);
+  sel_.set_query(q, H, var);
   sel_.group_bounds(L, H, mode, out);
   return true;
 }
@@ -47,11 +53,12 @@ void KVStore::snapkv_scores(int layer, const SnapKVRequest& r, float* out) {
   snap_.run(layer_at(layer), r, out);
 }
 
-void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols) {
+void KVStore::select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
+                     const QueryVariants& var) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
-  check_q(q, H);
-  sel_.set_query(q, H);
+  check_q(q, H, var);
+  sel_.set_query(q, H, var);
   select_locked(L, layer, H, req, out_ids, out_cols);
 }
 
@@ -83,25 +90,25 @@ void KVStore::cache_candidates(int layer, const SelectRequest& req) {
 // ---- attention ----
 
 void KVStore::attend(int layer, const float* q, int H, const BlockSets& blocks, float* out, float* lse,
-                     float* block_lse) {
+                     float* block_lse, const QueryVariants& var) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
   if (blocks.n_sets != 1 && blocks.n_sets != lay_.cfg.n_kv_heads)
     throw std::invalid_argument("blocks: expected 1 (shared) or n_kv_heads=" + std::to_string(lay_.cfg.n_kv_heads) +
                                 " rows, got " + std::to_string(blocks.n_sets));
-  check_q(q, H);
-  attn_.set_query(q, H);
+  check_q(q, H, var);
+  attn_.set_query(q, H, var);
   timing_ = StageTiming{};
   attn_.run(L, H, blocks, true, out, lse, timing_, nullptr, nullptr, nullptr, block_lse);
 }
 
 void KVStore::select_attend(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids,
-                            int out_cols, float* out, float* lse) {
+                            int out_cols, float* out, float* lse, const QueryVariants& var) {
   std::lock_guard<std::mutex> lk(mu_);
   const StoreLayer& L = layer_at(layer);
-  check_q(q, H);
-  sel_.set_query(q, H);
-  attn_.set_query(q, H);
+  check_q(q, H, var);
+  sel_.set_query(q, H, var);
+  attn_.set_query(q, H, var);
   const auto t0 = Clock::now();
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
   const BlockSets bsets{out_ids, n_sets, out_cols};

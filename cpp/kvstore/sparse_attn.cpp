@@ -35,11 +35,12 @@ constexpr int64_t kRunRows = 64;             // consecutive selected blocks of u
 
 }  // namespace
 
-void SparseAttention::set_query(const float* q, int H) {
+void SparseAttention::set_query(const float* q, int H, const QueryVariants& var) {
   const int D = lay_.cfg.head_dim;
-  qs_.resize(size_t(H) * D);
+  var_ = var;
+  qs_.resize(size_t(var.n) * H * D);
   const float scale = 1.f / std::sqrt(float(D));
-  for (int64_t i = 0; i < int64_t(H) * D; ++i) qs_[i] = q[i] * scale;
+  for (int64_t i = 0; i < int64_t(var.n) * H * D; ++i) qs_[i] = q[i] * scale;
 }
 
 void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bool validate, float* out, float* lse,
@@ -110,20 +111,24 @@ void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bo
     const int64_t j0 = (task - tstart[h]) * cb;
     return Span{h, j0, std::min(count[h], j0 + cb)};
   };
-  // Tiles [a, a + per_run) of head h's selected blocks, ending at j1.
+  // Tiles [a, a + per_run) of head h's selected blocks, ending at j1 and, with dual chunk attention, at the
+  // first block of another query rotation; returns the run's rotation (the query it is attended with).
   // Cached candidates: their tiles are read from the cache's copy (always full blocks), at the slots.
   auto fill = [&](Tiles& t, int h, int64_t a, int64_t j1) {
     const int64_t set = bsets.n_sets == 1 ? 0 : h;
     const int32_t* row = row_of(h);
     const int32_t* slot = kvc ? caches->slots() + set * bsets.cols : nullptr;
     const int jh = kvc && kvc->mode == HeadMode::SHARED ? h : 0;
+    const int v = a < j1 ? var_.of(row[a]) : 0;
+    const int64_t v_end = a < j1 ? var_.end_of(row[a]) : 0;
     t.count = 0;
-    for (int64_t j = a; j < std::min(j1, a + per_run); ++j, ++t.count) {
+    for (int64_t j = a; j < std::min(j1, a + per_run) && row[j] < v_end; ++j, ++t.count) {
       const int64_t b = row[j];
       t.k[t.count] = kvc ? caches->tile(*kvc, int(set), jh, slot[j]) : lay_.k_tile(L, h, b);
       t.v[t.count] = t.k[t.count] + lay_.tile_bytes;
       t.n[t.count] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
     }
+    return v;
   };
   // Tasks are claimed in order from one counter (prologue sets first), each thread running a loop of
   // claims. A thread claims its next task while it computes the last run of the current one, so that
@@ -147,9 +152,9 @@ void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bo
     std::fill(m, m + G, kNegInf);
     std::fill(l, l + G + size_t(G) * D, 0.f);
     float* s = thread_scratch(size_t(G) * ((per_run * bs + 7) & ~7) + D);
-    const float* q = qs_.data() + size_t(h) * G * D;
+    auto q_of = [&](int v) { return qs_.data() + (size_t(v) * H + size_t(h) * G) * D; };
     Tiles cur, nxt;
-    fill(cur, h, j0, j1);
+    int vc = fill(cur, h, j0, j1), vn = 0;
     if (!*warm)  // the first run is requested up front, unless the previous task already did
       for (int i = 0; i < cur.count; ++i) {
         prefetch_l2(cur.k[i], lay_.tile_bytes);
@@ -157,8 +162,9 @@ void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bo
       }
     int64_t following = -1;
     *warm = false;
-    for (int64_t j = j0; j < j1; j += per_run) {
-      fill(nxt, h, j + per_run, j1);
+    for (int64_t j = j0; j < j1;) {
+      const int64_t jn = j + cur.count;
+      vn = fill(nxt, h, jn, j1);
       if (!nxt.count) {  // the last run: claim the next task, stream its first run in (if its ids are known)
         following = claim.fetch_add(1, std::memory_order_relaxed);
         if (following >= n_pre && following < n_all) {
@@ -170,9 +176,12 @@ void SparseAttention::run(const StoreLayer& L, int H, const BlockSets& bsets, bo
         }
       }
       float* tl = block_lse ? block_lse + (size_t(h) * bsets.cols + j) * G : nullptr;
+      const float* q = q_of(vc);
       if (simd) avx2::attend_tiles(kt, D, G, q, cur, lay_.scale_off, s, m, l, acc, nxt.count ? &nxt : nullptr, tl);
       else scalar::attend_tiles(kt, D, G, q, cur, lay_.scale_off, s, m, l, acc, nxt.count ? &nxt : nullptr, tl);
-      cur = nxt;
+      cur = nxt;  // (past the last run: the next task's first one, only streamed in)
+      vc = vn;
+      j = jn;
     }
     if (following < 0) following = claim.fetch_add(1, std::memory_order_relaxed);  // an empty task
     return following;

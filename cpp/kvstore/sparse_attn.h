@@ -19,8 +19,9 @@ class SparseAttention {
  public:
   explicit SparseAttention(const StoreLayout& lay) : lay_(lay) {}
 
-  // q: [H, D] unscaled (checked by the caller): kept as q / sqrt(D) for this call's attention.
-  void set_query(const float* q, int H);
+  // q: [var.n, H, D] unscaled (checked by the caller): kept as q / sqrt(D) for this call's attention; each
+  // block is attended with the rotation var gives it (dual chunk attention, select/request.h).
+  void set_query(const float* q, int H, const QueryVariants& var = {});
 
   // Work done in the attention's own dispatch, ahead of it: tasks [0, n) run run(ctx, s) (set s's
   // selection; must not throw), and head h's attention tasks start once its set (h, or 0 when shared) is
@@ -46,7 +47,8 @@ class SparseAttention {
 
  private:
   const StoreLayout& lay_;
-  std::vector<float> qs_;            // [H, D] q / sqrt(D)
+  QueryVariants var_;                // set_query's
+  std::vector<float> qs_;            // [V, H, D] q / sqrt(D)
   std::vector<int64_t> count_;       // [KVH] selected blocks per head
   std::vector<int64_t> task_start_;  // [KVH + 1] each head's tasks
   std::vector<float> part_;          // split-K partials: [n_tasks, G, D + 2]

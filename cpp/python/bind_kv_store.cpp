@@ -190,9 +190,11 @@ void bind_kv_store(py::module_& m) {
         }
       }, py::arg("layer"), "The index's group rows [KVH, n_groups, 2, D] as fp32 (kept as fp16 rounded outward): each group's min "
          "row, then max row.")
-      .def("group_bounds", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
+      .def("group_bounds", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
+                              const py::handle& variants) {
         py::array_t<float> q;
-        const int H = query_arg(st, q_obj, q);
+        QueryVariants var;
+        const int H = query_arg(st, q_obj, q, variants, var);
         const HeadMode hm = head_mode(mode);
         const float* qp = q.data();
         for (;;) {  // as read
@@ -202,15 +204,17 @@ void bind_kv_store(py::module_& m) {
           bool done;
           {
             py::gil_scoped_release nogil;
-            done = st.group_bounds(layer, qp, H, hm, ng, op);
+            done = st.group_bounds(layer, qp, H, hm, ng, op, var);
           }
           if (done) return out;
         }
-      }, py::arg("layer"), py::arg("q"), py::arg("mode"),
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("variants") = py::none(),
          "The index's bound of every group [n_sets, n_groups] fp64: at least the fp32 score of any of its blocks.")
-      .def("block_scores", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode) {
+      .def("block_scores", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
+                              const py::handle& variants) {
         py::array_t<float> q;
-        const int H = query_arg(st, q_obj, q);
+        QueryVariants var;
+        const int H = query_arg(st, q_obj, q, variants, var);
         const HeadMode hm = head_mode(mode);
         const float* qp = q.data();
         for (;;) {  // as read
@@ -220,11 +224,13 @@ void bind_kv_store(py::module_& m) {
           bool done;
           {
             py::gil_scoped_release nogil;
-            done = st.block_scores(layer, qp, H, hm, nb, op);
+            done = st.block_scores(layer, qp, H, hm, nb, op, var);
           }
           if (done) return out;
         }
-      }, py::arg("layer"), py::arg("q"), py::arg("mode"), "Unscaled block scores [n_sets, n_blocks].")
+      }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("variants") = py::none(),
+         "Unscaled block scores [n_sets, n_blocks]. variants: None, or dual chunk attention's block bounds "
+         "(succ, intra) with q [3, H, D] (cpp/select/request.h QueryVariants); as in select, attend, select_attend.")
       .def("cache_candidates", [](KVStore& st, int layer, const std::string& mode, const py::handle& exclude,
                                   const py::handle& allowed) {
         SelectRequest r;
@@ -241,15 +247,22 @@ void bind_kv_store(py::module_& m) {
       }, py::arg("layer"), py::arg("mode"), py::arg("exclude"), py::arg("allowed"),
          "The candidate list's copies made now, for the decode steps that pass the same list and exclusions.")
       .def("snapkv_scores", [](KVStore& st, int layer, const py::handle& q_obj, int64_t q_pos0, int64_t n_keys,
-                               int64_t n_blocks, int pool, const std::string& merge) {
+                               int64_t n_blocks, int pool, const std::string& merge, const py::handle& variants) {
         const int D = st.config().head_dim;
-        const auto q = array_arg<float>(q_obj, "q", {-1, -1, D});  // [W, H, D]
+        SnapKVRequest r;
+        if (!variants.is_none()) {
+          const auto b = variants.cast<std::pair<int64_t, int64_t>>();
+          r.var = QueryVariants{3, b.first, b.second};
+        }
+        // [W, H, D], or [3, W, H, D] with variants
+        const auto q = r.var.n == 1 ? array_arg<float>(q_obj, "q", {-1, -1, D})
+                                    : array_arg<float>(q_obj, "q", {3, -1, -1, D});
         if (merge != "mean" && merge != "max")
           throw py::value_error("snapkv_scores: merge='" + merge + "' is not allowed: 'mean' or 'max'");
-        SnapKVRequest r;
+        const int w_dim = r.var.n == 1 ? 0 : 1;
         r.q = q.data();
-        r.W = checked_int(q.shape(0), "q window");
-        r.H = checked_int(q.shape(1), "q heads");
+        r.W = checked_int(q.shape(w_dim), "q window");
+        r.H = checked_int(q.shape(w_dim + 1), "q heads");
         r.q_pos0 = q_pos0, r.n_keys = n_keys, r.n_blocks = n_blocks, r.pool = pool, r.max_merge = merge == "max";
         if (n_blocks < 0 || n_blocks > st.max_blocks())
           throw py::value_error("snapkv_scores: n_blocks=" + std::to_string(n_blocks) + " is not allowed: 0.." +
@@ -262,27 +275,32 @@ void bind_kv_store(py::module_& m) {
         }
         return out;
       }, py::arg("layer"), py::arg("q"), py::arg("q_pos0"), py::arg("n_keys"), py::arg("n_blocks"), py::arg("pool"),
-         py::arg("merge"), "SnapKV's block scores [KVH, n_blocks] of a prompt's last queries q [W, H, D].")
+         py::arg("merge"), py::arg("variants") = py::none(),
+         "SnapKV's block scores [KVH, n_blocks] of a prompt's last queries q [W, H, D]; variants: None, or dual "
+         "chunk attention's token bounds (succ, intra) with q [3, W, H, D].")
       .def("select", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode, const py::handle& k,
                         const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
-                        const py::handle& ada) {
+                        const py::handle& ada, const py::handle& variants) {
         py::array_t<float> q;
-        const int H = query_arg(st, q_obj, q);
+        QueryVariants var;
+        const int H = query_arg(st, q_obj, q, variants, var);
         SelectArgs a;
         select_args(st, a, mode, k, exclude, allowed, out_ids, ada);
         const float* qp = q.data();
         int32_t* ip = a.out_ids.mutable_data();
         const int cols = checked_int(a.out_ids.shape(1), "out_ids columns");
         py::gil_scoped_release nogil;
-        st.select(layer, qp, H, a.req, ip, cols);
+        st.select(layer, qp, H, a.req, ip, cols, var);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
-         py::arg("out_ids"), py::arg("ada") = py::none(),
+         py::arg("out_ids"), py::arg("ada") = py::none(), py::arg("variants") = py::none(),
          "ada: None, or (num, den): the sum of k split over the sets by Ada-KV with alpha = num / den "
          "(cpp/select/ada.h).")
       .def("attend", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& blocks_obj,
-                        const py::handle& out_obj, const py::handle& lse_obj, const py::handle& block_lse_obj) {
+                        const py::handle& out_obj, const py::handle& lse_obj, const py::handle& block_lse_obj,
+                        const py::handle& variants) {
         py::array_t<float> q;
-        const int H = query_arg(st, q_obj, q);
+        QueryVariants var;
+        const int H = query_arg(st, q_obj, q, variants, var);
         auto blocks = array_arg<int32_t>(blocks_obj, "blocks", {-1, -1});
         auto out = array_arg<float>(out_obj, "out", {H, st.config().head_dim});
         auto lse = array_arg<float>(lse_obj, "lse", {H});
@@ -300,16 +318,17 @@ void bind_kv_store(py::module_& m) {
         float* lp = lse.mutable_data();
         float* bp = block_lse_obj.is_none() ? nullptr : block_lse.mutable_data();
         py::gil_scoped_release nogil;
-        st.attend(layer, qp, H, b, op, lp, bp);
+        st.attend(layer, qp, H, b, op, lp, bp, var);
       }, py::arg("layer"), py::arg("q"), py::arg("blocks"), py::arg("out"), py::arg("lse"),
-         py::arg("block_lse") = py::none(),
+         py::arg("block_lse") = py::none(), py::arg("variants") = py::none(),
          "block_lse: None, or [KVH, blocks columns, G] fp32 for each block's own log-sum-exp per query head.")
       .def("select_attend", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
                                const py::handle& k, const py::handle& exclude, const py::handle& allowed,
                                const py::handle& out_ids, const py::handle& out_obj, const py::handle& lse_obj,
-                               const py::handle& ada) {
+                               const py::handle& ada, const py::handle& variants) {
         py::array_t<float> q;
-        const int H = query_arg(st, q_obj, q);
+        QueryVariants var;
+        const int H = query_arg(st, q_obj, q, variants, var);
         SelectArgs a;
         select_args(st, a, mode, k, exclude, allowed, out_ids, ada);
         auto out = array_arg<float>(out_obj, "out", {H, st.config().head_dim});
@@ -321,9 +340,10 @@ void bind_kv_store(py::module_& m) {
         float* op = out.mutable_data();
         float* lp = lse.mutable_data();
         py::gil_scoped_release nogil;
-        st.select_attend(layer, qp, H, a.req, ip, cols, op, lp);
+        st.select_attend(layer, qp, H, a.req, ip, cols, op, lp, var);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
-         py::arg("out_ids"), py::arg("out"), py::arg("lse"), py::arg("ada") = py::none())
+         py::arg("out_ids"), py::arg("out"), py::arg("lse"), py::arg("ada") = py::none(),
+         py::arg("variants") = py::none())
       .def("decode_step", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& k_obj,
                              const py::handle& v_obj, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
                              int64_t width, int64_t skip0, int64_t skip1, float scale, int n_threads,

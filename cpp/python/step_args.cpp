@@ -15,6 +15,15 @@ int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q)
   return checked_int(q.shape(0), "q heads");
 }
 
+int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q, const py::handle& variants,
+              QueryVariants& var) {
+  if (variants.is_none()) return query_arg(st, q_obj, q);
+  const auto b = variants.cast<std::pair<int64_t, int64_t>>();
+  var = QueryVariants{3, b.first, b.second};
+  q = array_arg<float>(q_obj, "q", {3, -1, st.config().head_dim});
+  return checked_int(q.shape(1), "q heads");
+}
+
 void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, const py::handle& k,
                  const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
                  const py::handle& ada) {

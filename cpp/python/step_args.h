@@ -19,6 +19,10 @@ HeadMode head_mode(const std::string& s);  // "SHARED" / "SEPARATE", else ValueE
 
 // Checks q [H, D] and returns H.
 int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q);
+// With dual chunk attention's rotations: variants None (q [H, D]) or (succ, intra), the bounds of var, and q
+// [3, H, D] (select/request.h QueryVariants; the store checks the bounds). Returns H.
+int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q, const py::handle& variants,
+              QueryVariants& var);
 
 // The arrays of a selection request; they stay alive (and borrowed by `req`) for the call. (Hidden visibility
 // like their pybind11 fields': these structs never leave the module.)

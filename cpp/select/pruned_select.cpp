@@ -77,20 +77,23 @@ struct GroupFirst {  // phase 1's visiting order: the greater bound first, then 
 }  // namespace
 
 void BlockSelector::group_bounds(const StoreLayer& L, int H, HeadMode mode, double* out) {
-  const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, qg = H / KVH;
-  const int64_t ng = lay_.n_groups(lay_.n_blocks(L));
-  // ---- every (head, group)'s fp32 bound and magnitude: fixed tasks of kBoundGroupsPerTask groups ----
-  gbound_.resize(size_t(KVH) * ng);
-  gmag_.resize(size_t(KVH) * ng);
+  const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, qg = H / KVH, V = var_.n;
+  const int64_t ng = lay_.n_groups(lay_.n_blocks(L)), G = lay_.cfg.index_group;
+  // With dual chunk attention a group's bound is the greatest of the rotations its blocks are scored by
+  // (each rotation's bound is at least its blocks' scores), so the rotations' bounds [V, KVH, ng] are made
+  // first; a group of one rotation takes that rotation's.
+  // ---- every (rotation, head, group)'s fp32 bound and magnitude: fixed tasks of kBoundGroupsPerTask groups ----
+  gbound_.resize(size_t(V) * KVH * ng);
+  gmag_.resize(size_t(V) * KVH * ng);
   const int64_t tasks_per_head = (ng + kBoundGroupsPerTask - 1) / kBoundGroupsPerTask;
   const int64_t bytes = int64_t(KVH) * ng * 2 * D * 2;
   const bool simd = use_avx2() && D % 8 == 0;
-  ThreadPool::global().parallel_for(KVH * tasks_per_head, bytes >= kParallelBytes ? lay_.cfg.threads_num : 1,
+  ThreadPool::global().parallel_for(V * KVH * tasks_per_head, bytes >= kParallelBytes ? lay_.cfg.threads_num : 1,
                                     [&](int64_t task) {
-    const int h = int(task / tasks_per_head);
+    const int vh = int(task / tasks_per_head), h = vh % KVH;
     const int64_t g0 = (task % tasks_per_head) * kBoundGroupsPerTask, n = std::min(kBoundGroupsPerTask, ng - g0);
-    const float* qb = qb_.data() + size_t(h) * 3 * D;
-    float *bo = gbound_.data() + h * ng + g0, *mo = gmag_.data() + h * ng + g0;
+    const float* qb = qb_.data() + size_t(vh) * 3 * D;
+    float *bo = gbound_.data() + vh * ng + g0, *mo = gmag_.data() + vh * ng + g0;
     if (simd) avx2::score_bounds(lay_.bound_at(L, h, g0), n, D, qb, bo, mo);
     else scalar::score_bounds(lay_.bound_at(L, h, g0), n, D, qb, bo, mo);
   });
@@ -104,12 +107,18 @@ void BlockSelector::group_bounds(const StoreLayer& L, int H, HeadMode mode, doub
   for (int s = 0; s < (shared ? 1 : KVH); ++s) {
     const int h0 = shared ? 0 : s, h1 = shared ? KVH : s + 1;
     for (int64_t g = 0; g < ng; ++g) {
-      double b = 0;
-      for (int h = h0; h < h1 && b < kInf; ++h) {
-        const double mag = gmag_[h * ng + g];
-        b = mag < kNoBoundMag ? b + double(gbound_[h * ng + g]) + rel * mag + abs_err : kInf;
+      double best = -kInf;
+      // the rotations of the group's blocks [g G, (g + 1) G): from its first block's, piece by piece
+      for (int64_t b = g * G; b < (g + 1) * G; b = var_.end_of(b)) {
+        const size_t at = size_t(var_.of(b)) * KVH;
+        double bnd = 0;
+        for (int h = h0; h < h1 && bnd < kInf; ++h) {
+          const double mag = gmag_[(at + h) * ng + g];
+          bnd = mag < kNoBoundMag ? bnd + double(gbound_[(at + h) * ng + g]) + rel * mag + abs_err : kInf;
+        }
+        best = std::isnan(bnd) ? kInf : std::max(best, bnd);
       }
-      out[s * ng + g] = std::isnan(b) ? kInf : b;
+      out[s * ng + g] = best;
     }
   }
 }

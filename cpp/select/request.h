@@ -27,6 +27,22 @@ struct SelectRequest {
   int64_t ada_num = 0, ada_den = 1;
 };
 
+// Dual chunk attention (ktquest/models/dual_chunk.py): a query comes in n = 3 rotations, q [3, H, D] (intra,
+// successive, inter), and every key is scored and attended with the one its chunk calls for: keys before `succ`
+// the inter rotation, [succ, intra) the successive one, from `intra` on the intra one. The bounds are block ids
+// for the selection and the attention, token positions for SnapKV. n = 1: one rotation, q [H, D], for every key.
+struct QueryVariants {
+  int n = 1;
+  int64_t succ = 0, intra = 0;
+
+  int of(int64_t x) const { return n == 1 || x >= intra ? 0 : x >= succ ? 1 : 2; }
+  // The first id past x whose variant differs from x's (a huge value where none does).
+  int64_t end_of(int64_t x) const {
+    if (n == 1 || x >= intra) return INT64_MAX;
+    return x >= succ ? intra : succ;
+  }
+};
+
 // Selected blocks: [n_sets, cols], ascending ids then -1 padding; n_sets = 1 means "every KV head".
 struct BlockSets {
   const int32_t* ids = nullptr;

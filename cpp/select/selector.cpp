@@ -25,19 +25,27 @@ constexpr int64_t kParallelTopk = 512;        // top-k runs sets on threads from
 
 // ---- the query ----
 
-void BlockSelector::set_query(const float* q, int H) {
+void BlockSelector::set_query(const float* q, int H, const QueryVariants& var) {
   qraw_ = q;
+  var_ = var;
+  const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, L = lay_.A * D;
+  qe_.assign(size_t(var.n) * KVH * L, 0.f);
+  if (lay_.cfg.index_group > 0) qb_.assign(size_t(var.n) * KVH * 3 * D, 0.f);
+  for (int v = 0; v < var.n; ++v) fold_query(q + size_t(v) * H * D, H, v);
+}
+
+void BlockSelector::fold_query(const float* q, int H, int v) {
   const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, G = H / KVH;
   // Linear anchor scores fold the GQA group into one vector per KV head:
   //   QUEST  sum_g sum_d max(q_gd min_d, q_gd max_d) = sum_d (Q-_d min_d + Q+_d max_d),
   //          Q- = sum_g min(q_g, 0), Q+ = sum_g max(q_g, 0) (min_d <= max_d), laid out like [min | max];
   //   BLOCK_MAX / BLOCK_MEAN  sum_g q_g . a = (sum_g q_g) . a.
   const int L = lay_.A * D;
-  qe_.assign(size_t(KVH) * L, 0.f);
+  float* qe = qe_.data() + size_t(v) * KVH * L;
   for (int h = 0; h < KVH; ++h)
     for (int g = 0; g < G; ++g) {
       const float* qg = q + (size_t(h) * G + g) * D;
-      float* e = qe_.data() + size_t(h) * L;
+      float* e = qe + size_t(h) * L;
       if (lay_.cfg.anchor_type == AnchorType::QUEST)
         for (int d = 0; d < D; ++d) {
           e[d] += std::min(qg[d], 0.f);
@@ -46,13 +54,13 @@ void BlockSelector::set_query(const float* q, int H) {
       else if (lay_.cfg.anchor_type == AnchorType::BLOCK_MAX || lay_.cfg.anchor_type == AnchorType::BLOCK_MEAN)
         for (int d = 0; d < D; ++d) e[d] += qg[d];
     }
-  if (lay_.cfg.index_group > 0) set_index_query(q, H);
+  if (lay_.cfg.index_group > 0) set_index_query(q, H, v);
   // QUEST's centre share: (1 - c) [Q- | Q+] + c [Q/2 | Q/2], Q = Q- + Q+, scores (1 - c) bound + c q.centre.
   // It is at most the bound (the centre lies between min and max): the index's bound vectors stay valid.
   const float c = lay_.cfg.quest_centre;
   if (lay_.cfg.anchor_type == AnchorType::QUEST && c != 0.f)
     for (int h = 0; h < KVH; ++h) {
-      float* e = qe_.data() + size_t(h) * L;
+      float* e = qe + size_t(h) * L;
       for (int d = 0; d < D; ++d) {
         const float half = 0.5f * (e[d] + e[D + d]);
         e[d] = (1.f - c) * e[d] + c * half;
@@ -61,15 +69,14 @@ void BlockSelector::set_query(const float* q, int H) {
     }
 }
 
-void BlockSelector::set_index_query(const float* q, int H) {
+void BlockSelector::set_index_query(const float* q, int H, int v) {
   const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, G = H / KVH;
   const int L = lay_.A * D;
   // The index's bound vectors (index/group_bounds.h), [Q- | Q+ | W = Q+ - Q-] per KV head: QUEST's are its
   // scoring vector itself; BLOCK_* split theirs by sign; FIXED/DYNAMIC sum each query head's split.
-  qb_.assign(size_t(KVH) * 3 * D, 0.f);
   for (int h = 0; h < KVH; ++h) {
-    float *qn = qb_.data() + size_t(h) * 3 * D, *qp = qn + D, *w = qp + D;
-    const float* e = qe_.data() + size_t(h) * L;
+    float *qn = qb_.data() + (size_t(v) * KVH + h) * 3 * D, *qp = qn + D, *w = qp + D;
+    const float* e = qe_.data() + (size_t(v) * KVH + h) * L;
     switch (lay_.cfg.anchor_type) {
       case AnchorType::QUEST: std::copy(e, e + 2 * D, qn); break;
       case AnchorType::BLOCK_MAX:
@@ -157,9 +164,9 @@ void BlockSelector::build_runs(int64_t nb, int n_sets, const SelectRequest* req)
 // ---- scoring ----
 
 void BlockSelector::score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate,
-                                      const float* scale8) const {
+                                      const float* scale8, int v) const {
   const int L = lay_.A * lay_.cfg.head_dim;
-  const float* qe = qe_.data() + size_t(h) * L;
+  const float* qe = qe_.data() + (size_t(v) * lay_.cfg.n_kv_heads + h) * L;
   const bool simd = use_avx2() && lay_.cfg.head_dim % 8 == 0;
   const auto* a8 = reinterpret_cast<const int8_t*>(a);
   const auto* a16 = reinterpret_cast<const uint16_t*>(a);
@@ -174,11 +181,23 @@ void BlockSelector::score_linear_rows(const uint8_t* a, int64_t n, int h, float*
 
 void BlockSelector::score_blocks(const StoreLayer& L, int H, int h, int64_t b, int64_t n, float* out,
                                  bool accumulate) const {
-  if (linear_anchors(lay_.cfg.anchor_type)) return score_linear_rows(lay_.anchor_bytes(L, h, b), n, h, out, accumulate);
+  // With dual chunk attention, each piece of [b, b + n) with the query rotation its blocks call for
+  for (const int64_t end = b + n; b < end;) {
+    const int64_t e = std::min(end, var_.end_of(b));
+    score_piece(L, H, h, b, e - b, var_.of(b), out, accumulate);
+    out += e - b;
+    b = e;
+  }
+}
+
+void BlockSelector::score_piece(const StoreLayer& L, int H, int h, int64_t b, int64_t n, int v, float* out,
+                                bool accumulate) const {
+  if (linear_anchors(lay_.cfg.anchor_type))
+    return score_linear_rows(lay_.anchor_bytes(L, h, b), n, h, out, accumulate, nullptr, v);
   const int D = lay_.cfg.head_dim, G = H / lay_.cfg.n_kv_heads, A = lay_.A;
   const float* a = lay_.anchor_at(L, h, b);
   const int32_t* cnt = L.n_anchor + h * lay_.max_blocks + b;
-  const float* qh = qraw_ + size_t(h) * G * D;
+  const float* qh = qraw_ + (size_t(v) * H + size_t(h) * G) * D;
   float* s = thread_scratch(size_t(G) * ((A + 7) & ~7) + D);
   if (use_avx2() && D % 8 == 0) avx2::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);
   else scalar::score_max(a, cnt, n, A, D, qh, G, out, accumulate, s);

@@ -43,11 +43,10 @@ class BlockSelector {
 
   explicit BlockSelector(const StoreLayout& lay) : lay_(lay) {}
 
-  // q: [H, D] unscaled (checked by the caller), borrowed until the call's selection is done: the scoring
-  // vectors of the linear anchors, and q itself for FIXED/DYNAMIC.
-  void set_query(const float* q, int H);
-  // The index's bound vectors of q (qb_), from the bound's scoring vectors before QUEST's centre share.
-  void set_index_query(const float* q, int H);
+  // q: [var.n, H, D] unscaled (checked by the caller), borrowed until the call's selection is done: the
+  // scoring vectors of the linear anchors, and q itself for FIXED/DYNAMIC. var: which rotation scores which
+  // block (dual chunk attention; request.h), kept until the next set_query.
+  void set_query(const float* q, int H, const QueryVariants& var = {});
   // The candidates of n_sets sets among nb blocks: req's allowed lists (checked) or every block, less req's
   // exclusion ranges (checked; req may be null: every block).
   void build_runs(int64_t nb, int n_sets, const SelectRequest* req);
@@ -55,10 +54,11 @@ class BlockSelector {
   // scores: [n_sets, nb]; only the candidates of runs() are written. Reads the A*D anchors of each candidate
   // block and KV head, nothing else.
   void score_runs(const StoreLayer& L, int H, HeadMode mode, float* scores);
-  // out[0, n) (+)= linear scores (QUEST / BLOCK_*) of n consecutive anchor rows at a, for KV head h; int8
-  // rows (a candidate cache of int8_candidates) when scale8 is given, their scales.
+  // out[0, n) (+)= linear scores (QUEST / BLOCK_*) of n consecutive anchor rows at a, for KV head h, by the
+  // query rotation v; int8 rows (a candidate cache of int8_candidates) when scale8 is given, their scales.
   void score_linear_rows(const uint8_t* a, int64_t n, int h, float* out, bool accumulate,
-                         const float* scale8 = nullptr) const;
+                         const float* scale8 = nullptr, int v = 0) const;
+  const QueryVariants& variants() const { return var_; }
   // The top k of each set of runs() (built for req) into out_ids [n_sets, out_cols], ascending ids then -1;
   // t.score_s and t.topk_s. Through the hierarchical index when the store has one and req no candidate list.
   void select_runs(const StoreLayer& L, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
@@ -77,17 +77,23 @@ class BlockSelector {
   void group_bounds(const StoreLayer& L, int H, HeadMode mode, double* out);
 
  private:
-  // out[0, n) (+)= the scores of blocks [b, b + n) for KV head h: the one scoring path of every selection.
+  // out[0, n) (+)= the scores of blocks [b, b + n) for KV head h: the one scoring path of every selection
+  // (each block by the query rotation var_ gives it: score_piece, blocks of one rotation).
   void score_blocks(const StoreLayer& L, int H, int h, int64_t b, int64_t n, float* out, bool accumulate) const;
+  void score_piece(const StoreLayer& L, int H, int h, int64_t b, int64_t n, int v, float* out, bool accumulate) const;
+  // One rotation's scoring vectors (qe_, and the index's qb_) from q [H, D].
+  void fold_query(const float* q, int H, int v);
+  void set_index_query(const float* q, int H, int v);
   // select_runs through the index (pruned_select.cpp); kcap: the largest k of a set (check_k).
   void select_pruned(const StoreLayer& L, int H, const SelectRequest& req, int64_t kcap, int32_t* out_ids,
                      int out_cols, StageTiming& t);
 
   const StoreLayout& lay_;
   bool walk_index_ = true;                         // set_walk_index
-  std::vector<float> qe_;                          // [KVH, A*D] per-head scoring vectors (QUEST/BLOCK_*)
-  std::vector<float> qb_;                          // [KVH, 3, D] per-head group bound vectors (Q-, Q+, W)
-  const float* qraw_ = nullptr;                    // [H, D] the caller's q (FIXED/DYNAMIC scoring), this call only
+  QueryVariants var_;                              // the query's rotations (set_query)
+  std::vector<float> qe_;                          // [V, KVH, A*D] per-head scoring vectors (QUEST/BLOCK_*)
+  std::vector<float> qb_;                          // [V, KVH, 3, D] per-head group bound vectors (Q-, Q+, W)
+  const float* qraw_ = nullptr;                    // [V, H, D] the caller's q (FIXED/DYNAMIC scoring), this call only
   std::vector<std::pair<int64_t, int64_t>> excl_;  // merged exclusion ranges
   std::vector<int32_t> ids_;                       // allowed ids, sorted
   std::vector<Runs> runs_;                         // [n_sets]
@@ -97,7 +103,7 @@ class BlockSelector {
   std::vector<float> topv_;                        // top-k: score copies, [n_sets, candidates]
   std::vector<int32_t> topids_;                    // top-k: their block ids, [n_sets, candidates]
   std::vector<int32_t> topkeys_;                   // top-k: top_k's scratch keys, [n_sets, candidates]
-  std::vector<float> gbound_, gmag_;               // index: score_bounds' outputs, [KVH, n_groups]
+  std::vector<float> gbound_, gmag_;               // index: score_bounds' outputs, [V, KVH, n_groups]
   std::vector<double> gsets_;                      // index: each set's group bounds, [n_sets, n_groups]
   std::vector<std::pair<double, int32_t>> gorder_;  // index: (bound, group) in phase 1's order, [n_sets, n_groups]
   std::vector<uint8_t> seen_;                      // index: groups phase 1 scored, [n_sets, n_groups]

@@ -69,7 +69,10 @@ void SnapKVScorer::check(const StoreLayer& L, const SnapKVRequest& r) const {
         std::to_string((r.n_keys + bs - 1) / bs));
   if (r.pool < 1 || r.pool % 2 == 0 || r.pool > kMaxPool)
     bad("pool=" + std::to_string(r.pool) + " is not allowed: an odd integer in [1, " + std::to_string(kMaxPool) + "]");
-  check_finite_q(r.q, int64_t(r.W) * r.H, lay_.cfg.head_dim);
+  if (!(r.var.n == 1 || (r.var.n == 3 && 0 <= r.var.succ && r.var.succ <= r.var.intra)))
+    bad("query rotations: " + std::to_string(r.var.n) + " with bounds (" + std::to_string(r.var.succ) + ", " +
+        std::to_string(r.var.intra) + ") are not allowed: 1, or 3 with 0 <= succ <= intra");
+  check_finite_q(r.q, int64_t(r.var.n) * r.W * r.H, lay_.cfg.head_dim);
 }
 
 void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) {
@@ -81,19 +84,23 @@ void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) 
   if (nb == 0) return;
   // Each KV head's rows (g, w), scaled as the attention scales them.
   const float scale = 1.f / std::sqrt(float(D));
-  q_.resize(size_t(KVH) * R * D);
-  for (int h = 0; h < KVH; ++h)
-    for (int g = 0; g < G; ++g)
-      for (int w = 0; w < W; ++w) {
-        const float* src = r.q + (int64_t(w) * r.H + h * G + g) * D;
-        float* dst = q_.data() + (int64_t(h) * R + g * W + w) * D;
-        for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
-      }
+  const QueryVariants& var = r.var;
+  q_.resize(size_t(var.n) * KVH * R * D);
+  for (int v = 0; v < var.n; ++v)
+    for (int h = 0; h < KVH; ++h)
+      for (int g = 0; g < G; ++g)
+        for (int w = 0; w < W; ++w) {
+          const float* src = r.q + ((int64_t(v) * W + w) * r.H + h * G + g) * D;
+          float* dst = q_.data() + ((int64_t(v) * KVH + h) * R + g * W + w) * D;
+          for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
+        }
+  auto q_of = [&](int v, int h) { return q_.data() + (int64_t(v) * KVH + h) * R * D; };
   const bool simd = use_avx2();
   auto logits = simd ? avx2::snapkv_logits : scalar::snapkv_logits;
   const int64_t bt = std::max<int64_t>(1, kTaskTokens / bs);  // pass 2: blocks per task
   const int ss = int((std::max(kTaskTokens, bt * bs + 2 * p) + 7) & ~int64_t(7));
-  auto scratch = [&]() { return thread_scratch(size_t(D) + size_t(D + R + G + 1) * ss); };
+  // (with several rotations, R x ss more: one piece's logits before they join the run's)
+  auto scratch = [&]() { return thread_scratch(size_t(D) + size_t(D + R + G + 1 + (var.n > 1 ? R : 0)) * ss); };
   const int threads = lay_.cfg.threads_num;
 
   // ---- pass 1: every row's log-sum-exp over the keys it sees ----
@@ -110,11 +117,14 @@ void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) 
     std::fill(m, m + R, kNegInf);
     std::fill(m + R, m + 2 * R, 0.f);
     for (int64_t run = runs * i / n1; run < runs * (i + 1) / n1; ++run) {  // (the split depends on N only)
-      const int64_t t0 = run * kTaskTokens, t1 = std::min(N, t0 + kTaskTokens);
-      keys_t(lay_, L, h, t0, t1, kt, ss, row);
-      logits(q_.data() + int64_t(h) * R * D, R, D, kt, ss, s);
-      mask_future(s, G, W, ss, t0, int(t1 - t0), r.q_pos0);
-      (simd ? avx2::snapkv_lse : scalar::snapkv_lse)(s, R, int(t1 - t0), ss, m, m + R);
+      const int64_t r0 = run * kTaskTokens, r1 = std::min(N, r0 + kTaskTokens);
+      for (int64_t t0 = r0, t1; t0 < r1; t0 = t1) {  // pieces of one query rotation
+        t1 = std::min(r1, var.end_of(t0));
+        keys_t(lay_, L, h, t0, t1, kt, ss, row);
+        logits(q_of(var.of(t0), h), R, D, kt, ss, s);
+        mask_future(s, G, W, ss, t0, int(t1 - t0), r.q_pos0);
+        (simd ? avx2::snapkv_lse : scalar::snapkv_lse)(s, R, int(t1 - t0), ss, m, m + R);
+      }
     }
   });
   lse_.assign(size_t(KVH) * R, kNegInf);  // [KVH, R]: the tasks' partials merged in task order
@@ -149,8 +159,19 @@ void SnapKVScorer::run(const StoreLayer& L, const SnapKVRequest& r, float* out) 
     float* x = s + int64_t(R) * ss;   // [G, xs]: column c is key u0 - p + c (-inf outside [v0, v1))
     float* y = x + int64_t(G) * ss;   // [u1 - u0] the pooled, merged scores of the blocks' keys
     const int xs = int(u1 - u0) + 2 * p, n = int(v1 - v0), off = int(v0 - (u0 - p));
-    keys_t(lay_, L, h, v0, v1, kt, ss, row);
-    logits(q_.data() + int64_t(h) * R * D, R, D, kt, ss, s);
+    if (var.end_of(v0) >= v1) {
+      keys_t(lay_, L, h, v0, v1, kt, ss, row);
+      logits(q_of(var.of(v0), h), R, D, kt, ss, s);
+    } else {  // keys of several query rotations: each piece's logits, then into its columns of s
+      float* piece = y + ss;  // [R, ss] (past y, in the scratch)
+      for (int64_t t0 = v0, t1; t0 < v1; t0 = t1) {
+        t1 = std::min(v1, var.end_of(t0));
+        keys_t(lay_, L, h, t0, t1, kt, ss, row);
+        logits(q_of(var.of(t0), h), R, D, kt, ss, piece);
+        for (int i = 0; i < R; ++i)
+          std::copy(piece + int64_t(i) * ss, piece + int64_t(i) * ss + (t1 - t0), s + int64_t(i) * ss + (t0 - v0));
+      }
+    }
     mask_future(s, G, W, ss, v0, n, r.q_pos0);
     for (int g = 0; g < G; ++g) {
       std::fill(x + int64_t(g) * xs, x + int64_t(g) * xs + off, kNegInf);

@@ -15,17 +15,21 @@
 #include <vector>
 
 #include "kvstore/layout.h"
+#include "select/request.h"
 
 namespace ktq {
 
 struct SnapKVRequest {
-  const float* q = nullptr;  // [W, H, D] fp32, unscaled (after RoPE): the window's queries
+  const float* q = nullptr;  // [var.n, W, H, D] fp32, unscaled (after RoPE): the window's queries
   int W = 0, H = 0;
   int64_t q_pos0 = 0;    // position of query 0: query w sees keys [0, q_pos0 + w]
   int64_t n_keys = 0;    // the keys scored and normalised over: [0, n_keys), q_pos0 + W <= n_keys <= length
   int64_t n_blocks = 0;  // blocks scored: [0, n_blocks), n_blocks <= ceil(n_keys / block_size)
   int pool = 7;          // max-pooling kernel (odd)
   bool max_merge = false;  // the query group's merge: mean (false) or max
+  // Dual chunk attention (request.h), bounds in tokens: each key is scored by the rotation of the window's
+  // queries its chunk calls for (the window's queries all in one chunk).
+  QueryVariants var;
 };
 
 class SnapKVScorer {
@@ -41,7 +45,7 @@ class SnapKVScorer {
 
  private:
   const StoreLayout& lay_;
-  std::vector<float> q_;     // [KVH, G W, D] scaled rows (g, w) of each KV head
+  std::vector<float> q_;     // [V, KVH, G W, D] scaled rows (g, w) of each KV head, per query rotation
   std::vector<float> part_;  // pass 1 partials: [KVH, tasks, 2, G W] (m, l)
   std::vector<float> lse_;   // [KVH, G W]
   std::vector<float> sum_;   // [G W] the merge's sums

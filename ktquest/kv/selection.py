@@ -59,6 +59,7 @@ def snapkv_token_scores(
     gqa_merge: GroupMerge = "mean",
     scale: float | None = None,
     chunk_size: int = SNAPKV_CHUNK,
+    variants: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """SnapKV scores of every context token.
 
@@ -70,7 +71,14 @@ def snapkv_token_scores(
 
     Keys are processed ``chunk_size`` at a time in two passes (the log-sum-exp of each query row, then
     the probabilities), so no [W, H, N] tensor exists; pooling runs on the assembled [H, N] scores.
+
+    variants: dual chunk attention's token bounds (succ, intra) with q_win [3, W, H, D], the window's queries
+    rotated intra, successive and inter (every query in one chunk): keys before succ are scored by the inter
+    rotation, [succ, intra) by the successive one, the rest by the intra one (``KVStore.snapkv_scores``).
     """
+    qv = None
+    if variants is not None:
+        qv, q_win = q_win, q_win[0]
     W, H, D = q_win.shape
     N, KVH, Dk = k.shape
     if Dk != D or KVH < 1 or H % KVH != 0:
@@ -86,13 +94,24 @@ def snapkv_token_scores(
         raise ValueError(f"snapkv_token_scores: chunk_size={chunk_size} is not allowed: an integer >= 1")
     G = H // KVH
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    q = (q_win.float() * scale).reshape(W, KVH, G, D).permute(1, 2, 0, 3)  # [KVH, G, W, D]
-    q = q.reshape(KVH, G * W, D)
+    def rows(qw: torch.Tensor) -> torch.Tensor:  # [W, H, D] -> [KVH, G * W, D] scaled
+        return (qw.float() * scale).reshape(W, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * W, D)
+
+    qs = [rows(q_win)] if qv is None else [rows(x) for x in qv]
     pos = window_start_pos + torch.arange(W, device=q_win.device)  # [W]
+    bounds = [] if variants is None else [(0, variants[0], 2), (variants[0], variants[1], 1), (variants[1], N, 0)]
 
     def logits(c0: int, c1: int) -> torch.Tensor:  # [KVH, G, W, C], -inf where key > query position
         kc = k[c0:c1].float().permute(1, 2, 0)  # [KVH, D, C]
-        s = torch.bmm(q, kc).view(KVH, G, W, c1 - c0)
+        if qv is None:
+            s = torch.bmm(qs[0], kc).view(KVH, G, W, c1 - c0)
+        else:  # each key by the rotation its chunk calls for
+            s = torch.empty(KVH, G * W, c1 - c0, device=kc.device)
+            for a, b, v in bounds:
+                a, b = max(a, c0), min(b, c1)
+                if b > a:
+                    s[..., a - c0: b - c0] = torch.bmm(qs[v], kc[..., a - c0: b - c0])
+            s = s.view(KVH, G, W, c1 - c0)
         if c1 - 1 > window_start_pos:  # only chunks reaching into the window have future keys
             future = torch.arange(c0, c1, device=q_win.device)[None, :] > pos[:, None]  # [W, C]
             s = s.masked_fill(future, float("-inf"))

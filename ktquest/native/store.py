@@ -195,8 +195,21 @@ class KVStore(StoreReads):
 
     # ---- decode ----
 
-    def _q(self, q) -> np.ndarray:
-        return as_numpy(q, "q", (torch.float32,), 2)  # [H, D]: H and D are checked by the binding and the store
+    def _q(self, q, variants=None) -> np.ndarray:
+        """q [H, D], or [3, H, D] with dual chunk attention's ``variants`` (H and D are checked by the binding
+        and the store)."""
+        return as_numpy(q, "q", (torch.float32,), 2 if variants is None else 3)
+
+    @staticmethod
+    def _variants(variants) -> tuple[int, int] | None:
+        """Dual chunk attention's bounds (succ, intra): blocks (tokens for SnapKV) before succ are attended by
+        q[2] (the inter rotation), [succ, intra) by q[1] (successive), from intra on by q[0] (intra)."""
+        if variants is None:
+            return None
+        if (not isinstance(variants, tuple) or len(variants) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in variants)):
+            raise ValueError(f"variants={variants!r} is not allowed: None, or (succ, intra) integers")
+        return variants
 
     def _k(self, k, mode: str) -> tuple[np.ndarray, int]:
         """k per set as int32 [n_sets] and its maximum (cached: the decode loop passes the same k)."""
@@ -252,11 +265,14 @@ class KVStore(StoreReads):
         ids = np.empty((n_sets, cols), np.int32)
         return mode, ks, excl, allow, ids, self._ada(ada_alpha)
 
-    def block_scores(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
+    def block_scores(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE", variants=None) -> torch.Tensor:
         """Unscaled anchor scores of every block, summed over each KV head's query group (SEPARATE:
-        [KVH, n_blocks]) or over all heads (SHARED: [n_blocks]). q: [H, D] fp32."""
+        [KVH, n_blocks]) or over all heads (SHARED: [n_blocks]). q: [H, D] fp32, or with dual chunk attention's
+        block bounds ``variants`` = (succ, intra) its three rotations [3, H, D], each block scored by the one
+        its chunk calls for (``_variants``); as in select, attend and select_attend."""
         mode = check_name(mode, "mode", HEAD_MODES)
-        s = torch.from_numpy(self._st.block_scores(layer, self._q(q), mode))
+        var = self._variants(variants)
+        s = torch.from_numpy(self._st.block_scores(layer, self._q(q, var), mode, var))
         return s[0] if mode == "SHARED" else s
 
     def cache_candidates(self, layer: int, allowed: np.ndarray, exclude_ranges: np.ndarray,
@@ -268,25 +284,29 @@ class KVStore(StoreReads):
         self._st.cache_candidates(layer, mode, exclude_ranges, allowed)
 
     def snapkv_scores(self, layer: int, q: torch.Tensor, q_pos0: int, n_keys: int, n_blocks: int, pool_kernel: int = 7,
-                      gqa_merge: str = "mean") -> torch.Tensor:
+                      gqa_merge: str = "mean", variants=None) -> torch.Tensor:
         """SnapKV's block scores [KVH, n_blocks] fp32 (cpp/select/snapkv.h), read in place from the store: the
         window's queries q [W, H, D] (unscaled, after RoPE; query w at position q_pos0 + w) score keys
         [0, n_keys) by their softmax attention, summed over the window, max-pooled (``pool_kernel``), merged over
         each KV head's query group (``gqa_merge``: mean or max) and summed per block. What
-        ``kv.selection.snapkv_token_scores`` and ``block_scores_from_tokens`` compute from an fp32 copy."""
-        qn = as_numpy(q, "q", (torch.float32,), 3)
+        ``kv.selection.snapkv_token_scores`` and ``block_scores_from_tokens`` compute from an fp32 copy. With dual
+        chunk attention's token bounds ``variants`` = (succ, intra), q is [3, W, H, D] (every query in one
+        chunk) and each key is scored by the rotation its chunk calls for."""
+        var = self._variants(variants)
+        qn = as_numpy(q, "q", (torch.float32,), 3 if var is None else 4)
         if gqa_merge not in ("mean", "max"):
             raise ValueError(f"gqa_merge={gqa_merge!r} is not allowed: 'mean' or 'max'")
         return torch.from_numpy(self._st.snapkv_scores(layer, qn, check_int(q_pos0, "q_pos0"),
                                                        check_int(n_keys, "n_keys"), check_int(n_blocks, "n_blocks"),
-                                                       check_int(pool_kernel, "pool_kernel"), gqa_merge))
+                                                       check_int(pool_kernel, "pool_kernel"), gqa_merge, var))
 
-    def group_bounds(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE") -> torch.Tensor:
+    def group_bounds(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE", variants=None) -> torch.Tensor:
         """The index's bound of every group for q: at least the score block_scores() gives any of its blocks
         (inf: no bound), fp64 [KVH, n_groups] (SEPARATE) or [n_groups] (SHARED). ValueError without an
         index."""
         mode = check_name(mode, "mode", HEAD_MODES)
-        b = torch.from_numpy(self._st.group_bounds(layer, self._q(q), mode))
+        var = self._variants(variants)
+        b = torch.from_numpy(self._st.group_bounds(layer, self._q(q, var), mode, var))
         return b[0] if mode == "SHARED" else b
 
     def select(
@@ -298,15 +318,17 @@ class KVStore(StoreReads):
         exclude_ranges: Sequence[tuple[int, int]] = (),
         allowed=None,
         ada_alpha: float | None = None,
+        variants: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """Top-k blocks by anchor score (ties: the lower block id). Candidates: every block, or ``allowed``
         (one id list per KV head, or one list for SHARED), minus the half-open block ``exclude_ranges``.
         k: an int, or one per KV head (SEPARATE). ada_alpha: the sum of k split over the sets by Ada-KV
-        (cpp/select/ada.h: ``ada_budgets`` over these scores). Returns int32 ascending ids,
-        -1 padded: [KVH, cols] (SEPARATE) or [cols] (SHARED)."""
-        qn = self._q(q)
+        (cpp/select/ada.h: ``ada_budgets`` over these scores). variants: dual chunk attention (block_scores).
+        Returns int32 ascending ids, -1 padded: [KVH, cols] (SEPARATE) or [cols] (SHARED)."""
+        var = self._variants(variants)
+        qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
-        self._st.select(layer, qn, mode, ks, excl, allow, ids, ada)
+        self._st.select(layer, qn, mode, ks, excl, allow, ids, ada, var)
         return self._step_ids(ids, mode)
 
     def attend(
@@ -317,13 +339,16 @@ class KVStore(StoreReads):
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         with_block_lse: bool = False,
+        variants: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """softmax(q K^T / sqrt(D)) V over ``blocks`` (ascending ids: [N] shared by every KV head, or one row
         per KV head, -1 padded). Returns out [H, D] and lse [H] (natural log; -inf for no block), fp32; with
         ``with_block_lse`` also each block's own log-sum-exp per query head, [KVH, N, G] (-inf past a head's
-        blocks): exp(block_lse - lse) is the block's share of the head's attention."""
-        qn = self._q(q)
-        H = qn.shape[0]
+        blocks): exp(block_lse - lse) is the block's share of the head's attention. variants: dual chunk
+        attention (block_scores)."""
+        var = self._variants(variants)
+        qn = self._q(q, var)
+        H = qn.shape[-2]
         if isinstance(blocks, torch.Tensor) and blocks.dim() == 1:
             b = padded_ids(blocks, "blocks", 1)
         elif isinstance(blocks, torch.Tensor):
@@ -333,10 +358,10 @@ class KVStore(StoreReads):
             b = padded_ids(blocks, "blocks", 1 if shared else self.n_kv_heads)
         out, lse, out_np, lse_np = self._outputs(H, out, lse)
         if not with_block_lse:
-            self._st.attend(layer, qn, b, out_np, lse_np)
+            self._st.attend(layer, qn, b, out_np, lse_np, None, var)
             return out, lse
         bl = np.empty((self.n_kv_heads, b.shape[1], H // self.n_kv_heads), np.float32)
-        self._st.attend(layer, qn, b, out_np, lse_np, bl)
+        self._st.attend(layer, qn, b, out_np, lse_np, bl, var)
         return out, lse, torch.from_numpy(bl)
 
     def select_attend(
@@ -350,12 +375,15 @@ class KVStore(StoreReads):
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         ada_alpha: float | None = None,
+        variants: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks)."""
-        qn = self._q(q)
+        """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks).
+        variants: dual chunk attention (block_scores)."""
+        var = self._variants(variants)
+        qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
-        out, lse, out_np, lse_np = self._outputs(qn.shape[0], out, lse)
-        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np, ada)
+        out, lse, out_np, lse_np = self._outputs(qn.shape[-2], out, lse)
+        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np, ada, var)
         return out, lse, self._step_ids(ids, mode)
 
     def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
