@@ -364,9 +364,7 @@ def make_cache(config: Config, args, max_seq_len: int, device: torch.device, dty
     threads = config.resolved_threads()
     g = global_args(args)
     if config.mode == "long_context":
-        if args.dual_chunk is not None:
-            raise ConfigError("mode: long_context with dual chunk attention: the sparse store does not take it yet")
-        cache = LongContextCache(g, config, max_seq_len, device, dtype)
+        cache = LongContextCache(g, config, max_seq_len, device, dtype, args.dual_chunk)
     else:
         cache = DenseKVCache(g.n_layers, g.n_kv_heads, g.head_dim, max_seq_len, device, dtype, threads=threads,
                              dual_chunk=args.dual_chunk)

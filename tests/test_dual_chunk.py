@@ -192,8 +192,8 @@ def test_dca_off_and_short_caches_are_todays_model(dca_model):
 
 def test_the_engine_turns_dca_on_for_its_file_and_says_so(dca_model, capsys, tmp_path):
     """A file with dual chunk keys: on by default (a line on stderr), its greedy reply the model's over a DCA
-    cache; --set dual_chunk.mode=off: plain attention, said too; long_context: off for now, said; on there: a
-    ConfigError naming the keys. A KV file of the DCA session is refused by the one without, naming dual_chunk."""
+    cache; --set dual_chunk.mode=off: plain attention, said too; on for a file without the keys: a ConfigError
+    naming them (long_context: test_dual_chunk_store.py). A KV file of the DCA session is refused by the one without, naming dual_chunk."""
     import ktquest
     from ktquest.config import ConfigError
     from ktquest.kv.files import KVFileError
@@ -219,11 +219,6 @@ def test_the_engine_turns_dca_on_for_its_file_and_says_so(dca_model, capsys, tmp
     with pytest.raises(KVFileError, match="dual_chunk"):
         off.load_kv(tmp_path / "dca.kv")
     assert eng.load_kv(tmp_path / "dca.kv")[0] == eng.sequence.ids
-    small = {"long_context.local_windows_len": 32, "long_context.init_windows_len": 4, "long_context.block_size": 8}
-    lc = ktquest.load(model=str(dca_model[0]), config="quest", max_seq_len=128, threads=2, **small)
-    assert lc.args.dual_chunk is None and "mode: long_context" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="dual_chunk.mode: on with mode: long_context"):
-        ktquest.load(model=str(dca_model[0]), config="quest", max_seq_len=128, **small, **{"dual_chunk.mode": "on"})
     with pytest.raises(ConfigError, match="needs dual_chunk.chunk_size and dual_chunk.local_size"):
         ktquest.load(model=str(dca_model[1]), max_seq_len=128, **{"dual_chunk.mode": "on"})
 

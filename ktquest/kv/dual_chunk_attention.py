@@ -45,22 +45,57 @@ def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(0, 1), lse.transpose(0, 1)
 
 
+def merge_parts(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention from the (out, lse) of disjoint key sets (None: an empty one; at least one is not)."""
+    parts = [p for p in parts if p is not None]
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = merge_attention(*acc, *p)
+    return acc
+
+
+def dca_range(qv: torch.Tensor, qa: int, keys: torch.Tensor, values: torch.Tensor, ka: int, scale: float,
+              dc: DualChunk) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The queries of one chunk, qv [3, m, H, D] at positions [qa, qa + m), over keys/values [KVH, n, D] at
+    positions [ka, ka + n) (ending by the queries' end): each key by the rotation its chunk calls for, the keys
+    at the queries' own positions causally -> (out [m, H, D], lse [m, H]) fp32, or None for no key. The
+    long-context cache's windows and prompt workspace are such ranges."""
+    m, n = qv.shape[1], keys.shape[1]
+    qb, kb = qa + m, ka + n
+    if n == 0:
+        return None
+    if kb > qb:
+        raise ValueError(f"dual chunk attention: keys at {ka}..{kb - 1} for queries at {qa}..{qb - 1}")
+    succ, intra = dc.bounds(qa // dc.length)
+    parts = []
+    for variant, a, b in ((INTER, 0, succ), (SUCC, succ, intra), (INTRA, intra, qa)):
+        a, b = max(a, ka), min(b, kb)
+        if b > a:
+            parts.append(_full(qv[variant], keys[:, a - ka: b - ka], values[:, a - ka: b - ka], scale))
+    if kb > qa:  # keys [c0, kb) at the queries' own positions: the queries before c0 see none, those past kb all
+        c0 = max(qa, ka)
+        r0, r1, kc, vc = c0 - qa, kb - qa, keys[:, c0 - ka:], values[:, c0 - ka:]
+        if r0 == 0 and r1 == m:
+            parts.append(_causal(qv[INTRA], kc, vc, scale))
+        else:
+            out = torch.zeros(m, qv.shape[2], values.shape[2], dtype=torch.float32, device=qv.device)
+            lse = torch.full((m, qv.shape[2]), float("-inf"), device=qv.device)
+            out[r0:r1], lse[r0:r1] = _causal(qv[INTRA, r0:r1], kc, vc, scale)
+            if r1 < m:
+                out[r1:], lse[r1:] = _full(qv[INTRA, r1:], kc, vc, scale)
+            parts.append((out, lse))
+    return merge_parts(parts)
+
+
 def dca_prefill(qv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
                 dc: DualChunk) -> torch.Tensor:
     """qv [3, T, H, D] (the queries at start.. rotated intra / successive / inter, their logits' temperature in
     them), keys/values [KVH, >= start + T, D] rotated at their key positions -> out [T, H, D] fp32."""
     t = qv.shape[1]
-    end, n = start + t, dc.length
     out = torch.empty(t, qv.shape[2], values.shape[2], dtype=torch.float32, device=qv.device)
-    for ci in range(start // n, (end - 1) // n + 1):
-        qa, qb = max(start, ci * n), min(end, (ci + 1) * n)
-        rows = slice(qa - start, qb - start)
-        o, lse = _causal(qv[INTRA, rows], keys[:, qa:qb], values[:, qa:qb], scale)
-        for variant, a, b in ((INTRA, ci * n, qa), (SUCC, (ci - 1) * n, ci * n), (INTER, 0, (ci - 1) * n)):
-            if b > max(a, 0):
-                o2, lse2 = _full(qv[variant, rows], keys[:, max(a, 0):b], values[:, max(a, 0):b], scale)
-                o, lse = merge_attention(o, lse, o2, lse2)
-        out[rows] = o
+    for qa, qb, _ in dc.groups(start, t):
+        out[qa - start: qb - start] = dca_range(qv[:, qa - start: qb - start], qa, keys[:, :qb], values[:, :qb], 0,
+                                                scale, dc)[0]
     return out
 
 

@@ -17,6 +17,10 @@ DRAM store once, in bulk, and its window buffers take the prompt's last tokens. 
 windows gathered for a chunk (``prefill_device_bytes``) beside one chunk's activations;
 ``prefill.slab_tokens`` bounds n by reading a longer prompt as several layer-major slabs.
 
+With dual chunk attention (models/dual_chunk.py) the model sends each chunk's queries in three rotations: past
+the first chunk each part is read by the rotation its keys' chunk calls for (``dca_range``; the store's blocks by
+their bounds), within it by the intra one, the plain query.
+
 Exact prefill only: sparse prefill's selection and DYNAMIC anchors (which need each chunk's attention
 probabilities) read the prompt chunk by chunk (``prefill.order: chunk``; the config refuses the mix).
 """
@@ -28,9 +32,11 @@ from collections.abc import Callable
 import torch
 
 from ktquest.kv.attention import attention_lse, merge_attention
-from ktquest.kv.long_context_pass import Shape
+from ktquest.kv.dual_chunk_attention import dca_range, merge_parts
+from ktquest.kv.long_context_pass import Shape, store_rows
 from ktquest.kv.plan import DecodePlanner
 from ktquest.kv.windows import Windows
+from ktquest.models.dual_chunk import DualChunk
 from ktquest.native.store import KVStore
 
 SLAB_TO_STORE = 4096  # tokens a layer's K/V cross to the store at a time (bounds the host copy)
@@ -52,7 +58,7 @@ class LongContextPromptLayers:
     the layer finishes (``DecodePlanner.preselect_read``)."""
 
     def __init__(self, shape: Shape, windows: Windows, store: KVStore, planner: DecodePlanner, start: int, n: int,
-                 on_done: Callable[[int], None], preselect_lb: int | None = None):
+                 on_done: Callable[[int], None], preselect_lb: int | None = None, dual_chunk: DualChunk | None = None):
         if shape.prefill.mode != "exact" or shape.dynamic:
             raise ValueError("layer-major prefill reads a prompt exactly with linear anchors (prefill.mode: exact, "
                              "anchor_type not DYNAMIC)")
@@ -63,6 +69,7 @@ class LongContextPromptLayers:
                              f"window of position {start}")
         self.shape, self.windows, self.store, self.planner = shape, windows, store, planner
         self.start, self.end, self.n, self._on_done, self._lb = start, start + n, n, on_done, preselect_lb
+        self.dual_chunk = dual_chunk
         self.init_rows, self.local_rows, self.lb = windows.past(start, shape.ib)
         p = shape.placement
         # The workspace: this layer's prompt K/V, [KVH, n, D] each, on the device
@@ -74,8 +81,9 @@ class LongContextPromptLayers:
         self._saved: list[tuple] = []  # per layer moved: the window rows it overwrote (abort puts them back)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """``KVCache.attend`` for the layer being read: q [T, H, D], k/v [T, KVH, D] at start_pos.. -> [T, H, D]."""
-        s, T = self.shape, q.shape[0]
+        """``KVCache.attend`` for the layer being read: q [T, H, D] (with dual chunk attention [3, T, H, D]), k/v
+        [T, KVH, D] at start_pos.. -> [T, H, D]."""
+        s, T = self.shape, q.shape[-3]
         j = start_pos - self.start  # the chunk's first workspace row
         if layer != len(self._saved) or not 0 <= j <= self.n - T:
             raise ValueError(f"layer-major prompt: layer {layer} at positions {start_pos}..{start_pos + T - 1}, "
@@ -83,6 +91,10 @@ class LongContextPromptLayers:
         KVH, G, D = s.n_kv_heads, s.group, s.head_dim
         self.k[:, j: j + T] = k.transpose(0, 1)
         self.v[:, j: j + T] = v.transpose(0, 1)
+        self._record(layer, self.planner.rows(q))
+        if q.dim() == 4 and self.dual_chunk.active(start_pos + T):
+            return self._attend_dca(layer, q, j, start_pos)
+        q = q if q.dim() == 3 else q[0]  # (within the first chunk the intra rotation is the plain query)
         qh = q.reshape(T, KVH, G, D).transpose(0, 1).reshape(KVH, T * G, D)  # [KVH, T*G, D]: rows (t, g)
         # ---- the chunk itself, causal: K/V repeated to the H query heads ([H, T, D], one chunk's worth) ----
         kc = self.k[:, j: j + T].repeat_interleave(G, 0)
@@ -103,9 +115,35 @@ class LongContextPromptLayers:
             o, sc = self.store.attend(layer, qs, s.all_blocks[s.ib: self.lb])
             o, sc = s.placement.to_device(o.view(KVH, T * G, D)), s.placement.to_device(sc.view(KVH, T * G))
             out, lse = merge_attention(out, lse, o, sc)
+        return out.view(KVH, T, G, D).transpose(0, 1).reshape(T, s.n_heads, D).to(q.dtype)
+
+    def _record(self, layer: int, q: torch.Tensor) -> None:
         tail = q if self.q_tail[layer] is None else torch.cat([self.q_tail[layer], q])
         self.q_tail[layer] = tail[-self._W:].clone()
-        return out.view(KVH, T, G, D).transpose(0, 1).reshape(T, s.n_heads, D).to(q.dtype)
+
+    def _attend_dca(self, layer: int, qv: torch.Tensor, j: int, start_pos: int) -> torch.Tensor:
+        """``attend`` past dual chunk attention's first chunk: the chunk's queries by chunk, each over the prompt
+        up to itself, the past's windows and the past's context blocks, every key by its chunk's rotation."""
+        s, T, dc, bs = self.shape, qv.shape[1], self.dual_chunk, self.shape.block_size
+        out = torch.empty(T, s.n_heads, s.head_dim, dtype=torch.float32, device=qv.device)
+        (a, b), kw, vw = self.local_rows, self.windows.k[layer], self.windows.v[layer]
+        for qa, qb, ci in dc.groups(start_pos, T):
+            rows = slice(qa - start_pos, qb - start_pos)
+            qg = qv[:, rows]
+            parts = [dca_range(qg, qa, self.k[:, : qb - self.start], self.v[:, : qb - self.start], self.start,
+                               s.scale, dc),
+                     dca_range(qg, qa, kw[:, : self.init_rows], vw[:, : self.init_rows], 0, s.scale, dc),
+                     dca_range(qg, qa, kw[:, a:b], vw[:, a:b], self.lb * bs, s.scale, dc)]
+            if self.lb > s.ib:  # the past's context blocks, the rotations' bounds in blocks
+                succ, intra = dc.bounds(ci)
+                m = qb - qa
+                o, sc = self.store.attend(layer, store_rows(s, qg).contiguous(), s.all_blocks[s.ib: self.lb],
+                                          variants=(succ // bs, intra // bs))
+                o = o.view(s.n_kv_heads, m, s.group, s.head_dim).transpose(0, 1).reshape(m, s.n_heads, s.head_dim)
+                sc = sc.view(s.n_kv_heads, m, s.group).transpose(0, 1).reshape(m, s.n_heads)
+                parts.append((s.placement.to_device(o), s.placement.to_device(sc)))
+            out[rows] = merge_parts(parts)[0]
+        return out.to(qv.dtype)
 
     def layer_done(self, layer: int) -> None:
         """The layer read the whole prompt: its K/V to the store (in slabs), its windows to the prompt's end."""

@@ -33,6 +33,7 @@ from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_token
 from ktquest.kv.placement import Placement
 from ktquest.kv.plan import DecodePlanner, Selection, SelectionStats
 from ktquest.kv.windows import PassGeometry, Windows
+from ktquest.models.dual_chunk import DualChunk, long_context_refusal
 from ktquest.native.plans import TokenPlan, store_layer
 from ktquest.native.store import KVStore
 
@@ -41,7 +42,7 @@ class LongContextCache:
     """A ``KVCache`` (kv/base.py) over a DRAM block store and device windows: see the module docstring."""
 
     def __init__(self, args, cfg: Config, max_seq_len: int, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, dual_chunk: DualChunk | None = None):
         lc = cfg.long_context
         self.lc, self.cfg = lc, cfg
         self.n_layers, self.max_seq_len = args.n_layers, max_seq_len
@@ -54,6 +55,12 @@ class LongContextCache:
             raise ConfigError(f"long_context.local_windows_len={lc.local_windows_len} is not allowed: "
                               f"init_windows_len + local_windows_len must be <= max_seq_len ({max_seq_len})")
         check_store_fits(lc, args, max_seq_len, cfg.chunk_size, layer_major_tokens(cfg, max_seq_len))
+        # dual chunk attention (models/dual_chunk.py): the model sends q as [3, T, H, D]; the store attends each
+        # block by its chunk's rotation, so a chunk is whole blocks
+        self.dual_chunk = dual_chunk
+        why = None if dual_chunk is None else long_context_refusal(dual_chunk, lc)
+        if why is not None:
+            raise ConfigError(f"dual chunk attention with {why}")
         self.placement = Placement.of(device, dtype)
         bs = lc.block_size
         ib = -(-lc.init_windows_len // bs)  # init window blocks
@@ -76,7 +83,7 @@ class LongContextCache:
         self.shape = passes.Shape(H, KVH, D, bs, ib, 1.0 / math.sqrt(D), threads, self.placement,
                                   self.placement.native and not dynamic, dynamic, cfg.prefill, all_blocks)
         self.planner = DecodePlanner(lc, self.store, self.n_layers, H, D, ib, all_blocks, self.placement.device,
-                                     dtype, max_seq_len)
+                                     dtype, max_seq_len, dual_chunk)
         self._planned: tuple = (None, None)  # (the planner's TokenSteps, their layers as a TokenPlan takes them)
         self.reset()
 
@@ -97,7 +104,7 @@ class LongContextCache:
         self.write_from(start, n)
         lb = self.first_decode_lb(start + n) if start + n == self.preselect_end else None
         return LongContextPromptLayers(self.shape, self.windows, self.store, self.planner, start, n,
-                                       self.prompt_read, lb)
+                                       self.prompt_read, lb, self.dual_chunk)
 
     def prefill_device_bytes(self, n: int) -> int:
         """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer, each layer's last
@@ -204,20 +211,31 @@ class LongContextCache:
                start_pos: int) -> torch.Tensor:
         """Store k/v at start_pos.. and return causal attention over everything held.
 
-        q: [T, H, D], k/v: [T, KVH, D] (device) -> out [T, H, D]. T <= chunk_size. (A CPU decode step runs
-        torch on one thread: ``generate.decode_one_token`` sets it for the whole step.)
+        q: [T, H, D] (with dual chunk attention [3, T, H, D], its rotations), k/v: [T, KVH, D] (device) -> out
+        [T, H, D]. T <= chunk_size. (A CPU decode step runs torch on one thread: ``generate.decode_one_token``
+        sets it for the whole step.)
         """
-        T = q.shape[0]
+        T = q.shape[-3]
         g = self.begin_pass(start_pos, T) if layer_idx == 0 else self.geo
-        if g.decode and self.shape.native_decode:
-            out = passes.decode_native(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v)
+        dc, rec = self.dual_chunk, q
+        if (q.dim() == 4) != (dc is not None):
+            raise ValueError(f"long-context cache {'with' if dc else 'without'} dual chunk attention: q of shape "
+                             f"{tuple(q.shape)} (make the cache with the model's args.dual_chunk)")
+        if dc is not None and dc.active(start_pos + T):
+            out = passes.attend_layer_dca(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v,
+                                          self.exact_from, dc)
         else:
-            out = passes.attend_layer(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v,
-                                      self.exact_from)
+            q = q if dc is None else q[0]  # (within the first chunk the intra rotation is the plain query)
+            if g.decode and self.shape.native_decode:
+                out = passes.decode_native(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v)
+            else:
+                out = passes.attend_layer(self.shape, self.windows, self.store, self.planner, g, layer_idx, q, k, v,
+                                          self.exact_from)
         if not g.decode:
+            rec = self.planner.rows(rec)  # (dual chunk attention's three rotations side by side)
             if start_pos + T == self.preselect_end:  # the last pass of a prompt a reply follows: SnapKV scores it
-                self.planner.preselect_read(layer_idx, q, start_pos, T, self.first_decode_lb(self.preselect_end))
-            self.planner.record_queries(layer_idx, q, start_pos)
+                self.planner.preselect_read(layer_idx, rec, start_pos, T, self.first_decode_lb(self.preselect_end))
+            self.planner.record_queries(layer_idx, rec, start_pos)
         if layer_idx == self.n_layers - 1:
             self.pos = start_pos + T
             if not g.decode:
@@ -241,6 +259,8 @@ class LongContextCache:
         ``attend``)."""
         if not self.shape.native_decode or pos < self.prompt_end:
             return None
+        if self.dual_chunk is not None and self.dual_chunk.active(pos + 1):
+            return None  # (past the first chunk, dual chunk attention's token goes through the model's layers)
         g = self.begin_pass(pos, 1)
         assert g.decode
         steps = self.planner.token_steps(g.loc0 // self.shape.block_size)

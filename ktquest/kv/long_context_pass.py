@@ -3,6 +3,7 @@ and the store append, as functions of (the cache's ``Shape``, ``Windows``, ``KVS
 ``PassGeometry``). ``LongContextCache`` (kv/long_context.py) composes them; it holds no attention code.
 
     attend_layer      a pass of T tokens through one layer (a prompt's chunk, or a decode step off the native path)
+    attend_layer_dca  the same with dual chunk attention past its first chunk (models/dual_chunk.py)
     decode_native     one decode token through one layer in one native call (cpp/decode/layer_step.h)
 
 A prompt's chunk attends every context block (exact prefill) or, with sparse prefill, per KV head the blocks
@@ -13,15 +14,18 @@ selection).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ktquest.config import PrefillConfig
 from ktquest.kv.attention import FLASH_CPU, merge_attention
+from ktquest.kv.dual_chunk_attention import dca_range, merge_parts
 from ktquest.kv.placement import Placement
 from ktquest.kv.plan import DecodePlanner
 from ktquest.kv.windows import PassGeometry, Windows
+from ktquest.models.dual_chunk import DualChunk
 from ktquest.native.store import KVStore
 
 FLASH_TILE = 64  # query tokens per flash call of window_attention
@@ -76,6 +80,38 @@ def attend_layer(s: Shape, win: Windows, store: KVStore, planner: DecodePlanner,
     # ---- the chunk goes to the store (after attention: the store part never sees it) ----
     store.append(layer, s.placement.to_host(k), s.placement.to_host(v), imp)
     return out_w.to(q.dtype)
+
+
+def attend_layer_dca(s: Shape, win: Windows, store: KVStore, planner: DecodePlanner, g: PassGeometry, layer: int,
+                     qv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact_from: int,
+                     dc: DualChunk) -> torch.Tensor:
+    """``attend_layer`` with dual chunk attention (models/dual_chunk.py): qv [3, T, H, D], the queries' intra,
+    successive and inter rotations. The pass's queries by chunk: each group reads the init window, the local
+    window (the pass's own rows causally) and the store's context blocks, every key by the rotation its chunk
+    calls for (the store's blocks by the bounds it is given: cpp/select/request.h), merged by their LSE."""
+    T, bs = qv.shape[1], s.block_size
+    win.write(layer, g.w0, k, v)
+    lb = g.loc0 // bs
+    out = torch.empty(T, s.n_heads, s.head_dim, dtype=torch.float32, device=qv.device)
+    init, r0 = win.init_end, win.row(g.loc0)
+    for qa, qb, ci in dc.groups(g.start, T):
+        rows = slice(qa - g.start, qb - g.start)
+        qg = qv[:, rows]
+        parts = [dca_range(qg, qa, win.k[layer, :, :init], win.v[layer, :, :init], 0, s.scale, dc),
+                 dca_range(qg, qa, win.k[layer, :, r0: win.row(qb - 1) + 1], win.v[layer, :, r0: win.row(qb - 1) + 1],
+                           g.loc0, s.scale, dc)]
+        if lb > s.ib:  # ---- the store's context blocks [ib, lb), the rotations' bounds in blocks ----
+            succ, intra = dc.bounds(ci)
+            var = (succ // bs, intra // bs)
+            if g.decode:
+                o, lse = decode_context(s, store, planner, layer, qg, lb, var)
+                parts.append((s.placement.to_device(o)[None], s.placement.to_device(lse)[None]))
+            else:
+                parts.append(prefill_context(s, store, dataclasses.replace(g, start=qa, T=qb - qa), layer, qg, lb,
+                                             exact_from, var))
+        out[rows] = merge_parts(parts)[0]
+    store.append(layer, s.placement.to_host(k), s.placement.to_host(v), None)
+    return out.to(qv.dtype)
 
 
 def decode_native(s: Shape, win: Windows, store: KVStore, planner: DecodePlanner, g: PassGeometry, layer: int,
@@ -146,34 +182,43 @@ def window_attention(s: Shape, win: Windows, layer: int, q: torch.Tensor, g: Pas
 
 
 def prefill_context(s: Shape, store: KVStore, g: PassGeometry, layer: int, q: torch.Tensor, lb: int,
-                    exact_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    exact_from: int, var: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every chunk query to the context blocks [ib, lb) (all of them, or with sparse prefill those
-    ``prefill_blocks`` picks), read in place from DRAM."""
-    T = q.shape[0]
-    blocks = prefill_blocks(s, store, g, layer, q, lb, exact_from)  # [n]: every block; [KVH, n]: sparse picks
+    ``prefill_blocks`` picks), read in place from DRAM. var: dual chunk attention's block bounds, q then
+    [3, T, H, D] (``KVStore.attend``'s variants)."""
+    T = q.shape[-3]
+    blocks = prefill_blocks(s, store, g, layer, q, lb, exact_from, var)  # [n]: every block; [KVH, n]: sparse picks
     cut = min(max(exact_from - g.start, 0), T)  # queries [cut, T): the prompt's exact tail
     if blocks.dim() == 1 or cut == T:
-        return read_context(s, store, layer, q, blocks)
+        return read_context(s, store, layer, q, blocks, var)
     every = s.all_blocks[s.ib: lb]
-    (o1, s1), (o2, s2) = read_context(s, store, layer, q[:cut], blocks), read_context(s, store, layer, q[cut:], every)
+    (o1, s1), (o2, s2) = (read_context(s, store, layer, q[..., :cut, :, :], blocks, var),
+                          read_context(s, store, layer, q[..., cut:, :, :], every, var))
     return torch.cat([o1, o2]), torch.cat([s1, s2])
 
 
-def read_context(s: Shape, store: KVStore, layer: int, q: torch.Tensor,
-                 blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] attends the store's ``blocks`` of ``layer`` ([KVH, n] per KV head, or [n] for every head):
-    (out [T, H, D], lse [T, H]) fp32 on the device."""
-    T, KVH, G, D = q.shape[0], s.n_kv_heads, s.group, s.head_dim
-    # Query "head" (kvh, t, g) reads KV head kvh: the store's grouping h // (H' / KVH) with H' = KVH*T*G.
-    qs = s.placement.to_host(q.float().reshape(T, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * T * G, D))
-    out, lse = store.attend(layer, qs, blocks)
+def store_rows(s: Shape, q: torch.Tensor) -> torch.Tensor:
+    """q [..., T, H, D] as the store's query "heads" [..., KVH * T * G, D] fp32 on the host: head (kvh, t, g)
+    reads KV head kvh (the store's grouping h // (H' / KVH) with H' = KVH*T*G)."""
+    T, KVH, G, D = q.shape[-3], s.n_kv_heads, s.group, s.head_dim
+    lead = q.shape[:-3]
+    x = q.float().reshape(*lead, T, KVH, G, D).transpose(-4, -3)  # [..., KVH, T, G, D]
+    return s.placement.to_host(x.reshape(*lead, KVH * T * G, D))
+
+
+def read_context(s: Shape, store: KVStore, layer: int, q: torch.Tensor, blocks: torch.Tensor,
+                 var: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] (with dual chunk attention's block bounds var: [3, T, H, D]) attends the store's ``blocks``
+    of ``layer`` ([KVH, n] per KV head, or [n] for every head): (out [T, H, D], lse [T, H]) fp32 on the device."""
+    T, KVH, G, D = q.shape[-3], s.n_kv_heads, s.group, s.head_dim
+    out, lse = store.attend(layer, store_rows(s, q).contiguous(), blocks, variants=var)
     out = out.view(KVH, T, G, D).permute(1, 0, 2, 3).reshape(T, s.n_heads, D)
     lse = lse.view(KVH, T, G).permute(1, 0, 2).reshape(T, s.n_heads)
     return s.placement.to_device(out), s.placement.to_device(lse)
 
 
 def prefill_blocks(s: Shape, store: KVStore, g: PassGeometry, layer: int, q: torch.Tensor, lb: int,
-                   exact_from: int) -> torch.Tensor:
+                   exact_from: int, var: tuple[int, int] | None = None) -> torch.Tensor:
     """The context blocks a prefill chunk attends. Exact prefill (and sparse before ``prefill.exact_tokens``,
     while the context holds at most ``prefill.blocks`` blocks, or in a chunk within the prompt's last
     ``prefill.exact_tail`` tokens: ``exact_from``): every block of [ib, lb), [n]. (A chunk that reaches into
@@ -188,11 +233,11 @@ def prefill_blocks(s: Shape, store: KVStore, g: PassGeometry, layer: int, q: tor
     pf = s.prefill
     if pf.mode != "sparse" or g.start < pf.exact_tokens or lb - s.ib <= pf.blocks or g.start >= exact_from:
         return s.all_blocks[s.ib: lb]
-    T, KVH, G, D = q.shape[0], s.n_kv_heads, s.group, s.head_dim
+    T, KVH = q.shape[-3], s.n_kv_heads
     R = min(pf.select_queries, T)
     pick = torch.linspace(0, T - 1, R).round().long()  # [R]
-    qs = s.placement.to_host(q[pick].float().reshape(R, KVH, G, D).permute(1, 0, 2, 3).reshape(KVH * R * G, D))
-    picked = store.select(layer, qs, pf.blocks, "SEPARATE", [(0, s.ib), (lb, store.n_blocks(layer))])
+    qs = store_rows(s, q[..., pick, :, :]).contiguous()
+    picked = store.select(layer, qs, pf.blocks, "SEPARATE", [(0, s.ib), (lb, store.n_blocks(layer))], variants=var)
     recent = torch.arange(max(s.ib, lb - -(-T // s.block_size)), lb).expand(KVH, -1)  # [KVH, <= T / bs]
     blocks = torch.cat([picked.long(), recent], 1)
     big = torch.iinfo(torch.int64).max  # the -1 padding and the repeats sort last, then become -1
@@ -206,13 +251,14 @@ def prefill_blocks(s: Shape, store: KVStore, g: PassGeometry, layer: int, q: tor
 
 
 def decode_context(s: Shape, store: KVStore, planner: DecodePlanner, layer: int, q: torch.Tensor,
-                   lb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [1, H, D] -> (out [H, D], lse [H]) fp32 on the CPU over the context blocks the planner says."""
-    qc = s.placement.to_host(q[0].float())  # [H, D]
+                   lb: int, var: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [1, H, D] (with dual chunk attention's block bounds var: [3, 1, H, D]) -> (out [H, D], lse [H]) fp32
+    on the CPU over the context blocks the planner says."""
+    qc = s.placement.to_host(q[..., 0, :, :].float()).contiguous()  # [H, D] or [3, H, D]
     blocks, select = planner.plan(layer, lb)
     if select is None:
-        return store.attend(layer, qc, blocks)
+        return store.attend(layer, qc, blocks, variants=var)
     out, lse, ids = store.select_attend(layer, qc, select.k, select.mode, select.exclude_ranges, select.allowed,
-                                        ada_alpha=select.ada_alpha)
+                                        ada_alpha=select.ada_alpha, variants=var)
     planner.record(layer, ids, lb)
     return out, lse

@@ -23,6 +23,7 @@ import torch
 
 from ktquest.config import LongContextConfig
 from ktquest.kv.selection import snapkv_preselect
+from ktquest.models.dual_chunk import DualChunk
 from ktquest.native.args import padded_ids
 from ktquest.native.store import KVStore, Select
 
@@ -69,11 +70,16 @@ class DecodePlanner:
     ib: the init window's blocks (never selected); all_blocks: int32 [max_blocks] = arange, shared."""
 
     def __init__(self, lc: LongContextConfig, store: KVStore, n_layers: int, n_heads: int, head_dim: int,
-                 ib: int, all_blocks: torch.Tensor, device: torch.device, dtype: torch.dtype, max_seq_len: int):
+                 ib: int, all_blocks: torch.Tensor, device: torch.device, dtype: torch.dtype, max_seq_len: int,
+                 dual_chunk: DualChunk | None = None):
         self.lc, self.store, self.n_layers, self.ib = lc, store, n_layers, ib
         self._all_blocks, self._all_blocks_np = all_blocks, all_blocks.numpy()
         W = min(lc.preselect_window, max_seq_len)
-        self.q_win = torch.zeros(n_layers, W, n_heads, head_dim, device=device, dtype=dtype)  # [L, W, H, D]
+        # the last prompt queries, [L, W, H, D]; with dual chunk attention their three rotations side by side,
+        # [L, W, 3 H, D] (``rows``), and SnapKV scores each key by the one its chunk calls for
+        self.dual_chunk = dual_chunk
+        heads = n_heads * (1 if dual_chunk is None else 3)
+        self.q_win = torch.zeros(n_layers, W, heads, head_dim, device=device, dtype=dtype)
         self._excl: tuple[int, np.ndarray | None] = (-1, None)  # (lb, exclude ranges) of the last selection
         self._sel: list[Selection | None] = []
         self._sel_live: tuple | None = None  # (steps, lb, step): selections still in token_steps' buffers
@@ -360,6 +366,11 @@ class DecodePlanner:
 
     # ---- SnapKV preselection (once after each prompt, as each layer finishes it; else at the first decode step) ----
 
+    def rows(self, q: torch.Tensor) -> torch.Tensor:
+        """A pass's queries as recorded: q [T, H, D], or with dual chunk attention its rotations [3, T, H, D] as
+        [T, 3 H, D]."""
+        return q if q.dim() == 3 else q.transpose(0, 1).reshape(q.shape[1], -1, q.shape[3])
+
     def record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
         """Keep the last W prefill queries of the layer (q_win_span, updated by ``queries_recorded`` after
         the last layer, says which positions they are). q: [T, H, D]."""
@@ -423,8 +434,15 @@ class DecodePlanner:
         nb = min(lb, b // self.store.block_size)  # (after a retune mid-reply: later blocks join as new ones)
         if b <= a or nb <= self.ib:
             return None
-        qw = q.float().cpu().contiguous()  # [W, H, D]
-        scores = self.store.snapkv_scores(layer, qw, a, b, nb, self.lc.preselect_pool_kernel, self.lc.ada_gqa_merge)
+        var = None
+        if self.dual_chunk is not None:  # the window's queries of the last one's chunk, by their rotations
+            ci = (b - 1) // self.dual_chunk.length
+            q, a = q[max(0, ci * self.dual_chunk.length - a):], max(a, ci * self.dual_chunk.length)
+            q = q.reshape(q.shape[0], 3, -1, q.shape[2]).transpose(0, 1)  # [3, W, H, D]
+            var = self.dual_chunk.bounds(ci)
+        qw = q.float().cpu().contiguous()  # [W, H, D] ([3, W, H, D])
+        scores = self.store.snapkv_scores(layer, qw, a, b, nb, self.lc.preselect_pool_kernel, self.lc.ada_gqa_merge,
+                                          var)
         sets = snapkv_preselect(scores, self.lc, exclude=[(0, self.ib)])
         allowed = torch.full((len(sets), max(1, max(len(s) for s in sets))), -1, dtype=torch.int32)
         for i, s in enumerate(sets):  # a few KV heads, once per prefill

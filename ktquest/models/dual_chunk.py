@@ -53,6 +53,18 @@ class DualChunk:
         """Whether a query before ``end`` can see a key of an earlier chunk (else DCA is plain attention)."""
         return end > self.length
 
+    def bounds(self, ci: int) -> tuple[int, int]:
+        """(succ, intra): where the keys a query of chunk ci scores by its successive, then its intra rotation
+        begin (the inter rotation before succ); positions."""
+        n = self.length
+        return max(0, (ci - 1) * n), ci * n
+
+    def groups(self, start: int, t: int) -> list[tuple[int, int, int]]:
+        """The queries at [start, start + t) by chunk: [(qa, qb, ci)], each [qa, qb) in chunk ci."""
+        n = self.length
+        return [(max(start, ci * n), min(start + t, (ci + 1) * n), ci)
+                for ci in range(start // n, (start + t - 1) // n + 1)]
+
     def key_positions(self, pos: torch.Tensor) -> torch.Tensor:
         return pos % self.length
 
@@ -89,6 +101,18 @@ def file_dual_chunk(md: dict, arch: str, context_length: int) -> DualChunk | Non
     return None
 
 
+def long_context_refusal(dc: DualChunk, lc) -> str | None:
+    """Why a long_context cache of knobs ``lc`` cannot run ``dc``, or None: the store attends each block by its
+    chunk's rotation, so a chunk must be whole blocks; DYNAMIC anchors take each token's attention, which the
+    rotations' parts do not give."""
+    if dc.length % lc.block_size:
+        return (f"long_context.block_size {lc.block_size}, which does not divide dual chunk attention's chunks of "
+                f"{dc.length:,} positions")
+    if lc.anchor_type == "DYNAMIC":
+        return "long_context.anchor_type DYNAMIC"
+    return None
+
+
 def resolve_dual_chunk(config, args, max_seq_len: int) -> tuple[DualChunk | None, str | None]:
     """The dual chunk attention a session runs (``config.dual_chunk`` over the file's ``args.dual_chunk``) and a
     line for stderr saying what it is, or None. ConfigError where the config asks for what cannot run."""
@@ -112,7 +136,7 @@ def resolve_dual_chunk(config, args, max_seq_len: int) -> tuple[DualChunk | None
     if any(b.mixer != "attention" or b.attention != "global" for b in args.blocks):
         why = "a model with sliding-window or recurrent layers"
     elif config.mode == "long_context":
-        why = "mode: long_context (the sparse store does not take it yet)"
+        why = long_context_refusal(dc, config.long_context)
     if why is not None:
         if cfg.mode == "on":
             raise ConfigError(f"dual_chunk.mode: on with {why}; set dual_chunk.mode: off or auto")

@@ -98,7 +98,9 @@ class NativeDecoder:
         h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = torch.from_numpy(self._qkv).view(1, h + 2 * kvh, d)  # [1, H + 2*KVH, D], q and k rotated
         q, k, v = qkv[:, :h], qkv[:, h: h + kvh], qkv[:, h + kvh:]  # [1, H, D], [1, KVH, D], [1, KVH, D]
-        dual = self.dual_chunk is not None and self.dual_chunk.active(pos + 1)
+        # (with dual chunk attention always its rotations: a long-context cache records a prompt's last token's
+        # for SnapKV even within the first chunk)
+        dual = self.dual_chunk is not None
         rows = {r: self.rope_rows(int(r), pos, 1) for r in set(self.rope.tolist())} if dual else {}
         for i, (block, r) in enumerate(zip(self.blocks, self.rope)):
             if dual:  # unrotated from the stage, then k at its key position and q three ways
