@@ -36,8 +36,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import context_tokens, llama_cpp, mode_config, write_json  # noqa: E402
-from synthetic_context import fill as synthetic_fill  # noqa: E402
-from synthetic_context import touch_experts  # noqa: E402
 
 import ktquest  # noqa: E402  (torch-free)
 
@@ -49,6 +47,8 @@ _peer.add_argument("--peer", default="llama.cpp")
 if _peer.parse_known_args()[0].peer == "none":
     ktquest.set_openmp_spin()
 import torch  # noqa: E402
+from synthetic_context import fill as synthetic_fill  # noqa: E402  (it imports torch: after the spin is set)
+from synthetic_context import touch_experts  # noqa: E402
 
 from ktquest.config import (  # noqa: E402
     CHAT_GENERATION,
@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orders", default="",
                     help="comma-separated prefill orders (chunk, layer): each mode runs once per order (default: the "
                          "config's)")
+    ap.add_argument("--dual-chunk", default="",
+                    help="comma-separated dual_chunk.mode values (auto, on, off): each mode runs once per value "
+                         "(default: the config's)")
     ap.add_argument("--selection-views", action="store_true",
                     help="for each long_context mode whose store has an index (index_group > 0): also decode on its "
                          "prefilled caches with every block competing, through the index and by the flat scan, and "
@@ -346,25 +349,29 @@ def main(argv: list[str] | None = None) -> int:
     orders = [o for o in a.orders.split(",") if o] or [""]
     if any(o not in ("", "chunk", "layer") for o in orders):
         ap.error(f"--orders {a.orders}: a comma-separated list of chunk, layer")
+    dcas = [d for d in a.dual_chunk.split(",") if d] or [""]
+    if any(d not in ("", "auto", "on", "off") for d in dcas):
+        ap.error(f"--dual-chunk {a.dual_chunk}: a comma-separated list of auto, on, off")
     runners: list = []
     for mode in modes:
         try:
             configs[mode] = mode_config(mode, configs)
         except ValueError as e:
             ap.error(str(e))
-        for sampling in samplings:
-            for order in orders:
-                label = mode if len(samplings) == 1 else f"{mode}/{sampling}"
-                label = label if not order else f"{label}/{order}"
-                sets = a.set + ([f"prefill.order={order}"] if order else [])
-                # (the fill takes the cache's layer-major prompt protocol, which reads exactly; decode is alike)
-                sets += ["prefill.mode=exact"] if a.synthetic and mode != "dense" else []
-                r = KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
-                                  configs[mode], max_len, a.threads, a.chunk_size, sets, sampling, a.synthetic)
-                runners.append(r)
-                c = r.eng.config
-                if a.selection_views and c.mode == "long_context" and c.long_context.index_group > 0:
-                    runners += [SelectionView(r, walk=True), SelectionView(r, walk=False)]
+        for sampling, order, dca in ((s, o, d) for s in samplings for o in orders for d in dcas):
+            label = mode if len(samplings) == 1 else f"{mode}/{sampling}"
+            label = label if not order else f"{label}/{order}"
+            label = label if not dca else f"{label}/dca-{dca}"
+            sets = a.set + ([f"prefill.order={order}"] if order else [])
+            sets += [f"dual_chunk.mode={dca}"] if dca else []
+            # (the fill takes the cache's layer-major prompt protocol, which reads exactly; decode is alike)
+            sets += ["prefill.mode=exact"] if a.synthetic and mode != "dense" else []
+            r = KtquestRunner(model_path, label, "long_context" if mode not in MODE_CONFIGS else mode,
+                              configs[mode], max_len, a.threads, a.chunk_size, sets, sampling, a.synthetic)
+            runners.append(r)
+            c = r.eng.config
+            if a.selection_views and c.mode == "long_context" and c.long_context.index_group > 0:
+                runners += [SelectionView(r, walk=True), SelectionView(r, walk=False)]
     for r in runners:  # a --set max_seq_len (or a preset's) that the decode rounds would overrun: refused now,
         if isinstance(r, KtquestRunner) and r.eng.max_seq_len < max(contexts) + room:  # not after hours of prefill
             ap.error(f"{r.label}: max_seq_len={r.eng.max_seq_len} leaves {r.eng.max_seq_len - max(contexts)} "

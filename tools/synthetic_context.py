@@ -174,8 +174,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def _rope(inv_freq: torch.Tensor, mscale: float, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ang = torch.arange(a, b, dtype=torch.float64)[:, None] * inv_freq[None]  # [T, D/2]
+def _rope(inv_freq: torch.Tensor, mscale: float, a: int, b: int,
+          period: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] of positions [a, b) (with dual chunk attention's chunks of ``period``: their place in
+    their chunk, where a key turns)."""
+    pos = torch.arange(a, b, dtype=torch.float64)
+    ang = (pos if period is None else pos % period)[:, None] * inv_freq[None]  # [T, D/2]
     return (torch.cat([ang.cos()] * 2, -1) * mscale).float(), (torch.cat([ang.sin()] * 2, -1) * mscale).float()
 
 
@@ -202,7 +206,11 @@ def fill(cache, args, n: int, spec: SyntheticKV = SyntheticKV(), slab: int = 819
     inv_freq, mscale = rope_frequencies(args, cache.max_seq_len)
     inv_freq = F.pad(inv_freq, (0, d // 2 - inv_freq.shape[0]))  # partial rotary: the other pairs do not turn
     slow_pairs = torch.arange(d // 4, d // 2)  # the slowest-rotating half of the pairs
-    end_rope = _rope(inv_freq, 1.0, n - 1, n)
+    # dual chunk attention: keys turn at their place in their chunk, and the recorded queries come in its three
+    # rotations (here all along the one direction: the selection's cost is what the context can show)
+    dc = cache.dual_chunk
+    period = None if dc is None else dc.length
+    end_rope = _rope(inv_freq, 1.0, n - 1, n, period)
     layers = [_Layer(spec, i, kvh, d, bs, lo, hi, slow_pairs, end_rope) for i in range(n_layers)]
     W = cache.planner.q_win.shape[1] if long else 0
     qg = torch.Generator().manual_seed(spec.seed * 7 + 1)
@@ -215,7 +223,7 @@ def fill(cache, args, n: int, spec: SyntheticKV = SyntheticKV(), slab: int = 819
         except ValueError as e:
             raise ValueError(f"synthetic context: the cache cannot take a layer-major prompt ({e}); "
                              f"use prefill.mode=exact and linear anchors") from None
-        cos, sin = _rope(inv_freq, mscale, a, b)
+        cos, sin = _rope(inv_freq, mscale, a, b, period)
         for i, lay in enumerate(layers):
             k, v = lay.kv(a, b, cos, sin)
             if long:  # the prompt's workspace the store and windows take the layer from (k, v [KVH, T, D]);
@@ -227,7 +235,7 @@ def fill(cache, args, n: int, spec: SyntheticKV = SyntheticKV(), slab: int = 819
                 q = lay.query_dir.repeat_interleave(H // kvh, 0)[None].expand(w, H, d)  # [w, H, D]
                 q = q + 0.5 / math.sqrt(d) * torch.randn(w, H, d, generator=qg)
                 q = q / q.norm(dim=-1, keepdim=True) * spec.query_norm
-                pl.q_tail[i] = q.to(pl.k)
+                pl.q_tail[i] = (q if dc is None else torch.cat([q] * 3, 1)).to(pl.k)  # [w, (3) H, D]
             else:
                 kc, vc = cache.layer_kv(i)  # [KVH, capacity, D]
                 kc[:, a:b], vc[:, a:b] = k.transpose(0, 1), v.transpose(0, 1)

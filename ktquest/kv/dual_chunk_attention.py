@@ -87,6 +87,14 @@ def dca_range(qv: torch.Tensor, qa: int, keys: torch.Tensor, values: torch.Tenso
     return merge_parts(parts)
 
 
+def dca_pieces(dc: DualChunk, ci: int, ka: int, kb: int) -> list[tuple[int, int, int]]:
+    """Keys at positions [ka, kb) for a query of chunk ci, at or past all of them: [(variant, a, b)], the parts
+    one rotation reads."""
+    succ, intra = dc.bounds(ci)
+    return [(v, max(a, ka), min(b, kb)) for v, a, b in ((INTER, 0, succ), (SUCC, succ, intra), (INTRA, intra, kb))
+            if min(b, kb) > max(a, ka)]
+
+
 def dca_prefill(qv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
                 dc: DualChunk) -> torch.Tensor:
     """qv [3, T, H, D] (the queries at start.. rotated intra / successive / inter, their logits' temperature in

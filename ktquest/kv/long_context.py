@@ -303,7 +303,7 @@ class LongContextCache:
         cache between passes (``pos`` tokens in every layer)."""
         if self.store.length(0) != self.pos:  # a pass interrupted half-way: dropped, as the next pass would
             self.store.truncate(-1, self.pos)
-        meta, arrays = self.planner.state()
+        meta, arrays = plan_files.state(self.planner)
         arrays |= {"win_k": self.windows.k, "win_v": self.windows.v}
         for i in range(self.n_layers):
             arrays[f"store{i}"] = torch.from_numpy(self.store.export_layer(i))

@@ -21,11 +21,12 @@ import torch
 
 from ktquest.config import PrefillConfig
 from ktquest.kv.attention import FLASH_CPU, merge_attention
-from ktquest.kv.dual_chunk_attention import dca_range, merge_parts
+from ktquest.kv.dual_chunk_attention import dca_pieces, dca_range, merge_parts
 from ktquest.kv.placement import Placement
 from ktquest.kv.plan import DecodePlanner
 from ktquest.kv.windows import PassGeometry, Windows
 from ktquest.models.dual_chunk import DualChunk
+from ktquest.native.attention import dense_decode_attention
 from ktquest.native.store import KVStore
 
 FLASH_TILE = 64  # query tokens per flash call of window_attention
@@ -97,9 +98,16 @@ def attend_layer_dca(s: Shape, win: Windows, store: KVStore, planner: DecodePlan
     for qa, qb, ci in dc.groups(g.start, T):
         rows = slice(qa - g.start, qb - g.start)
         qg = qv[:, rows]
-        parts = [dca_range(qg, qa, win.k[layer, :, :init], win.v[layer, :, :init], 0, s.scale, dc),
-                 dca_range(qg, qa, win.k[layer, :, r0: win.row(qb - 1) + 1], win.v[layer, :, r0: win.row(qb - 1) + 1],
-                           g.loc0, s.scale, dc)]
+        if g.decode and s.native_decode:  # the windows' rows a rotation at a time, in the native decode kernel
+            q3 = qg[:, 0].contiguous()  # [3, H, D]
+            parts = [dense_decode_attention(q3[v], win.k[layer], win.v[layer], win.row(b - 1) + 1, s.scale,
+                                            s.threads, skip=(0, win.row(a)))
+                     for ka, kb in ((0, init), (g.loc0, qb)) for v, a, b in dca_pieces(dc, ci, ka, kb)]
+            parts = [(o[None], lse[None]) for o, lse in parts]
+        else:
+            parts = [dca_range(qg, qa, win.k[layer, :, :init], win.v[layer, :, :init], 0, s.scale, dc),
+                     dca_range(qg, qa, win.k[layer, :, r0: win.row(qb - 1) + 1],
+                               win.v[layer, :, r0: win.row(qb - 1) + 1], g.loc0, s.scale, dc)]
         if lb > s.ib:  # ---- the store's context blocks [ib, lb), the rotations' bounds in blocks ----
             succ, intra = dc.bounds(ci)
             var = (succ // bs, intra // bs)

@@ -334,24 +334,8 @@ class DecodePlanner:
 
     # ---- what a KV file keeps (kv/files.py) ----
 
-    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """The last prefill queries and SnapKV's candidates (the selections of the last decode step are not
-        kept: the next pass prefills, which drops them): (scalars, arrays)."""
-        arrays = {"q_win": self.q_win}
-        for i in range(self.n_layers):
-            if self.allowed[i] is not None:
-                arrays[f"allowed{i}"] = self.allowed[i]
-            if self.presel_base[i] is not None:
-                arrays[f"presel{i}"] = torch.from_numpy(self.presel_base[i][0])
-        meta = {"q_win_span": list(self.q_win_span),
-                "allowed": [None if a is None else list(a.shape) for a in self.allowed],
-                "allowed_lb": list(self.allowed_lb), "presel_pending": list(self.presel_pending),
-                "decode_step": self.decode_step, "refreshed": list(self.refreshed),
-                "presel": [None if b is None else [*b[0].shape, b[1]] for b in self.presel_base]}
-        return meta, arrays
-
     def load_state(self, meta: dict, arrays: dict[str, torch.Tensor]) -> None:
-        """The planner becomes what ``state`` gave (checked by ``plan_files.state_shapes`` and ``check_ids``)."""
+        """The planner becomes what ``plan_files.state`` gave (checked by its ``state_shapes`` and ``check_ids``)."""
         self.reset()
         self.q_win.copy_(arrays["q_win"])
         self.q_win_span = tuple(meta["q_win_span"])
@@ -366,9 +350,8 @@ class DecodePlanner:
 
     # ---- SnapKV preselection (once after each prompt, as each layer finishes it; else at the first decode step) ----
 
-    def rows(self, q: torch.Tensor) -> torch.Tensor:
-        """A pass's queries as recorded: q [T, H, D], or with dual chunk attention its rotations [3, T, H, D] as
-        [T, 3 H, D]."""
+    @staticmethod
+    def rows(q: torch.Tensor) -> torch.Tensor:  # queries as recorded: [T, H, D], rotations [3, T, H, D] as [T, 3H, D]
         return q if q.dim() == 3 else q.transpose(0, 1).reshape(q.shape[1], -1, q.shape[3])
 
     def record_queries(self, layer: int, q: torch.Tensor, start: int) -> None:
@@ -436,10 +419,9 @@ class DecodePlanner:
             return None
         var = None
         if self.dual_chunk is not None:  # the window's queries of the last one's chunk, by their rotations
-            ci = (b - 1) // self.dual_chunk.length
-            q, a = q[max(0, ci * self.dual_chunk.length - a):], max(a, ci * self.dual_chunk.length)
+            var = self.dual_chunk.bounds((b - 1) // self.dual_chunk.length)
+            q, a = q[max(0, var[1] - a):], max(a, var[1])
             q = q.reshape(q.shape[0], 3, -1, q.shape[2]).transpose(0, 1)  # [3, W, H, D]
-            var = self.dual_chunk.bounds(ci)
         qw = q.float().cpu().contiguous()  # [W, H, D] ([3, W, H, D])
         scores = self.store.snapkv_scores(layer, qw, a, b, nb, self.lc.preselect_pool_kernel, self.lc.ada_gqa_merge,
                                           var)

@@ -1,5 +1,5 @@
-"""What a KV file may hold of a ``DecodePlanner`` (kv/plan.py): its state's shapes and values checked before
-``DecodePlanner.load_state`` takes them (``LongContextCache.check_state``, kv/long_context.py). A file is
+"""What a KV file holds of a ``DecodePlanner`` (kv/plan.py): its state (``state``), whose shapes and values are
+checked before ``DecodePlanner.load_state`` takes them (``LongContextCache.check_state``, kv/long_context.py). A file is
 untrusted: every scalar typed and in range, every block id one the cache holds."""
 
 from __future__ import annotations
@@ -7,6 +7,23 @@ from __future__ import annotations
 import torch
 
 from ktquest.kv.plan import DecodePlanner
+
+
+def state(planner: DecodePlanner) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The last prefill queries and SnapKV's candidates (the selections of the last decode step are not
+    kept: the next pass prefills, which drops them): (scalars, arrays)."""
+    arrays = {"q_win": planner.q_win}
+    for i in range(planner.n_layers):
+        if planner.allowed[i] is not None:
+            arrays[f"allowed{i}"] = planner.allowed[i]
+        if planner.presel_base[i] is not None:
+            arrays[f"presel{i}"] = torch.from_numpy(planner.presel_base[i][0])
+    meta = {"q_win_span": list(planner.q_win_span),
+            "allowed": [None if a is None else list(a.shape) for a in planner.allowed],
+            "allowed_lb": list(planner.allowed_lb), "presel_pending": list(planner.presel_pending),
+            "decode_step": planner.decode_step, "refreshed": list(planner.refreshed),
+            "presel": [None if b is None else [*b[0].shape, b[1]] for b in planner.presel_base]}
+    return meta, arrays
 
 
 def state_shapes(planner: DecodePlanner, meta: dict, n: int) -> dict[str, tuple] | None:

@@ -69,3 +69,12 @@ def padded_ids(rows, what: str, n_rows: int) -> np.ndarray:
             raise IndexError(f"{what}: block ids must be >= 0, got {ids[ids < 0][:3].tolist()} in row {i}")
         out[i, : len(ids)] = ids
     return out
+
+
+def check_variants(variants) -> tuple[int, int] | None:
+    """Dual chunk attention's bounds (succ, intra) (cpp/select/request.h QueryVariants): blocks (tokens for
+    SnapKV) before succ are read by q[2], the inter rotation, [succ, intra) by q[1], the rest by q[0]."""
+    if variants is not None and (not isinstance(variants, tuple) or len(variants) != 2 or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in variants)):
+        raise ValueError(f"variants={variants!r} is not allowed: None, or (succ, intra) integers")
+    return variants

@@ -23,7 +23,7 @@ import torch
 
 from ktquest import _C
 from ktquest.native.ada import alpha_fraction
-from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, padded_ids
+from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, check_variants, padded_ids
 from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES
 from ktquest.native.select import Select
 from ktquest.native.store_reads import StoreReads
@@ -195,21 +195,8 @@ class KVStore(StoreReads):
 
     # ---- decode ----
 
-    def _q(self, q, variants=None) -> np.ndarray:
-        """q [H, D], or [3, H, D] with dual chunk attention's ``variants`` (H and D are checked by the binding
-        and the store)."""
+    def _q(self, q, variants=None) -> np.ndarray:  # [H, D] ([3, H, D] with variants): checked by the binding
         return as_numpy(q, "q", (torch.float32,), 2 if variants is None else 3)
-
-    @staticmethod
-    def _variants(variants) -> tuple[int, int] | None:
-        """Dual chunk attention's bounds (succ, intra): blocks (tokens for SnapKV) before succ are attended by
-        q[2] (the inter rotation), [succ, intra) by q[1] (successive), from intra on by q[0] (intra)."""
-        if variants is None:
-            return None
-        if (not isinstance(variants, tuple) or len(variants) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in variants)):
-            raise ValueError(f"variants={variants!r} is not allowed: None, or (succ, intra) integers")
-        return variants
 
     def _k(self, k, mode: str) -> tuple[np.ndarray, int]:
         """k per set as int32 [n_sets] and its maximum (cached: the decode loop passes the same k)."""
@@ -268,10 +255,9 @@ class KVStore(StoreReads):
     def block_scores(self, layer: int, q: torch.Tensor, mode: str = "SEPARATE", variants=None) -> torch.Tensor:
         """Unscaled anchor scores of every block, summed over each KV head's query group (SEPARATE:
         [KVH, n_blocks]) or over all heads (SHARED: [n_blocks]). q: [H, D] fp32, or with dual chunk attention's
-        block bounds ``variants`` = (succ, intra) its three rotations [3, H, D], each block scored by the one
-        its chunk calls for (``_variants``); as in select, attend and select_attend."""
+        block bounds ``variants`` (``args.check_variants``, as in select, attend and select_attend) [3, H, D]."""
         mode = check_name(mode, "mode", HEAD_MODES)
-        var = self._variants(variants)
+        var = check_variants(variants)
         s = torch.from_numpy(self._st.block_scores(layer, self._q(q, var), mode, var))
         return s[0] if mode == "SHARED" else s
 
@@ -290,9 +276,8 @@ class KVStore(StoreReads):
         [0, n_keys) by their softmax attention, summed over the window, max-pooled (``pool_kernel``), merged over
         each KV head's query group (``gqa_merge``: mean or max) and summed per block. What
         ``kv.selection.snapkv_token_scores`` and ``block_scores_from_tokens`` compute from an fp32 copy. With dual
-        chunk attention's token bounds ``variants`` = (succ, intra), q is [3, W, H, D] (every query in one
-        chunk) and each key is scored by the rotation its chunk calls for."""
-        var = self._variants(variants)
+        chunk attention's token bounds ``variants``: q [3, W, H, D] (every query in one chunk)."""
+        var = check_variants(variants)
         qn = as_numpy(q, "q", (torch.float32,), 3 if var is None else 4)
         if gqa_merge not in ("mean", "max"):
             raise ValueError(f"gqa_merge={gqa_merge!r} is not allowed: 'mean' or 'max'")
@@ -305,7 +290,7 @@ class KVStore(StoreReads):
         (inf: no bound), fp64 [KVH, n_groups] (SEPARATE) or [n_groups] (SHARED). ValueError without an
         index."""
         mode = check_name(mode, "mode", HEAD_MODES)
-        var = self._variants(variants)
+        var = check_variants(variants)
         b = torch.from_numpy(self._st.group_bounds(layer, self._q(q, var), mode, var))
         return b[0] if mode == "SHARED" else b
 
@@ -325,7 +310,7 @@ class KVStore(StoreReads):
         k: an int, or one per KV head (SEPARATE). ada_alpha: the sum of k split over the sets by Ada-KV
         (cpp/select/ada.h: ``ada_budgets`` over these scores). variants: dual chunk attention (block_scores).
         Returns int32 ascending ids, -1 padded: [KVH, cols] (SEPARATE) or [cols] (SHARED)."""
-        var = self._variants(variants)
+        var = check_variants(variants)
         qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
         self._st.select(layer, qn, mode, ks, excl, allow, ids, ada, var)
@@ -346,7 +331,7 @@ class KVStore(StoreReads):
         ``with_block_lse`` also each block's own log-sum-exp per query head, [KVH, N, G] (-inf past a head's
         blocks): exp(block_lse - lse) is the block's share of the head's attention. variants: dual chunk
         attention (block_scores)."""
-        var = self._variants(variants)
+        var = check_variants(variants)
         qn = self._q(q, var)
         H = qn.shape[-2]
         if isinstance(blocks, torch.Tensor) and blocks.dim() == 1:
@@ -379,7 +364,7 @@ class KVStore(StoreReads):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks).
         variants: dual chunk attention (block_scores)."""
-        var = self._variants(variants)
+        var = check_variants(variants)
         qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
         out, lse, out_np, lse_np = self._outputs(qn.shape[-2], out, lse)
