@@ -35,12 +35,13 @@ def dca_file(tmp_path_factory, tiny_bpe):
     return write_gguf(tmp_path_factory.mktemp("dca") / "dca.gguf", "qwen2", md | keys, tensors, tiny_bpe)
 
 
-def config(name: str, order: str = "chunk", **lc):
+def config(name: str, order: str = "chunk", prefill: dict | None = None, **lc):
     over = [("long_context.block_size", 8), ("long_context.init_windows_len", 8),
             ("long_context.local_windows_len", 16), ("long_context.second_select_num", 64),
             ("long_context.preselect_block_count", 64), ("long_context.sticky_blocks", 0),
             ("long_context.kv_type", "FP32"),
             ("chunk_size", 16), ("max_seq_len", 128), ("prefill.order", order)]
+    over += [(f"prefill.{k}", v) for k, v in (prefill or {}).items()]
     return load_config(CONFIGS / f"{name}.yaml", over + [(f"long_context.{k}", v) for k, v in lc.items()])
 
 
@@ -160,3 +161,27 @@ def test_a_kv_file_of_a_dca_long_context_session(dca_file, tmp_path):
     b = ktquest.load(**opts)
     b.load_kv(tmp_path / "s.kv")
     assert b.generate(" more tiny words") == a.generate(" more tiny words")
+
+
+def test_sparse_prefill_selects_with_each_chunks_bounds(model, monkeypatch):
+    """million's sparse prefill past the first chunk (exact only for the first 16 tokens, 2 blocks a KV head): each
+    chunk's selection is asked with the block bounds of that chunk (a pass that crosses an edge asks twice), and
+    the prompt's logits stay finite."""
+    from ktquest.native.store import KVStore
+
+    asked = []
+    select = KVStore.select
+
+    def spy(self, layer, q, k, mode="SEPARATE", exclude_ranges=(), allowed=None, ada_alpha=None, variants=None):
+        asked.append((q.shape[0] if variants is None else q.shape[1], variants))
+        return select(self, layer, q, k, mode, exclude_ranges, allowed, ada_alpha, variants)
+
+    monkeypatch.setattr(KVStore, "select", spy)
+    cfg = config("million", prefill={"exact_tokens": 16, "blocks": 2, "exact_tail": 0})
+    cache = make_cache(cfg, model.args, 128, torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        logits = prefill(model, cache, TOKENS[:90], 16)
+    assert torch.isfinite(logits).all()
+    bounds = {v for _, v in asked}
+    # chunks 1, 2 and 3 (of 3 blocks): the chunk before starts at succ, the query's own at intra
+    assert bounds == {(0, 3), (3, 6), (6, 9)}

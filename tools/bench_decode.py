@@ -187,11 +187,14 @@ class SelectionView:
         try:
             for layer in range(planner.q_win.shape[0]):
                 for q in planner.q_win[layer, planner.q_win.shape[1] - n_q:]:
-                    q = q.float().cpu().contiguous()
+                    q, var = q.float().cpu().contiguous(), None
+                    if planner.dual_chunk is not None:  # the three rotations, and the blocks each reads
+                        q, bs = q.view(3, -1, q.shape[-1]), store.block_size
+                        var = tuple(x // bs for x in planner.dual_chunk.bounds((b - 1) // planner.dual_chunk.length))
                     picks = []
                     for walk in (True, False):
                         store.set_walk_index(walk)
-                        picks.append(store.select(layer, q, k))
+                        picks.append(store.select(layer, q, k, variants=var))
                         if walk:
                             walked += store.last_index_stats()["groups"] > 0
                     n += 1

@@ -42,10 +42,11 @@ from ktquest.native.store import KVStore
 SLAB_TO_STORE = 4096  # tokens a layer's K/V cross to the store at a time (bounds the host copy)
 
 
-def workspace_bytes(shape: Shape, windows: Windows, q_window: int, n: int) -> int:
+def workspace_bytes(shape: Shape, windows: Windows, q_win: torch.Tensor, n: int) -> int:
     """Device bytes a layer-major prompt of ``n`` tokens holds beside the cache: its K/V of one layer, each
-    layer's last ``q_window`` prompt queries kept for the planner, and the past's windows gathered for a chunk."""
-    rows = 2 * shape.n_kv_heads * (n + windows.k.shape[2]) + len(windows.k) * min(q_window, n) * shape.n_heads
+    layer's last prompt queries kept for the planner (as its ``q_win`` [L, W, heads, D] holds them), and the
+    past's windows gathered for a chunk."""
+    rows = 2 * shape.n_kv_heads * (n + windows.k.shape[2]) + len(windows.k) * min(q_win.shape[1], n) * q_win.shape[2]
     return rows * shape.head_dim * windows.k.element_size()
 
 
@@ -76,7 +77,7 @@ class LongContextPromptLayers:
         self.k = torch.empty(shape.n_kv_heads, n, shape.head_dim, device=p.device, dtype=p.dtype)
         self.v = torch.empty_like(self.k)
         self._W = planner.q_win.shape[1]  # each layer's last W prompt queries, for SnapKV (recorded in done())
-        self.device_bytes = workspace_bytes(shape, windows, self._W, n)
+        self.device_bytes = workspace_bytes(shape, windows, planner.q_win, n)
         self.q_tail: list[torch.Tensor | None] = [None] * len(windows.k)
         self._saved: list[tuple] = []  # per layer moved: the window rows it overwrote (abort puts them back)
 
@@ -84,6 +85,9 @@ class LongContextPromptLayers:
         """``KVCache.attend`` for the layer being read: q [T, H, D] (with dual chunk attention [3, T, H, D]), k/v
         [T, KVH, D] at start_pos.. -> [T, H, D]."""
         s, T = self.shape, q.shape[-3]
+        if (q.dim() == 4) != (self.dual_chunk is not None):
+            raise ValueError(f"layer-major prompt {'with' if self.dual_chunk else 'without'} dual chunk attention: "
+                             f"q of shape {tuple(q.shape)} (make the cache with the model's args.dual_chunk)")
         j = start_pos - self.start  # the chunk's first workspace row
         if layer != len(self._saved) or not 0 <= j <= self.n - T:
             raise ValueError(f"layer-major prompt: layer {layer} at positions {start_pos}..{start_pos + T - 1}, "

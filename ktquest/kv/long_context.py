@@ -109,7 +109,7 @@ class LongContextCache:
     def prefill_device_bytes(self, n: int) -> int:
         """Device bytes a layer-major prompt of ``n`` tokens adds: its K/V of one layer, each layer's last
         prompt queries kept for the planner, and the past's windows gathered for a chunk (kv/layer_prefill.py)."""
-        return workspace_bytes(self.shape, self.windows, self.planner.q_win.shape[1], n)
+        return workspace_bytes(self.shape, self.windows, self.planner.q_win, n)
 
     def reset(self) -> None:
         """Forget every token (the memory is kept)."""

@@ -94,10 +94,11 @@ def attend_layer_dca(s: Shape, win: Windows, store: KVStore, planner: DecodePlan
     win.write(layer, g.w0, k, v)
     lb = g.loc0 // bs
     out = torch.empty(T, s.n_heads, s.head_dim, dtype=torch.float32, device=qv.device)
-    init, r0 = win.init_end, win.row(g.loc0)
+    r0 = win.row(g.loc0)
     for qa, qb, ci in dc.groups(g.start, T):
         rows = slice(qa - g.start, qb - g.start)
         qg = qv[:, rows]
+        init = min(win.init_end, qb)  # (a chunk shorter than the init window: its first groups end inside it)
         if g.decode and s.native_decode:  # the windows' rows a rotation at a time, in the native decode kernel
             q3 = qg[:, 0].contiguous()  # [3, H, D]
             parts = [dense_decode_attention(q3[v], win.k[layer], win.v[layer], win.row(b - 1) + 1, s.scale,
