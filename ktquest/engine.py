@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,9 @@ from ktquest.turn import (
     check_arg,
     check_callbacks,
 )
+
+if TYPE_CHECKING:  # (llguidance loads only where a reply is held to a format)
+    from ktquest.structured import ResponseFormat
 
 PLAIN_CHAT_NOTICE = "ktquest: the model has no chat template: chatting as plain text continuation"
 
@@ -108,10 +111,12 @@ class Engine:
     @exclusive
     def generate(self, prompt: str, *, on_text: TextCallback | None = None,
                  on_progress: ProgressCallback | None = None, should_stop: Callable[[], bool] | None = None,
-                 **gen_overrides: Any) -> str:
+                 response_format: dict | None = None, **gen_overrides: Any) -> str:
         """Raw completion of ``prompt`` (no chat template) on a fresh cache; returns the generated text.
 
-        ``on_text(piece)`` streams the text as it is generated; ``gen_overrides``: GenerationConfig fields.
+        ``on_text(piece)`` streams the text as it is generated; ``gen_overrides``: GenerationConfig fields;
+        ``response_format``: OpenAI's (``{"type": "json_object"}``, or ``json_schema`` with a schema), the text
+        held to it (``ktquest.structured``; a ``FormatError``, a ValueError, for one it cannot hold to).
         Another thread's call waits for this one; a call on this engine from inside a callback is a RuntimeError.
         Refused before any work: a ``TypeError`` for an argument of the wrong type, a ``ValueError`` for a
         value that cannot be used: ``ConfigError`` (a generation option), ``PromptTooLongError``, or a
@@ -120,13 +125,18 @@ class Engine:
         check_arg("prompt", prompt, str)
         check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
         gen = self._gen(gen_overrides)
+        fmt = None
+        if response_format is not None:
+            from ktquest.structured import ResponseFormat
+
+            fmt = ResponseFormat.parse(response_format)
         tokens = self.tokenizer.encode(prompt)
         if not tokens:
             raise ValueError(f"prompt {show(prompt)} is empty: it encodes to no tokens, and generation continues "
                              f"from at least one")
         self.check_fits(len(tokens))
         self.sequence.claim(None)  # a fresh cache
-        text, _ = self.run(self.sequence, tokens, gen, on_text, on_progress, should_stop)
+        text, _ = self.run(self.sequence, tokens, gen, on_text, on_progress, should_stop, response_format=fmt)
         return text
 
     def chat_session(self, system: str | None = None, document: str | None = None) -> ChatSession:
@@ -278,11 +288,13 @@ class Engine:
     @exclusive
     def run(self, seq: Sequence, tokens: list[int], gen: GenerationConfig, on_text: TextCallback | None,
             on_progress: ProgressCallback | None, should_stop: Callable[[], bool] | None,
-            on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[str, TurnStats]:
+            on_logits: Callable[[int, torch.Tensor], None] | None = None,
+            response_format: ResponseFormat | None = None) -> tuple[str, TurnStats]:
         """Read ``tokens`` after what ``seq`` holds and generate after them; returns the reply text and its
         stats. ``seq``: the engine's own, or another over a cache made by ``make_cache`` (the server's slots).
-        ``on_logits``: ``generate``'s (each sampled token and its logits). The callbacks run inside this call: one
-        that calls the engine gets a RuntimeError (``engine_lock``)."""
+        ``on_logits``: ``generate``'s (each sampled token and its logits). ``response_format``: the reply held
+        to it (``ktquest.structured``). The callbacks run inside this call: one that calls the engine gets a
+        RuntimeError (``engine_lock``)."""
         on_text, on_progress, should_stop, on_logits = map(self.lock.callback,
                                                            (on_text, on_progress, should_stop, on_logits))
         stop_ids = self.tokenizer.stop_ids
@@ -297,10 +309,16 @@ class Engine:
             if piece and on_text is not None:
                 on_text(piece)
 
-        r = generate(self.model, seq, tokens, gen, set(stop_ids), self.config.chunk_size,
-                     on_token=token_arrived, on_progress=on_progress, should_stop=should_stop,
-                     order=self.config.prefill.order, slab_tokens=self.config.prefill.slab_tokens,
-                     on_logits=on_logits)
+        constraint = None if response_format is None else response_format.constraint(self.tokenizer,
+                                                                                       self.args.vocab_size)
+        try:
+            r = generate(self.model, seq, tokens, gen, set(stop_ids), self.config.chunk_size,
+                         on_token=token_arrived, on_progress=on_progress, should_stop=should_stop,
+                         order=self.config.prefill.order, slab_tokens=self.config.prefill.slab_tokens,
+                         on_logits=on_logits, constraint=constraint)
+        finally:
+            if constraint is not None:
+                constraint.close()
         rest = decoder.flush()
         if rest and on_text is not None:
             on_text(rest)

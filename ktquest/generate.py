@@ -20,7 +20,7 @@ import time
 from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -29,6 +29,9 @@ from ktquest.native.cpu import prefill_heap
 from ktquest.native.sample import Sampler
 from ktquest.sequence import Sequence
 from ktquest.turn import steady_tok_s
+
+if TYPE_CHECKING:  # (llguidance loads only where a reply is held to a format)
+    from ktquest.structured import Constraint
 
 StopReason = Literal["eos", "max_new_tokens", "max_seq_len", "interrupted"]
 
@@ -133,7 +136,8 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
              on_progress: Callable[[int, int], None] | None = None,
              should_stop: Callable[[], bool] | None = None, order: PrefillOrder = "chunk",
              slab_tokens: int = 0,
-             on_logits: Callable[[int, torch.Tensor], None] | None = None) -> GenerationResult:
+             on_logits: Callable[[int, torch.Tensor], None] | None = None,
+             constraint: Constraint | None = None) -> GenerationResult:
     """Prefill ``prompt_tokens`` after what ``seq`` holds, then sample until a stop id, max_new_tokens or a
     full cache.
 
@@ -142,7 +146,9 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
     (KeyboardInterrupt) end generation with stopped_by="interrupted" and the invariant of the module
     docstring intact. The prompt must fit in the cache (ValueError otherwise, nothing changed).
     ``on_logits(token, logits)``: each sampled token with the logits [V] it was drawn from (before the sampler's
-    temperature and penalties), before its decode step (the server's logprobs).
+    temperature and penalties), before its decode step (the server's logprobs). ``constraint``: structured
+    output (``ktquest.structured``): each step's logits masked to the tokens its grammar allows before sampling
+    (on_logits sees them masked), and the sampled token fed to it.
     """
     cache = seq.cache
     sampler = Sampler(gen)
@@ -168,9 +174,13 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
             if cache.pos >= cache.max_seq_len:
                 stopped_by = "max_seq_len"
                 break
+            if constraint is not None:
+                logits = constraint.apply(logits)
             token = sampler(logits, history)
             if on_logits is not None:
                 on_logits(token, logits)
+            if constraint is not None and token not in stop_ids:
+                constraint.advance(token)  # (its next mask is computed while the decode step runs)
             seq.feeding([token])
             logits = decode_one_token(model, cache, token)  # token is now in the cache
             tokens.append(token)

@@ -199,7 +199,7 @@ def test_post_that_is_not_json_is_refused(served, content_type):
 
 def test_post_as_json_passes(served):
     body = json.dumps({"model": "other", "messages": [{"role": "user", "content": "hi"}],
-                       "response_format": {"type": "json_object"}}).encode()
+                       "tools": [{"type": "function", "function": {"name": "f"}}]}).encode()
     reply = _get(served.port, "/v1/chat/completions", "POST", {"Content-Type": "application/json; charset=utf-8"}, body)
     assert _error(reply)[:2] == (400, "unsupported_parameter")  # past the guard: the app's own answer
 

@@ -196,8 +196,8 @@ def test_any_model_name_is_served_unless_strict(engine):
         status, reply = post("/v1/chat/completions", body)
         assert status == 200 and reply["model"] == MODEL
         status, reply = post("/v1/completions", {"model": "text-davinci-003", "prompt": "hi", "max_tokens": 2,
-                                                 "response_format": {"type": "json_object"}})
-        assert status == 400 and reply["error"]["param"] == "response_format"
+                                                 "tools": [{"type": "function", "function": {"name": "f"}}]})
+        assert status == 400 and reply["error"]["param"] == "tools"
     with _serving(create_app(Worker(engine), MODEL, strict_model_name=True)) as post:
         status, reply = post("/v1/chat/completions", body)
         assert status == 404 and "gpt-4o-mini" in reply["error"]["message"] and MODEL in reply["error"]["message"]

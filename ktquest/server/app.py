@@ -52,6 +52,7 @@ from ktquest.server.metrics import ServerMetrics
 from ktquest.server.page import PAGE
 from ktquest.server.schema import ChatRequest, CompletionRequest
 from ktquest.server.worker import Result, Worker
+from ktquest.structured import FormatError, ResponseFormat
 from ktquest.turn import PromptTooLongError, ThinkSplit, split_thinking
 
 log = logging.getLogger("ktquest.serve")
@@ -102,6 +103,7 @@ class _Job:
     split: bool = False  # a chat reply: its think block goes to reasoning_content
     open_block: bool = False  # its prompt opened the think block (``opens_thinking``)
     logprobs: LogprobCollector | None = None  # the reply tokens' log probabilities, where asked for
+    response_format: ResponseFormat | None = None  # the reply held to JSON / a JSON schema (ktquest.structured)
 
 
 def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES,
@@ -158,7 +160,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             if job.cancel.is_set() or shutting_down.is_set():
                 return None
             return worker.complete(job.tokens, job.gen, job.stops, on_text, job.cancel.is_set, key=job.key,
-                                   on_logits=job.logprobs)
+                                   on_logits=job.logprobs, response_format=job.response_format)
         finally:
             job.ticket.release()
             with live_lock:
@@ -176,6 +178,10 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         if unsupported:  # honoured nowhere yet: a 400 rather than an answer the client takes for one
             raise APIError(400, f"{unsupported} is not supported by this server yet", param=unsupported.split()[0],
                            code="unsupported_parameter")
+        try:
+            fmt = ResponseFormat.parse(req.response_format)
+        except FormatError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_response_format") from None
         if strict_model_name and req.model != model_id:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_id!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
@@ -187,7 +193,8 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             top = req.n_logprobs()
             collector = None if top is None else LogprobCollector(engine.tokenizer, top, engine.tokenizer.stop_ids)
             job = _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
-                       split=split, open_block=split and opens_prompt_thinking(engine, tokens), logprobs=collector)
+                       split=split, open_block=split and opens_prompt_thinking(engine, tokens), logprobs=collector,
+                       response_format=fmt)
             with live_lock:
                 if shutting_down.is_set():
                     raise APIError(503, "the server is shutting down", "server_error", code="server_shutting_down")

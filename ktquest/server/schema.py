@@ -2,8 +2,8 @@
 pydantic in strict mode: a wrong type is an error, not a conversion (``true`` is not 1). Every number is bounded
 as ``GenerationConfig`` bounds it (so a value past them is a 400 naming the field, never an error later), floats
 are finite. Fields ktquest does not know are ignored, as OpenAI's clients send many; ``n`` other than 1 and
-content parts other than text are refused, and so are ``response_format`` other than text and ``tools``
-(a 400 naming them, until the server honours them: a client must not take free text for them). An assistant
+content parts other than text are refused, and so are ``tools`` (a 400 naming them, until the server honours
+them: a client must not take free text for them); ``response_format`` is checked by ``ktquest.structured``. An assistant
 message may bring its thinking (``reasoning_content``, as the server answers it): the chat template decides
 whether to render it."""
 
@@ -31,16 +31,13 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1  # (not Literal[1]: True == 1 would match it)
 
+    response_format: dict | None = None  # text, json_object or json_schema (ktquest.structured.ResponseFormat)
     # Known but not honoured yet: a request that sets them is refused (``unsupported``), not silently answered
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
 
     def unsupported(self) -> str | None:
         """The first field set that this server does not honour yet (with how it was set), or None."""
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            return f"response_format type {fmt!r}"
         if self.tools:
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):

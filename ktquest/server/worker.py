@@ -220,11 +220,11 @@ class Worker:
     def complete(self, tokens: list[int], gen: GenerationConfig, stops: list[str] = (),
                  on_text: Callable[[str], None] | None = None,
                  cancelled: Callable[[], bool] | None = None, key: str | None = None,
-                 on_logits: Callable | None = None) -> Result:
+                 on_logits: Callable | None = None, response_format=None) -> Result:
         """Generate after ``tokens`` (which must fit: ``Engine.check_fits``); ``on_text`` gets the reply as it
         comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens. ``key``: the
-        client's (whose slots it may reuse; the module docstring). ``on_logits``: ``Engine.run``'s (the reply's
-        log probabilities: server/logprobs.py). Holds the
+        client's (whose slots it may reuse; the module docstring). ``on_logits``, ``response_format``:
+        ``Engine.run``'s (the reply's log probabilities: server/logprobs.py; structured output). Holds the
         engine's lock (``ktquest.engine_lock``): a chat session of the same engine waits its turn."""
         with self.engine.lock.hold("Worker.complete"):  # from the slot's pick to the reply: one call
             taken = time.perf_counter()  # the request is taken up: its time to first token counts from here
@@ -251,7 +251,7 @@ class Worker:
 
             setup_s = time.perf_counter() - taken  # the slot's pick and rewind
             _, stats = eng.run(seq, tokens[cached:], gen, text_arrived, progress,
-                               lambda: stop.hit or is_cancelled(), on_logits)
+                               lambda: stop.hit or is_cancelled(), on_logits, response_format)
             rest = "" if stop.hit else stop.flush()
             if rest and on_text is not None:
                 on_text(rest)
