@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -41,6 +41,7 @@ from ktquest.models.dual_chunk import resolve_dual_chunk
 from ktquest.models.loader import build_model, read_gguf, read_tokenizer
 from ktquest.native.decode import use_native_decode
 from ktquest.sequence import Sequence
+from ktquest.structured import ResponseFormat
 from ktquest.turn import (
     ProgressCallback,
     PromptTooLongError,
@@ -49,9 +50,6 @@ from ktquest.turn import (
     check_arg,
     check_callbacks,
 )
-
-if TYPE_CHECKING:  # (llguidance loads only where a reply is held to a format)
-    from ktquest.structured import ResponseFormat
 
 PLAIN_CHAT_NOTICE = "ktquest: the model has no chat template: chatting as plain text continuation"
 
@@ -125,11 +123,7 @@ class Engine:
         check_arg("prompt", prompt, str)
         check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
         gen = self._gen(gen_overrides)
-        fmt = None
-        if response_format is not None:
-            from ktquest.structured import ResponseFormat
-
-            fmt = ResponseFormat.parse(response_format)
+        fmt = ResponseFormat.parse(response_format)
         tokens = self.tokenizer.encode(prompt)
         if not tokens:
             raise ValueError(f"prompt {show(prompt)} is empty: it encodes to no tokens, and generation continues "

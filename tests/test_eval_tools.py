@@ -449,7 +449,7 @@ def test_bench_decode_selection_views(bundled_gguf, tmp_path, capsys):
     real_select = cache.store.select
     walking = []
     cache.store.set_walk_index = walking.append
-    cache.store.select = lambda layer, q, k: real_select(layer, q, k) + (0 if walking[-1] else 1)
+    cache.store.select = lambda layer, q, k, **kw: real_select(layer, q, k, **kw) + (0 if walking[-1] else 1)
     n, differ, _ = tool.SelectionView(r, True).same_picks(700, 2)
     assert n == differ == 2 * r.eng.model.args.n_layers
 
