@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Structured output's cost per token (ktquest/structured.py): the same chat prompts answered freely and held to a
 JSON schema (and JSON mode), alternating, on one engine; decode tok/s of each and the time a step waited for its
-mask (what computing it beside the decode step did not hide). Example:
+mask (what computing it beside the decode step did not hide). At temperature 1 the sampler's own work over the
+vocabulary is part of a step, and a mask that leaves few tokens makes it cheaper; --temperature 0 leaves it out.
+Example:
 
     python tools/bench_structured.py --model smollm2-135m --threads 2 --replies 12 --json tools/out/structured.json
 """
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--replies", type=int, default=12, help="replies per format (seeds 0..N-1)")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="0: greedy (the sampler's own cost, which a mask can lower, left out)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     eng = ktquest.load(model=a.model, threads=a.threads, max_seq_len=1024)
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, spec in FORMATS.items():  # alternating: drift on a noisy host falls on every format alike
             fmt = ResponseFormat.parse(spec)
             c = None if fmt is None else fmt.constraint(tok, eng.args.vocab_size)
-            gen = GenerationConfig(temperature=1.0, seed=seed, max_new_tokens=a.max_tokens)
+            gen = GenerationConfig(temperature=a.temperature, seed=seed, max_new_tokens=a.max_tokens)
             seq = eng.sequence
             seq.claim(None)
             r = generate(eng.model, seq, prompt, gen, set(tok.stop_ids), eng.config.chunk_size, constraint=c)
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         med = statistics.median(r["tok_s"])
         wait = statistics.median(r["mask_ms_per_token"])
         out.append(dict(format=name, decode_tok_s=med, ratio=med / free, mask_wait_ms_per_token=wait,
-                        tokens=r["tokens"], model=a.model, threads=a.threads, replies=a.replies))
+                        tokens=r["tokens"], model=a.model, threads=a.threads, replies=a.replies,
+                        temperature=a.temperature))
         print(f"| {name} | {med:.1f} | {med / free:.2f} | {wait:.3f} | {r['tokens']} |")
     if a.json:
         write_json(a.json, out)
