@@ -379,6 +379,22 @@ def test_fidelity_smoke(bundled_gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_fidelity_generated_drift(bundled_gguf, tmp_path, capsys):
+    """--generate: the steps are dense's own greedy reply (dense's top-1 accuracy on it is 1 by construction),
+    agreement reported per --window steps; a budget covering every block agrees in every window."""
+    tool = _tool("fidelity")
+    out_json = tmp_path / "g.json"
+    rc = tool.main(["--model", str(bundled_gguf), "--length", "330", "--positions", "30", "--budget", "4096",
+                    "--generate", "--window", "10", "--configs", "configs/quest.yaml",
+                    "--set", "long_context.local_windows_len=64", "--threads", "2", "--json", str(out_json)])  # fmt: skip
+    assert rc == 0
+    dense, quest = json.loads(out_json.read_text())
+    assert dense["generated"] and dense["top1_accuracy"] == 1.0 and dense["agreement_by_window"] == [1.0] * 3
+    assert quest["agreement_by_window"] == [1.0] * 3 and quest["top1_accuracy"] == 1.0
+    assert "top-1 agreement per 10 steps (the drift over the reply)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_bench_decode_takes_preset_names(bundled_gguf, tmp_path, capsys):
     tool = _tool("bench_decode")
     out_json = tmp_path / "b.json"

@@ -17,6 +17,13 @@ and local windows come on top. Example:
     python tools/fidelity.py --length 8192 --positions 256 --budget 1024 \
         --configs configs/quest.yaml,configs/snapkv.yaml --json tools/out/fidelity.json
 
+``--generate``: the last ``positions`` tokens are dense attention's own greedy continuation of the prompt instead
+of the text's (so over a long reply every config is fed what dense generated: the drift of a generation), and
+agreement is also reported per ``--window`` steps (the drift: does agreement fall as the reply grows?). Example,
+1,000 generated tokens after a 4K prompt:
+
+    python tools/fidelity.py --length 5096 --positions 1000 --generate --window 100 --json tools/out/drift.json
+
 ``--variant NAME:KEY=VALUE[,KEY=VALUE]`` (repeatable; decode-time long_context knobs, as in
 tools/eval_longctx.py) decodes the steps of each config again under those knobs on the same prompt, read
 once (the cache rewound to the prompt's last token, which is read again): rows ``config+NAME``.
@@ -102,10 +109,27 @@ def teacher_forced(model_path, config: str | None, sets: list[str], tokens: list
     return runs
 
 
-def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict:
-    """ref/test: log-probs [P, V]; targets [P]: the text's tokens. Agreement, KL(ref || test), accuracy."""
+@torch.inference_mode()
+def dense_continuation(model_path, tokens: list[int], n: int, threads: int) -> list[int]:
+    """The prompt ``tokens`` and dense attention's greedy continuation of n tokens after it (--generate)."""
+    eng = ktquest.load(model=model_path, config=load_config(None, [f"threads={threads}",
+                                                                  f"max_seq_len={len(tokens) + n + 1}"]))
+    out, tok = list(tokens), int(eng.prefill(tokens).argmax())
+    for _ in range(n):
+        out.append(tok)
+        tok = int(decode_one_token(eng.model, eng.cache, tok).argmax())
+    del eng
+    gc.collect()
+    return out
+
+
+def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor, window: int = 0) -> dict:
+    """ref/test: log-probs [P, V]; targets [P]: the text's tokens. Agreement (and per ``window`` steps),
+    KL(ref || test), accuracy."""
     kl = (ref.exp() * (ref - test)).sum(-1).clamp_min(0)  # [P], nats
-    return dict(top1_agreement=(ref.argmax(-1) == test.argmax(-1)).float().mean().item(),
+    same = (ref.argmax(-1) == test.argmax(-1)).float()
+    by_window = [same[i: i + window].mean().item() for i in range(0, len(same), window)] if window else []
+    return dict(top1_agreement=same.mean().item(), agreement_by_window=by_window,
                 kl_mean=kl.mean().item(), kl_max=kl.max().item(),
                 top1_accuracy=(test.argmax(-1) == targets).float().mean().item(),
                 nll=-test.gather(1, targets[:, None]).mean().item())
@@ -124,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every config")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                     help="each config's steps again under these decode-time long_context knobs")
+    ap.add_argument("--generate", action="store_true",
+                    help="the compared steps are dense's own greedy continuation of the prompt, not the text's")
+    ap.add_argument("--window", type=int, default=0, help="also report agreement per this many steps (the drift)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
@@ -140,23 +167,25 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(resolve_model(a.model) if a.model else bundled_model_path())
     torch.set_num_threads(a.threads)
     tokens = context_tokens(Tokenizer.from_gguf_metadata(read_gguf(model_path).metadata), a.length, a.text)
+    if a.generate:
+        tokens = dense_continuation(model_path, tokens[: a.length - a.positions], a.positions, a.threads)
     targets = torch.tensor(tokens[a.length - a.positions:])
     t_start = time.perf_counter()
     ((_, ref, ref_info),) = teacher_forced(model_path, None, a.set, tokens, a.positions, a.threads)
-    rows = [dict(config="dense", budget=None, **compare(ref, ref, targets), **ref_info)]
+    rows = [dict(config="dense", budget=None, **compare(ref, ref, targets, a.window), **ref_info)]
     print(f"dense: prefill {ref_info['prefill_s']:.1f} s, decode {ref_info['decode_tok_s']:.1f} tok/s", flush=True)
     for config in [c for c in a.configs.split(",") if c]:
         sets = [*budget_sets(config, a.budget), *a.set]
         for variant, logp, info in teacher_forced(model_path, config, sets, tokens, a.positions, a.threads,
                                                   a.variant):
             name = Path(config).stem + (f"+{variant}" if variant else "")
-            rows.append(dict(config=name, budget=a.budget, **compare(ref, logp, targets), **info))
+            rows.append(dict(config=name, budget=a.budget, **compare(ref, logp, targets, a.window), **info))
             r = rows[-1]
             print(f"{r['config']}: top-1 agreement {r['top1_agreement']:.3f}, mean KL {r['kl_mean']:.4f} "
                   f"(prefill {info['prefill_s']:.1f} s, decode {info['decode_tok_s']:.1f} tok/s)", flush=True)
     for r in rows:
         r.update(length=a.length, positions=a.positions, threads=a.threads, text=a.text,
-                 held_out=a.text in HELD_OUT_TEXTS)
+                 held_out=a.text in HELD_OUT_TEXTS, generated=a.generate)
 
     print(f"\n{a.positions} teacher-forced decode steps after {a.length - a.positions} prompt tokens of "
           f"{a.text} text ({'held out' if a.text in HELD_OUT_TEXTS else 'the tuning text'}); budget {a.budget} "
@@ -167,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         shape = "all" if r["budget"] is None else f"{r['second_select_num']} x {r['block_size']}"
         print(f"| {r['config']} | {shape} | {r['top1_agreement']:.3f} | {r['kl_mean']:.4f} | {r['kl_max']:.3f} "
               f"| {r['top1_accuracy']:.3f} | {r['nll']:.3f} | {r['decode_tok_s']:.1f} |")
+    if a.window:
+        print(f"\ntop-1 agreement per {a.window} steps (the drift over the {'reply' if a.generate else 'text'})\n")
+        for r in rows[1:]:
+            print(f"| {r['config']} | " + " | ".join(f"{x:.2f}" for x in r["agreement_by_window"]) + " |")
     print(f"\n{time.perf_counter() - t_start:.0f} s in all")
     if a.json:
         write_json(a.json, rows)
