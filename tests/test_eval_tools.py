@@ -395,6 +395,21 @@ def test_fidelity_generated_drift(bundled_gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_eval_multiturn_smoke(bundled_gguf, tmp_path, capsys):
+    """One 2-turn conversation over a 1K document, dense and quest: a record per turn, the table per turn."""
+    tool = _tool("eval_multiturn")
+    out_json = tmp_path / "m.json"
+    rc = tool.main(["--model", str(bundled_gguf), "--lengths", "1024", "--turns", "2", "--trials", "1",
+                    "--configs", "dense,configs/quest.yaml", "--threads", "2", "--json", str(out_json)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out_json.read_text())
+    assert [(r["config"], r["turn"]) for r in rows] == [("dense", 0), ("dense", 1), ("quest", 0), ("quest", 1)]
+    assert all(isinstance(r["correct"], bool) for r in rows)
+    out = capsys.readouterr().out
+    assert "| config | length | turn 1 | turn 2 | all |" in out and "| quest | 1024 |" in out
+
+
+@pytest.mark.slow
 def test_bench_decode_takes_preset_names(bundled_gguf, tmp_path, capsys):
     tool = _tool("bench_decode")
     out_json = tmp_path / "b.json"

@@ -102,3 +102,19 @@ def test_bad_arguments(tok):
         make_ruler_sample(tok, "niah", 1024)
     with pytest.raises(ValueError, match="too short for cwe"):
         make_ruler_sample(tok, "cwe", 256)
+
+
+def test_multiturn_sample_asks_each_needle_once(tok):
+    """A document with one needle in each quarter, asked one a turn in a shuffled order; each value is in the
+    document once; the first turn's prompt fits the length; the sample is a function of its seed and trial."""
+    from ktquest.eval.ruler import make_multiturn_sample
+
+    s = make_multiturn_sample(tok, 2048, 4, seed=3, trial=1)
+    assert len(s.turns) == 4 and s.n_tokens <= 2048 and s.n_tokens > 1900
+    places = [s.document.find(v) for _, v in s.turns]
+    assert all(s.document.count(v) == 1 for _, v in s.turns) and min(places) > 0
+    assert places != sorted(places)  # (this seed's order is not the document's)
+    keys = [re.search(r"number for (\S+) in", q).group(1) for q, _ in s.turns]
+    assert all(f"magic number for {k} is {v}." in s.document for k, (_, v) in zip(keys, s.turns))
+    assert make_multiturn_sample(tok, 2048, 4, seed=3, trial=1) == s
+    assert make_multiturn_sample(tok, 2048, 4, seed=3, trial=2).document != s.document

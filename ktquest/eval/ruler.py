@@ -226,3 +226,44 @@ def _fwe(tag: str, length: int) -> _Task:
     return _Task(lambda n: " ".join(vocab[i] for i in drawn(n)), answers,
                  "What are the 3 most frequent words in the text above? Answer with the words only.",
                  "The 3 most frequent words in the text above are:")
+
+
+# ---- several questions about one document, one conversation ----
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurnSample:
+    """A document of ``len(turns)`` key-value needles in prose, and one question a turn: (question, value)."""
+
+    length: int
+    trial: int
+    document: str
+    turns: list[tuple[str, str]]
+    n_tokens: int  # the first turn's prompt
+
+
+def make_multiturn_sample(tokenizer, length: int, n_turns: int = 4, seed: int = 0, trial: int = 0) -> MultiTurnSample:
+    """A chat about one document of at most ``length`` tokens (the first turn's prompt): ``n_turns`` needles
+    ("A special magic number for KEY is VALUE.") at spread depths in prose, asked one a turn, in an order
+    unrelated to their depths. What a long conversation over a document needs from the cache: later turns
+    read with the earlier questions and answers in it."""
+    from ktquest.eval.tasks import _chat_tokens, _fit
+
+    tag = f"multiturn:{seed}:{length}:{trial}:{n_turns}"
+    rng = random.Random(tag)
+    taken: set[str] = set()
+    keys = [_key(rng, taken) for _ in range(n_turns)]
+    values = [_value(rng, "number") for _ in keys]
+    depths = [(i + rng.random()) / n_turns for i in range(n_turns)]  # one needle in each share of the document
+    build = _inserted(haystack("prose", random.Random(tag + ":prose"))[0],
+                      [_needle("number", k, v) for k, v in zip(keys, values)], depths)
+    order = list(range(n_turns))
+    rng.shuffle(order)
+    turns = [(f"What is the special magic number for {keys[i]} in the text above? Answer with the number only.",
+              values[i]) for i in order]
+
+    def render(n: int) -> list[int]:
+        return _chat_tokens(tokenizer, f"{build(n)}\n\n{turns[0][0]}")
+
+    n = _fit(lambda m: len(render(m)), length, 1, estimate=max(1, length // 16))
+    return MultiTurnSample(length, trial, build(n), turns, len(render(n)))
