@@ -122,6 +122,7 @@ class Engine:
         """
         check_arg("prompt", prompt, str)
         check_callbacks(on_text=on_text, on_progress=on_progress, should_stop=should_stop)
+        check_arg("response_format", response_format, (dict, type(None)))
         gen = self._gen(gen_overrides)
         fmt = ResponseFormat.parse(response_format)
         tokens = self.tokenizer.encode(prompt)

@@ -148,7 +148,7 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
     ``on_logits(token, logits)``: each sampled token with the logits [V] it was drawn from (before the sampler's
     temperature and penalties), before its decode step (the server's logprobs). ``constraint``: structured
     output (``ktquest.structured``): each step's logits masked to the tokens its grammar allows before sampling
-    (on_logits sees them masked), and the sampled token fed to it.
+    (on_logits sees the model's own, unmasked), and the sampled token fed to it.
     """
     cache = seq.cache
     sampler = Sampler(gen)
@@ -174,11 +174,12 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
             if cache.pos >= cache.max_seq_len:
                 stopped_by = "max_seq_len"
                 break
+            raw = logits
             if constraint is not None:
                 logits = constraint.apply(logits)
             token = sampler(logits, history)
             if on_logits is not None:
-                on_logits(token, logits)
+                on_logits(token, raw)
             if constraint is not None and token not in stop_ids:
                 constraint.advance(token)  # (its next mask is computed while the decode step runs)
             seq.feeding([token])

@@ -23,7 +23,7 @@ import llguidance
 import numpy as np
 import torch
 
-from ktquest.formats.tokenizer import CONTROL, Tokenizer
+from ktquest.formats.tokenizer import CONTROL, UNKNOWN, UNUSED, USER_DEFINED, Tokenizer
 
 JSON_OBJECT = {"type": "object"}  # JSON mode: any object
 
@@ -49,8 +49,10 @@ def token_bytes(tok: Tokenizer) -> list[bytes]:
     out: list[bytes] = []
     dec = _byte_decoder() if tok.kind == "gpt2" else None
     for text, ty in zip(tok.tokens, tok.token_types):
-        if ty == CONTROL:
+        if ty in (CONTROL, UNKNOWN, UNUSED):  # (never part of a reply's text)
             out.append(b"\xff" + text.encode())
+        elif dec is not None and ty == USER_DEFINED:  # added tokens are their literal text
+            out.append(text.encode())
         elif dec is not None:
             out.append(bytes(dec[c] for c in text) if all(c in dec for c in text) else text.encode())
         elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
@@ -63,8 +65,8 @@ def token_bytes(tok: Tokenizer) -> list[bytes]:
 class _Vocab:
     """What llguidance's TokenizerWrapper reads of a tokenizer (its tokens' bytes, ids, and an encoder)."""
 
-    def __init__(self, tok: Tokenizer):
-        self.tokens = token_bytes(tok)
+    def __init__(self, tok: Tokenizer, vocab_size: int):
+        self.tokens = token_bytes(tok) + [b""] * max(0, vocab_size - len(tok.tokens))  # (rows past the vocabulary)
         self.eos_token_id = tok.eos_id if tok.eos_id is not None else min(tok.stop_ids, default=0)
         self.bos_token_id = tok.bos_id
         self.special_token_ids = [i for i, ty in enumerate(tok.token_types) if ty == CONTROL]
@@ -81,8 +83,10 @@ def ll_tokenizer(tok: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     cached = getattr(tok, "_llguidance", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    wrapped = llguidance.TokenizerWrapper(_Vocab(tok))
+    wrapped = llguidance.TokenizerWrapper(_Vocab(tok, vocab_size))
     ll = llguidance.LLTokenizer(wrapped, n_vocab=vocab_size, eos_token=sorted(tok.stop_ids) or None)
+    if ll.vocab_size != vocab_size:
+        raise FormatError(f"response_format: the tokenizer's {ll.vocab_size} tokens are not the model's {vocab_size}")
     tok._llguidance = (key, ll)
     return ll
 
@@ -141,8 +145,10 @@ class Constraint:
         t0 = time.perf_counter()
         self._next.result()
         self.mask_s += time.perf_counter() - t0
+        if self.matcher.is_error():  # (the parser's limits, say: its mask would only allow the end)
+            raise FormatError(f"response_format: {self.matcher.get_error()}")
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size]
-        return logits.masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+        return logits.masked_fill(torch.from_numpy(allowed == 0).to(logits.device), float("-inf"))
 
     def advance(self, token: int) -> None:
         """The reply took ``token``; the next mask starts now."""

@@ -12,7 +12,7 @@ import openai
 import pytest
 from test_server import MODEL, _start_server
 
-from ktquest.formats.tokenizer import CONTROL
+from ktquest.formats.tokenizer import CONTROL, UNKNOWN
 from ktquest.models.loader import read_gguf, read_tokenizer
 from ktquest.structured import FormatError, ResponseFormat, token_bytes
 
@@ -32,7 +32,7 @@ def test_token_bytes_spell_the_decoded_text(which, request):
     assert len(tb) == len(tok.tokens)
     ids = tok.encode(TEXT, add_bos=False, parse_special=False)
     assert b"".join(tb[i] for i in ids).lstrip(b" ") == TEXT.encode()  # (SentencePiece's leading space)
-    controls = [i for i, t in enumerate(tok.token_types) if t == CONTROL]
+    controls = [i for i, t in enumerate(tok.token_types) if t in (CONTROL, UNKNOWN)]
     assert controls and all(tb[i] == b"\xff" + tok.tokens[i].encode() for i in controls)
 
 
@@ -93,6 +93,16 @@ def test_json_mode_replies_are_objects(client):
     assert ended >= 15
 
 
+def test_logprobs_of_a_held_reply_are_the_models(client):
+    """logprobs with a schema: the model's own log probabilities (finite, however few tokens the mask allows)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = _ask(client, 1, response_format=fmt, logprobs=True, top_logprobs=5)
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    entries = r.choices[0].logprobs.content
+    assert entries and all(e.logprob <= 0 and len(e.top_logprobs) == 5 for e in entries)
+    assert all(t.logprob > -1e30 for e in entries for t in e.top_logprobs)
+
+
 def test_a_format_it_cannot_hold_is_a_400(client):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}
     with pytest.raises(openai.BadRequestError) as e:
@@ -113,3 +123,5 @@ def test_the_python_api_holds_a_completion_to_a_schema(bundled_gguf):
         jsonschema.validate(json.loads(text), PERSON)
     with pytest.raises(ValueError, match="Unimplemented keys"):
         eng.generate("x", response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}})
+    with pytest.raises(TypeError, match="response_format must be dict or None"):
+        eng.generate("x", response_format="json")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -256,13 +257,15 @@ class _ByteLevelBPE(_Backend):
         self.tk.add_tokens([AddedToken(t, special=(ty == CONTROL), normalized=False)
                             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
         self.special_ids = {t: self.tk.token_to_id(t) for t, ty in zip(tokens, types) if ty == CONTROL and t}
+        self._lock = threading.Lock()
 
     def pre_tokenize(self, text: str) -> list[str]:
         return [p for p, _ in self.tk.pre_tokenizer.pre_tokenize_str(text)]
 
     def encode(self, text: str, parse_special: bool) -> list[int]:
-        self.tk.encode_special_tokens = not parse_special
-        return self.tk.encode(text, add_special_tokens=False).ids
+        with self._lock:  # (the setting is the shared tokenizer's: structured output's mask thread encodes too)
+            self.tk.encode_special_tokens = not parse_special
+            return self.tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special: bool) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special)

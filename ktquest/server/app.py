@@ -178,8 +178,8 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         if unsupported:  # honoured nowhere yet: a 400 rather than an answer the client takes for one
             raise APIError(400, f"{unsupported} is not supported by this server yet", param=unsupported.split()[0],
                            code="unsupported_parameter")
-        try:
-            fmt = ResponseFormat.parse(req.response_format)
+        try:  # (a schema compiles off the event loop)
+            fmt = await asyncio.get_running_loop().run_in_executor(None, ResponseFormat.parse, req.response_format)
         except FormatError as e:
             raise APIError(400, str(e), param="response_format", code="invalid_response_format") from None
         if strict_model_name and req.model != model_id:
@@ -189,7 +189,8 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         try:
             loop = asyncio.get_running_loop()
             tokens = await loop.run_in_executor(None, _tokens, engine, req, longest)  # off the event loop
-            split = isinstance(req, ChatRequest) and req.reasoning_format != "none"
+            # (a reply held to a format is that format from its first token: no think block to split off)
+            split = isinstance(req, ChatRequest) and req.reasoning_format != "none" and fmt is None
             top = req.n_logprobs()
             collector = None if top is None else LogprobCollector(engine.tokenizer, top, engine.tokenizer.stop_ids)
             job = _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
