@@ -16,6 +16,7 @@ import torch
 from ktquest.chat import ChatSession
 from ktquest.config import Config, ConfigError, GenerationConfig, find_config, load_config, show, to_dict
 from ktquest.context import choose_context, context_warning
+from ktquest.engine_choices import pick_activations, pick_device, pick_dtype, pick_weights
 from ktquest.engine_lock import EngineLock, exclusive
 from ktquest.formats.bundled import DEFAULT_MODEL
 from ktquest.formats.chat_template import ChatTemplateError, read_template_file
@@ -69,8 +70,8 @@ class Engine:
         self.model_path = model_path
         self.config_path = config_path
         torch.set_num_threads(config.resolved_threads())
-        self.device = _pick_device(config.device)
-        self.dtype = _pick_dtype(config.dtype, self.device)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
         contents = read_gguf(model_path)  # the header and the tensors' shapes, checked; nothing dequantized
         self.weights_bytes = model_path.stat().st_size  # (what the weights take of the RAM on the CPU)
         self.tokenizer = read_tokenizer(contents, _chat_template(config))
@@ -86,7 +87,7 @@ class Engine:
         # refuse before any allocation (the weights included), with the figure
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
         check_weights_fit(self.args, self.device, self.dtype)
-        self.weights = _pick_weights(config.weights, self.device, self.dtype)
+        self.weights = pick_weights(config.weights, self.device, self.dtype)
         dual_chunk, note = resolve_dual_chunk(config, self.args, self.max_seq_len)
         if note:
             print(note, file=sys.stderr)
@@ -95,7 +96,7 @@ class Engine:
         self.args = self.model.args  # the file's, but for the config's RoPE scaling when it sets one
         self.context_warning = context_warning(self.args, self.max_seq_len)  # past the trained context: why
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem
-        self.activations = _pick_activations(config.activations, self.args)
+        self.activations = pick_activations(config.activations, self.args)
         set_x16(self.model, self.activations == "int16")
         use_native_decode(self.model, config.resolved_threads())
         self.cache = make_cache(config, self.args, self.max_seq_len, self.device, self.dtype)
@@ -419,39 +420,3 @@ def _rope_scaling(config: Config) -> RopeScaling | None:
     if config.rope_scaling == "dynamic":
         return RopeScaling(type="dynamic", factor=config.rope_scaling_factor)
     return None
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} is not allowed: CUDA is not available to torch "
-                          f"{torch.__version__}; use 'cpu' or 'auto'")
-    return torch.device(name)
-
-
-def _pick_activations(name: str, args) -> str:
-    """"int8" or "int16" (Config.activations): auto = int16 under 1B parameters."""
-    if name != "auto":
-        return name
-    return "int16" if args.n_params < ACTIVATIONS_INT16_BELOW else "int8"
-
-
-ACTIVATIONS_INT16_BELOW = 1_000_000_000  # parameters
-
-
-def _pick_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"gguf" or "dequantize" (Config.weights); ConfigError for gguf off the CPU or not in float32."""
-    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
-    if name == "auto":
-        return "gguf" if cpu_fp32 else "dequantize"
-    if name == "gguf" and not cpu_fp32:
-        raise ConfigError(f"weights: gguf runs on the CPU in float32, not on {device.type} in "
-                          f"{str(dtype).removeprefix('torch.')} (use weights: dequantize)")
-    return name
-
-
-def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
