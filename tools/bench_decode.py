@@ -190,7 +190,7 @@ class SelectionView:
                     q, var = q.float().cpu().contiguous(), None
                     if planner.dual_chunk is not None:  # the three rotations, and the blocks each reads
                         q, bs = q.view(3, -1, q.shape[-1]), store.block_size
-                        var = tuple(x // bs for x in planner.dual_chunk.bounds((b - 1) // planner.dual_chunk.length))
+                        var = planner.dual_chunk.block_bounds((b - 1) // planner.dual_chunk.length, bs)
                     picks = []
                     for walk in (True, False):
                         store.set_walk_index(walk)

@@ -33,7 +33,7 @@ import torch
 
 from ktquest.kv.attention import attention_lse, merge_attention
 from ktquest.kv.dual_chunk_attention import dca_range, merge_parts
-from ktquest.kv.long_context_pass import Shape, store_rows
+from ktquest.kv.long_context_pass import Shape, read_context
 from ktquest.kv.plan import DecodePlanner
 from ktquest.kv.windows import Windows
 from ktquest.models.dual_chunk import DualChunk
@@ -139,13 +139,8 @@ class LongContextPromptLayers:
                      dca_range(qg, qa, kw[:, : self.init_rows], vw[:, : self.init_rows], 0, s.scale, dc),
                      dca_range(qg, qa, kw[:, a:b], vw[:, a:b], self.lb * bs, s.scale, dc)]
             if self.lb > s.ib:  # the past's context blocks, the rotations' bounds in blocks
-                succ, intra = dc.bounds(ci)
-                m = qb - qa
-                o, sc = self.store.attend(layer, store_rows(s, qg).contiguous(), s.all_blocks[s.ib: self.lb],
-                                          variants=(succ // bs, intra // bs))
-                o = o.view(s.n_kv_heads, m, s.group, s.head_dim).transpose(0, 1).reshape(m, s.n_heads, s.head_dim)
-                sc = sc.view(s.n_kv_heads, m, s.group).transpose(0, 1).reshape(m, s.n_heads)
-                parts.append((s.placement.to_device(o), s.placement.to_device(sc)))
+                parts.append(read_context(s, self.store, layer, qg, s.all_blocks[s.ib: self.lb],
+                                          dc.block_bounds(ci, bs)))
             out[rows] = merge_parts(parts)[0]
         return out.to(qv.dtype)
 

@@ -110,8 +110,7 @@ def attend_layer_dca(s: Shape, win: Windows, store: KVStore, planner: DecodePlan
                      dca_range(qg, qa, win.k[layer, :, r0: win.row(qb - 1) + 1],
                                win.v[layer, :, r0: win.row(qb - 1) + 1], g.loc0, s.scale, dc)]
         if lb > s.ib:  # ---- the store's context blocks [ib, lb), the rotations' bounds in blocks ----
-            succ, intra = dc.bounds(ci)
-            var = (succ // bs, intra // bs)
+            var = dc.block_bounds(ci, bs)
             if g.decode:
                 o, lse = decode_context(s, store, planner, layer, qg, lb, var)
                 parts.append((s.placement.to_device(o)[None], s.placement.to_device(lse)[None]))

@@ -59,6 +59,11 @@ class DualChunk:
         n = self.length
         return max(0, (ci - 1) * n), ci * n
 
+    def block_bounds(self, ci: int, block_size: int) -> tuple[int, int]:
+        """``bounds`` in blocks of ``block_size`` (which divides the chunks): the store's query variants."""
+        succ, intra = self.bounds(ci)
+        return succ // block_size, intra // block_size
+
     def groups(self, start: int, t: int) -> list[tuple[int, int, int]]:
         """The queries at [start, start + t) by chunk: [(qa, qb, ci)], each [qa, qb) in chunk ci."""
         n = self.length
