@@ -18,6 +18,7 @@ rendering from that reply's first token on: the next turn reads again from there
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -226,25 +227,27 @@ class ChatSession:
         return [{"role": "system", "content": self.system}] if self.system else []
 
 
-def encode_chat(eng: Engine, messages: list[dict[str, str]]) -> list[int]:
-    """The token ids of ``messages`` rendered for a reply (the generation prompt added); before any work on the
-    model: ``ChatTemplateError`` (the template failed) or ``PromptTooLongError`` (past the context in tokens,
-    or in characters past what the template may render)."""
+def encode_chat(eng: Engine, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The token ids of ``messages`` (and the ``tools`` the model may call) rendered for a reply (the
+    generation prompt added); before any work on the model: ``ChatTemplateError`` (the template failed) or
+    ``PromptTooLongError`` (past the context in tokens, or in characters past what the template may render)."""
     limits = TemplateLimits.for_context(eng.max_seq_len)
-    chars = text_chars(messages)
+    chars = text_chars(messages) + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)
     if chars > limits.max_chars:  # past what the template may render: said as what it is
         raise PromptTooLongError(f"prompt too long: {chars:,} characters, more than the context of "
                                  f"{eng.max_seq_len} tokens (max_seq_len) can hold; shorten the prompt "
                                  "or raise max_seq_len")
     tokens = eng.tokenizer.encode_messages(messages, add_generation_prompt=True,
-                                           parse_special=eng.config.parse_special, limits=limits)
+                                           parse_special=eng.config.parse_special, limits=limits, tools=tools)
     eng.check_fits(len(tokens))
     return tokens
 
 
-def text_chars(messages: list[dict[str, str]]) -> int:
-    """The characters of the messages' text: their contents and any thinking kept with a reply."""
-    return sum(len(m["content"]) + len(m.get("reasoning_content") or "") for m in messages)
+def text_chars(messages: list[dict]) -> int:
+    """The characters of the messages' text: their contents, any thinking kept with a reply, the calls it made."""
+    return sum(len(m["content"]) + len(m.get("reasoning_content") or "") +
+               (len(json.dumps(m["tool_calls"], ensure_ascii=False)) if m.get("tool_calls") else 0)
+               for m in messages)
 
 
 def opens_prompt_thinking(eng: Engine, tokens: list[int]) -> bool:

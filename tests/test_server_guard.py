@@ -201,7 +201,7 @@ def test_post_as_json_passes(served):
     body = json.dumps({"model": "other", "messages": [{"role": "user", "content": "hi"}],
                        "tools": [{"type": "function", "function": {"name": "f"}}]}).encode()
     reply = _get(served.port, "/v1/chat/completions", "POST", {"Content-Type": "application/json; charset=utf-8"}, body)
-    assert _error(reply)[:2] == (400, "unsupported_parameter")  # past the guard: the app's own answer
+    assert _error(reply)[:2] == (400, "invalid_tools")  # past the guard: the app's own answer (no tools template)
 
 
 def test_preflight(served):

@@ -188,8 +188,8 @@ def test_health_shows_the_time_to_first_token(post):
 
 def test_any_model_name_is_served_unless_strict(engine):
     """Clients hard-code model names: the loaded model answers any (the reply names the served one); with
-    strict_model_name another name is a 404 naming both. Fields the server does not honour yet are a 400,
-    not a silent plain-text answer; their defaults (text format, no tools) pass."""
+    strict_model_name another name is a 404 naming both. Tools in a completion request are a 400 (a chat field),
+    not a silent plain-text answer; the defaults (text format, no tools) pass."""
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
     with _serving(create_app(Worker(engine), MODEL)) as post:

@@ -68,7 +68,8 @@ _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
 # token), so that the text no longer matches a control token when the rendered chat is split; taken out
 # before the text is encoded. A Unicode noncharacter ("for internal use"): one a message brings is dropped.
 _TEXT_MARK = "\ufdd0"
-_TEXT_FIELDS = ("content", "reasoning_content")  # a message's text: its special-token strings are characters
+# a message's text: the special-token strings in it are characters
+_TEXT_FIELDS = ("content", "reasoning_content", "name", "tool_call_id")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -149,15 +150,18 @@ class Tokenizer:
     # ---- chat ----
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            limits: TemplateLimits = DEFAULT_LIMITS) -> str:
+                            limits: TemplateLimits = DEFAULT_LIMITS, tools: list[dict] | None = None) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the model's template; without one (a base
-        model) the plain text of ``PlainText``: each message's content followed by a newline.
+        model) the plain text of ``PlainText``: each message's content followed by a newline. ``tools``: the
+        functions the model may call (OpenAI's and Hugging Face's ``{"type": "function", "function": ...}``),
+        given to the template only when there are some.
 
         Bounded by ``limits``; any failure of the template is a ``ChatTemplateError`` (one line)."""
         bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
+        extra = {"tools": list(tools)} if tools else {}
         return self._template.render(limits, messages=list(messages), bos_token=bos, eos_token=eos,
-                                     add_generation_prompt=add_generation_prompt)
+                                     add_generation_prompt=add_generation_prompt, **extra)
 
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat, every special-token text in it a control token (``encode_messages`` keeps
@@ -167,18 +171,23 @@ class Tokenizer:
         return self.encode(text, add_bos=add_bos, parse_special=True)
 
     def encode_messages(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, *,
-                        parse_special: bool = False, limits: TemplateLimits = DEFAULT_LIMITS) -> list[int]:
-        """Render ``messages`` with the chat template and tokenize it: the template's markup (role markers,
-        BOS/EOS) becomes control tokens, the messages' contents are text, special-token strings in them
-        included (``<|im_end|>`` typed by a user is characters), unless ``parse_special``."""
+                        parse_special: bool = False, limits: TemplateLimits = DEFAULT_LIMITS,
+                        tools: list[dict] | None = None) -> list[int]:
+        """Render ``messages`` (and ``tools``) with the chat template and tokenize it: the template's markup
+        (role markers, BOS/EOS) becomes control tokens, the messages' contents, tool calls and tools are text,
+        special-token strings in them included (``<|im_end|>`` typed by a user is characters), unless
+        ``parse_special``."""
         if parse_special or self._markup_re is None:
-            return self.encode_chat(self.apply_chat_template(messages, add_generation_prompt, limits))
-        # Each content's special-token texts are broken up by _TEXT_MARKs; the template then renders them
-        # wherever it puts the content (transformed too: trimmed, split, ...), and only the whole
+            return self.encode_chat(self.apply_chat_template(messages, add_generation_prompt, limits, tools))
+        # Each text's special-token strings are broken up by _TEXT_MARKs; the template then renders them
+        # wherever it puts the text (transformed too: trimmed, split, written as JSON, ...), and only the whole
         # special-token texts of the result, the template's own, are control tokens.
-        marked = [{**m, **{k: self._mark(m[k]) for k in _TEXT_FIELDS if isinstance(m.get(k), str)}}
+        marked = [{**m, **{k: self._mark(m[k]) for k in _TEXT_FIELDS if isinstance(m.get(k), str)},
+                   **({"tool_calls": self._mark_all(m["tool_calls"])} if m.get("tool_calls") else {})}
                   for m in messages]
-        parts = self._markup_re.split(self.apply_chat_template(marked, add_generation_prompt, limits))
+        marked_tools = self._mark_all(tools) if tools else None
+        rendered = self.apply_chat_template(marked, add_generation_prompt, limits, marked_tools)
+        parts = self._markup_re.split(rendered)
         ids: list[int] = []
         for k, part in enumerate(parts):
             if k % 2:  # odd parts are the separators: the template's special tokens
@@ -188,6 +197,16 @@ class Tokenizer:
         if self.add_bos and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
+
+    def _mark_all(self, value: Any) -> Any:
+        """``value`` (JSON: tools, tool calls) with every string in it, keys too, marked as ``_mark`` does."""
+        if isinstance(value, str):
+            return self._mark(value)
+        if isinstance(value, dict):
+            return {self._mark(k) if isinstance(k, str) else k: self._mark_all(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._mark_all(v) for v in value]
+        return value
 
     def _mark(self, content: str) -> str:
         content = content.replace(_TEXT_MARK, "")

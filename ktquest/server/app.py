@@ -42,10 +42,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from ktquest.chat import encode_chat, opens_prompt_thinking
+from ktquest.chat import opens_prompt_thinking
 from ktquest.config import GenerationConfig
 from ktquest.server.guard import GuardConfig, HostOriginGuard
-from ktquest.server.intake import APIError, client_key, invalid, read_json
+from ktquest.server.intake import APIError, client_key, invalid, prompt_tokens, read_json, tool_use
 from ktquest.server.logprobs import LogprobCollector, chat_logprobs, completion_logprobs
 from ktquest.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from ktquest.server.metrics import ServerMetrics
@@ -53,11 +53,11 @@ from ktquest.server.page import PAGE
 from ktquest.server.schema import ChatRequest, CompletionRequest
 from ktquest.server.worker import Result, Worker
 from ktquest.structured import FormatError, ResponseFormat
-from ktquest.turn import PromptTooLongError, ThinkSplit, split_thinking
+from ktquest.tool_calls import ToolUse
+from ktquest.turn import ThinkSplit, split_thinking
 
 log = logging.getLogger("ktquest.serve")
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this is refused (413) before it is read whole
-TOKEN_SLACK_BYTES = 1024  # over the context times the longest token: what normalization may shrink
 
 
 class _Admission:
@@ -104,6 +104,7 @@ class _Job:
     open_block: bool = False  # its prompt opened the think block (``opens_thinking``)
     logprobs: LogprobCollector | None = None  # the reply tokens' log probabilities, where asked for
     response_format: ResponseFormat | None = None  # the reply held to JSON / a JSON schema (ktquest.structured)
+    tools: ToolUse | None = None  # the functions the model may call (ktquest.tool_calls)
 
 
 def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MAX_BODY_BYTES,
@@ -174,28 +175,33 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             req = kind.model_validate(body)
         except ValidationError as e:
             raise invalid(e) from None
-        unsupported = req.unsupported()
-        if unsupported:  # honoured nowhere yet: a 400 rather than an answer the client takes for one
-            raise APIError(400, f"{unsupported} is not supported by this server yet", param=unsupported.split()[0],
-                           code="unsupported_parameter")
+        tools = tool_use(req, engine.tokenizer)
         try:  # (a schema compiles off the event loop)
             fmt = await asyncio.get_running_loop().run_in_executor(None, ResponseFormat.parse, req.response_format)
         except FormatError as e:
             raise APIError(400, str(e), param="response_format", code="invalid_response_format") from None
+        if tools is not None and tools.choice not in ("none", "auto"):  # the reply held to the call syntax
+            if fmt is not None:
+                raise APIError(400, f"tool_choice {tools.choice!r} and response_format both say what the reply is: "
+                                    "send one of them", param="tool_choice", code="invalid_value")
+            try:
+                fmt = await asyncio.get_running_loop().run_in_executor(None, tools.format)
+            except FormatError as e:
+                raise APIError(400, str(e), param="tools", code="invalid_tools") from None
         if strict_model_name and req.model != model_id:
             raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_id!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
         ticket = gate.enter()
         try:
             loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(None, _tokens, engine, req, longest)  # off the event loop
+            tokens = await loop.run_in_executor(None, prompt_tokens, engine, req, longest, tools)  # off the event loop
             # (a reply held to a format is that format from its first token: no think block to split off)
             split = isinstance(req, ChatRequest) and req.reasoning_format != "none" and fmt is None
             top = req.n_logprobs()
             collector = None if top is None else LogprobCollector(engine.tokenizer, top, engine.tokenizer.stop_ids)
             job = _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
                        split=split, open_block=split and opens_prompt_thinking(engine, tokens), logprobs=collector,
-                       response_format=fmt)
+                       response_format=fmt, tools=tools)
             with live_lock:
                 if shutting_down.is_set():
                     raise APIError(503, "the server is shutting down", "server_error", code="server_shutting_down")
@@ -254,18 +260,32 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         sent = [0]  # the reply's characters streamed so far (thinking and answer alike)
 
         def chunk(text: str | None, finish: str | None = None, first: bool = False, field: str = "content",
-                  final_len: int | None = None) -> str:
+                  final_len: int | None = None, call: dict | None = None, consumed: int | None = None) -> str:
             lp = None
             if job.logprobs is not None and not first:  # the tokens whose text this chunk completes
-                sent[0] += len(text or "")
+                sent[0] += len(text or "") if consumed is None else consumed
                 records = job.logprobs.take(sent[0] if final_len is None else final_len, final=final_len is not None)
                 lp = chat_logprobs(records) if chat else completion_logprobs(records)
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else {} if text is None else {field: text}
+                delta = {"role": "assistant", "content": ""} if first else {"tool_calls": [call]} if call else \
+                    {} if text is None else {field: text}
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
             return _sse({**head, "object": obj, "choices": [choice]})
+
+        reader = job.tools.reader() if job.tools is not None else None  # the calls a reply writes
+
+        def out(kind: str, text: str, end: bool = False) -> list[str]:
+            """The chunks a piece of the reply makes: thinking, content, or (read by ``reader``) its calls."""
+            if kind == "thinking":
+                return [chunk(text, field="reasoning_content")]
+            if reader is None:
+                return [chunk(text)] if text else []
+            events = reader.push(text) + (reader.flush() if end else [])
+            return [chunk(t, consumed=n) if call is None else
+                    chunk(None, call=call.openai(index=reader.calls.index(call)), consumed=n)
+                    for t, call, n in events if call is not None or t]
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -274,9 +294,11 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                 split = ThinkSplit(job.open_block) if job.split else None
                 while (piece := await pieces.get()) is not None:
                     for kind, text in split.push(piece) if split else [("answer", piece)]:
-                        yield chunk(text, field="reasoning_content" if kind == "thinking" else "content")
-                for kind, text in split.flush() if split else []:
-                    yield chunk(text, field="reasoning_content" if kind == "thinking" else "content")
+                        for c in out(kind, text):
+                            yield c
+                for kind, text in (split.flush() if split else []) + [("answer", "")]:
+                    for c in out(kind, text, end=kind == "answer" and not text):
+                        yield c
                 try:
                     result = future.result()
                 except Exception as e:  # the response has begun: the error goes in the stream
@@ -289,7 +311,9 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                                           "type": "server_error", "param": None, "code": "server_shutting_down"}})
                     yield "data: [DONE]\n\n"
                     return
-                yield chunk(None, result.finish_reason, final_len=len(result.text))
+                finish = "tool_calls" if reader is not None and reader.calls and result.finish_reason == "stop" \
+                    else result.finish_reason
+                yield chunk(None, finish, final_len=len(result.text))
                 metrics.answered(rid, request.url.path, result)
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield _sse({**head, "object": obj, "choices": [], "usage": _usage(result)})
@@ -331,44 +355,6 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
     return app
 
 
-def _tokens(engine, req: BaseModel, longest: int) -> list[int]:
-    """The prompt's token ids; APIError 400 for a prompt the model cannot take (too long, a template error).
-    Its length is checked before any work on it: token ids counted, text measured in bytes against the
-    context times ``longest`` (the most bytes one token stands for), so a huge prompt is never tokenized."""
-    try:
-        if isinstance(req, ChatRequest):
-            messages = req.chat()
-            _check_text_fits(engine, [m["content"] for m in messages] +
-                             [m["reasoning_content"] for m in messages if "reasoning_content" in m], longest)
-            return encode_chat(engine, messages)
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
-            engine.check_fits(len(req.prompt))
-            tokens = list(req.prompt)
-            if max(tokens) >= engine.tokenizer.vocab_size:
-                raise ValueError(f"prompt: token id {max(tokens)} is not in the vocabulary "
-                                 f"(0..{engine.tokenizer.vocab_size - 1})")
-        else:
-            text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-            _check_text_fits(engine, [text], longest)
-            tokens = engine.tokenizer.encode(text)
-        engine.check_fits(len(tokens))
-        return tokens
-    except ValueError as e:  # PromptTooLongError, ChatTemplateError, TokenizerError are ValueErrors
-        code = "context_length_exceeded" if type(e).__name__ == "PromptTooLongError" else None
-        raise APIError(400, str(e), param="messages" if isinstance(req, ChatRequest) else "prompt",
-                       code=code) from None
-
-
-def _check_text_fits(engine, texts: list[str], longest: int) -> None:
-    """PromptTooLongError when ``texts`` hold more bytes than the context's tokens can stand for."""
-    limit = engine.max_seq_len * longest + TOKEN_SLACK_BYTES
-    chars = sum(len(t) for t in texts)  # a character is 1 to 4 bytes: measured only where it matters
-    if chars > limit or (4 * chars > limit and sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) > limit):
-        raise PromptTooLongError(
-            f"prompt too long: more than {limit:,} bytes, more than the context of {engine.max_seq_len} tokens "
-            f"(max_seq_len) can hold at {longest} bytes a token at most; shorten the prompt or raise max_seq_len")
-
-
 def _generation(base: GenerationConfig, req) -> GenerationConfig:
     """The server's sampling (the chat's defaults under the config) with the request's fields over it."""
     over = {}
@@ -390,6 +376,14 @@ def _choice(chat: bool, text: str, finish: str, job: _Job) -> dict:
     if chat:
         thinking, answer = split_thinking(text, job.open_block) if job.split else (None, text)
         message = {"role": "assistant", "content": answer}
+        reader = job.tools.reader() if job.tools is not None else None
+        if reader is not None:  # the calls the reply wrote, taken out of its content
+            reader.push(answer)
+            reader.flush()
+            message["content"] = reader.message_content()
+            if reader.calls:
+                message["tool_calls"] = [c.openai() for c in reader.calls]
+                finish = "tool_calls" if finish == "stop" else finish
         if thinking is not None:
             message["reasoning_content"] = thinking
         return {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}

@@ -1,6 +1,6 @@
 """A request's way in to ``ktquest serve``'s API (``app.py``): who is asking (its key), its body read bounded and
-parsed as JSON, and the error every refusal is (``APIError``: an OpenAI-style JSON body with a 4xx status naming
-what is wrong)."""
+parsed as JSON, its tools checked against the model's template, its prompt measured and tokenized, and the error
+every refusal is (``APIError``: an OpenAI-style JSON body with a 4xx status naming what is wrong)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import json
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from ktquest.chat import encode_chat
+from ktquest.server.schema import ChatRequest
+from ktquest.tool_calls import ToolError, ToolUse
+from ktquest.turn import PromptTooLongError
+
+TOKEN_SLACK_BYTES = 1024  # over the context times the longest token: what normalization may shrink
 MAX_DEPTH = 64  # JSON nested deeper than this is refused (400): OpenAI's requests nest a few levels
 
 
@@ -97,3 +103,55 @@ def invalid(e: ValidationError) -> APIError:
 def _too_large(n: int, limit: int) -> APIError:
     return APIError(413, f"the request body is too large: {n:,} bytes, more than the {limit:,} allowed",
                     code="request_too_large")
+
+
+def tool_use(req: BaseModel, tokenizer) -> ToolUse | None:
+    """A chat request's tools checked against each other and the model's template: APIError 400 otherwise."""
+    if not isinstance(req, ChatRequest):
+        return None
+    try:
+        return ToolUse.parse(req.tool_list(), req.tool_choice_value(), req.parallel_tool_calls, tokenizer)
+    except ToolError as e:
+        param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise APIError(400, str(e), param=param, code="invalid_tools") from None
+
+
+def prompt_tokens(engine, req: BaseModel, longest: int, tools: ToolUse | None = None) -> list[int]:
+    """The prompt's token ids; APIError 400 for a prompt the model cannot take (too long, a template error).
+    Its length is checked before any work on it: token ids counted, text measured in bytes against the
+    context times ``longest`` (the most bytes one token stands for), so a huge prompt is never tokenized."""
+    try:
+        if isinstance(req, ChatRequest):
+            messages = req.chat()
+            render = tools.render if tools is not None else None
+            _check_text_fits(engine, [m["content"] for m in messages] +
+                             [m["reasoning_content"] for m in messages if "reasoning_content" in m] +
+                             [json.dumps(m["tool_calls"]) for m in messages if "tool_calls" in m] +
+                             ([json.dumps(render)] if render else []), longest)
+            return encode_chat(engine, messages, render)
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+            engine.check_fits(len(req.prompt))
+            tokens = list(req.prompt)
+            if max(tokens) >= engine.tokenizer.vocab_size:
+                raise ValueError(f"prompt: token id {max(tokens)} is not in the vocabulary "
+                                 f"(0..{engine.tokenizer.vocab_size - 1})")
+        else:
+            text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+            _check_text_fits(engine, [text], longest)
+            tokens = engine.tokenizer.encode(text)
+        engine.check_fits(len(tokens))
+        return tokens
+    except ValueError as e:  # PromptTooLongError, ChatTemplateError, TokenizerError are ValueErrors
+        code = "context_length_exceeded" if type(e).__name__ == "PromptTooLongError" else None
+        raise APIError(400, str(e), param="messages" if isinstance(req, ChatRequest) else "prompt",
+                       code=code) from None
+
+
+def _check_text_fits(engine, texts: list[str], longest: int) -> None:
+    """PromptTooLongError when ``texts`` hold more bytes than the context's tokens can stand for."""
+    limit = engine.max_seq_len * longest + TOKEN_SLACK_BYTES
+    chars = sum(len(t) for t in texts)  # a character is 1 to 4 bytes: measured only where it matters
+    if chars > limit or (4 * chars > limit and sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) > limit):
+        raise PromptTooLongError(
+            f"prompt too long: more than {limit:,} bytes, more than the context of {engine.max_seq_len} tokens "
+            f"(max_seq_len) can hold at {longest} bytes a token at most; shorten the prompt or raise max_seq_len")

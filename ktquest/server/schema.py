@@ -2,16 +2,17 @@
 pydantic in strict mode: a wrong type is an error, not a conversion (``true`` is not 1). Every number is bounded
 as ``GenerationConfig`` bounds it (so a value past them is a 400 naming the field, never an error later), floats
 are finite. Fields ktquest does not know are ignored, as OpenAI's clients send many; ``n`` other than 1 and
-content parts other than text are refused, and so are ``tools`` (a 400 naming them, until the server honours
-them: a client must not take free text for them); ``response_format`` is checked by ``ktquest.structured``. An assistant
-message may bring its thinking (``reasoning_content``, as the server answers it): the chat template decides
-whether to render it."""
+content parts other than text are refused; ``response_format`` is checked by ``ktquest.structured`` and
+``tools`` by ``ktquest.tool_calls`` (against the model's template). An assistant message may bring its thinking
+(``reasoning_content``, as the server answers it) and the calls it made (``tool_calls``, their arguments JSON
+text), a ``tool`` message a call's result: the chat template decides how to render them."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ktquest.config import INT_MAX, SEED_MAX
 
@@ -32,17 +33,6 @@ class _Request(BaseModel):
     n: Annotated[int, Field(ge=1, le=1)] = 1  # (not Literal[1]: True == 1 would match it)
 
     response_format: dict | None = None  # text, json_object or json_schema (ktquest.structured.ResponseFormat)
-    # Known but not honoured yet: a request that sets them is refused (``unsupported``), not silently answered
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-
-    def unsupported(self) -> str | None:
-        """The first field set that this server does not honour yet (with how it was set), or None."""
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
-        return None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -66,12 +56,66 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str  # a JSON object's text (as the server answered it)
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     reasoning_content: str | None = None  # an assistant's thinking, given to the template as it is
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=128)] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to an assistant message, not a {self.role} one")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -86,6 +130,9 @@ class ChatRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT_MAX)] | None = None
     # llama.cpp's name: "none" keeps a think block in ``content``; else it goes to ``reasoning_content``
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # (ktquest.tool_calls)
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False  # each reply token's log probability (server/logprobs.py) ...
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # ... and this many most likely tokens
 
@@ -102,12 +149,44 @@ class ChatRequest(_Request):
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (a developer message is a system message; an
-        assistant's ``reasoning_content`` kept where given)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 **({"reasoning_content": m.reasoning_content} if m.reasoning_content is not None else {})}
-                for m in self.messages]
+    def chat(self) -> list[dict]:
+        """The messages as chat templates take them (Hugging Face's convention): a developer message is a
+        system message; an assistant's ``reasoning_content`` kept where given, its ``tool_calls`` with their
+        arguments as objects; a tool message with the ``name`` of the function whose call it answers.
+        ValueError naming a call whose arguments are not a JSON object."""
+        out, names = [], {}
+        for i, m in enumerate(self.messages):
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.reasoning_content is not None:
+                msg["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
+                    for j, c in enumerate(m.tool_calls)]
+                names.update((c.id, c.function.name) for c in m.tool_calls)
+            if m.role == "tool":
+                msg["tool_call_id"] = m.tool_call_id
+                if m.tool_call_id in names:
+                    msg["name"] = names[m.tool_call_id]
+            out.append(msg)
+        return out
+
+    def tool_list(self) -> list[dict] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_value(self) -> str | dict | None:
+        c = self.tool_choice
+        return c.model_dump() if isinstance(c, NamedChoice) else c
+
+
+def _arguments(text: str, i: int, j: int) -> dict:
+    try:
+        args = json.loads(text)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object: {text[:80]!r}")
+    return args
 
 
 class CompletionRequest(_Request):
@@ -120,11 +199,20 @@ class CompletionRequest(_Request):
     def n_logprobs(self) -> int | None:
         return self.logprobs
 
+    tools: list | None = None  # (a chat field: refused here rather than ignored)
+
     @model_validator(mode="after")
     def _not_empty(self) -> CompletionRequest:
         if self.prompt == "" or self.prompt == [""]:
             raise ValueError("prompt is empty: there is nothing to continue from")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _chat_only(cls, tools: list | None) -> list | None:
+        if tools:
+            raise ValueError("tools are a chat request's: send them to /v1/chat/completions")
+        return tools
 
 
 _Request.model_rebuild()
