@@ -43,6 +43,7 @@ from ktquest.turn import (
 
 if TYPE_CHECKING:  # the engine builds sessions; a session only calls back into the engine it was given
     from ktquest.engine import Engine
+    from ktquest.structured import ResponseFormat
 
 
 @dataclass(slots=True)
@@ -80,6 +81,8 @@ class ChatSession:
         self.document = document
         self.messages: list[dict[str, str]] = self._opening()  # as rendered, the system message included
         self._turns: list[TurnStats] = []
+        # every reply held to JSON / a JSON schema (``ktquest.structured``; ``ktquest chat --json``), or free
+        self.response_format: ResponseFormat | None = None
 
     @exclusive
     def send(self, user_text: str, on_text: TextCallback | None = None,
@@ -105,8 +108,9 @@ class ChatSession:
                         on_thinking=on_thinking)
         messages = self._with_message(user_text)
         tokens = encode_chat(eng, messages)
-        open_block = opens_prompt_thinking(eng, tokens)
-        split = ThinkSplit(open_block)
+        held = self.response_format
+        open_block = held is None and opens_prompt_thinking(eng, tokens)  # (a held reply is its format throughout)
+        split = ThinkSplit(open_block) if held is None else _AllAnswer()
 
         def pieces(out: list) -> None:
             for kind, text in out:
@@ -118,13 +122,13 @@ class ChatSession:
         seq.claim(self)  # another session, the server or a raw completion used the cache: it starts afresh
         cached = seq.rewind_for(tokens)
         text, stats = eng.run(seq, tokens[cached:], eng.config.generation, lambda p: pieces(split.push(p)),
-                              on_progress, should_stop)
+                              on_progress, should_stop, response_format=held)
         eng.lock.callback(pieces)(split.flush())
         if stats.new_tokens == 0 and stats.stopped_by == "interrupted":
             # interrupted before the reply began: the turn is dropped; what was read of it stays in the cache,
             # so the same message sent again reads only the rest
             return Reply(text="", stats=stats)
-        thinking, answer = split_thinking(text, open_block)
+        thinking, answer = split_thinking(text, open_block) if held is None else (None, text)
         reply = {"role": "assistant", "content": answer}
         if thinking is not None:
             reply["reasoning_content"] = thinking
@@ -225,6 +229,16 @@ class ChatSession:
 
     def _opening(self) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.system}] if self.system else []
+
+
+class _AllAnswer:
+    """ThinkSplit's part for a reply held to a format: all of it is the answer."""
+
+    def push(self, piece: str) -> list[tuple[str, str]]:
+        return [("answer", piece)]
+
+    def flush(self) -> list[tuple[str, str]]:
+        return []
 
 
 def encode_chat(eng: Engine, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

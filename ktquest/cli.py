@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
 import time
@@ -87,6 +88,7 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
                          "--prompt-file and --system")
     document = _read_text("--prompt-file", args.prompt_file) if args.prompt_file else None
     _check_chat_template(args.chat_template)
+    held = _response_format(args)
 
     from ktquest.engine import load  # torch loads here, after the arguments are known to be good
 
@@ -99,6 +101,7 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
             engine.check_kv_path(args.save_kv)  # a path it may not write is refused now, not after the reading
         session = engine.load_session(args.load_kv) if args.load_kv else \
             engine.chat_session(system=args.system, document=document)
+    session.response_format = held
     if document is not None:  # one that leaves no room is refused now, not with every message
         _check_document_fits(engine, session, args.prompt_file)
     save_at_end = args.save_kv
@@ -111,6 +114,27 @@ def _chat(args: argparse.Namespace, err: Console) -> int:
             _save(session, save_at_end, err)
         return code
     return _interactive(engine, session, err, save_at_end, args.show_thinking)
+
+
+def _response_format(args: argparse.Namespace):
+    """``--json`` / ``--json-schema``: what every reply is held to (UsageError: a schema that cannot be)."""
+    if not args.json and args.json_schema is None:
+        return None
+    from ktquest.structured import FormatError, ResponseFormat
+
+    fmt = {"type": "json_object"}
+    if args.json_schema is not None:
+        text = args.json_schema if args.json_schema.lstrip().startswith("{") else \
+            _read_text("--json-schema", args.json_schema)
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise UsageError(f"--json-schema: not JSON: {e}") from None
+        fmt = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    try:
+        return ResponseFormat.parse(fmt)
+    except FormatError as e:
+        raise UsageError(f"--json-schema: {e}") from None
 
 
 def _read_and_save(session, path: str, err: Console) -> None:

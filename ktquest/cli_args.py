@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--load-kv", metavar="FILE",
                       help="start from a KV file's conversation (its document and turns): only new text is read")
     _generation_flags(chat)
+    held = chat.add_mutually_exclusive_group()
+    held.add_argument("--json", action="store_true",
+                      help="hold every reply to a JSON object (structured output, as the server's json_object)")
+    held.add_argument("--json-schema", metavar="FILE|JSON",
+                      help="hold every reply to this JSON schema (a file, or the schema's text)")
     chat.add_argument("--show-thinking", action="store_true",
                       help="show a thinking model's think block (Qwen3, QwQ, DeepSeek-R1), dimmed; by default it is "
                            "hidden behind a 'thinking...' line")

@@ -429,3 +429,28 @@ def test_ctrl_c_while_reading_the_prompt_keeps_what_was_read(tiny_llama, monkeyp
                                               "--set", "chunk_size=8"], f"{message}\n/exit\n")
     whole = int(re.findall(r"^(\d+) prompt tokens", fresh, re.MULTILINE)[0])
     assert second == whole - 16  # sent again, the message was read on from the 16 tokens kept
+
+
+def test_json_schema_holds_the_reply(bundled_gguf, tmp_path):
+    """``--json-schema`` (a file or the text) and ``--json``: the reply is JSON held to it (sampled, at
+    temperature 1); a schema that cannot be held to is one error line."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "year"],
+              "properties": {"city": {"type": "string", "maxLength": 20}, "year": {"type": "integer"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for flag, seed in (("--json-schema", str(path)), ("--json-schema", json.dumps(schema)), ("--json", None)):
+        args = [flag] if seed is None else [flag, seed]
+        r = _run(*args, "--message", "A city and the year it was founded, as JSON.", "--max-new-tokens", "200",
+                 "--temperature", "1", "--seed", "3")
+        assert r.returncode == 0, r.stderr
+        value = json.loads(r.stdout)
+        assert isinstance(value, dict)
+        if seed is not None:
+            jsonschema.validate(value, schema)
+    r = _run("--json-schema", '{"not": {}}', "--message", "hi")
+    assert r.returncode == 2
+    _one_error_line(r.stderr, "--json-schema", "not")
