@@ -55,8 +55,12 @@ class ToolCall:
         return {**head, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _call(name: str, args: dict) -> ToolCall:
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))
+def _call(name: str, args: dict) -> ToolCall | None:
+    try:
+        text = json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):  # (a value nested past what json writes)
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, text)
 
 
 # ---- the syntaxes ----
@@ -67,23 +71,18 @@ class Hermes:
 
     def read(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
         """A call's text between the tags, or None when it is not one (JSON with a name and object arguments)."""
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
+        obj = _loads(body)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # (some models write the arguments as a JSON string)
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
+            args = _loads(args)
         return _call(obj["name"], args) if isinstance(args, dict) else None
 
     def grammar(self, name: str, schema: dict) -> str:
+        args, defs = _split_defs(schema)
         call = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": name}, "arguments": schema}, "x-guidance": COMPACT}
+                "properties": {"name": {"const": name}, "arguments": args}, "x-guidance": COMPACT, **defs}
         return f'"\\n" %json {json.dumps(call)} "\\n"'
 
 
@@ -91,6 +90,7 @@ class Xml:
     name = "xml"
     _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
     _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+    KEY = re.compile(r"[^\s<>=/\"\\]{1,128}")  # a key the tags can hold and the reader reads back
 
     def read(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
         m = self._FUNCTION.fullmatch(body)
@@ -105,47 +105,77 @@ class Xml:
         return _call(name, args)
 
     def grammar(self, name: str, schema: dict) -> str:
-        props = schema.get("properties", {}) if isinstance(schema, dict) else {}
-        required = set(schema.get("required", ())) if isinstance(schema, dict) else set()
-        parts = [f'"\\n<function={name}>\\n"']
-        for key, sub in props.items():
-            value = _text_rule(sub) if _is_string(sub) else \
-                f"%json {json.dumps({**(sub if isinstance(sub, dict) else {}), 'x-guidance': COMPACT})}"
-            param = f'("<parameter={key}>\\n" {value} "\\n</parameter>\\n")'
+        args, defs = _split_defs(schema)
+        required = set(args.get("required", ()))
+        parts = [_lit(f"\n<function={name}>\n")]
+        for key, sub in args.get("properties", {}).items():
+            if _is_string(sub):  # the raw text and the closing tag in one regex (a lexeme is matched greedily)
+                value = _text_rule(key, sub)
+            else:
+                value = f"%json {json.dumps({**sub, 'x-guidance': COMPACT, **defs})} " + _lit("\n</parameter>\n")
+            param = f"({_lit(f'<parameter={key}>' + chr(10))} {value})"
             parts.append(param if key in required else param + "?")
-        parts.append('"</function>\\n"')
+        parts.append(_lit("</function>\n"))
         return " ".join(parts)
 
+    def check(self, name: str, schema: dict) -> None:
+        """ToolError for what this syntax cannot carry: a parameter key its tags cannot hold."""
+        for key in schema.get("properties", {}):
+            if not self.KEY.fullmatch(key):
+                raise ToolError(f"tools: {name}'s parameter {key!r} cannot be written as <parameter={key}> "
+                                "(blanks, quotes, <, >, = and / are not allowed there)")
 
-def _text_rule(schema: dict) -> str:
-    """A string parameter's raw text as a grammar: its enum or const, its length bounds; never the ``</`` of the
-    closing tag (held values cannot hold one)."""
+
+def _lit(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text)
+
+
+def _split_defs(schema: dict) -> tuple[dict, dict]:
+    """A parameters schema apart from its ``$defs`` / ``definitions``, which go to the root of the schema it is
+    put in (so its ``#/$defs/...`` references still resolve)."""
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    return {k: v for k, v in schema.items() if k not in defs}, defs
+
+
+def _text_rule(key: str, schema: dict) -> str:
+    """A string parameter's raw text and the closing tag as one grammar item: its enum or const, else text
+    within its length bounds. Held text cannot hold ``</`` (nor ``<`` at all under length bounds)."""
+    close = "\n</parameter>\n"
     options = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    if options and all(isinstance(o, str) for o in options):
-        return "(" + " | ".join(json.dumps(o) for o in options) + ")"
-    lo, hi = schema.get("minLength"), schema.get("maxLength")
-    if isinstance(lo, int) or isinstance(hi, int):
-        return f"/[^<]{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}/"
-    return r"/([^<]|<[^\/])*/"
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return "(" + " | ".join(_lit(o + close) for o in options) + ")"
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    tail = r"\n<\/parameter>\n"
+    if hi is not None or lo:
+        return f"/[^<]{{{lo},{'' if hi is None else hi}}}{tail}/"
+    return f"/([^<]|<[^\\/])*{tail}/"
 
 
 def _is_string(schema) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "string"
 
 
-def _json_or_text(text: str):
+def _loads(text: str):
+    """JSON text's value, or None (not JSON, or nested past what the parser takes)."""
     try:
         return json.loads(text)
-    except ValueError:
-        return text
+    except (ValueError, RecursionError):
+        return None
+
+
+def _json_or_text(text: str):
+    value = _loads(text)
+    return text if value is None and text.strip() != "null" else value
 
 
 SYNTAXES = {"hermes": Hermes(), "xml": Xml()}
 
 
 def syntax_of(template: str | None) -> Hermes | Xml | None:
-    """The call syntax a chat template shows its model (None: neither of those read here)."""
-    if not template or OPEN not in template:
+    """The call syntax a chat template shows its model (None: neither of those read here, e.g. GLM-4.5's
+    <tool_call>NAME<arg_key>...)."""
+    if not template or OPEN not in template or "<arg_key>" in template:
         return None
     return SYNTAXES["xml"] if "<function=" in template else SYNTAXES["hermes"]
 
@@ -171,14 +201,16 @@ def takes_tools(tokenizer) -> bool:
 class ToolUse:
     """A chat request's tools: what the template renders, what the reply is held to, how it is read."""
 
-    render: list[dict] | None  # the ``tools`` the template takes (None: tool_choice "none", none rendered)
+    render: list[dict] | None  # the ``tools`` the template takes (None for tool_choice "none": none rendered)
     schemas: dict[str, dict]  # name -> parameters' JSON schema
-    choice: str  # "none" | "auto" | "required" | a function's name
+    choice: str  # "none" | "auto" | "required" | "function" (the one named ``function``)
     parallel: bool
     syntax: Hermes | Xml | None
+    function: str | None = None
 
     @classmethod
-    def parse(cls, tools: list[dict] | None, choice: str | dict | None, parallel: bool, tokenizer) -> ToolUse | None:
+    def parse(cls, tools: list[dict] | None, choice: str | dict | None, parallel: bool,
+              tokenizer) -> ToolUse | None:
         """The request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked against each other and
         the model's template (ToolError naming what is wrong); None without tools."""
         if not tools:
@@ -188,17 +220,18 @@ class ToolUse:
         schemas: dict[str, dict] = {}
         for i, t in enumerate(tools):
             fn = t["function"]
-            if not NAME.fullmatch(fn["name"]):
-                raise ToolError(f"tools[{i}].function.name {fn['name']!r}: a name is 1-64 letters, digits, "
-                                "'_' or '-'")
-            if fn["name"] in schemas:
-                raise ToolError(f"tools[{i}].function.name {fn['name']!r} is listed twice")
-            schemas[fn["name"]] = fn.get("parameters") or {"type": "object", "properties": {}}
+            name = fn["name"]
+            if not NAME.fullmatch(name):
+                raise ToolError(f"tools[{i}].function.name {name!r}: a name is 1-64 letters, digits, '_' or '-'")
+            if name in schemas:
+                raise ToolError(f"tools[{i}].function.name {name!r} is listed twice")
+            schemas[name] = fn.get("parameters") or {"type": "object", "properties": {}}
+            _check_parameters(f"tools[{i}].function.parameters", schemas[name])
+        function = None
         if isinstance(choice, dict):
-            name = choice["function"]["name"]
-            if name not in schemas:
-                raise ToolError(f"tool_choice names the function {name!r}, which tools does not list")
-            choice = name
+            function, choice = choice["function"]["name"], "function"
+            if function not in schemas:
+                raise ToolError(f"tool_choice names the function {function!r}, which tools does not list")
         choice = choice or "auto"
         if choice == "none":
             return cls(None, schemas, "none", parallel, None)
@@ -209,26 +242,64 @@ class ToolUse:
         if syntax is None:
             raise ToolError("this model's chat template takes tools, but writes its calls in a syntax ktquest "
                             f"does not read (it reads {OPEN} blocks of JSON or of <function=...> XML)")
-        return cls([dict(t) for t in tools], schemas, choice, parallel, syntax)
+        if isinstance(syntax, Xml):
+            for name, schema in schemas.items():
+                syntax.check(name, schema)
+        return cls([dict(t) for t in tools], schemas, choice, parallel, syntax, function)
 
     def format(self) -> ResponseFormat | None:
-        """The grammar a reply is held to ("required": a call of any tool; a name: a call of that one); None
-        when the model chooses. FormatError (a 400) for a parameters schema that cannot be held to."""
+        """The grammar a reply is held to ("required": calls of any tool, one or several as ``parallel``
+        says; a named function: one call of it); None when the model chooses. FormatError (a 400) for a
+        parameters schema that cannot be held to."""
         if self.choice in ("none", "auto"):
             return None
-        names = list(self.schemas) if self.choice == "required" else [self.choice]
+        names = list(self.schemas) if self.choice == "required" else [self.function]
+        if isinstance(self.syntax, Xml):
+            for n in names:
+                _check_xml_held(n, self.schemas[n])
         rules = [f"call_{i}: {self.syntax.grammar(n, self.schemas[n])}" for i, n in enumerate(names)]
         body = " | ".join(f"call_{i}" for i in range(len(names)))
-        calls = 'call ("\\n" call)*' if self.parallel else "call"
-        lark = "\n".join([f"start: {calls}", f'call: "{OPEN}" ({body}) "{CLOSE}"', *rules])
-        grammar = llguidance.grammar_from("lark", lark)
-        failed, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        calls = 'call ("\\n" call)*' if self.parallel and self.choice == "required" else "call"
+        lark = "\n".join([f"start: {calls}", f"call: {_lit(OPEN)} ({body}) {_lit(CLOSE)}", *rules])
+        try:
+            grammar = llguidance.grammar_from("lark", lark)
+            failed, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        except ValueError as e:
+            failed, msgs = True, [str(e)]
         if failed:
             raise FormatError(f"tools: a function's parameters cannot be held to: {msgs[0].strip()}")
         return ResponseFormat(grammar, "tool_call")
 
     def reader(self) -> CallReader | None:
         return None if self.syntax is None else CallReader(self.syntax, self.schemas)
+
+
+def _check_parameters(where: str, schema: dict) -> None:
+    """ToolError unless ``schema`` is an object schema whose properties and required keys are well formed."""
+    if schema.get("type", "object") != "object":
+        raise ToolError(f"{where}: the arguments are an object: its type must be 'object', not {schema['type']!r}")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+        raise ToolError(f"{where}.properties must be an object of schemas (objects)")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+        raise ToolError(f"{where}.required must be a list of property names")
+    for key, sub in props.items():
+        if "enum" in sub and not isinstance(sub["enum"], list):
+            raise ToolError(f"{where}.properties.{key}.enum must be a list")
+        for bound in ("minLength", "maxLength"):
+            if bound in sub and (not isinstance(sub[bound], int) or isinstance(sub[bound], bool) or sub[bound] < 0):
+                raise ToolError(f"{where}.properties.{key}.{bound} must be a non-negative integer")
+
+
+def _check_xml_held(name: str, schema: dict) -> None:
+    """FormatError for a string parameter the XML syntax's raw text cannot be held to."""
+    for key, sub in schema.get("properties", {}).items():
+        if _is_string(sub):
+            for kw in ("pattern", "format"):
+                if kw in sub:
+                    raise FormatError(f"tools: {name}'s parameter {key!r} has a {kw}, which a held call in this "
+                                      "model's syntax (<parameter=...> text) cannot be held to")
 
 
 class CallReader:
@@ -239,20 +310,30 @@ class CallReader:
 
     def __init__(self, syntax: Hermes | Xml, schemas: dict[str, dict]):
         self.syntax, self.schemas = syntax, schemas
-        self.held = ""
+        self.held = ""  # outside a call: text that may begin one
         self.inside = False
+        self._parts: list[str] = []  # inside a call: its text so far (joined once it ends: a long call is linear)
+        self._tail = ""  # ... and its last characters (where the closing tag may have begun)
         self.after_call = False  # the last thing read was a call: blanks after it wait for what follows
         self.calls: list[ToolCall] = []
         self.content: list[str] = []
 
     def push(self, piece: str) -> list[tuple[str, ToolCall | None, int]]:
         out: list[tuple[str, ToolCall | None, int]] = []
-        buf, self.held = self.held + piece, ""
+        if self.inside:
+            window = self._tail + piece
+            if CLOSE not in window:
+                self._parts.append(piece)
+                self._tail = window[-(len(CLOSE) - 1):]
+                return out
+            buf, self._parts = "".join(self._parts) + piece, []
+        else:
+            buf, self.held = self.held + piece, ""
         while buf:
             if self.inside:
                 end = buf.find(CLOSE)
                 if end < 0:
-                    self.held = buf
+                    self._parts, self._tail = [buf], buf[-(len(CLOSE) - 1):]
                     break
                 call = self.syntax.read(buf[len(OPEN):end], self.schemas)
                 raw, buf = buf[:end + len(CLOSE)], buf[end + len(CLOSE):]
@@ -282,7 +363,8 @@ class CallReader:
 
     def flush(self) -> list[tuple[str, ToolCall | None, int]]:
         """The end of the reply: what was held is content (an unfinished call among it)."""
-        held, self.held, self.inside = self.held, "", False
+        held = "".join(self._parts) if self.inside else self.held
+        self.held, self.inside, self._parts = "", False, []
         if self.after_call and not held.strip():  # (blanks after the last call)
             return [("", None, len(held))] if held else []
         return [self._text(held)] if held else []
@@ -296,9 +378,10 @@ class CallReader:
         return "", call, len(raw)
 
     def message_content(self) -> str | None:
-        """The reply's content once its calls are taken out: None when only blanks are left beside calls."""
+        """The reply's content once its calls are taken out (as streamed): None when only blanks are left
+        beside calls."""
         text = "".join(self.content)
-        return None if self.calls and not text.strip() else text.strip() if self.calls else text
+        return None if self.calls and not text.strip() else text
 
 
 def _partial_tail(text: str, tag: str) -> int:

@@ -18,6 +18,7 @@ from test_server_requests import _serving
 import ktquest
 from ktquest.server.app import create_app
 from ktquest.server.worker import Worker
+from ktquest.structured import FormatError
 from ktquest.tool_calls import CallReader, Hermes, ToolError, ToolUse, Xml, syntax_of, takes_tools
 
 # A Hermes-style template (as Qwen2.5's and Qwen3's show their models): the tools as JSON lines in the system
@@ -262,3 +263,119 @@ def test_bad_tool_requests_are_400s(served):
                          ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id")):
         status, reply = post("/v1/chat/completions", body)
         assert status == 400 and needle in reply["error"]["message"], reply
+
+
+def _held_accepts(use: ToolUse, tok, text: str) -> bool:
+    """Whether the grammar a held reply follows takes ``text`` (tokenized as the tokenizer does) to its end."""
+    import torch
+
+    c = use.format().constraint(tok, len(tok.tokens))
+    try:
+        for t in tok.encode(text, add_bos=False, parse_special=False):
+            if c.apply(torch.zeros(len(tok.tokens)))[t] == float("-inf"):  # (as generate asks it)
+                return False
+            c.advance(t)
+        return c.complete
+    finally:
+        c.close()
+
+
+FREE = [{"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "required": ["text"], "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}}}}]
+
+
+def test_held_grammars_take_the_calls_they_should(engine):
+    """The grammar of a named call takes free string values (blanks, '<', new lines: not only the empty one),
+    optional parameters left out, and $ref'd definitions; it refuses what the schema does not allow."""
+    tok = engine.tokenizer
+    xml = isinstance(syntax_of(tok.chat_template), Xml)
+    use = ToolUse.parse(FREE, {"type": "function", "function": {"name": "note"}}, True, tok)
+
+    def call(text, n=None):
+        if xml:
+            extra = "" if n is None else f"<parameter=n>\n{n}\n</parameter>\n"
+            return f"<tool_call>\n<function=note>\n<parameter=text>\n{text}\n</parameter>\n{extra}</function>\n</tool_call>"
+        args = {"text": text} | ({} if n is None else {"n": n})
+        return f'<tool_call>\n{json.dumps({"name": "note", "arguments": args})}\n</tool_call>'
+
+    for text in ("UTC", "Europe/Oslo", "two words\nand a line", "x < y", ""):
+        assert _held_accepts(use, tok, call(text)), text
+    assert _held_accepts(use, tok, call("hi", 3))
+    assert not _held_accepts(use, tok, call("hi", "three"))
+    assert not _held_accepts(use, tok, call("hi") + "\n" + call("again"))  # a named call is one call
+    ref = [{"type": "function", "function": {"name": "place", "parameters": {
+        "type": "object", "required": ["at"], "properties": {"at": {"$ref": "#/$defs/Point"}},
+        "$defs": {"Point": {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}}}}}]
+    use = ToolUse.parse(ref, "required", False, tok)
+    text = ('<tool_call>\n<function=place>\n<parameter=at>\n{"x": 4}\n</parameter>\n</function>\n</tool_call>' if xml
+            else '<tool_call>\n{"name": "place", "arguments": {"at": {"x": 4}}}\n</tool_call>')
+    assert _held_accepts(use, tok, text)
+
+
+def test_a_tool_may_be_named_like_a_choice(engine):
+    """A function named "none", "auto" or "required" chosen by name is that function, held to one call."""
+    tok = engine.tokenizer
+    for name in ("none", "auto", "required"):
+        tools = [{"type": "function", "function": {"name": name}}, TOOLS[1]]
+        use = ToolUse.parse(tools, {"type": "function", "function": {"name": name}}, True, tok)
+        assert use.render is not None and use.choice == "function" and use.function == name
+        assert use.format() is not None
+
+
+def test_schemas_that_cannot_be_carried_are_named(engine):
+    tok = engine.tokenizer
+    xml = isinstance(syntax_of(tok.chat_template), Xml)
+    for params, match in (({"type": "object", "properties": [1]}, "properties"),
+                          ({"type": "object", "required": 5}, "required"),
+                          ({"type": "object", "required": [["a"]]}, "required"),
+                          ({"type": "object", "properties": {"a": {"type": "string", "enum": 5}}}, "enum"),
+                          ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}, "maxLength"),
+                          ({"type": "string"}, "object")):
+        with pytest.raises(ToolError, match=match):
+            ToolUse.parse([{"type": "function", "function": {"name": "f", "parameters": params}}], "auto", True, tok)
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {'x" | /.*/ | "y': {"type": "string"}}}}}]
+    if xml:  # a key its tags cannot hold
+        with pytest.raises(ToolError, match="cannot be written"):
+            ToolUse.parse(odd, "required", True, tok)
+        pat = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}}}}}]
+        with pytest.raises(FormatError, match="pattern"):
+            ToolUse.parse(pat, "required", True, tok).format()
+    else:  # JSON carries any key
+        assert ToolUse.parse(odd, "required", True, tok).format() is not None
+
+
+def test_deep_or_deprecated_requests_are_400s(served):
+    post, _ = served
+    deep = "[" * 3000 + "]" * 3000
+    for body, needle in (
+            ({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + deep + "}"}}]}]},
+             "arguments"),
+            ({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + "[" * 100 +
+                                                             "]" * 100 + "}"}}]}]}, "nested too deeply"),
+            ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+             "tools and tool_choice"),
+            ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
+              "function": {"name": "f", "parameters": {"type": "object", "properties": [1]}}}],
+              "tool_choice": "required"}, "properties")):
+        status, reply = post("/v1/chat/completions", body)
+        assert status == 400 and needle in reply["error"]["message"], reply
+    status, reply = post("/v1/completions", {"model": "m", "prompt": "hi", "tool_choice": "auto"})
+    assert status == 400 and "chat" in reply["error"]["message"]
+
+
+def test_a_long_call_is_read_in_linear_time():
+    """A call of 200,000 characters arriving a few characters at a time: read once it ends (the reader keeps
+    its pieces and looks only at their tail for the closing tag)."""
+    import time
+
+    body = json.dumps({"name": "note", "arguments": {"text": "word " * 40000}})
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    reader = CallReader(Hermes(), {})
+    t0 = time.perf_counter()
+    events = [e for i in range(0, len(text), 3) for e in reader.push(text[i:i + 3])] + reader.flush()
+    assert [c.name for _, c, _ in events if c] == ["note"] and sum(n for *_, n in events) == len(text)
+    assert time.perf_counter() - t0 < 10  # (quadratic: minutes)

@@ -117,6 +117,7 @@ class Tokenizer:
         empty: none, a base model's plain text. A ``ChatTemplateError`` if it does not compile (then unchanged)."""
         self._template = ChatTemplate(source) if source else PlainText()
         self.chat_template = source or None
+        self._takes_tools = None  # (ktquest.tool_calls.takes_tools: found again for this template)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], chat_template: str | None = None) -> Tokenizer:

@@ -275,6 +275,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             return _sse({**head, "object": obj, "choices": [choice]})
 
         reader = job.tools.reader() if job.tools is not None else None  # the calls a reply writes
+        carry = [0]  # characters read by ``reader`` not yet counted by a chunk
 
         def out(kind: str, text: str, end: bool = False) -> list[str]:
             """The chunks a piece of the reply makes: thinking, content, or (read by ``reader``) its calls."""
@@ -282,10 +283,14 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
                 return [chunk(text, field="reasoning_content")]
             if reader is None:
                 return [chunk(text)] if text else []
-            events = reader.push(text) + (reader.flush() if end else [])
-            return [chunk(t, consumed=n) if call is None else
-                    chunk(None, call=call.openai(index=reader.calls.index(call)), consumed=n)
-                    for t, call, n in events if call is not None or t]
+            chunks = []
+            for t, call, n in reader.push(text) + (reader.flush() if end else []):
+                carry[0] += n  # (the blanks between calls send nothing: their characters go with what follows)
+                if call is not None or t:
+                    call_delta = None if call is None else call.openai(index=reader.calls.index(call))
+                    chunks.append(chunk(t or None, call=call_delta, consumed=carry[0]))
+                    carry[0] = 0
+            return chunks
 
         async def events() -> AsyncIterator[str]:
             try:

@@ -14,12 +14,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from ktquest.chat import encode_chat
-from ktquest.server.schema import ChatRequest
+from ktquest.server.schema import MAX_DEPTH, ChatRequest, deeper_than
 from ktquest.tool_calls import ToolError, ToolUse
 from ktquest.turn import PromptTooLongError
 
 TOKEN_SLACK_BYTES = 1024  # over the context times the longest token: what normalization may shrink
-MAX_DEPTH = 64  # JSON nested deeper than this is refused (400): OpenAI's requests nest a few levels
 
 
 class APIError(Exception):
@@ -64,7 +63,7 @@ async def read_json(request: Request, max_body: int) -> object:
             from None
     try:
         value = json.loads(body, parse_constant=_not_json)
-        too_deep = _deeper_than(value, MAX_DEPTH)
+        too_deep = deeper_than(value, MAX_DEPTH)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, _not_json's
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # json's parser recurses per level: past the interpreter's limit
@@ -77,18 +76,6 @@ async def read_json(request: Request, max_body: int) -> object:
 
 def _not_json(name: str) -> float:  # Python's json reads NaN and Infinity; JSON has neither
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _deeper_than(value: object, limit: int) -> bool:
-    """Whether arrays and objects nest in ``value`` more than ``limit`` levels (without recursion)."""
-    todo = [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        todo.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
-    return False
 
 
 def invalid(e: ValidationError) -> APIError:

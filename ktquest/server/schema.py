@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ktquest.config import INT_MAX, SEED_MAX
 
 MAX_STOPS = 4  # OpenAI's limit
+MAX_DEPTH = 64  # JSON nested deeper than this is refused (400): OpenAI's requests nest a few levels
 
 
 class _Request(BaseModel):
@@ -133,6 +134,8 @@ class ChatRequest(_Request):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # (ktquest.tool_calls)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool = True
+    functions: list | None = None  # OpenAI's deprecated names for tools and tool_choice: refused, not ignored
+    function_call: str | dict | None = None
     logprobs: bool = False  # each reply token's log probability (server/logprobs.py) ...
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # ... and this many most likely tokens
 
@@ -141,6 +144,13 @@ class ChatRequest(_Request):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated(cls, value, info):
+        if value is not None:
+            raise ValueError(f"{info.field_name} is OpenAI's deprecated form: send tools and tool_choice")
+        return value
 
     def n_logprobs(self) -> int | None:
         """The alternatives a token's logprobs list (None: no logprobs)."""
@@ -180,13 +190,28 @@ class ChatRequest(_Request):
 
 
 def _arguments(text: str, i: int, j: int) -> dict:
+    where = f"messages[{i}].tool_calls[{j}].function.arguments"
     try:
         args = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         args = None
     if not isinstance(args, dict):
-        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object: {text[:80]!r}")
+        raise ValueError(f"{where} is not a JSON object: {text[:80]!r}")
+    if deeper_than(args, MAX_DEPTH):
+        raise ValueError(f"{where} is nested too deeply: more than {MAX_DEPTH} levels of arrays and objects")
     return args
+
+
+def deeper_than(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest in ``value`` more than ``limit`` levels (without recursion)."""
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        todo.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+    return False
 
 
 class CompletionRequest(_Request):
@@ -199,7 +224,8 @@ class CompletionRequest(_Request):
     def n_logprobs(self) -> int | None:
         return self.logprobs
 
-    tools: list | None = None  # (a chat field: refused here rather than ignored)
+    tools: list | None = None  # (chat fields: refused here rather than ignored)
+    tool_choice: str | dict | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> CompletionRequest:
@@ -207,12 +233,12 @@ class CompletionRequest(_Request):
             raise ValueError("prompt is empty: there is nothing to continue from")
         return self
 
-    @field_validator("tools")
+    @field_validator("tools", "tool_choice")
     @classmethod
-    def _chat_only(cls, tools: list | None) -> list | None:
-        if tools:
-            raise ValueError("tools are a chat request's: send them to /v1/chat/completions")
-        return tools
+    def _chat_only(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is a chat request's: send it to /v1/chat/completions")
+        return value
 
 
 _Request.model_rebuild()
