@@ -61,58 +61,92 @@ DecodeLayer::DecodeLayer(const DecodeLayerWeights& w) : w_(w) {
 }
 
 void DecodeLayer::qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads) {
+  this->qkv(x, 1, &cos, &sin, qkv, n_threads);
+}
+
+void DecodeLayer::out(const float* attn, float* x, int n_threads) { this->out(attn, x, 1, n_threads); }
+
+void DecodeLayer::qkv(const float* x, int64_t T, const float* const* cos, const float* const* sin, float* qkv,
+                      int n_threads) {
   const QuantMatrix& m = w_.wqkv;
-  rms_norm(x, w_.attn_norm, m.in, w_.eps, xn_.data());
+  const int64_t dim = m.in, rows = m.out;
+  grow(xn_, T * dim);
+  for (int64_t t = 0; t < T; ++t) rms_norm(x + t * dim, w_.attn_norm, dim, w_.eps, xn_.data() + t * dim);
   if (w_.qkv_perm.empty()) {
-    gemv_matrix(m, xn_.data(), 1, qkv, n_threads);
+    gemv_matrix(m, xn_.data(), T, qkv, n_threads);
   } else {
-    gemv_matrix(m, xn_.data(), 1, proj_.data(), n_threads);
-    for (int64_t i = 0; i < m.out; ++i) qkv[i] = proj_[size_t(w_.qkv_perm[size_t(i)])];
+    grow(proj_, T * rows);
+    gemv_matrix(m, xn_.data(), T, proj_.data(), n_threads);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < rows; ++i) qkv[t * rows + i] = proj_[size_t(t * rows + w_.qkv_perm[size_t(i)])];
   }
   const int D = w_.head_dim, half = D / 2;
-  if (w_.q_norm != nullptr)  // QK-norm: each head normed over its D values, before RoPE
-    for (int h = 0; h < w_.n_heads; ++h) rms_norm(qkv + int64_t(h) * D, w_.q_norm, D, w_.eps, qkv + int64_t(h) * D);
-  if (w_.k_norm != nullptr)
-    for (int h = w_.n_heads; h < w_.n_heads + w_.n_kv_heads; ++h)
-      rms_norm(qkv + int64_t(h) * D, w_.k_norm, D, w_.eps, qkv + int64_t(h) * D);
-  // RoPE, rotate-half: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i] on each q and k head (v untouched).
   float* tmp = rope_.data();  // one head
-  for (int h = 0; h < w_.n_heads + w_.n_kv_heads; ++h) {
-    float* v = qkv + int64_t(h) * D;
-    for (int i = 0; i < D; ++i) tmp[i] = v[i] * cos[i] + v[(i + half) % D] * sin[i];
-    for (int i = 0; i < D; ++i) v[i] = tmp[i];
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = qkv + t * rows;
+    if (w_.q_norm != nullptr)  // QK-norm: each head normed over its D values, before RoPE
+      for (int h = 0; h < w_.n_heads; ++h) rms_norm(row + int64_t(h) * D, w_.q_norm, D, w_.eps, row + int64_t(h) * D);
+    if (w_.k_norm != nullptr)
+      for (int h = w_.n_heads; h < w_.n_heads + w_.n_kv_heads; ++h)
+        rms_norm(row + int64_t(h) * D, w_.k_norm, D, w_.eps, row + int64_t(h) * D);
+    // RoPE, rotate-half: y[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i] on each q and k head (v untouched), with
+    // token t's own row.
+    const float *c = cos[t], *s = sin[t];
+    for (int h = 0; h < w_.n_heads + w_.n_kv_heads; ++h) {
+      float* v = row + int64_t(h) * D;
+      for (int i = 0; i < D; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % D] * s[i];
+      for (int i = 0; i < D; ++i) v[i] = tmp[i];
+    }
   }
 }
 
-void DecodeLayer::out(const float* attn, float* x, int n_threads) {
+void DecodeLayer::out(const float* attn, float* x, int64_t T, int n_threads) {
   const int64_t dim = w_.wo.out, ffn = w_.w_down.in;
-  // x += Wo attn (xn_ holds the projection, then the normed residual)
-  gemv_matrix(w_.wo, attn, 1, xn_.data(), n_threads);
-  if (w_.post_attn_norm != nullptr) rms_norm(xn_.data(), w_.post_attn_norm, dim, w_.eps, xn_.data());
-  for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
-  rms_norm(x, w_.ffn_norm, dim, w_.eps, xn_.data());
-  if (w_.ffn == FfnKind::MOE) {
-    moe_->run(xn_.data(), f_.data(), n_threads);
-    if (w_.post_ffn_norm != nullptr) rms_norm(f_.data(), w_.post_ffn_norm, dim, w_.eps, f_.data());
-    for (int64_t i = 0; i < dim; ++i) x[i] += f_[i];
+  grow(xn_, T * dim);
+  float* xn = xn_.data();
+  // x += Wo attn (xn holds the projection, then the normed residual)
+  gemv_matrix(w_.wo, attn, T, xn, n_threads);
+  for (int64_t t = 0; t < T; ++t) {
+    float *a = xn + t * dim, *xt = x + t * dim;
+    if (w_.post_attn_norm != nullptr) rms_norm(a, w_.post_attn_norm, dim, w_.eps, a);
+    for (int64_t i = 0; i < dim; ++i) xt[i] += a[i];
+    rms_norm(xt, w_.ffn_norm, dim, w_.eps, a);
+  }
+  if (w_.ffn == FfnKind::MOE) {  // (the experts a token picks are its own: one token at a time)
+    for (int64_t t = 0; t < T; ++t) {
+      float* xt = x + t * dim;
+      moe_->run(xn + t * dim, f_.data(), n_threads);
+      if (w_.post_ffn_norm != nullptr) rms_norm(f_.data(), w_.post_ffn_norm, dim, w_.eps, f_.data());
+      for (int64_t i = 0; i < dim; ++i) xt[i] += f_[i];
+    }
     return;
   }
-  gemv_matrix(w_.w_gate_up, xn_.data(), 1, h_.data(), n_threads);
-  if (w_.ffn == FfnKind::SWIGLU) {
-    for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = silu(gate) * up
-      const float g = h_[i];
-      h_[i] = g / (1.f + std::exp(-g)) * h_[ffn + i];
-    }
-  } else {
-    for (int64_t i = 0; i < ffn; ++i) {  // h[:ffn] = gelu_tanh(gate) * up (torch's approximate="tanh")
-      const float g = h_[i];
-      const float t = std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g));  // sqrt(2/pi)
-      h_[i] = 0.5f * g * (1.f + t) * h_[ffn + i];
+  grow(h_, T * 2 * ffn);
+  grow(g_, T * ffn);
+  gemv_matrix(w_.w_gate_up, xn, T, h_.data(), n_threads);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* h = h_.data() + t * 2 * ffn;  // [gate | up]
+    float* g = g_.data() + t * ffn;
+    if (w_.ffn == FfnKind::SWIGLU) {
+      for (int64_t i = 0; i < ffn; ++i) g[i] = h[i] / (1.f + std::exp(-h[i])) * h[ffn + i];  // silu(gate) * up
+    } else {
+      for (int64_t i = 0; i < ffn; ++i) {  // gelu_tanh(gate) * up (torch's approximate="tanh")
+        const float v = h[i];
+        const float th = std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v));  // sqrt(2/pi)
+        g[i] = 0.5f * v * (1.f + th) * h[ffn + i];
+      }
     }
   }
-  gemv_matrix(w_.w_down, h_.data(), 1, xn_.data(), n_threads);
-  if (w_.post_ffn_norm != nullptr) rms_norm(xn_.data(), w_.post_ffn_norm, dim, w_.eps, xn_.data());
-  for (int64_t i = 0; i < dim; ++i) x[i] += xn_[i];
+  gemv_matrix(w_.w_down, g_.data(), T, xn, n_threads);
+  for (int64_t t = 0; t < T; ++t) {
+    float *f = xn + t * dim, *xt = x + t * dim;
+    if (w_.post_ffn_norm != nullptr) rms_norm(f, w_.post_ffn_norm, dim, w_.eps, f);
+    for (int64_t i = 0; i < dim; ++i) xt[i] += f[i];
+  }
+}
+
+void DecodeLayer::grow(std::vector<float>& v, int64_t n) {
+  if (int64_t(v.size()) < n) v.resize(size_t(n));
 }
 
 }  // namespace ktq

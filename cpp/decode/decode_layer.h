@@ -66,6 +66,11 @@ class DecodeLayer {
   void qkv(const float* x, const float* cos, const float* sin, float* qkv, int n_threads);
   // attn: [H * D] (attention output), x: [dim] updated in place to the block's output.
   void out(const float* attn, float* x, int n_threads);
+  // The same for T tokens of T sequences at once (batched decode): x [T, dim], cos[t] / sin[t] token t's RoPE
+  // row, qkv [T, (H + 2 KVH) * D]; attn [T, H * D]. Each matrix is read once for the T tokens (gemv_matrix with
+  // T rows), and token t's result is what the one-token call gives it, bit for bit.
+  void qkv(const float* x, int64_t T, const float* const* cos, const float* const* sin, float* qkv, int n_threads);
+  void out(const float* attn, float* x, int64_t T, int n_threads);
   const DecodeLayerWeights& weights() const { return w_; }
   int64_t dim() const { return w_.wo.out; }        // the residual stream
   int64_t qkv_size() const { return w_.wqkv.out; }  // (H + 2 KVH) * D
@@ -73,10 +78,12 @@ class DecodeLayer {
 
  private:
   DecodeLayerWeights w_;
-  std::vector<float> xn_, h_, f_;  // normed input [dim]; FFN hidden [2 * ffn]; MOE output [dim]
+  static void grow(std::vector<float>& v, int64_t n);
+  // normed input [T, dim]; FFN hidden [T, 2 * ffn] and its activation [T, ffn]; MOE output [dim]
+  std::vector<float> xn_, h_, g_, f_;
   std::unique_ptr<MoeFfn> moe_;   // MOE
   std::vector<float> rope_;    // one head rotated [D]
-  std::vector<float> proj_;    // the qkv projection before qkv_perm [(H + 2 KVH) * D] (llama files)
+  std::vector<float> proj_;    // the qkv projection before qkv_perm [T, (H + 2 KVH) * D] (llama files)
 };
 
 // y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], n values (mean accumulated in double). y may be x.

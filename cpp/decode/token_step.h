@@ -42,4 +42,18 @@ struct TokenLayer {
 void decode_token(DecodeLayer* const* blocks, const TokenLayer* layers, int n_layers, KVStore* st, float* x,
                   const float* cos, const float* sin, float scale, int n_threads);
 
+// One token of each of n_seqs sequences at once (batched decode: the server's parallel slots): sequence s's
+// layers, store (null: no STORE layer) and RoPE rows [n_tables, D]; x [n_seqs, dim]. Each block's matrices are
+// read once for all the tokens (DecodeLayer's T-token stages); each token attends its own sequence's cache. Token
+// s's result is what decode_token gives it alone, bit for bit. All or nothing over the batch: when a layer
+// throws, every sequence's STORE layers are rolled back and x restored.
+struct SeqStep {
+  const TokenLayer* layers = nullptr;  // [n_layers]
+  KVStore* st = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+};
+void decode_tokens(DecodeLayer* const* blocks, int n_layers, const SeqStep* seqs, int n_seqs, float* x, float scale,
+                   int n_threads);
+
 }  // namespace ktq

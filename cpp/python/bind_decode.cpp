@@ -46,6 +46,96 @@ void layer_check(const PyDecodeLayer& L, const KVStore& st, int index) {
                           std::to_string(w.n_kv_heads) + " of dim " + std::to_string(w.head_dim));
 }
 
+// The blocks of a whole-token call: DecodeLayers of one dim and head_dim, one per layer plan (n of them).
+std::vector<DecodeLayer*> block_args(const py::list& blocks_obj, int n_plans) {
+  const int n = int(py::len(blocks_obj));
+  if (n < 1 || n_plans != n)
+    throw py::value_error("blocks and layers: expected one layer plan per block (at least one), got " +
+                          std::to_string(n) + " and " + std::to_string(n_plans));
+  std::vector<DecodeLayer*> out(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    if (!py::isinstance<PyDecodeLayer>(blocks_obj[i]))
+      throw py::type_error("blocks[" + std::to_string(i) + "]: expected a DecodeLayer, got " +
+                           py::str(py::type::of(blocks_obj[i])).cast<std::string>());
+    out[size_t(i)] = blocks_obj[i].cast<PyDecodeLayer&>().layer.get();
+    if (out[size_t(i)]->dim() != out[0]->dim() || out[size_t(i)]->weights().head_dim != out[0]->weights().head_dim)
+      throw py::value_error("blocks[" + std::to_string(i) + "]: dim " + std::to_string(out[size_t(i)]->dim()) +
+                            " and head_dim " + std::to_string(out[size_t(i)]->weights().head_dim) + ", block 0 has " +
+                            std::to_string(out[0]->dim()) + " and " + std::to_string(out[0]->weights().head_dim));
+  }
+  return out;
+}
+
+// One sequence's token plan, checked: its layers (TokenLayer each) and store; the arrays they borrow stay here.
+struct [[gnu::visibility("hidden")]] SeqArgs {
+  std::vector<TokenLayer> layers;
+  std::vector<StepArgs> args;            // the STORE layers' window arrays
+  std::vector<py::array_t<float>> keep;  // the DENSE layers' arrays
+  KVStore* st = nullptr;
+};
+
+void seq_args(SeqArgs& seq, const std::string& where, const py::list& blocks_obj,
+              const std::vector<DecodeLayer*>& blocks, const py::array_t<int32_t>& rope, int64_t n_tables,
+              const py::list& layers_obj, const py::object& store_obj, int64_t w0, int64_t width, int64_t skip0,
+              int64_t skip1, int n_threads) {
+  const int n = int(blocks.size()), D = blocks[0]->weights().head_dim;
+  if (int(py::len(layers_obj)) != n)
+    throw py::value_error(where + "layers: expected " + std::to_string(n) + " layer plans (one per block), got " +
+                          std::to_string(py::len(layers_obj)));
+  if (!store_obj.is_none() && !py::isinstance<KVStore>(store_obj))
+    throw py::type_error(where + "store: expected a KVStore or None, got " +
+                         py::str(py::type::of(store_obj)).cast<std::string>());
+  KVStore* st = store_obj.is_none() ? nullptr : &store_obj.cast<KVStore&>();
+  seq.st = st;
+  seq.layers.assign(size_t(n), TokenLayer{});
+  seq.args.assign(size_t(n), StepArgs{});
+  int store_layers = 0;
+  for (int i = 0; i < n; ++i) {  // every argument of every layer is checked before the first layer runs
+    const std::string at = where + "layers[" + std::to_string(i) + "]";
+    TokenLayer& L = seq.layers[size_t(i)];
+    const DecodeLayerWeights& w = blocks[size_t(i)]->weights();
+    L.rope = rope.data()[i];
+    if (L.rope < 0 || L.rope >= n_tables)
+      throw py::value_error("rope[" + std::to_string(i) + "]=" + std::to_string(L.rope) + ": expected a table "
+                            "of cos/sin, 0.." + std::to_string(n_tables - 1));
+    const py::handle o = layers_obj[i];
+    const bool tuple = py::isinstance<py::tuple>(o) && py::len(o) >= 1 && py::isinstance<py::str>(o[py::int_(0)]);
+    const std::string kind = tuple ? o[py::int_(0)].cast<std::string>() : "";
+    if (kind == "dense" && py::len(o) == 6) {
+      auto k = array_arg<float>(o[py::int_(1)], (at + ".k").c_str(), {w.n_kv_heads, -1, D});
+      auto v = array_arg<float>(o[py::int_(2)], (at + ".v").c_str(), {w.n_kv_heads, k.shape(1), D});
+      if (!k.writeable() || !v.writeable()) throw py::value_error(at + ": k/v must be writeable");
+      const int64_t r = int_item(o, 3, at + ".w0"), a = int_item(o, 4, at + ".skip0"), b = int_item(o, 5, at + ".skip1");
+      if (r < 0 || r >= k.shape(1) || a < 0 || b < a || b > r)
+        throw py::value_error(at + ": row w0=" + std::to_string(r) + " and skip [" + std::to_string(a) + ", " +
+                              std::to_string(b) + ") must satisfy 0 <= skip0 <= skip1 <= w0 < " +
+                              std::to_string(k.shape(1)) + " (the buffer's rows)");
+      L.kind = LayerKind::DENSE;
+      L.dense = DenseStep{k.mutable_data(), v.mutable_data(), k.shape(1), r, a, b};
+      seq.keep.push_back(k), seq.keep.push_back(v);
+    } else if (kind == "store" && py::len(o) == 4) {
+      if (st == nullptr) throw py::value_error(at + ": a store layer, but no store was given");
+      if (store_layers >= st->config().n_layers)
+        throw py::value_error(at + ": store layer " + std::to_string(store_layers) + ", the store has " +
+                              std::to_string(st->config().n_layers));
+      layer_check(blocks_obj[i].cast<const PyDecodeLayer&>(), *st, i);
+      const py::handle p = o[py::int_(3)];
+      if (!py::isinstance<StorePlan>(p))
+        throw py::type_error(at + "[3]: expected a StorePlan, got " + py::str(py::type::of(p)).cast<std::string>());
+      step_args(*st, seq.args[size_t(i)], w.n_heads, o[py::int_(1)], o[py::int_(2)], w0, width, skip0, skip1,
+                n_threads, p.cast<const StorePlan&>());
+      L.kind = LayerKind::STORE;
+      L.store_layer = store_layers++;
+      L.step = seq.args[size_t(i)].step;
+    } else {
+      throw py::value_error(at + ": expected ('dense', k, v, w0, skip0, skip1) or ('store', win_k, win_v, plan)");
+    }
+  }
+  if (st != nullptr && store_layers != st->config().n_layers)
+    throw py::value_error(where + "layers: " + std::to_string(store_layers) + " store layers, the store has " +
+                          std::to_string(st->config().n_layers) + " (one per store layer)");
+}
+
 }  // namespace
 
 void bind_decode(py::module_& m) {
@@ -163,92 +253,22 @@ void bind_decode(py::module_& m) {
                            const py::handle& sin_obj, const py::handle& rope_obj, const py::list& layers_obj,
                            float scale, int n_threads, const py::object& store_obj, int64_t w0, int64_t width,
                            int64_t skip0, int64_t skip1) {
-          const int n = int(py::len(blocks_obj));
-          if (n < 1 || int(py::len(layers_obj)) != n)
-            throw py::value_error("blocks and layers: expected one layer plan per block (at least one), got " +
-                                  std::to_string(n) + " and " + std::to_string(py::len(layers_obj)));
           check_threads(n_threads);
           check_finite(scale, "scale");
-          if (!store_obj.is_none() && !py::isinstance<KVStore>(store_obj))
-            throw py::type_error("store: expected a KVStore or None, got " +
-                                 py::str(py::type::of(store_obj)).cast<std::string>());
-          KVStore* st = store_obj.is_none() ? nullptr : &store_obj.cast<KVStore&>();
-          // Every argument of every layer is checked before the first layer runs.
-          std::vector<PyDecodeLayer*> ls(n);
-          for (int i = 0; i < n; ++i) {
-            if (!py::isinstance<PyDecodeLayer>(blocks_obj[i]))
-              throw py::type_error("blocks[" + std::to_string(i) + "]: expected a DecodeLayer, got " +
-                                   py::str(py::type::of(blocks_obj[i])).cast<std::string>());
-            ls[i] = &blocks_obj[i].cast<PyDecodeLayer&>();
-            if (ls[i]->layer->dim() != ls[0]->layer->dim() ||
-                ls[i]->layer->weights().head_dim != ls[0]->layer->weights().head_dim)
-              throw py::value_error("blocks[" + std::to_string(i) + "]: dim " + std::to_string(ls[i]->layer->dim()) +
-                                    " and head_dim " + std::to_string(ls[i]->layer->weights().head_dim) +
-                                    ", block 0 has " + std::to_string(ls[0]->layer->dim()) + " and " +
-                                    std::to_string(ls[0]->layer->weights().head_dim));
-          }
-          const int D = ls[0]->layer->weights().head_dim;
-          auto x = array_arg<float>(x_obj, "x", {ls[0]->layer->dim()});
+          const std::vector<DecodeLayer*> blocks = block_args(blocks_obj, int(py::len(layers_obj)));
+          const int n = int(blocks.size()), D = blocks[0]->weights().head_dim;
+          auto x = array_arg<float>(x_obj, "x", {blocks[0]->dim()});
           auto c = array_arg<float>(cos_obj, "cos", {-1, D});
           auto s = array_arg<float>(sin_obj, "sin", {c.shape(0), D});
           auto rope = array_arg<int32_t>(rope_obj, "rope", {n});
           if (!x.writeable()) throw py::value_error("x: must be writeable");
-          std::vector<TokenLayer> layers(n);
-          std::vector<StepArgs> args(n);  // the STORE layers' window arrays, alive for the call
-          std::vector<py::array_t<float>> keep;  // the DENSE layers' arrays
-          int store_layers = 0;
-          for (int i = 0; i < n; ++i) {
-            const std::string at = "layers[" + std::to_string(i) + "]";
-            TokenLayer& L = layers[i];
-            const DecodeLayerWeights& w = ls[i]->layer->weights();
-            L.rope = rope.data()[i];
-            if (L.rope < 0 || L.rope >= c.shape(0))
-              throw py::value_error("rope[" + std::to_string(i) + "]=" + std::to_string(L.rope) + ": expected a table "
-                                    "of cos/sin, 0.." + std::to_string(c.shape(0) - 1));
-            const py::handle o = layers_obj[i];
-            const bool tuple = py::isinstance<py::tuple>(o) && py::len(o) >= 1 && py::isinstance<py::str>(o[py::int_(0)]);
-            const std::string kind = tuple ? o[py::int_(0)].cast<std::string>() : "";
-            if (kind == "dense" && py::len(o) == 6) {
-              auto k = array_arg<float>(o[py::int_(1)], (at + ".k").c_str(), {w.n_kv_heads, -1, D});
-              auto v = array_arg<float>(o[py::int_(2)], (at + ".v").c_str(), {w.n_kv_heads, k.shape(1), D});
-              if (!k.writeable() || !v.writeable()) throw py::value_error(at + ": k/v must be writeable");
-              const int64_t r = int_item(o, 3, at + ".w0"), a = int_item(o, 4, at + ".skip0"),
-                            b = int_item(o, 5, at + ".skip1");
-              if (r < 0 || r >= k.shape(1) || a < 0 || b < a || b > r)
-                throw py::value_error(at + ": row w0=" + std::to_string(r) + " and skip [" + std::to_string(a) + ", " +
-                                      std::to_string(b) + ") must satisfy 0 <= skip0 <= skip1 <= w0 < " +
-                                      std::to_string(k.shape(1)) + " (the buffer's rows)");
-              L.kind = LayerKind::DENSE;
-              L.dense = DenseStep{k.mutable_data(), v.mutable_data(), k.shape(1), r, a, b};
-              keep.push_back(k), keep.push_back(v);
-            } else if (kind == "store" && py::len(o) == 4) {
-              if (st == nullptr) throw py::value_error(at + ": a store layer, but no store was given");
-              if (store_layers >= st->config().n_layers)
-                throw py::value_error(at + ": store layer " + std::to_string(store_layers) + ", the store has " +
-                                      std::to_string(st->config().n_layers));
-              layer_check(*ls[i], *st, i);
-              const py::handle p = o[py::int_(3)];
-              if (!py::isinstance<StorePlan>(p))
-                throw py::type_error(at + "[3]: expected a StorePlan, got " + py::str(py::type::of(p)).cast<std::string>());
-              step_args(*st, args[i], w.n_heads, o[py::int_(1)], o[py::int_(2)], w0, width, skip0, skip1, n_threads,
-                        p.cast<const StorePlan&>());
-              L.kind = LayerKind::STORE;
-              L.store_layer = store_layers++;
-              L.step = args[i].step;
-            } else {
-              throw py::value_error(at + ": expected ('dense', k, v, w0, skip0, skip1) or ('store', win_k, win_v, "
-                                    "plan)");
-            }
-          }
-          if (st != nullptr && store_layers != st->config().n_layers)
-            throw py::value_error("layers: " + std::to_string(store_layers) + " store layers, the store has " +
-                                  std::to_string(st->config().n_layers) + " (one per store layer)");
-          std::vector<DecodeLayer*> blocks(n);
-          for (int i = 0; i < n; ++i) blocks[i] = ls[i]->layer.get();
+          SeqArgs seq;
+          seq_args(seq, "", blocks_obj, blocks, rope, c.shape(0), layers_obj, store_obj, w0, width, skip0, skip1,
+                   n_threads);
           float* xp = x.mutable_data();
           const float *cp = c.data(), *sp = s.data();
           py::gil_scoped_release nogil;
-          decode_token(blocks.data(), layers.data(), n, st, xp, cp, sp, scale, n_threads);
+          decode_token(blocks.data(), seq.layers.data(), n, seq.st, xp, cp, sp, scale, n_threads);
         }, py::arg("blocks"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rope"), py::arg("layers"),
         py::arg("scale"), py::arg("n_threads"), py::arg("store") = py::none(), py::arg("w0") = 0,
         py::arg("width") = 0, py::arg("skip0") = 0, py::arg("skip1") = 0,
@@ -258,6 +278,51 @@ void bind_decode(py::module_& m) {
         "but [skip0, skip1); ('store', win_k, win_v, plan) is the next layer of `store`: its window rows [0, width) "
         "but [skip0, skip1) with the token at row w0, and the store part `plan` (a StorePlan). Every argument is "
         "checked first; all or nothing.");
+
+  m.def("decode_tokens", [](const py::list& blocks_obj, const py::handle& x_obj, const py::handle& cos_obj,
+                            const py::handle& sin_obj, const py::handle& rope_obj, const py::list& seqs_obj,
+                            float scale, int n_threads) {
+          check_threads(n_threads);
+          check_finite(scale, "scale");
+          const int S = int(py::len(seqs_obj));
+          if (S < 1) throw py::value_error("seqs: expected one plan per sequence (at least one), got none");
+          auto first = seqs_obj[0];
+          if (!py::isinstance<py::tuple>(first) || py::len(first) != 7)
+            throw py::value_error("seqs[0]: expected (layers, store, w0, width, skip0, skip1, None)");
+          const std::vector<DecodeLayer*> blocks = block_args(blocks_obj, int(py::len(first[py::int_(0)])));
+          const int n = int(blocks.size()), D = blocks[0]->weights().head_dim;
+          auto x = array_arg<float>(x_obj, "x", {S, blocks[0]->dim()});
+          auto c = array_arg<float>(cos_obj, "cos", {S, -1, D});
+          auto s = array_arg<float>(sin_obj, "sin", {S, c.shape(1), D});
+          auto rope = array_arg<int32_t>(rope_obj, "rope", {n});
+          if (!x.writeable()) throw py::value_error("x: must be writeable");
+          std::vector<SeqArgs> seqs(static_cast<size_t>(S));
+          std::vector<SeqStep> steps(static_cast<size_t>(S));
+          for (int k = 0; k < S; ++k) {
+            const std::string at = "seqs[" + std::to_string(k) + "]";
+            const py::handle o = seqs_obj[k];
+            if (!py::isinstance<py::tuple>(o) || py::len(o) != 7 || !py::isinstance<py::list>(o[py::int_(0)]))
+              throw py::value_error(at + ": expected (layers, store, w0, width, skip0, skip1, None)");
+            seq_args(seqs[size_t(k)], at + ".", blocks_obj, blocks, rope, c.shape(1), o[py::int_(0)].cast<py::list>(),
+                     py::reinterpret_borrow<py::object>(o[py::int_(1)]), int_item(o, 2, at + ".w0"),
+                     int_item(o, 3, at + ".width"), int_item(o, 4, at + ".skip0"), int_item(o, 5, at + ".skip1"),
+                     n_threads);
+            for (int j = 0; j < k; ++j)  // (two tokens of one store in one step would write its rows twice)
+              if (seqs[size_t(k)].st != nullptr && seqs[size_t(j)].st == seqs[size_t(k)].st)
+                throw py::value_error(at + ": its store is seqs[" + std::to_string(j) + "]'s: one token a sequence");
+            const int64_t off = int64_t(k) * c.shape(1) * D;
+            steps[size_t(k)] = SeqStep{seqs[size_t(k)].layers.data(), seqs[size_t(k)].st, c.data() + off, s.data() + off};
+          }
+          float* xp = x.mutable_data();
+          py::gil_scoped_release nogil;
+          decode_tokens(blocks.data(), n, steps.data(), S, xp, scale, n_threads);
+        }, py::arg("blocks"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rope"), py::arg("seqs"),
+        py::arg("scale"), py::arg("n_threads"),
+        "One token of each of S sequences through every block in one call, the weights read once for all of them "
+        "(cpp/decode/token_step.h decode_tokens): x [S, dim] in place, cos/sin [S, n_tables, D] each token's RoPE "
+        "rows, rope [n_layers]; seqs[s] = (layers, store, w0, width, skip0, skip1, None): sequence s's plan as "
+        "decode_token takes it. Token s's x is what decode_token gives it alone. Every argument is checked first; "
+        "all or nothing.");
 }
 
 }  // namespace ktq::python

@@ -92,6 +92,57 @@ class NativeDecoder:
         matrix.gemv(self.head, xn[None], logits, self.threads)
         return torch.from_numpy(logits[0])  # [V]
 
+    def decode_batch(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One token of each of several sequences (the server's parallel slots): token i at caches[i].pos, each
+        cache its own sequence's; returns their logits [N, V]. Where every cache plans its token, one native
+        call runs them all, each matrix read once for the N tokens (``_C.decode_tokens``); token i's logits are
+        what ``decode(tokens[i], caches[i])`` gives, bit for bit (that is also the way where a cache cannot
+        plan). All or nothing: when the call raises, no cache holds its token."""
+        n = len(tokens)
+        if len(caches) != n or n == 0 or len({id(c) for c in caches}) != n:
+            raise ValueError(f"decode_batch: one token for each of {n} distinct caches, got {len(caches)} caches")
+        vocab = self.emb.num_embeddings
+        for t in tokens:
+            if not 0 <= t < vocab:
+                raise IndexError(f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        pos = [c.pos for c in caches]
+        for p in pos:
+            self.check_positions(p, 1)
+        plans = []
+        try:
+            for c, p in zip(caches, pos):
+                plans.append(c.plan_decode(p))
+        except BaseException:
+            for c, plan in zip(caches, plans):
+                if plan is not None:
+                    c.abort_decode(plan)
+            raise
+        if n == 1 or any(p is None for p in plans) or len({p.scale for p in plans}) != 1:
+            for c, plan in zip(caches, plans):  # (not planned together: one by one, the same logits)
+                if plan is not None:
+                    c.abort_decode(plan)
+            return torch.stack([self.decode(t, c) for t, c in zip(tokens, caches)])
+        x = self.emb.quant.rows(np.asarray(tokens))  # [N, dim]
+        if self.emb_scale != 1.0:
+            x *= np.float32(self.emb_scale)
+        cos = np.ascontiguousarray(self.cos[:, pos].transpose(1, 0, 2))  # [N, n_tables, D]
+        sin = np.ascontiguousarray(self.sin[:, pos].transpose(1, 0, 2))
+        seqs = [(p.layers, None if p.store is None else p.store.native, p.w0, p.width, *p.skip, None) for p in plans]
+        try:
+            _C.decode_tokens(self.blocks, x, cos, sin, self.rope, seqs, plans[0].scale, self.threads)
+        except BaseException:
+            for c, plan in zip(caches, plans):
+                c.abort_decode(plan)
+            raise
+        for c, plan in zip(caches, plans):
+            c.commit_decode(plan)
+        xn = np.empty_like(x)
+        for i in range(n):
+            _C.rms_norm(x[i], self.norm_w, self.eps, xn[i])
+        logits = np.empty((n, self.head.out_features), np.float32)
+        matrix.gemv(self.head, xn, logits, self.threads)
+        return torch.from_numpy(logits)  # [N, V]
+
     def decode_blocks(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, cache: KVCache) -> None:
         """Every block of one token, each as qkv stage -> ``cache.attend`` -> out stage; x [dim] in place,
         cos/sin [n_tables, D]."""
