@@ -157,7 +157,8 @@ def _save(session, path: str, err: Console) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    for flag, value, low in (("--port", args.port, 1), ("--slots", args.slots, 1), ("--queue", args.queue, 0),
+    for flag, value, low in (("--port", args.port, 1), ("--slots", args.slots, 1), ("--parallel", args.parallel, 1),
+                             ("--queue", args.queue, 0),
                              ("--max-body-mb", args.max_body_mb, 0.001)):
         if value < low or (flag == "--port" and value > 65535):
             raise UsageError(f"{flag} {value}: must be {'1..65535' if flag == '--port' else f'>= {low}'}")
@@ -181,7 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
     _context_lines(engine)
     serve(engine, args.host, args.port, args.slots, args.queue, model_id,
           int(args.max_body_mb * 2**20), args.load_kv, guard=guard, prefix_reuse=args.prefix_reuse,
-          api_keys=api_keys, strict_model_name=args.strict_model_name, verbose=args.verbose)
+          api_keys=api_keys, strict_model_name=args.strict_model_name, verbose=args.verbose,
+          parallel=args.parallel)
     return 0
 
 

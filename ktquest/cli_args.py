@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     serve.add_argument("--slots", type=int, default=2, metavar="N",
                        help="conversations whose KV stays cached, each a cache of its own (default: 2)")
+    serve.add_argument("--parallel", type=int, default=1, metavar="N",
+                       help="replies that run at once, their decode steps batched through the weights once; a slot "
+                            "each (default: 1)")
     serve.add_argument("--queue", type=int, default=8, metavar="N",
                        help="requests that may wait behind the running one; more are answered 429 (default: 8)")
     serve.add_argument("--max-body-mb", type=float, default=64, metavar="MB",

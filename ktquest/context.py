@@ -167,3 +167,16 @@ def _preset_holding_more(g: ModelArgs, n: int, trained: int, device: torch.devic
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_parallel_fits(config: Config, args: ModelArgs, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+                        n: int) -> None:
+    """ConfigError (with the figures) unless ``n`` KV caches of ``max_seq_len`` tokens fit where they live (the
+    server's parallel slots: each running reply has a cache of its own, filled as far as its context)."""
+    g = global_args(args)
+    one = _need(config, g, max_seq_len, dtype)
+    have = _have(config, device)
+    if one is not None and n * one > have:
+        raise ConfigError(f"--parallel {n}: {n} KV caches of {max_seq_len:,} tokens need {_gib(n * one)} "
+                          f"{_where(config, device)}, {_gib(have)} is available: lower --parallel or the context "
+                          f"(-c), or use a long_context preset (--config snapkv)")

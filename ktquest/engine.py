@@ -18,9 +18,10 @@ from ktquest.config import Config, ConfigError, GenerationConfig, find_config, l
 from ktquest.context import choose_context, context_warning
 from ktquest.engine_choices import pick_activations, pick_device, pick_dtype, pick_weights
 from ktquest.engine_lock import EngineLock, exclusive
+from ktquest.engine_turn import EngineTurn
 from ktquest.formats.bundled import DEFAULT_MODEL
 from ktquest.formats.chat_template import ChatTemplateError, read_template_file
-from ktquest.generate import generate, prefill
+from ktquest.generate import prefill
 from ktquest.kv import compat as kv_compat
 from ktquest.kv import files as kv_files
 from ktquest.kv import memory
@@ -291,38 +292,7 @@ class Engine:
         ``on_logits``: ``generate``'s (each sampled token and its logits). ``response_format``: the reply held
         to it (``ktquest.structured``). The callbacks run inside this call: one that calls the engine gets a
         RuntimeError (``engine_lock``)."""
-        on_text, on_progress, should_stop, on_logits = map(self.lock.callback,
-                                                           (on_text, on_progress, should_stop, on_logits))
-        stop_ids = self.tokenizer.stop_ids
-        decoder = self.tokenizer.stream_decoder()
-        reply: list[int] = []
-
-        def token_arrived(t: int) -> None:
-            if t in stop_ids:
-                return
-            reply.append(t)
-            piece = decoder.push(t)
-            if piece and on_text is not None:
-                on_text(piece)
-
-        constraint = None if response_format is None else response_format.constraint(self.tokenizer,
-                                                                                       self.args.vocab_size)
-        try:
-            r = generate(self.model, seq, tokens, gen, set(stop_ids), self.config.chunk_size,
-                         on_token=token_arrived, on_progress=on_progress, should_stop=should_stop,
-                         order=self.config.prefill.order, slab_tokens=self.config.prefill.slab_tokens,
-                         on_logits=on_logits, constraint=constraint)
-        finally:
-            if constraint is not None:
-                constraint.close()
-        rest = decoder.flush()
-        if rest and on_text is not None:
-            on_text(rest)
-        stats = TurnStats(prompt_tokens=r.n_prompt, new_tokens=len(r.tokens), context_tokens=len(seq),
-                          max_seq_len=self.max_seq_len, prefill_s=r.prefill_s, decode_s=r.decode_s,
-                          prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s, stopped_by=r.stopped_by,
-                          first_token_s=r.first_token_s)
-        return self.tokenizer.decode(reply), stats
+        return EngineTurn(self, seq, tokens, gen, on_text, on_progress, should_stop, on_logits, response_format).run()
 
 
 # ---- loading ----

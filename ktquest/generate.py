@@ -130,6 +130,124 @@ def decode_one_token(model, cache, token: int) -> torch.Tensor:
     return model.decoder.decode(token, cache)
 
 
+class Generation:
+    """One reply in progress, a step at a time: the prompt read (``read_prompt``), then per token its sampling
+    (``next_token``, None once the reply is over) and, after the model's decode step for it, its logits
+    (``took``). ``generate`` runs one to its end; the server's parallel slots run several side by side, their
+    decode steps batched (``NativeDecoder.decode_batch``). The arguments are ``generate``'s; the invariant of the
+    module docstring holds after ``finish`` (``interrupted`` first, where a KeyboardInterrupt ended it)."""
+
+    def __init__(self, model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: GenerationConfig,
+                 stop_ids: set[int], chunk_size: int, on_token: Callable[[int], None] | None = None,
+                 on_progress: Callable[[int, int], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None, order: PrefillOrder = "chunk",
+                 slab_tokens: int = 0, on_logits: Callable[[int, torch.Tensor], None] | None = None,
+                 constraint: Constraint | None = None):
+        self.model, self.seq, self.prompt, self.gen, self.stop_ids = model, seq, prompt_tokens, gen, stop_ids
+        self.chunk_size, self.order, self.slab_tokens = chunk_size, order, slab_tokens
+        self.on_token, self.on_progress, self.should_stop = on_token, on_progress, should_stop
+        self.on_logits, self.constraint = on_logits, constraint
+        self.sampler = Sampler(gen)
+        self.pos0 = len(seq)
+        self.n_prompt = len(prompt_tokens)
+        self.tokens: list[int] = []
+        # What the penalties look back on: the reply's own tokens. (Penalizing the prompt's too, as llama.cpp
+        # does, steers the bundled model away from the words of the question: "What is the capital of France?"
+        # got an answer in French.)
+        self.history: list[int] = []
+        self.prefill_s = self.decode_s = self.first_token_s = 0.0
+        self.stopped_by: StopReason | None = None  # None: going on
+        self.logits: torch.Tensor | None = None  # the next token's, once the prompt is read
+        self.pending = -1  # the token sampled last, fed to the model next
+        self.t0 = 0.0
+
+    @property
+    def cache(self):
+        return self.seq.cache
+
+    def read_prompt(self) -> None:
+        """Prefill the prompt after what the sequence holds (ValueError, nothing changed, if it does not fit)."""
+        self.t0 = time.perf_counter()
+        self.seq.feeding(self.prompt)
+        self.logits = prefill(self.model, self.cache, self.prompt, self.chunk_size, self.on_progress, self.order,
+                              self.slab_tokens)
+        self.prefill_s = time.perf_counter() - self.t0
+        self.t0 = time.perf_counter()
+
+    def next_token(self) -> int | None:
+        """The next token sampled from the last logits, declared fed to the sequence; None when the reply is
+        over (``stopped_by`` says why)."""
+        if self.stopped_by is not None:
+            return None
+        if len(self.tokens) >= self.gen.max_new_tokens:
+            return self._stop("max_new_tokens")
+        if self.should_stop is not None and self.should_stop():
+            return self._stop("interrupted")
+        if self.cache.pos >= self.cache.max_seq_len:
+            return self._stop("max_seq_len")
+        raw = logits = self.logits
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
+        token = self.sampler(logits, self.history)
+        if self.on_logits is not None:
+            self.on_logits(token, raw)
+        if self.constraint is not None and token not in self.stop_ids:
+            self.constraint.advance(token)  # (its next mask is computed while the decode step runs)
+        self.seq.feeding([token])
+        self.pending = token
+        return token
+
+    def took(self, logits: torch.Tensor) -> None:
+        """The decode step of the token ``next_token`` gave ran: it is in the cache, ``logits`` are the next."""
+        token = self.pending
+        self.logits = logits
+        self.tokens.append(token)
+        self.history.append(token)
+        if len(self.tokens) == 1:  # known and in the cache: its decode step counts, on_token's work does not
+            self.first_token_s = time.perf_counter() - self.t0
+        if self.on_token is not None:
+            self.on_token(token)
+        if token in self.stop_ids:
+            self._stop("eos")
+
+    def _stop(self, why: StopReason) -> None:
+        self.stopped_by = why
+        self.decode_s = time.perf_counter() - self.t0
+        return None
+
+    def interrupted(self) -> None:
+        """A KeyboardInterrupt ended it: while the prompt was read, the chunks read whole stay (the one cut
+        short goes); after, the reply so far."""
+        self.stopped_by = "interrupted"
+        if self.logits is None:
+            self.prefill_s = time.perf_counter() - self.t0
+            self.n_prompt = max(0, self.seq.rewind(len(self.seq)) - self.pos0)
+        else:
+            self.decode_s = time.perf_counter() - self.t0
+            self.seq.rewind(self.pos0 + self.n_prompt + len(self.tokens))
+
+    def run(self) -> GenerationResult:
+        """The whole reply, one decode step a token (``generate``)."""
+        try:
+            self.read_prompt()
+            while (token := self.next_token()) is not None:
+                self.took(decode_one_token(self.model, self.cache, token))  # token is now in the cache
+        except KeyboardInterrupt:
+            self.interrupted()
+        finally:
+            result = self.finish()
+        return result
+
+    def finish(self) -> GenerationResult:
+        """The sequence settled on what the cache holds, and the reply's result."""
+        self.seq.settle()
+        if self.stopped_by is None:  # (an error part-way)
+            self.decode_s = time.perf_counter() - self.t0
+        return GenerationResult(tokens=self.tokens, n_prompt=self.n_prompt, prefill_s=self.prefill_s,
+                                decode_s=self.decode_s, stopped_by=self.stopped_by or "interrupted",
+                                first_token_s=self.first_token_s)
+
+
 def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: GenerationConfig,
              stop_ids: set[int], chunk_size: int,
              on_token: Callable[[int], None] | None = None,
@@ -150,59 +268,5 @@ def generate(model, seq: Sequence, prompt_tokens: abc.Sequence[int], gen: Genera
     output (``ktquest.structured``): each step's logits masked to the tokens its grammar allows before sampling
     (on_logits sees the model's own, unmasked), and the sampled token fed to it.
     """
-    cache = seq.cache
-    sampler = Sampler(gen)
-    pos0 = len(seq)
-    n_prompt = len(prompt_tokens)
-    tokens: list[int] = []
-    # What the penalties look back on: the reply's own tokens. (Penalizing the prompt's too, as llama.cpp
-    # does, steers the bundled model away from the words of the question: "What is the capital of France?"
-    # got an answer in French.)
-    history: list[int] = []
-    prefill_s = decode_s = first_token_s = 0.0
-    stopped_by: StopReason = "max_new_tokens"
-    t0 = time.perf_counter()
-    seq.feeding(prompt_tokens)
-    try:
-        logits = prefill(model, cache, prompt_tokens, chunk_size, on_progress, order, slab_tokens)
-        prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(gen.max_new_tokens):
-            if should_stop is not None and should_stop():
-                stopped_by = "interrupted"
-                break
-            if cache.pos >= cache.max_seq_len:
-                stopped_by = "max_seq_len"
-                break
-            raw = logits
-            if constraint is not None:
-                logits = constraint.apply(logits)
-            token = sampler(logits, history)
-            if on_logits is not None:
-                on_logits(token, raw)
-            if constraint is not None and token not in stop_ids:
-                constraint.advance(token)  # (its next mask is computed while the decode step runs)
-            seq.feeding([token])
-            logits = decode_one_token(model, cache, token)  # token is now in the cache
-            tokens.append(token)
-            history.append(token)
-            if len(tokens) == 1:  # known and in the cache: its decode step counts, on_token's work does not
-                first_token_s = time.perf_counter() - t0
-            if on_token is not None:
-                on_token(token)
-            if token in stop_ids:
-                stopped_by = "eos"
-                break
-        decode_s = time.perf_counter() - t0
-    except KeyboardInterrupt:
-        stopped_by = "interrupted"
-        if prefill_s == 0.0:  # while reading the prompt: the chunks read whole stay, the one cut short goes
-            prefill_s = time.perf_counter() - t0
-            n_prompt = max(0, seq.rewind(len(seq)) - pos0)
-        else:
-            decode_s = time.perf_counter() - t0
-            seq.rewind(pos0 + n_prompt + len(tokens))
-    finally:
-        seq.settle()
-    return GenerationResult(tokens=tokens, n_prompt=n_prompt, prefill_s=prefill_s, decode_s=decode_s,
-                            stopped_by=stopped_by, first_token_s=first_token_s)
+    return Generation(model, seq, prompt_tokens, gen, stop_ids, chunk_size, on_token, on_progress, should_stop,
+                      order, slab_tokens, on_logits, constraint).run()

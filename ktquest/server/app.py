@@ -8,8 +8,8 @@
     GET  /metrics               the same in Prometheus' text format (``metrics.py``), and a line per request
     GET  /                      a chat page (``page.py``)
 
-One sequence at a time: requests run one by one on a single worker thread, at most ``queue`` waiting behind
-the running one; past that a request is answered 429 at once. Every error is an OpenAI-style JSON body
+One sequence at a time, or up to N with parallel slots (``--parallel N``, ``server/parallel.py``: their decode
+steps batched), at most ``queue`` waiting behind the running ones; past that a request is answered 429 at once. Every error is an OpenAI-style JSON body
 (``{"error": {"message", "type", "param", "code"}}``, ``intake.APIError``) with a 4xx status naming what is
 wrong; the server goes on serving. A streaming client that disconnects stops its generation at the next token
 (the cache stays consistent: ``generate``'s invariant), and a request still waiting when its client leaves never
@@ -61,11 +61,11 @@ MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this is refused (413) 
 
 
 class _Admission:
-    """How many requests are in (running or waiting): at most ``1 + queue``. A ticket is released once,
-    whichever of its holders gets there first."""
+    """How many requests are in (running or waiting): at most ``running + queue`` (``running``: the replies that
+    run at once, 1 or ``--parallel``). A ticket is released once, whichever of its holders gets there first."""
 
-    def __init__(self, queue: int):
-        self.limit = 1 + queue
+    def __init__(self, queue: int, running: int = 1):
+        self.limit, self.queue = running + queue, queue
         self.inside = 0
         self.refused = 0
         self.lock = threading.Lock()
@@ -75,7 +75,7 @@ class _Admission:
             if self.inside >= self.limit:
                 self.refused += 1
                 raise APIError(429, f"the server is busy: {self.inside} requests are running or waiting and the "
-                                    f"queue holds {self.limit - 1}; retry later", "rate_limit_error",
+                                    f"queue holds {self.queue}; retry later", "rate_limit_error",
                                code="rate_limit_exceeded")
             self.inside += 1
         return _Ticket(self)
@@ -117,8 +117,9 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
     if queue < 0:
         raise ValueError(f"queue={queue} must be >= 0")
     engine = worker.engine
-    gate = _Admission(queue)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktquest-generate")
+    running = 1 if worker.parallel is None else worker.parallel.n  # replies that run at once
+    gate = _Admission(queue, running)
+    executor = ThreadPoolExecutor(max_workers=running, thread_name_prefix="ktquest-generate")
     created = int(time.time())
     # the most text bytes one token stands for (a token's text is at least as long as what it encodes)
     longest = max((len(t.encode("utf-8", "surrogatepass")) for t in engine.tokenizer.tokens), default=1)
@@ -355,7 +356,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             inside, refused = gate.inside, gate.refused
         counters = {**worker.snapshot(), "refused": refused}
         return {"status": "ok", "model": model_id, "mode": engine.config.mode, "max_seq_len": engine.max_seq_len,
-                "running_or_waiting": inside, "queue": gate.limit - 1,
+                "running_or_waiting": inside, "queue": gate.queue, "parallel": running,
                 "slots": [len(s.seq) for s in worker.slots], **counters}
     return app
 

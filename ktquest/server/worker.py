@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from ktquest.config import GenerationConfig
 from ktquest.engine import Engine, make_cache
+from ktquest.engine_turn import EngineTurn
 from ktquest.sequence import Sequence
 from ktquest.turn import steady_tok_s
 
@@ -51,6 +52,20 @@ class Slot:
     seq: Sequence  # the conversation it keeps: its tokens and its KV cache
     used: float = 0.0  # time.monotonic() of its last request
     key: str | None = None  # the key of the request that filled it (None: the anonymous group)
+    busy: bool = False  # a reply runs in it (parallel slots)
+
+
+@dataclass(slots=True)
+class Running:
+    """A request whose reply is under way in a slot (``Worker.begin``)."""
+    slot: Slot
+    turn: EngineTurn
+    stop: StopText
+    on_text: Callable[[str], None] | None
+    cancelled: Callable[[], bool]
+    n_tokens: int  # the whole prompt
+    cached: int  # of it, found in the slot's cache
+    setup_s: float  # the slot's pick and rewind
 
 
 @dataclass(slots=True)
@@ -166,9 +181,11 @@ class Worker:
     """The engine and its slots; ``complete`` runs one request, holding the engine's lock (calls from several
     threads take turns)."""
 
-    def __init__(self, engine: Engine, slots: int = 2, reuse: str = "per-key"):
+    def __init__(self, engine: Engine, slots: int = 2, reuse: str = "per-key", parallel: int = 1):
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
+        if parallel < 1:
+            raise ValueError(f"parallel={parallel} must be >= 1")
         if reuse not in REUSE:
             raise ValueError(f"reuse={reuse!r} is not one of {', '.join(REUSE)}")
         self.engine = engine
@@ -180,6 +197,12 @@ class Worker:
         self.counters = Counters()
         self.last: Result | None = None  # the last request run (``/health``)
         self.lock = threading.Lock()  # guards counters read from the HTTP side
+        self.n_slots = max(slots, parallel)  # (each running reply has a slot of its own)
+        self.parallel = None
+        if parallel > 1:
+            from ktquest.server.parallel import Parallel
+
+            self.parallel = Parallel(self, parallel)
 
     def load_kv(self, path) -> int:
         """The first slot starts from a KV file's tokens (``Engine.load_kv``: a document read once, by any
@@ -198,11 +221,12 @@ class Worker:
         def shared(s: Slot) -> int:  # (a slot a chat session of this engine took holds nothing of the server's)
             return s.seq.shared(tokens) if s.seq.owner is self and self._may_reuse(s, key) else 0
 
-        best = max(self.slots, key=lambda s: (shared(s), s.used))
-        n = shared(best)
+        free = [s for s in self.slots if not s.busy]  # (a slot whose reply is running is not taken)
+        best = max(free, key=lambda s: (shared(s), s.used), default=None)
+        n = 0 if best is None else shared(best)
         if n and n >= SIMILAR * len(best.seq):
             return best, n
-        empty = [s for s in self.slots if len(s.seq) == 0 or s.seq.owner is not self]
+        empty = [s for s in free if len(s.seq) == 0 or s.seq.owner is not self]
         if empty:
             return empty[0], 0
         if len(self.slots) < self.n_slots:
@@ -211,7 +235,7 @@ class Worker:
             seq.adopt(self)
             self.slots.append(Slot(seq))
             return self.slots[-1], 0
-        lru = min(self.slots, key=lambda s: s.used)
+        lru = min(free, key=lambda s: s.used)
         return lru, shared(lru)
 
     def _may_reuse(self, slot: Slot, key: str | None) -> bool:
@@ -225,53 +249,72 @@ class Worker:
         comes, stop strings held back; ``cancelled()`` is polled between prompt chunks and tokens. ``key``: the
         client's (whose slots it may reuse; the module docstring). ``on_logits``, ``response_format``:
         ``Engine.run``'s (the reply's log probabilities: server/logprobs.py; structured output). Holds the
-        engine's lock (``ktquest.engine_lock``): a chat session of the same engine waits its turn."""
+        engine's lock (``ktquest.engine_lock``): a chat session of the same engine waits its turn. With parallel
+        slots the request joins the running ones (``server/parallel.py``) and this waits for its result."""
+        if self.parallel is not None:
+            return self.parallel.complete(tokens, gen, stops, on_text, cancelled, key, on_logits, response_format)
         with self.engine.lock.hold("Worker.complete"):  # from the slot's pick to the reply: one call
-            taken = time.perf_counter()  # the request is taken up: its time to first token counts from here
-            eng = self.engine
-            eng.check_fits(len(tokens))
-            slot, reusable = self.pick(tokens, key)
-            slot.used = time.monotonic()
-            seq = slot.seq
-            if seq.owner is not self:  # a chat session of this engine took the first slot's cache: afresh
-                seq.claim(self)
-            cached = seq.rewind_for(tokens) if reusable else seq.rewind(0)  # another's: nothing of it kept
-            slot.key = key
-            stop = StopText(list(stops))
-            is_cancelled = cancelled or (lambda: False)
+            run = self.begin(tokens, gen, stops, on_text, cancelled, key, on_logits, response_format)
+            try:
+                _, stats = run.turn.run()
+            finally:
+                run.slot.busy = False
+            return self.end(run, stats)
 
-            def text_arrived(piece: str) -> None:
-                out = stop.push(piece)
-                if out and on_text is not None:
-                    on_text(out)
+    def begin(self, tokens: list[int], gen: GenerationConfig, stops: list[str], on_text, cancelled, key,
+              on_logits, response_format) -> Running:
+        """A request taken up (the caller holds the engine's lock): its slot picked and rewound, its turn made."""
+        taken = time.perf_counter()  # the request is taken up: its time to first token counts from here
+        eng = self.engine
+        eng.check_fits(len(tokens))
+        slot, reusable = self.pick(tokens, key)
+        slot.used = time.monotonic()
+        seq = slot.seq
+        if seq.owner is not self:  # a chat session of this engine took the first slot's cache: afresh
+            seq.claim(self)
+        cached = seq.rewind_for(tokens) if reusable else seq.rewind(0)  # another's: nothing of it kept
+        slot.key = key
+        stop = StopText(list(stops))
+        is_cancelled = cancelled or (lambda: False)
 
-            def progress(done: int, total: int) -> None:
-                if is_cancelled():
-                    raise KeyboardInterrupt  # between chunks: the chunks read stay (generate's invariant)
+        def text_arrived(piece: str) -> None:
+            out = stop.push(piece)
+            if out and on_text is not None:
+                on_text(out)
 
-            setup_s = time.perf_counter() - taken  # the slot's pick and rewind
-            _, stats = eng.run(seq, tokens[cached:], gen, text_arrived, progress,
-                               lambda: stop.hit or is_cancelled(), on_logits, response_format)
-            rest = "" if stop.hit else stop.flush()
-            if rest and on_text is not None:
-                on_text(rest)
-        if is_cancelled():
+        def progress(done: int, total: int) -> None:
+            if is_cancelled():
+                raise KeyboardInterrupt  # between chunks: the chunks read stay (generate's invariant)
+
+        turn = EngineTurn(eng, seq, tokens[cached:], gen, text_arrived, progress,
+                          lambda: stop.hit or is_cancelled(), on_logits, response_format)
+        slot.busy = True
+        return Running(slot, turn, stop, on_text, is_cancelled, len(tokens), cached,
+                       setup_s=time.perf_counter() - taken)
+
+    def end(self, run: Running, stats) -> Result:
+        """A request's reply over: the held-back text out, its result counted."""
+        stop = run.stop
+        rest = "" if stop.hit else stop.flush()
+        if rest and run.on_text is not None:
+            run.on_text(rest)
+        if run.cancelled():
             reason = "cancelled"
         elif stop.hit or stats.stopped_by == "eos":
             reason = "stop"
         else:
             reason = "length"
-        result = Result(text=stop.text, finish_reason=reason, prompt_tokens=len(tokens), cached_tokens=cached,
+        result = Result(text=stop.text, finish_reason=reason, prompt_tokens=run.n_tokens, cached_tokens=run.cached,
                         completion_tokens=stats.new_tokens, prefill_s=stats.prefill_s,
                         decode_s=stats.decode_s, first_token_s=stats.first_token_s,
-                        ttft_s=setup_s + stats.prefill_s + stats.first_token_s if stats.new_tokens else 0.0)
+                        ttft_s=run.setup_s + stats.prefill_s + stats.first_token_s if stats.new_tokens else 0.0)
         with self.lock:
             self.last = result
             c = self.counters
             c.requests += 1
             c.cancelled += reason == "cancelled"
-            c.prompt_tokens += len(tokens)
-            c.cached_tokens += cached
+            c.prompt_tokens += run.n_tokens
+            c.cached_tokens += run.cached
             c.prefilled_tokens += stats.prompt_tokens
             c.completion_tokens += stats.new_tokens
             c.answered += stats.new_tokens > 0
