@@ -257,3 +257,16 @@ def test_dequantize_rows_bad_arguments_raise():
         _C.dequantize_rows("Q8_0", np.zeros((2, 34), np.float32))
     with pytest.raises(ValueError, match="raw: must be C-contiguous"):
         _C.dequantize_rows("Q8_0", np.zeros((2, 68), np.uint8)[:, ::2])
+
+
+@pytest.mark.parametrize("qtype", GEMV_TYPES)
+@pytest.mark.parametrize("long", [False, True])
+def test_many_tokens_are_each_token_alone(qtype, long):
+    """T activation rows in one call (batched decode; the types with a many-row kernel read each weight row once
+    for up to 4 of them) give each row bit for bit what it gets alone, for T past the kernel's 4 too; AVX2 and
+    the streaming (long-row) kernels."""
+    inp = _C.GEMV_STREAM_IN + 256 if long else 512
+    raw, x, b = case(qtype, 45, inp, 7, True)
+    together = run_gemv(qtype, raw, x, b, 2)
+    for t in range(7):
+        assert torch.equal(together[t], run_gemv(qtype, raw, x[t: t + 1], b, 2)[0]), t

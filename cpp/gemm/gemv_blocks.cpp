@@ -18,6 +18,8 @@ struct Kernels {
   RowDot* avx2;
   RowDot* avx2_stream;  // avx2 with the weight prefetch of long rows
   int group;            // values per activation scale (0: the kernels read fp32 x; kX16: int16 x per 32)
+  RowDotN* avx2_n = nullptr;  // avx2 (and its streaming twin) on several activation rows at once, where written
+  RowDotN* avx2_stream_n = nullptr;
 };
 
 // The int16-activation kernels of the 32-value block types (group kX16); {} for the others.
@@ -44,9 +46,12 @@ Kernels kernels(GgmlType t) {
     case GgmlType::Q4_1: return {scalar::dot_q4_1, avx2::dot_q4_1, avx2_stream::dot_q4_1, kQ32};
     case GgmlType::Q5_0: return {scalar::dot_q5_0, avx2::dot_q5_0, avx2_stream::dot_q5_0, kQ32};
     case GgmlType::Q5_1: return {scalar::dot_q5_1, avx2::dot_q5_1, avx2_stream::dot_q5_1, kQ32};
-    case GgmlType::Q4_K: return {scalar::dot_q4_k, avx2::dot_q4_k, avx2_stream::dot_q4_k, kQK};
-    case GgmlType::Q5_K: return {scalar::dot_q5_k, avx2::dot_q5_k, avx2_stream::dot_q5_k, kQK};
-    case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, avx2_stream::dot_q6_k, kQK};
+    case GgmlType::Q4_K: return {scalar::dot_q4_k, avx2::dot_q4_k, avx2_stream::dot_q4_k, kQK, avx2::dot_q4_k_rows,
+                                 avx2_stream::dot_q4_k_rows};
+    case GgmlType::Q5_K: return {scalar::dot_q5_k, avx2::dot_q5_k, avx2_stream::dot_q5_k, kQK, avx2::dot_q5_k_rows,
+                                 avx2_stream::dot_q5_k_rows};
+    case GgmlType::Q6_K: return {scalar::dot_q6_k, avx2::dot_q6_k, avx2_stream::dot_q6_k, kQK, avx2::dot_q6_k_rows,
+                                 avx2_stream::dot_q6_k_rows};
   }
   return {nullptr, nullptr, nullptr, 0};
 }
@@ -111,6 +116,7 @@ struct PartPlan {
   RowDot* dot;
   const ActScratch* act;  // nullptr: fp32 x
   int group;
+  RowDotN* dot_n;  // several activation rows at once (nullptr: none; the scalar twins loop over dot)
 };
 
 // m's parts as the row loop reads them, its rows starting at row `row`; x quantized once per group the parts need
@@ -125,8 +131,9 @@ void plan_parts(const QuantMatrix& m, const float* x, int64_t T, int64_t row, Ac
     const int slot = k.group == kX16 ? 2 : k.group == kQK ? 1 : 0;
     if (k.group != 0 && acts[slot] == nullptr) acts[slot] = &quantized_act(scratch[slot], k.group, x, T, in);
     RowDot* dot = !use_avx ? k.scalar : in >= kGemvStreamIn ? k.avx2_stream : k.avx2;
+    RowDotN* dot_n = !use_avx ? nullptr : in >= kGemvStreamIn ? k.avx2_stream_n : k.avx2_n;
     plan.push_back({p.w, row, row + p.rows, ggml_row_bytes(p.type, in), dot, k.group != 0 ? acts[slot] : nullptr,
-                    k.group});
+                    k.group, dot_n});
     row += p.rows;
   }
 }
@@ -140,6 +147,33 @@ void gemv_matrix(const QuantMatrix& m, const float* x, int64_t T, float* y, int 
   plan.reserve(m.parts.size());
   plan_parts(m, x, T, 0, scratch, use_avx2(), plan);
   // The pointers are taken above: a thread_local named inside the task would be each worker's own (empty) one.
+  if (T > 1 && std::any_of(plan.begin(), plan.end(), [](const PartPlan& p) { return p.dot_n != nullptr; })) {
+    // Several tokens (batched decode): a part with a many-row kernel reads each weight row once for up to
+    // kDotTokens of them; the others loop over the tokens. Every output is what the one-token kernel gives.
+    for_row_tiles(1, out, n_threads, [&](int64_t, int64_t r0, int64_t r1) {
+      for (const PartPlan& p : plan) {
+        const int64_t a0 = std::max(r0, p.row0), a1 = std::min(r1, p.row1);
+        if (a0 >= a1) continue;
+        for (int64_t t0 = 0; t0 < T; t0 += kDotTokens) {
+          const int n = int(std::min<int64_t>(kDotTokens, T - t0));
+          ActRow acts[kDotTokens];
+          for (int k = 0; k < n; ++k) acts[k] = act_row(p.act, p.group, x, t0 + k, in);
+          for (int64_t o = a0; o < a1; ++o) {
+            const uint8_t* w = p.w + (o - p.row0) * p.row_bytes;
+            const float b = m.bias ? m.bias[o] : 0.f;
+            float v[kDotTokens];
+            if (p.dot_n != nullptr) {
+              p.dot_n(w, acts, n, in, v);
+            } else {
+              for (int k = 0; k < n; ++k) v[k] = p.dot(w, acts[k], in);
+            }
+            for (int k = 0; k < n; ++k) y[(t0 + k) * out + o] = v[k] + b;
+          }
+        }
+      }
+    });
+    return;
+  }
   for_row_tiles(T, out, n_threads, [&](int64_t r, int64_t r0, int64_t r1) {
     float* yr = y + r * out;
     for (const PartPlan& p : plan) {

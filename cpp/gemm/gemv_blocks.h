@@ -90,6 +90,10 @@ struct ActRow {
 };
 
 using RowDot = float(const uint8_t* row, const ActRow& a, int64_t in);
+// One row's dot products with n (1..kDotTokens) activation rows a[0..n) at once, into out[0..n): each out[t] is
+// the type's RowDot of (row, a[t]) bit for bit, the row's blocks unpacked once for all n (batched decode).
+constexpr int kDotTokens = 4;
+using RowDotN = void(const uint8_t* row, const ActRow* a, int n, int64_t in, float* out);
 
 namespace scalar {  // gemv_blocks_scalar.cpp
 RowDot dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1, dot_q4_k, dot_q5_k, dot_q6_k;
@@ -97,6 +101,7 @@ RowDot dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q
 
 namespace avx2 {
 RowDot dot_q4_k, dot_q5_k, dot_q6_k;                      // gemv_kquants_avx2.cpp
+RowDotN dot_q4_k_rows, dot_q5_k_rows, dot_q6_k_rows;
 RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;  // gemv_q32_avx2.cpp
 RowDot dot_f32, dot_f16, dot_bf16;                        // gemv_float_avx2.cpp (they always prefetch)
 }  // namespace avx2
@@ -110,6 +115,7 @@ RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
 
 namespace avx2_stream {  // the same with a software prefetch of every weight line, for long rows (avx2_blocks.h)
 RowDot dot_q4_k, dot_q5_k, dot_q6_k;
+RowDotN dot_q4_k_rows, dot_q5_k_rows, dot_q6_k_rows;
 RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
 }  // namespace avx2_stream
 
