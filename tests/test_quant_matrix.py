@@ -364,3 +364,18 @@ def test_int8_gemm_refuses_other_types():
     k = _C.QuantMatrix([("Q6_K", random_rows("Q6_K", 4, 256, 0))])
     with pytest.raises(ValueError, match=r"y: expected shape \[2, 4\]"):
         _C.gemm_int8(k, np.zeros((2, 256), np.float32), np.zeros((2, 5), np.float32), 1)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("x16", [False, True])
+def test_many_tokens_are_each_token_alone(qtype, x16):
+    """T = 7 activation rows in one call (batched decode: the many-row kernels read each weight row once for up to
+    4 of them), int8 or int16 x: each row bit for bit what it gets alone."""
+    raw, x, b = case(qtype, 41, IN[qtype], 7, True)
+    m = _C.QuantMatrix([(qtype, raw)], b.numpy(), x16=x16)
+    y = np.empty((7, 41), np.float32)
+    _C.gemv_matrix(m, x.numpy(), y, 2)
+    for t in range(7):
+        one = np.empty((1, 41), np.float32)
+        _C.gemv_matrix(m, x.numpy()[t: t + 1], one, 2)
+        assert np.array_equal(y[t], one[0]), t

@@ -27,12 +27,17 @@ constexpr int kX16 = -32;  // Kernels::group of the x16 kernels: int16 x in grou
 
 Kernels x16_kernels(GgmlType t) {
   switch (t) {
-    case GgmlType::Q8_0: return {scalar_x16::dot_q8_0, avx2_x16::dot_q8_0, avx2_x16::dot_q8_0, kX16};
-    case GgmlType::Q4_0: return {scalar_x16::dot_q4_0, avx2_x16::dot_q4_0, avx2_x16::dot_q4_0, kX16};
-    case GgmlType::Q4_1: return {scalar_x16::dot_q4_1, avx2_x16::dot_q4_1, avx2_x16::dot_q4_1, kX16};
-    case GgmlType::Q5_0: return {scalar_x16::dot_q5_0, avx2_x16::dot_q5_0, avx2_x16::dot_q5_0, kX16};
-    case GgmlType::Q5_1: return {scalar_x16::dot_q5_1, avx2_x16::dot_q5_1, avx2_x16::dot_q5_1, kX16};
-    default: return {nullptr, nullptr, nullptr, 0};
+    case GgmlType::Q8_0: return {scalar_x16::dot_q8_0, avx2_x16::dot_q8_0, avx2_x16::dot_q8_0, kX16,
+                               avx2_x16::dot_q8_0_rows, avx2_x16::dot_q8_0_rows};
+    case GgmlType::Q4_0: return {scalar_x16::dot_q4_0, avx2_x16::dot_q4_0, avx2_x16::dot_q4_0, kX16,
+                               avx2_x16::dot_q4_0_rows, avx2_x16::dot_q4_0_rows};
+    case GgmlType::Q4_1: return {scalar_x16::dot_q4_1, avx2_x16::dot_q4_1, avx2_x16::dot_q4_1, kX16,
+                               avx2_x16::dot_q4_1_rows, avx2_x16::dot_q4_1_rows};
+    case GgmlType::Q5_0: return {scalar_x16::dot_q5_0, avx2_x16::dot_q5_0, avx2_x16::dot_q5_0, kX16,
+                               avx2_x16::dot_q5_0_rows, avx2_x16::dot_q5_0_rows};
+    case GgmlType::Q5_1: return {scalar_x16::dot_q5_1, avx2_x16::dot_q5_1, avx2_x16::dot_q5_1, kX16,
+                               avx2_x16::dot_q5_1_rows, avx2_x16::dot_q5_1_rows};
+    default: return {nullptr, nullptr, nullptr, 0, nullptr, nullptr};
   }
 }
 

@@ -111,6 +111,7 @@ RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
 }  // namespace scalar_x16
 namespace avx2_x16 {
 RowDot dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1;
+RowDotN dot_q8_0_rows, dot_q4_0_rows, dot_q4_1_rows, dot_q5_0_rows, dot_q5_1_rows;
 }  // namespace avx2_x16
 
 namespace avx2_stream {  // the same with a software prefetch of every weight line, for long rows (avx2_blocks.h)

@@ -56,7 +56,77 @@ float dot(const uint8_t* row, const ActRow& a, int64_t in) {
   return hsum(_mm256_add_ps(acc0, acc1)) + acc_m;
 }
 
+// A block's codes widened to int16 once: the two halves block_dot multiplies.
+struct Wide {
+  __m256i lo, hi;
+};
+inline Wide widen(__m256i w) {
+  return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1))};
+}
+inline __m256i wide_dot(const Wide& w, const int16_t* x) {
+  return _mm256_add_epi32(_mm256_madd_epi16(w.lo, loadu256(x)), _mm256_madd_epi16(w.hi, loadu256(x + 16)));
+}
+
+// dot for N activation rows at once (batched decode): each block's codes unpacked and widened once, each row's
+// chains and offset sum as dot keeps them (out[t] is dot(row, a[t], in), bit for bit).
+template <class Block, bool kOffset, int N>
+void dot_n(const uint8_t* row, const ActRow* a, int64_t in, float* out) {
+  const Block* b = reinterpret_cast<const Block*>(row);
+  __m256 acc0[N], acc1[N];
+  float acc_m[N];
+  for (int t = 0; t < N; ++t) acc0[t] = _mm256_setzero_ps(), acc1[t] = _mm256_setzero_ps(), acc_m[t] = 0.f;
+  int64_t i = 0;
+  for (; i + 1 < in / kQ32; i += 2) {
+    const Wide w0 = widen(codes(b[i])), w1 = widen(codes(b[i + 1]));
+    const float d0 = h2f(b[i].d), d1 = h2f(b[i + 1].d);
+    for (int t = 0; t < N; ++t) {
+      const __m256i p0 = wide_dot(w0, a[t].q16 + i * kQ32);
+      const __m256i p1 = wide_dot(w1, a[t].q16 + (i + 1) * kQ32);
+      acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * a[t].d16[i]), _mm256_cvtepi32_ps(p0), acc0[t]);
+      acc1[t] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * a[t].d16[i + 1]), _mm256_cvtepi32_ps(p1), acc1[t]);
+      if constexpr (kOffset)
+        acc_m[t] += h2f(b[i].m) * a[t].d16[i] * float(a[t].isum32[i]) +
+                    h2f(b[i + 1].m) * a[t].d16[i + 1] * float(a[t].isum32[i + 1]);
+    }
+  }
+  if (i < in / kQ32) {
+    const Wide w0 = widen(codes(b[i]));
+    for (int t = 0; t < N; ++t) {
+      const __m256i p0 = wide_dot(w0, a[t].q16 + i * kQ32);
+      acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b[i].d) * a[t].d16[i]), _mm256_cvtepi32_ps(p0), acc0[t]);
+      if constexpr (kOffset) acc_m[t] += h2f(b[i].m) * a[t].d16[i] * float(a[t].isum32[i]);
+    }
+  }
+  for (int t = 0; t < N; ++t) out[t] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + acc_m[t];
+}
+
+template <class Block, bool kOffset>
+void rows(const uint8_t* row, const ActRow* a, int n, int64_t in, float* out) {
+  switch (n) {
+    case 1: dot_n<Block, kOffset, 1>(row, a, in, out); return;
+    case 2: dot_n<Block, kOffset, 2>(row, a, in, out); return;
+    case 3: dot_n<Block, kOffset, 3>(row, a, in, out); return;
+    default: dot_n<Block, kOffset, 4>(row, a, in, out); return;
+  }
+}
+
 }  // namespace
+
+void dot_q8_0_rows(const uint8_t* row, const ActRow* a, int n, int64_t in, float* out) {
+  rows<BlockQ8_0, false>(row, a, n, in, out);
+}
+void dot_q4_0_rows(const uint8_t* row, const ActRow* a, int n, int64_t in, float* out) {
+  rows<BlockQ4_0, false>(row, a, n, in, out);
+}
+void dot_q4_1_rows(const uint8_t* row, const ActRow* a, int n, int64_t in, float* out) {
+  rows<BlockQ4_1, true>(row, a, n, in, out);
+}
+void dot_q5_0_rows(const uint8_t* row, const ActRow* a, int n, int64_t in, float* out) {
+  rows<BlockQ5_0, false>(row, a, n, in, out);
+}
+void dot_q5_1_rows(const uint8_t* row, const ActRow* a, int n, int64_t in, float* out) {
+  rows<BlockQ5_1, true>(row, a, n, in, out);
+}
 
 float dot_q8_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<BlockQ8_0, false>(row, a, in); }
 float dot_q4_0(const uint8_t* row, const ActRow& a, int64_t in) { return dot<BlockQ4_0, false>(row, a, in); }
