@@ -170,12 +170,13 @@ def _gib(n: int) -> str:
 
 
 def check_parallel_fits(config: Config, args: ModelArgs, max_seq_len: int, device: torch.device, dtype: torch.dtype,
-                        n: int) -> None:
-    """ConfigError (with the figures) unless ``n`` KV caches of ``max_seq_len`` tokens fit where they live (the
-    server's parallel slots: each running reply has a cache of its own, filled as far as its context)."""
+                        n: int, weights_bytes: int = 0) -> None:
+    """ConfigError (with the figures) unless ``n`` KV caches of ``max_seq_len`` tokens fit where they live beside
+    the weights (``weights_bytes``, on the CPU): the server's parallel slots, each running reply with a cache of
+    its own, filled as far as its context."""
     g = global_args(args)
     one = _need(config, g, max_seq_len, dtype)
-    have = _have(config, device)
+    have = _have(config, device, weights_bytes)
     if one is not None and n * one > have:
         raise ConfigError(f"--parallel {n}: {n} KV caches of {max_seq_len:,} tokens need {_gib(n * one)} "
                           f"{_where(config, device)}, {_gib(have)} is available: lower --parallel or the context "

@@ -41,10 +41,15 @@ class EngineTurn:
         self.reply: list[int] = []
         self.constraint = None if response_format is None else \
             response_format.constraint(engine.tokenizer, engine.args.vocab_size)
-        self.generation = Generation(engine.model, seq, tokens, gen, set(self.stop_ids), engine.config.chunk_size,
-                                     on_token=self._token, on_progress=on_progress, should_stop=should_stop,
-                                     order=engine.config.prefill.order, slab_tokens=engine.config.prefill.slab_tokens,
-                                     on_logits=on_logits, constraint=self.constraint)
+        try:
+            self.generation = Generation(engine.model, seq, tokens, gen, set(self.stop_ids), engine.config.chunk_size,
+                                         on_token=self._token, on_progress=on_progress, should_stop=should_stop,
+                                         order=engine.config.prefill.order,
+                                         slab_tokens=engine.config.prefill.slab_tokens, on_logits=on_logits,
+                                         constraint=self.constraint)
+        except BaseException:
+            self.close()
+            raise
 
     def _token(self, t: int) -> None:
         if t in self.stop_ids:

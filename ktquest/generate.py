@@ -174,17 +174,23 @@ class Generation:
         self.prefill_s = time.perf_counter() - self.t0
         self.t0 = time.perf_counter()
 
+    def ended(self) -> bool:
+        """Whether the reply is over, without sampling: a stop token, max_new_tokens, ``should_stop()`` or a
+        full cache (``stopped_by`` set)."""
+        if self.stopped_by is None:
+            if len(self.tokens) >= self.gen.max_new_tokens:
+                self._stop("max_new_tokens")
+            elif self.should_stop is not None and self.should_stop():
+                self._stop("interrupted")
+            elif self.cache.pos >= self.cache.max_seq_len:
+                self._stop("max_seq_len")
+        return self.stopped_by is not None
+
     def next_token(self) -> int | None:
         """The next token sampled from the last logits, declared fed to the sequence; None when the reply is
         over (``stopped_by`` says why)."""
-        if self.stopped_by is not None:
+        if self.ended():
             return None
-        if len(self.tokens) >= self.gen.max_new_tokens:
-            return self._stop("max_new_tokens")
-        if self.should_stop is not None and self.should_stop():
-            return self._stop("interrupted")
-        if self.cache.pos >= self.cache.max_seq_len:
-            return self._stop("max_seq_len")
         raw = logits = self.logits
         if self.constraint is not None:
             logits = self.constraint.apply(logits)
@@ -213,7 +219,6 @@ class Generation:
     def _stop(self, why: StopReason) -> None:
         self.stopped_by = why
         self.decode_s = time.perf_counter() - self.t0
-        return None
 
     def interrupted(self) -> None:
         """A KeyboardInterrupt ended it: while the prompt was read, the chunks read whole stay (the one cut

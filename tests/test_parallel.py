@@ -122,3 +122,90 @@ def test_the_ram_check_counts_every_cache(tiny_llama):
     check_parallel_fits(eng.config, eng.args, eng.max_seq_len, eng.device, eng.dtype, 4)  # (tiny: fits)
     with pytest.raises(ConfigError, match=r"--parallel 1000000000: .* KV caches of 128 tokens need"):
         check_parallel_fits(eng.config, eng.args, eng.max_seq_len, eng.device, eng.dtype, 10**9)
+
+
+@pytest.fixture
+def tiny_worker(tiny_llama):
+    eng = ktquest.load(tiny_llama.path, max_seq_len=512, threads=1)
+    worker = Worker(eng, slots=2, parallel=2)
+    yield eng, worker
+    worker.parallel.close()
+
+
+def _gen(eng, n: int):
+    return eng.config.generation.__class__(max_new_tokens=n, temperature=0.0)
+
+
+def test_the_engine_waits_while_a_reply_runs(tiny_worker):
+    """A call on the engine from another thread (a chat session, generate) waits until no reply runs: the first
+    slot is the engine's own sequence, and the reply in it is not disturbed."""
+    eng, worker = tiny_worker
+    prompt = eng.tokenizer.encode("the cat sat on the mat", add_bos=False, parse_special=False)
+    alone = worker.complete(prompt, _gen(eng, 120)).text
+    started = threading.Event()
+    out = {}
+
+    def reply() -> None:
+        out["text"] = worker.complete(prompt, _gen(eng, 120), on_text=lambda _: started.set()).text
+
+    t = threading.Thread(target=reply)
+    t.start()
+    started.wait(30)
+    eng.generate("a b c d", max_new_tokens=3)  # (waits for the reply)
+    t.join(60)
+    assert out["text"] == alone
+
+
+def test_a_reply_that_ends_leaves_before_the_next_prompt_is_read(tiny_worker, monkeypatch):
+    """The round that decodes a reply's last token hands its result back before a waiting prompt is read."""
+    from ktquest.generate import Generation
+
+    eng, worker = tiny_worker
+    a = eng.tokenizer.encode("the cat sat", add_bos=False, parse_special=False)
+    b = eng.tokenizer.encode("the dog sat on the log today", add_bos=False, parse_special=False)
+    a_done, waited, threads = threading.Event(), [], []
+    read = Generation.read_prompt
+
+    def read_prompt(self):
+        if list(self.prompt) == b:
+            waited.append(a_done.wait(30))
+        return read(self)
+
+    monkeypatch.setattr(Generation, "read_prompt", read_prompt)
+
+    def on_logits(token, logits, n=[0]):  # at a's last sampled token, b arrives
+        n[0] += 1
+        if n[0] == 5:
+            threads.append(threading.Thread(target=worker.complete, args=(b, _gen(eng, 3))))
+            threads[-1].start()
+
+    worker.complete(a, _gen(eng, 5), on_logits=on_logits)
+    a_done.set()
+    threads[0].join(60)
+    assert waited == [True]
+
+
+def test_the_scheduler_lives_on_after_an_error(tiny_worker, monkeypatch):
+    """An error the scheduler did not expect (here: while a cancelled prompt is put back) fails the replies it
+    hit, and the next request is answered."""
+    from ktquest.generate import Generation
+
+    eng, worker = tiny_worker
+    prompt = eng.tokenizer.encode("the cat sat on the mat " * 20, add_bos=False, parse_special=False)
+
+    def broken(self):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Generation, "interrupted", broken)
+    calls = [0]
+
+    def cancel_in_prefill() -> bool:
+        calls[0] += 1
+        return calls[0] > 1  # (not before the slot is taken: while the prompt is read)
+
+    eng.config.chunk_size = 16
+    with pytest.raises(RuntimeError, match="injected"):
+        worker.complete(prompt, _gen(eng, 4), cancelled=cancel_in_prefill)
+    monkeypatch.undo()
+    r = worker.complete(prompt[:10], _gen(eng, 4))
+    assert r.completion_tokens == 4 and not any(s.busy for s in worker.slots)

@@ -92,12 +92,13 @@ class NativeDecoder:
         matrix.gemv(self.head, xn[None], logits, self.threads)
         return torch.from_numpy(logits[0])  # [V]
 
-    def decode_batch(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
+    def decode_batch(self, tokens: list[int], caches: list[KVCache]) -> list[torch.Tensor | Exception]:
         """One token of each of several sequences (the server's parallel slots): token i at caches[i].pos, each
-        cache its own sequence's; returns their logits [N, V]. Where every cache plans its token, one native
-        call runs them all, each matrix read once for the N tokens (``_C.decode_tokens``); token i's logits are
-        what ``decode(tokens[i], caches[i])`` gives, bit for bit (that is also the way where a cache cannot
-        plan). All or nothing: when the call raises, no cache holds its token."""
+        cache its own sequence's; returns each token's logits [V]. Where every cache plans its token, one native
+        call runs them all, each matrix read once for the N tokens (``_C.decode_tokens``, all or nothing); token
+        i's logits are what ``decode(tokens[i], caches[i])`` gives, bit for bit. Where a cache cannot plan, or
+        the native call raised (no cache holds its token then), each token is decoded alone, and one that
+        fails has its exception in its place (its cache without it) while the others go on."""
         n = len(tokens)
         if len(caches) != n or n == 0 or len({id(c) for c in caches}) != n:
             raise ValueError(f"decode_batch: one token for each of {n} distinct caches, got {len(caches)} caches")
@@ -121,7 +122,7 @@ class NativeDecoder:
             for c, plan in zip(caches, plans):  # (not planned together: one by one, the same logits)
                 if plan is not None:
                     c.abort_decode(plan)
-            return torch.stack([self.decode(t, c) for t, c in zip(tokens, caches)])
+            return self._each(tokens, caches)
         x = self.emb.quant.rows(np.asarray(tokens))  # [N, dim]
         if self.emb_scale != 1.0:
             x *= np.float32(self.emb_scale)
@@ -130,6 +131,10 @@ class NativeDecoder:
         seqs = [(p.layers, None if p.store is None else p.store.native, p.w0, p.width, *p.skip, None) for p in plans]
         try:
             _C.decode_tokens(self.blocks, x, cos, sin, self.rope, seqs, plans[0].scale, self.threads)
+        except Exception:  # (nothing held: each token alone, a failure its own)
+            for c, plan in zip(caches, plans):
+                c.abort_decode(plan)
+            return self._each(tokens, caches)
         except BaseException:
             for c, plan in zip(caches, plans):
                 c.abort_decode(plan)
@@ -141,7 +146,16 @@ class NativeDecoder:
             _C.rms_norm(x[i], self.norm_w, self.eps, xn[i])
         logits = np.empty((n, self.head.out_features), np.float32)
         matrix.gemv(self.head, xn, logits, self.threads)
-        return torch.from_numpy(logits)  # [N, V]
+        return list(torch.from_numpy(logits))  # N x [V]
+
+    def _each(self, tokens: list[int], caches: list[KVCache]) -> list[torch.Tensor | Exception]:
+        out: list[torch.Tensor | Exception] = []
+        for t, c in zip(tokens, caches):
+            try:
+                out.append(self.decode(t, c))
+            except Exception as e:  # noqa: BLE001 - that sequence's alone (decode leaves its cache as it was)
+                out.append(e)
+        return out
 
     def decode_blocks(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int, cache: KVCache) -> None:
         """Every block of one token, each as qkv stage -> ``cache.attend`` -> out stage; x [dim] in place,

@@ -33,7 +33,8 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8080, slots: int = 2, que
     if parallel > 1:
         from ktquest.context import check_parallel_fits
 
-        check_parallel_fits(engine.config, engine.args, engine.max_seq_len, engine.device, engine.dtype, parallel)
+        check_parallel_fits(engine.config, engine.args, engine.max_seq_len, engine.device, engine.dtype, parallel,
+                            engine.weights_bytes)
     worker = Worker(engine, slots, prefix_reuse, parallel)
     if load_kv:
         print(f"ktquest serve: {worker.load_kv(load_kv):,} tokens of KV loaded from {load_kv}", file=sys.stderr)

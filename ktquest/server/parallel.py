@@ -13,8 +13,10 @@ a request and waits for the result. Each round of the scheduler:
 
 Fairness: every running reply gets one token a round; a new prompt is read between two rounds, so the running
 replies pause while it is read (a long prompt pauses them longer), and a request waits for a free place only
-behind those before it. The engine's lock is held for each round (a chat session of the engine takes turns with
-the rounds).
+behind those before it. A reply that ends with its token leaves in that round. The engine's lock is held while any
+reply runs (a chat session of the engine waits until the server is idle). A failed decode step ends only the
+replies whose tokens failed (the batch is all or nothing; its tokens are then decoded alone); a request whose
+client left while it waited is answered "cancelled" without touching a slot.
 """
 
 from __future__ import annotations
@@ -76,36 +78,52 @@ class Parallel:
                 if self.closed and not self.running:
                     for req in self.waiting:
                         self._fail(req, RuntimeError("the server's parallel slots are closed"))
+                    self.waiting.clear()
                     return
-                new = []
-                while self.waiting and len(self.running) + len(new) < self.n:
-                    new.append(self.waiting.popleft())
+            # The engine's lock is held while any reply runs (slot 0 is the engine's own sequence: a chat session
+            # of the engine must not take it from under a reply); it waits until the server is idle.
             with self.worker.engine.lock.hold("Worker.parallel"):
-                for req in new:
-                    self._admit(req)
-                self._step()
+                while True:
+                    with self.cv:
+                        new = []
+                        while self.waiting and not self.closed and len(self.running) + len(new) < self.n:
+                            new.append(self.waiting.popleft())
+                    if not new and not self.running:
+                        break
+                    try:
+                        for req in new:
+                            self._admit(req)
+                        self._step()
+                    except BaseException as e:  # noqa: BLE001 - a bug: every reply ends with it, the loop lives on
+                        for req in list(self.running) + [r for r in new if not r.done.is_set()]:
+                            self._end(req, e)
 
     def _admit(self, req: _Request) -> None:
         """A request's slot taken and its prompt read; it runs from the next step (or ends here)."""
+        tokens, cancelled = req.args[0], req.args[4]
+        if cancelled is not None and cancelled():  # its client left while it waited: no slot is touched
+            req.result = Result(text="", finish_reason="cancelled", prompt_tokens=len(tokens), cached_tokens=0,
+                                completion_tokens=0, prefill_s=0.0, decode_s=0.0)
+            req.done.set()
+            return
         try:
             req.run = self.worker.begin(*req.args)
         except BaseException as e:  # noqa: BLE001 - its caller raises it
             self._fail(req, e)
             return
+        self.running.append(req)
         g = req.run.turn.generation
         try:
             g.read_prompt()
         except KeyboardInterrupt:  # cancelled while its prompt was read (``Worker.begin``'s progress)
             g.interrupted()
             self._end(req)
-            return
         except BaseException as e:  # noqa: BLE001
             self._end(req, e)
-            return
-        self.running.append(req)
 
     def _step(self) -> None:
-        """Every running reply's next token sampled, then one batched decode step for those that go on."""
+        """Every running reply's next token sampled, then one batched decode step for those that go on; a reply
+        that ends with its token leaves at once (its result does not wait for the next round)."""
         going, tokens = [], []
         for req in list(self.running):
             try:
@@ -122,21 +140,27 @@ class Parallel:
             return
         caches = [r.run.slot.seq.cache for r in going]
         model = self.worker.engine.model
-        try:
-            if len(going) > 1 and hasattr(model.decoder, "decode_batch"):
-                logits = list(model.decoder.decode_batch(tokens, caches))
-            else:  # (one reply, or a decoder that runs one token at a time: each alone)
-                logits = [decode_one_token(model, c, t) for c, t in zip(caches, tokens)]
-        except BaseException as e:  # noqa: BLE001 - all or nothing: no cache holds its token; the replies end
-            for req in going:
-                self._end(req, e)
-            return
+        if len(going) > 1 and hasattr(model.decoder, "decode_batch"):
+            logits = model.decoder.decode_batch(tokens, caches)  # (a failed token: its exception)
+        else:  # (one reply, or a decoder that runs one token at a time: each alone)
+            logits = []
+            for c, t in zip(caches, tokens):
+                try:
+                    logits.append(decode_one_token(model, c, t))
+                except Exception as e:  # noqa: BLE001 - that reply's alone
+                    logits.append(e)
         self.steps += 1
         self.batched += len(going)
         self.widest = max(self.widest, len(going))
         for req, x in zip(going, logits):
+            if isinstance(x, BaseException):
+                self._end(req, x)
+                continue
+            g = req.run.turn.generation
             try:
-                req.run.turn.generation.took(x)
+                g.took(x)
+                if g.ended():
+                    self._end(req)
             except BaseException as e:  # noqa: BLE001 - its callbacks' error ends that reply alone
                 self._end(req, e)
 
@@ -145,6 +169,9 @@ class Parallel:
         if req in self.running:
             self.running.remove(req)
         run = req.run
+        if run is None:  # (never began)
+            self._fail(req, error or RuntimeError("the request never ran"))
+            return
         try:
             _, stats = run.turn.finish()
             if error is None:
