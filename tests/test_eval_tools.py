@@ -568,3 +568,23 @@ def test_attention_recall_on_a_sliding_window_model(recall_tool, tiny_models, tm
     assert {r["layer"] for r in data["rows"]} == {5} and not any(r["dense_layer"] for r in data["rows"])
     assert all(0 <= r["recall"] <= 1 + 1e-5 for r in data["rows"])
     assert "| 5 |" in capsys.readouterr().out
+
+
+def test_ruler_table_averages_against_dense(tmp_path):
+    """tools/ruler_table.py: accuracy a task and config from the runs' rows, the average over a config's tasks,
+    and the difference from dense's average over the same tasks."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from ruler_table import collect, table
+
+    def run(name, rows):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+
+    run("a_dense", [{"task": "a", "config": "dense", "correct": 18.0, "trials": 20}])
+    run("b_dense", [{"task": "b", "config": "dense", "correct": 10.0, "trials": 20}])
+    run("a_quest", [{"task": "a", "config": "quest", "correct": 16.0, "trials": 20},
+                    {"task": "a", "config": "quest+ada", "correct": 20.0, "trials": 20}])
+    lines = table(collect(tmp_path)).splitlines()
+    assert lines[2] == "| dense | 90 | 50 | 70.0 | - |"
+    assert "| quest | 80 | - | 80.0 | -10.0 |" in lines and "| quest+ada | 100 | - | 100.0 | +10.0 |" in lines

@@ -44,7 +44,7 @@ from ktquest.native.store import KVStore  # noqa: E402
 
 
 def layer_rows(q, k, n: int, lc, shares: list[float], anchors: list[str], modes: list[str], reranks: list[int],
-               top_tokens: int, threads: int, layer: int) -> list[dict]:
+               top_tokens: int, threads: int, layer: int, rerank_by: str = "max") -> list[dict]:
     """The curve's rows of one layer: q [W, H, D] (after RoPE), k [KVH, n, D]."""
     import torch
 
@@ -69,6 +69,8 @@ def layer_rows(q, k, n: int, lc, shares: list[float], anchors: list[str], modes:
     # the true max of q . k in each block, per query head, then per KV head (max over its query heads)
     block_max = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")).view(H, W, nb, bs).amax(-1)
     kv_max = block_max.view(KVH, G, W, nb).amax(1)  # [KVH, W, nb]
+    if rerank_by == "mass":  # a block's attention mass, summed over the KV head's query heads (its tiles' LSE)
+        kv_max = block_mass.view(KVH, G, W, nb).sum(1)
     cand = torch.zeros(nb, dtype=torch.bool)
     cand[b0:b1] = True
     rows = []
@@ -105,7 +107,7 @@ def layer_rows(q, k, n: int, lc, shares: list[float], anchors: list[str], modes:
                             sel[g, w, chosen] = True
                     mass, hit = score(sel.repeat_interleave(G, 0))
                     rows.append({"layer": layer, "share": share, "blocks": kb, "anchor": a_type, "mode": mode,
-                                 "rerank": r, "mass": mass, "top": hit, "oracle_mass": oracle_mass,
+                                 "rerank": r, "rerank_by": rerank_by, "mass": mass, "top": hit, "oracle_mass": oracle_mass,
                                  "oracle_top": oracle_top, "window_mass": window_mass.mean().item()})
     return rows
 
@@ -123,7 +125,7 @@ def table(rows: list[dict], shares: list[float]) -> str:
         for s in shares:
             sel = [x for x in rows if (x["anchor"], x["mode"], x["rerank"], x["share"]) == (a, m, r, s)]
             cells.append(f"{mean(sel, 'mass'):.3f} / {mean(sel, 'top'):.3f}")
-        name = f"{a} {m}" + (f" +rerank {r}" if r > 1 else "")
+        name = f"{a} {m}" + (f" +rerank {r} by {rows[0]['rerank_by']}" if r > 1 else "")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     cells = []
     for s in shares:
@@ -144,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchors", default="QUEST,BLOCK_MAX,BLOCK_MEAN")
     ap.add_argument("--modes", default="SEPARATE,SHARED")
     ap.add_argument("--rerank", default="1,4", help="first-stage widths (1: the anchors alone)")
+    ap.add_argument("--rerank-by", choices=("max", "mass"), default="max",
+                    help="the second stage's score: a block's true max q.k, or its attention mass (tile LSE)")
+    ap.add_argument("--cache", default=None, help="keep the recorded queries and keys in this .pt file (a second "
+                                                  "run with the same arguments skips the prefill)")
     ap.add_argument("--queries", type=int, default=16)
     ap.add_argument("--top-tokens", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
@@ -163,23 +169,27 @@ def main(argv: list[str] | None = None) -> int:
     ids = sample.tokens
     n = len(ids)
     W = min(a.queries, n)
-    rec = RecordingCache(eng.cache, record_from=n - W)
-    eng.cache.reset()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        prefill(eng.model, rec, ids, cfg.chunk_size)
-    print(f"prefill {n} tokens: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    dense, layers = global_layers(rec.inner)
+    if a.cache and os.path.exists(a.cache):
+        qk = torch.load(a.cache)
+    else:
+        rec = RecordingCache(eng.cache, record_from=n - W)
+        eng.cache.reset()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            prefill(eng.model, rec, ids, cfg.chunk_size)
+        print(f"prefill {n} tokens: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        dense, layers = global_layers(rec.inner)
+        qk = [(layer, rec.query(layer), dense.layer_kv(j)[0][:, :n].float().clone()) for j, layer in enumerate(layers)]
+        if a.cache:
+            torch.save(qk, a.cache)
     rows = []
     t0 = time.perf_counter()
-    for j, layer in enumerate(layers):
+    for j, (layer, q, k) in enumerate(qk):
         if j < lc.dense_layer_num:
             continue
-        q = rec.query(layer)
-        k = dense.layer_kv(j)[0][:, :n].float()
         rows += layer_rows(q, k, n, lc, shares, [x.strip() for x in a.anchors.split(",")],
                            [x.strip() for x in a.modes.split(",")], [int(x) for x in a.rerank.split(",")],
-                           a.top_tokens, a.threads, layer)
+                           a.top_tokens, a.threads, layer, a.rerank_by)
         print(f"layer {layer}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"## budget curve: {a.model}, {a.task} at {n} tokens (trial {a.trial}), last {W} queries, block "
           f"{lc.block_size}, windows {lc.init_windows_len} + {lc.local_windows_len}, layers from "
