@@ -26,19 +26,20 @@ import threading
 from dataclasses import dataclass, field
 
 from ktquest.generate import decode_one_token
-from ktquest.server.worker import Result, Running
 
 
 @dataclass(eq=False)
 class _Request:
-    args: tuple
+    args: tuple  # Worker.complete's
     done: threading.Event = field(default_factory=threading.Event)
-    result: Result | None = None
+    result: object = None  # the worker's Result
     error: BaseException | None = None
-    run: Running | None = None
+    run: object = None  # the worker's Running, once begun
 
 
 class Parallel:
+    """The scheduler of ``worker`` (a ``server.worker.Worker``, which makes it: it is the worker's ``parallel``)."""
+
     def __init__(self, worker, n: int):
         self.worker, self.n = worker, n
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -51,7 +52,7 @@ class Parallel:
         self.thread = threading.Thread(target=self._loop, name="ktquest-parallel", daemon=True)
         self.thread.start()
 
-    def complete(self, *args) -> Result:
+    def complete(self, *args):
         """``Worker.complete``'s arguments; its result once the reply ends (its exception if it failed)."""
         req = _Request(args)
         with self.cv:
@@ -102,8 +103,7 @@ class Parallel:
         """A request's slot taken and its prompt read; it runs from the next step (or ends here)."""
         tokens, cancelled = req.args[0], req.args[4]
         if cancelled is not None and cancelled():  # its client left while it waited: no slot is touched
-            req.result = Result(text="", finish_reason="cancelled", prompt_tokens=len(tokens), cached_tokens=0,
-                                completion_tokens=0, prefill_s=0.0, decode_s=0.0)
+            req.result = self.worker.skipped(len(tokens))
             req.done.set()
             return
         try:

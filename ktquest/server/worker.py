@@ -292,6 +292,11 @@ class Worker:
         return Running(slot, turn, stop, on_text, is_cancelled, len(tokens), cached,
                        setup_s=time.perf_counter() - taken)
 
+    def skipped(self, n_tokens: int) -> Result:
+        """The result of a request whose client left before it was taken up (nothing ran, nothing counted)."""
+        return Result(text="", finish_reason="cancelled", prompt_tokens=n_tokens, cached_tokens=0,
+                      completion_tokens=0, prefill_s=0.0, decode_s=0.0)
+
     def end(self, run: Running, stats) -> Result:
         """A request's reply over: the held-back text out, its result counted."""
         stop = run.stop
