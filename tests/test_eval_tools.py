@@ -588,3 +588,23 @@ def test_ruler_table_averages_against_dense(tmp_path):
     lines = table(collect(tmp_path)).splitlines()
     assert lines[2] == "| dense | 90 | 50 | 70.0 | - |"
     assert "| quest | 80 | - | 80.0 | -10.0 |" in lines and "| quest+ada | 100 | - | 100.0 | +10.0 |" in lines
+
+
+def test_budget_curve_second_stage_by_mass_reaches_the_oracle():
+    """tools/budget_curve.py on random queries and keys: the anchors alone hold at most the oracle's mass, and a
+    second stage by mass over every candidate picks the oracle's blocks (one query head a KV head)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from budget_curve import layer_rows
+
+    g = torch.Generator().manual_seed(3)
+    n, D = 400, 16
+    q = torch.randn(4, 2, D, generator=g)  # [W, H, D]
+    k = torch.randn(2, n, D, generator=g) * 2  # [KVH, n, D]
+    lc = LongContextConfig(block_size=8, init_windows_len=8, local_windows_len=32, second_select_num=4)
+    rows = layer_rows(q, k, n, lc, [0.1], ["QUEST"], ["SEPARATE"], [1, 1000], 10, 1, 0, "mass")
+    alone, full = (next(r for r in rows if r["rerank"] == x) for x in (1, 1000))
+    assert alone["mass"] <= alone["oracle_mass"] + 1e-6
+    assert full["mass"] == pytest.approx(full["oracle_mass"], abs=1e-6)
+    assert 0 < alone["top"] <= 1 and full["top"] >= alone["top"] - 0.05
