@@ -7,9 +7,8 @@
 namespace ktq {
 
 namespace {
-// How long an idle worker spins before sleeping. Decode calls come every few microseconds; a
-// prompt's Python-side work between calls is longer, and sleeping then is fine.
-constexpr auto kSpin = std::chrono::microseconds(200);
+// How long an idle worker spins before sleeping (spin_us_, kDefaultSpinUs unless set). Decode calls come
+// every few microseconds; a prompt's Python-side work between calls is longer, and sleeping then is fine.
 constexpr int64_t kMaxThreads = 256;
 }  // namespace
 
@@ -94,7 +93,8 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
     while (gen_.load(std::memory_order_acquire) == seen) {
       if (spins % 16 == 15) std::this_thread::yield();  // never starve a thread that shares this core
       else cpu_pause();
-      if (++spins % 256 == 0 && std::chrono::steady_clock::now() - t0 > kSpin) {
+      if (++spins % 256 == 0 &&
+          std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed))) {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
         break;

@@ -7,7 +7,9 @@
 // reduction over tasks happens afterwards in a fixed order; then 1 or N threads give the same bits.
 //
 // Workers spin briefly (decode issues one call per layer and op, microseconds apart), then sleep on
-// a condition variable so an idle runtime costs no CPU.
+// a condition variable so an idle runtime costs no CPU. set_spin_us lengthens the spin while a caller
+// knows more calls come soon after a pause longer than the default (a GPU decode step: a layer's device
+// work between two store parts), so the workers stay hot instead of waking from the condition variable.
 #pragma once
 
 #include <atomic>
@@ -38,6 +40,12 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
+  // How long an idle worker spins before it sleeps (microseconds, default kDefaultSpinUs); read at
+  // every check, so a shorter value sends spinning workers to sleep soon.
+  static constexpr int64_t kDefaultSpinUs = 200;
+  void set_spin_us(int64_t us) { spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
+  int64_t spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
+
   template <class F>
   void parallel_for(int64_t n_tasks, int n_threads, F&& fn) {
     if (n_tasks <= 0) return;
@@ -63,6 +71,7 @@ class ThreadPool {
   // claiming a task of the next one with the old job's function.
   std::atomic<uint64_t> claim_{0};
   std::atomic<int64_t> done_{0};
+  std::atomic<int64_t> spin_us_{kDefaultSpinUs};
   bool stop_ = false;
   // The job of generation gen_ (written under mu_ before gen_ is bumped).
   Call call_ = nullptr;

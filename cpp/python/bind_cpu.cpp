@@ -1,6 +1,7 @@
 // ---- CPU features and the forced scalar kernels (common/cpu_features.h) ----
 #include "common/cpu_features.h"
 #include "common/heap.h"
+#include "common/thread_pool.h"
 #include "python/bind.h"
 
 namespace ktq::python {
@@ -25,6 +26,9 @@ void bind_cpu(py::module_& m) {
   m.def("set_allow_vnni", &set_allow_vnni, py::arg("allow"),
         "Let the kernels with an AVX-VNNI variant use it (process-wide; KTQUEST_NO_VNNI=1 says no at start).");
   m.def("allow_vnni", &allow_vnni, "What set_allow_vnni last said (or KTQUEST_NO_VNNI at start).");
+  m.def("set_pool_spin_us", [](int64_t us) { ThreadPool::global().set_spin_us(us); }, py::arg("us"),
+        "How long the worker pool's idle threads spin before they sleep, in microseconds (common/thread_pool.h).");
+  m.def("pool_spin_us", [] { return ThreadPool::global().spin_us(); }, "What set_pool_spin_us last set.");
   m.attr("MMAP_THRESHOLD") = fix_mmap_threshold();  // at import: see common/heap.h
   m.def("prefill_heap", &prefill_heap, py::arg("on"),
         "The C heap's prefill settings (on) or decode settings (off, then malloc_trim): common/heap.h. "

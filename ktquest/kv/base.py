@@ -8,6 +8,7 @@ call then runs for every block of the model (``ktquest.native.plans``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,6 +22,21 @@ def check_write(start: int, n: int, held: int, capacity: int) -> None:
     if n < 1 or not 0 <= start <= held or start + n > capacity:
         raise ValueError(f"KV cache: cannot write positions {start}..{start + n - 1}: the cache holds {held} "
                          f"tokens of at most {capacity} (max_seq_len)")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceToken:
+    """One decode token as a device decode step runs it (``KVCache.device_token``; models/device_step.py): the
+    token's k/v go to row ``w0`` of every layer's device buffers (``device_buffers``), and its query attends
+    their rows [0, width) but [skip) densely there; with ``store`` each layer's store part runs on the host
+    (``store_part``) and merges by its LSE."""
+
+    pos: int
+    w0: int
+    width: int
+    skip: tuple[int, int] = (0, 0)
+    store: bool = False
+    generation: int = 0  # changes when the device buffers are replaced (a captured step must be made again)
 
 
 class PromptLayers(Protocol):
@@ -88,6 +104,20 @@ class KVCache(Protocol):
 
     def abort_decode(self, plan: TokenPlan) -> None:
         """The planned token raised part-way (some layers may hold it)."""
+        ...
+
+    def device_token(self, pos: int) -> DeviceToken | None:
+        """Begin a decode token at ``pos`` for the device step (then ``commit_device_token``, or nothing: a
+        token that raised is dropped by the next pass), or None where this cache cannot run it so (the step
+        then goes through ``attend``)."""
+        ...
+
+    def device_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's device K and V [KVH, rows, D] a ``DeviceToken`` writes and attends."""
+        ...
+
+    def commit_device_token(self, token: DeviceToken) -> None:
+        """The token ran in every layer."""
         ...
 
     def reset(self) -> None: ...

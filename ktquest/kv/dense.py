@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ktquest.kv.base import DeviceToken
 from ktquest.kv.dual_chunk_attention import dca_decode, dca_prefill
 from ktquest.kv.memory import check_dense_fits
 from ktquest.kv.placement import Placement
@@ -46,6 +47,7 @@ class DenseKVCache:
         self._v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]  # [1, KVH, cap, D]
         self.pos = 0
         self._np: list | None = None  # numpy views of the layers for the native decode plan
+        self.generation = 0  # counts the buffers' replacements (a device step captured over them is stale)
         # CPU fp32 decode goes to the C++ split-K kernel (native.attention.dense_decode_attention): SDPA read a
         # decode step's K/V at a fraction of the DRAM bandwidth the kernel streams them at.
         self.threads = max(1, threads)
@@ -135,6 +137,7 @@ class DenseKVCache:
             new[:, :, : self.pos] = bufs[layer_idx][:, :, : self.pos]
             bufs[layer_idx] = new
         self._np = None
+        self.generation += 1
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_idx``'s K and V, [KVH, capacity, D] each (positions 0..pos-1 valid)."""
@@ -175,6 +178,20 @@ class DenseKVCache:
         if self._np is None:  # numpy views of every layer, made again only when a layer grew
             self._np = [(k[0].numpy(), v[0].numpy()) for k, v in zip(self._k, self._v)]
         return TokenPlan(pos, [dense_layer(k, v, pos) for k, v in self._np], self.scale)
+
+    def device_token(self, pos: int) -> DeviceToken | None:
+        """``KVCache.device_token``: every layer grown to hold ``pos``; its query attends rows [0, pos]. None
+        with dual chunk attention past its first chunk."""
+        if self.dual_chunk is not None and self.dual_chunk.active(pos + 1):
+            return None
+        self.reserve(pos, pos + 1)
+        return DeviceToken(pos, pos, pos + 1, generation=self.generation)
+
+    def device_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k[layer][0], self._v[layer][0]
+
+    def commit_device_token(self, token: DeviceToken) -> None:
+        self.pos = token.pos + 1
 
     def commit_decode(self, plan: TokenPlan) -> None:
         """The token of ``plan`` is in every layer."""

@@ -28,6 +28,7 @@ import torch
 from ktquest.config import Config, ConfigError, LongContextConfig
 from ktquest.kv import long_context_pass as passes
 from ktquest.kv import plan_files
+from ktquest.kv.base import DeviceToken
 from ktquest.kv.layer_prefill import LongContextPromptLayers, workspace_bytes
 from ktquest.kv.memory import check_kv_type, check_store_fits, layer_major_tokens
 from ktquest.kv.placement import Placement
@@ -276,6 +277,37 @@ class LongContextCache:
     def abort_decode(self, plan: TokenPlan) -> None:
         """The token of ``plan`` raised part-way: some layers may hold it (the next pass drops them)."""
         self.planner.token_failed()
+
+    # ---- decode on a device: its layers there, each layer's store part here (models/device_step.py) ----
+
+    def device_token(self, pos: int) -> DeviceToken | None:
+        """``KVCache.device_token``: the windows' geometry of a decode token at ``pos``. None for a prompt's
+        token (``begin_prompt``), with DYNAMIC anchors (the store takes the window's probabilities) and with
+        dual chunk attention past its first chunk."""
+        if self.shape.dynamic or pos < self.prompt_end or (self.dual_chunk is not None
+                                                           and self.dual_chunk.active(pos + 1)):
+            return None
+        g = self.begin_pass(pos, 1)
+        assert g.decode
+        return DeviceToken(pos, g.w0, g.width, g.skip, g.loc0 // self.shape.block_size > self.shape.ib)
+
+    def device_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.windows.k[layer], self.windows.v[layer]
+
+    def store_part(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The device token's store part in ``layer``: q [H, D], k/v [KVH, D] on the host -> (out [H, D], lse
+        [H]) fp32 over the context blocks the planner says (None where there are none); then k/v join the
+        store (after: the store part never sees the token itself)."""
+        lb = self.geo.loc0 // self.shape.block_size
+        part = None
+        if lb > self.shape.ib:
+            part = passes.decode_context(self.shape, self.store, self.planner, layer, q[None], lb)
+        self.store.append(layer, k[None], v[None])
+        return part
+
+    def commit_device_token(self, token: DeviceToken) -> None:
+        self.pos = token.pos + 1
 
     # ---- what the planner did (documented for tests and tools) ----
 

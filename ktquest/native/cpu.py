@@ -1,6 +1,6 @@
 """The native code's process-wide settings: which kernels run (AVX2/FMA/F16C, with AVX-VNNI variants where the
-CPU has it, picked from the CPU's features at run time, or the scalar twins when forced) and the C heap's
-settings while a prompt is read."""
+CPU has it, picked from the CPU's features at run time, or the scalar twins when forced), the C heap's
+settings while a prompt is read, and how long the worker pool's idle threads spin."""
 
 from __future__ import annotations
 
@@ -46,3 +46,20 @@ def prefill_heap():
         if collecting:
             gc.enable()
         _C.prefill_heap(False)
+
+
+def pool_spin_us() -> int:
+    """How long the worker pool's idle threads spin before they sleep (microseconds)."""
+    return _C.pool_spin_us()
+
+
+@contextlib.contextmanager
+def hot_pool(spin_us: int):
+    """The worker pool's idle threads spin ``spin_us`` microseconds before they sleep while the block runs (a
+    GPU decode step: the store parts of consecutive layers come a layer's device work apart), then as before."""
+    before = _C.pool_spin_us()
+    _C.set_pool_spin_us(int(spin_us))
+    try:
+        yield
+    finally:
+        _C.set_pool_spin_us(before)

@@ -23,6 +23,8 @@ from ktquest import _C
 from ktquest.kv.base import KVCache
 from ktquest.layers.linear import set_threads
 from ktquest.models.block import BlockSpec
+from ktquest.models.device_lane import CudaLane
+from ktquest.models.device_step import DeviceDecoder
 from ktquest.models.ffn import MoEFeedForward
 from ktquest.models.rope import apply_rope
 from ktquest.native import matrix
@@ -181,12 +183,15 @@ class NativeDecoder:
 
 def use_native_decode(model, threads: int) -> None:
     """Give every Linear of ``model`` ``threads``, and the model its native CPU decode step (``model.decoder``)
-    where its weights are in their GGUF encoding; elsewhere it keeps its forward pass (``TorchDecoder``). The
-    one place the decode step is chosen."""
+    where its weights are in their GGUF encoding; on a GPU the device step (CUDA graphs around the store's CPU
+    operator: models/device_step.py) where its blocks allow; elsewhere it keeps its forward pass
+    (``TorchDecoder``). The one place the decode step is chosen."""
     set_threads(model, threads)
     native = NativeDecoder.build(model, threads)
     if native is not None:
         model.decoder = native
+    elif model.device.type == "cuda" and DeviceDecoder.applies(model):  # dequantized weights on a GPU
+        model.decoder = DeviceDecoder(model, CudaLane(model.device))
 
 
 def _linears(block) -> list:
