@@ -212,9 +212,11 @@ def _check_document_fits(engine, session, path: str) -> None:
 
 
 def _context_lines(engine) -> None:
-    """The context the engine took, where RAM cut the default, a context past the trained one (``ktquest.context``)
-    and a hybrid model's recurrent state with its checkpoints: a line each on stderr, unwrapped."""
-    for line in (engine.context_note, engine.context_warning, engine.state_note):
+    """The context the engine took, where RAM cut the default, a context past the trained one (``ktquest.context``),
+    a hybrid model's recurrent state with its checkpoints, and the weights' form and size where they are not the
+    file mapped in place (a GPU's fp16 or int8 rows): a line each on stderr, unwrapped."""
+    weights = engine.weights_note if engine.weights != "gguf" else None
+    for line in (engine.context_note, engine.context_warning, engine.state_note, weights):
         if line:
             print(f"ktquest: {line}", file=sys.stderr)
 

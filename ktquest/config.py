@@ -238,8 +238,9 @@ class Config:
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: fp16 on CUDA, fp32 on CPU
     # How the weights are held: "gguf" keeps each matrix in the file's encoding (Q4_K, Q8_0, ...), mapped and
     # read in place by the native kernels (CPU, float32 activations); "dequantize" converts every weight to
-    # `dtype` (the reference path; CUDA's). "auto" = gguf on the CPU in float32, dequantize otherwise.
-    weights: Literal["auto", "gguf", "dequantize"] = "auto"
+    # `dtype` (the reference path; CUDA's); "int8" to int8 rows with a scale a row (half fp16's memory, products
+    # slower). "auto" = gguf on the CPU in float32; elsewhere dequantize, or int8 on a GPU where only that fits.
+    weights: Literal["auto", "gguf", "dequantize", "int8"] = "auto"
     # How activations are rounded for the integer dot products on GGUF-encoded weights: "int8" per 32 or 256
     # values (ggml's route), in decode and in prefill's int8 GEMM (K-quants, Q4_0..Q5_1: about 1.2-2.4x torch's fp32
     # GEMM); "int16" per 32 values for the 32-value block types' decode (Q4_0..Q8_0; the K-quants keep int8),

@@ -30,7 +30,7 @@ from ktquest.kv.dense import DenseKVCache
 from ktquest.kv.long_context import LongContextCache
 from ktquest.kv.memory import (
     check_cache_fits,
-    check_weights_fit,
+    choose_weights,
     chunk_activation_bytes,
     layer_major_tokens,
     prompt_token_device_bytes,
@@ -87,13 +87,15 @@ class Engine:
         self.state_note = _state_note(config, self.args)
         # refuse before any allocation (the weights included), with the figure
         check_cache_fits(config, global_args(self.args), self.max_seq_len, self.device, self.dtype)
-        check_weights_fit(self.args, self.device, self.dtype)
-        self.weights = pick_weights(config.weights, self.device, self.dtype)
+        # fp16 on a GPU where it fits, else int8 rows; weights_note says which and what it takes
+        self.weights, self.weights_note = choose_weights(config.weights, pick_weights(config.weights, self.device,
+                                                                                      self.dtype),
+                                                         self.args, self.device, self.dtype)
         dual_chunk, note = resolve_dual_chunk(config, self.args, self.max_seq_len)
         if note:
             print(note, file=sys.stderr)
         self.model = build_model(contents, self.device, self.dtype, self.max_seq_len, self.weights == "gguf",
-                                 _rope_scaling(config), dual_chunk)
+                                 _rope_scaling(config), dual_chunk, int8=self.weights == "int8")
         self.args = self.model.args  # the file's, but for the config's RoPE scaling when it sets one
         self.context_warning = context_warning(self.args, self.max_seq_len)  # past the trained context: why
         self.model_name: str = contents.metadata.get("general.name") or model_path.stem

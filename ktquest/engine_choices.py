@@ -28,7 +28,8 @@ ACTIVATIONS_INT16_BELOW = 1_000_000_000  # parameters
 
 
 def pick_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"gguf" or "dequantize" (Config.weights); ConfigError for gguf off the CPU or not in float32."""
+    """"gguf", "dequantize" or "int8" (Config.weights; on a GPU ``kv.memory.choose_weights`` may turn an auto
+    "dequantize" into "int8"); ConfigError for gguf off the CPU or not in float32."""
     cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     if name == "auto":
         return "gguf" if cpu_fp32 else "dequantize"

@@ -179,18 +179,38 @@ def check_dense_fits(n_layers: int, n_kv_heads: int, head_dim: int, max_seq_len:
                           f"{where}; lower max_seq_len or use mode long_context")
 
 
-def check_weights_fit(args, device: torch.device, dtype: torch.dtype) -> None:
-    """ConfigError (with the figure) when the model's weights, dequantized to ``dtype``, would not fit on
-    ``device`` (CUDA: ``weights: dequantize``), before any weight is read. On the CPU the weights stay in
-    their GGUF encoding, mapped from the file: nothing to check."""
+def int8_weight_bytes(args, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights as int8 rows (``weights: int8``): a byte a parameter, a scale a row in
+    ``dtype`` (rows of about ``dim`` values; the norms and biases are a rounding error beside them)."""
+    return args.n_params + args.n_params // args.dim * dtype.itemsize
+
+
+def choose_weights(asked: str, picked: str, args, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """How the weights are held, and a line that says it with the memory it takes; before any weight is read.
+
+    ``picked``: ``engine_choices.pick_weights``'s choice for the ``weights`` knob (``asked``). On the CPU it
+    stands (gguf maps the file). On CUDA the weights go in ``dtype`` where they fit the free device memory;
+    where they do not and ``asked`` is auto, as int8 rows (half the memory; a model with experts' stacks
+    excepted), and int8 where that was asked. ConfigError with the figures where the form asked, or neither
+    form, fits."""
+    full, int8 = args.n_params * dtype.itemsize, int8_weight_bytes(args, dtype)
+    name = str(dtype).removeprefix("torch.")
     if device.type != "cuda":
-        return
-    need = args.n_params * dtype.itemsize
+        size = {"gguf": "the file mapped in place", "int8": _size(int8), "dequantize": _size(full)}[picked]
+        return picked, f"weights: {'int8 rows' if picked == 'int8' else picked} on {device.type}, {size}"
     have, where = available_memory(device)
-    if need > have:
-        raise ConfigError(f"the model's weights in {str(dtype).removeprefix('torch.')} would need {_size(need)} "
-                          f"({args.n_params / 1e9:.2f}B parameters) and {_size(have)} {where}; run it on the "
-                          f"CPU (device: cpu), where the weights stay in the file's encoding")
+    moe = any(b.ffn == "moe" for b in args.blocks)
+    if picked == "dequantize" and full <= have:
+        return picked, f"weights: {name} on {device}, {_size(full)} ({_size(have)} {where})"
+    if (picked == "int8" or asked == "auto") and not moe and int8 <= have:
+        why = "asked" if picked == "int8" else f"in {name} they would need {_size(full)}"
+        return "int8", f"weights: int8 rows on {device}, {_size(int8)} ({why}; {_size(have)} {where})"
+    what = (f"as int8 rows would need {_size(int8)}" if picked == "int8" or asked == "auto" and not moe
+            else f"in {name} would need {_size(full)}")
+    hint = ("; weights: int8 would need " + _size(int8)) if asked == "dequantize" and not moe else ""
+    raise ConfigError(f"the model's weights {what} ({args.n_params / 1e9:.2f}B parameters) and {_size(have)} "
+                      f"{where}{hint}; run it on the CPU (device: cpu), where the weights stay in the file's "
+                      f"encoding")
 
 
 def _size(n: int) -> str:

@@ -15,6 +15,10 @@ read in place, never copied to fp32. On a ``QuantWeight``:
 
 A fused projection (q | k | v, gate | up) is several tensors stacked by rows, each in its own encoding
 (Q4_K_M files quantize ``attn_v`` and some ``ffn_down`` to Q6_K): a ``QuantWeight`` of several parts.
+
+A third kind, ``Int8Weight`` (``weights: int8``: a GPU where the weights in fp16 do not fit), holds each row as
+int8 with one scale: half fp16's memory; a product casts the int8 rows to the activations' dtype first (the
+GPU's weight-only int8 kernels ran slower than that on an H200: tools/bench_int8_weights.py).
 """
 
 from __future__ import annotations
@@ -65,27 +69,53 @@ class QuantWeight:
         return np.concatenate([matrix.dequantize_rows(t, p) for t, p in self.parts])
 
 
-def stack_rows(*ws: torch.Tensor | QuantWeight) -> torch.Tensor | QuantWeight:
-    """Matrices [out_i, in] stacked by rows (a fused projection): torch.cat, or one QuantWeight of their parts."""
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """A matrix [out, in] as int8 rows and a scale a row: W ~= q * scale[:, None] (``weights: int8``)."""
+
+    q: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # [out], the compute dtype
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> Int8Weight:
+        """Each row of ``w`` rounded to int8 by its largest magnitude (a row of zeros: scale 1)."""
+        peak = w.abs().amax(1).float()
+        scale = torch.where(peak > 0, peak / 127, torch.ones_like(peak))
+        q = (w.float() / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(q, scale.to(w.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.to(self.scale.dtype) * self.scale[:, None]
+
+
+def stack_rows(*ws: torch.Tensor | QuantWeight | Int8Weight) -> torch.Tensor | QuantWeight | Int8Weight:
+    """Matrices [out_i, in] stacked by rows (a fused projection): torch.cat, or one QuantWeight of their parts,
+    or one Int8Weight."""
     if all(isinstance(w, QuantWeight) for w in ws):
         return QuantWeight(parts=tuple(p for w in ws for p in w.parts), in_features=ws[0].in_features)
+    if all(isinstance(w, Int8Weight) for w in ws):
+        return Int8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]))
     return torch.cat(ws)
 
 
 class Linear(torch.nn.Module):
     """y = x @ W.T (+ b), then the output columns gathered by ``out_perm`` when given.
 
-    weight: a torch tensor [out, in] or a ``QuantWeight``; bias: [out] or None (fp32 for a QuantWeight);
-    out_perm: int64 [out] or None (llama files' q/k rows: ``models/loader.py``).
+    weight: a torch tensor [out, in], a ``QuantWeight`` or an ``Int8Weight``; bias: [out] or None (fp32 for a
+    QuantWeight); out_perm: int64 [out] or None (llama files' q/k rows: ``models/loader.py``).
     """
 
-    def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
+    def __init__(self, weight: torch.Tensor | QuantWeight | Int8Weight, bias: torch.Tensor | None = None,
                  out_perm: torch.Tensor | None = None):
         super().__init__()
         self.quant: QuantWeight | None = weight if isinstance(weight, QuantWeight) else None
         self.qm = None  # the native matrix of a QuantWeight (native.matrix.QuantMatrix)
+        self.int8: Int8Weight | None = weight if isinstance(weight, Int8Weight) else None
+        if self.int8 is not None:
+            self.register_buffer("w8", weight.q, persistent=False)
+            self.register_buffer("w8_scale", weight.scale, persistent=False)
         if out_perm is not None and self.quant is None:  # gathered where the weight's products are
-            out_perm = out_perm.to(weight.device)
+            out_perm = out_perm.to(weight.q.device if self.int8 is not None else weight.device)
         self.register_buffer("out_perm", out_perm, persistent=False)
         if self.quant is not None:
             self.weight = None
@@ -96,7 +126,7 @@ class Linear(torch.nn.Module):
             self._bias_in_order = self.bias if out_perm is None or b is None else self.bias[out_perm]
             self.use_x16(False)
         else:
-            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+            self.weight = None if self.int8 is not None else torch.nn.Parameter(weight, requires_grad=False)
             self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.threads = max(1, torch.get_num_threads())
 
@@ -112,14 +142,21 @@ class Linear(torch.nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.quant.in_features if self.quant is not None else self.weight.shape[1]
+        if self.quant is not None:
+            return self.quant.in_features
+        return (self.w8 if self.int8 is not None else self.weight).shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.quant.out_features if self.quant is not None else self.weight.shape[0]
+        if self.quant is not None:
+            return self.quant.out_features
+        return (self.w8 if self.int8 is not None else self.weight).shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        if self.quant is None:
+        if self.int8 is not None:  # the int8 rows cast to x's dtype, the row scales on the product
+            y = F.linear(x, self.w8.to(x.dtype)) * self.w8_scale
+            y = y if self.bias is None else y + self.bias
+        elif self.quant is None:
             y = F.linear(x, self.weight, self.bias)
         else:
             x = x.to(torch.float32).contiguous()
@@ -184,19 +221,28 @@ def set_x16(model: torch.nn.Module, x16: bool) -> None:
 
 
 class Embedding(torch.nn.Module):
-    """Token ids -> rows of the embedding table [V, dim]: a torch tensor, or a ``QuantWeight`` whose rows are
-    dequantized as they are looked up."""
+    """Token ids -> rows of the embedding table [V, dim]: a torch tensor, or a ``QuantWeight`` (an
+    ``Int8Weight``) whose rows are dequantized as they are looked up."""
 
-    def __init__(self, table: torch.Tensor | QuantWeight):
+    def __init__(self, table: torch.Tensor | QuantWeight | Int8Weight):
         super().__init__()
         self.quant: QuantWeight | None = table if isinstance(table, QuantWeight) else None
-        self.weight = None if self.quant is not None else torch.nn.Parameter(table, requires_grad=False)
+        self.int8: Int8Weight | None = table if isinstance(table, Int8Weight) else None
+        plain = self.quant is None and self.int8 is None
+        self.weight = torch.nn.Parameter(table, requires_grad=False) if plain else None
+        if self.int8 is not None:
+            self.register_buffer("w8", table.q, persistent=False)
+            self.register_buffer("w8_scale", table.scale, persistent=False)
 
     @property
     def num_embeddings(self) -> int:
-        return self.quant.out_features if self.quant is not None else self.weight.shape[0]
+        if self.quant is not None:
+            return self.quant.out_features
+        return (self.w8 if self.int8 is not None else self.weight).shape[0]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        if self.int8 is not None:
+            return F.embedding(tokens, self.w8).to(self.w8_scale.dtype) * self.w8_scale[tokens][:, None]
         if self.quant is None:
             return F.embedding(tokens, self.weight)
         ids = tokens.cpu().numpy()

@@ -23,14 +23,15 @@ from torch import nn
 
 from ktquest.formats.gguf import GGUFTensors
 from ktquest.kv.base import KVCache
-from ktquest.layers.linear import Embedding, Linear, QuantWeight, stack_rows
+from ktquest.layers.linear import Embedding, Int8Weight, Linear, QuantWeight, stack_rows
 from ktquest.models.args import Family, Metadata, ModelArgs, resolve_max_seq_len
 from ktquest.models.block import BIAS_TENSORS, BlockSpec
 from ktquest.models.delta_net import GatedDeltaNet
 from ktquest.models.ffn import FeedForward, MoEFeedForward
 from ktquest.models.rope import apply_rope, partial_rotary_order, rope_tables, rope_variants
 
-Matrix = torch.Tensor | QuantWeight  # a dequantized tensor, or the file's encoding read in place
+# a dequantized tensor, the file's encoding read in place, or int8 rows (layers/linear.py)
+Matrix = torch.Tensor | QuantWeight | Int8Weight
 
 
 @dataclass(slots=True)
@@ -221,8 +222,8 @@ class Transformer(nn.Module):
         tied = weights.output is None
         table = weights.tok_embeddings
         self.output = Linear(table if tied else weights.output)
-        # Tied: the embedding table and the LM head are one tensor (or one mapping of the file).
-        self.tok_embeddings = Embedding(self.output.weight if tied and self.output.quant is None else table)
+        # Tied: the embedding table and the LM head are one tensor (or one mapping of the file, one Int8Weight).
+        self.tok_embeddings = Embedding(self.output.weight if tied and self.output.weight is not None else table)
         self.max_seq_len = resolve_max_seq_len(args, max_seq_len)
         # The activations' dtype and device (fp32 on the CPU where the weights are encoded).
         self.dtype, self.device = weights.norm.dtype, weights.norm.device

@@ -26,7 +26,7 @@ from ktquest.config import show
 from ktquest.formats.chat_template import ChatTemplateError
 from ktquest.formats.gguf import GGUFError, GGUFTensors, open_gguf
 from ktquest.formats.tokenizer import Tokenizer, TokenizerError
-from ktquest.layers.linear import QuantWeight
+from ktquest.layers.linear import Int8Weight, QuantWeight
 from ktquest.models import chatglm, gemma3, llama, phi3, qwen2moe, qwen3, qwen3moe, qwen35
 from ktquest.models.args import MODEL_TENSORS, Family, ModelArgs, RopeScaling, model_args, resolve_max_seq_len
 from ktquest.models.block import EXPERT_STACKS, SMALL_TENSORS, VECTORS
@@ -143,12 +143,14 @@ def _check_finite(path: Path, name: str, w: np.ndarray, dtype: torch.dtype) -> N
 
 
 def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu", encoded: bool = False) -> TransformerWeights:
+                  device: str | torch.device = "cpu", encoded: bool = False,
+                  int8: bool = False) -> TransformerWeights:
     """The model's tensors from the file, in the file's row order (llama's q/k: ``qk_perm``).
 
     encoded: every matrix stays in its GGUF encoding, a view of the mapped file (``QuantWeight``; types with
     no kernels are converted to Q8_0 once: ``encoded_weight``), the norms and biases in fp32 on the CPU.
-    Otherwise every tensor is dequantized to ``dtype`` on ``device``.
+    Otherwise every tensor is dequantized to ``dtype`` on ``device``; with int8 each matrix (the embedding table
+    too) then becomes int8 rows and a scale a row (``Int8Weight``), one at a time.
     """
     a, src = contents.args, contents.tensors
     converted: list[str] = []
@@ -158,8 +160,10 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
         _check_finite(contents.path, name, w, dt)
         return torch.from_numpy(w).to(device=dev, dtype=dt)
 
-    def matrix(name: str) -> torch.Tensor | QuantWeight:
-        return encoded_weight(contents, name, converted) if encoded else tensor(name)
+    def matrix(name: str) -> torch.Tensor | QuantWeight | Int8Weight:
+        if encoded:
+            return encoded_weight(contents, name, converted)
+        return Int8Weight.of(tensor(name)) if int8 else tensor(name)
 
     def experts(name: str) -> torch.Tensor | tuple[QuantWeight, ...]:
         return encoded_experts(contents, name, converted) if encoded else tensor(name)
@@ -258,21 +262,21 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int = 0,
                encoded: bool = False,
                rope_scaling: RopeScaling | None = None,
-               dual_chunk: DualChunk | None | str = FILE) -> tuple[Transformer, GGUFContents]:
+               dual_chunk: DualChunk | None | str = FILE, int8: bool = False) -> tuple[Transformer, GGUFContents]:
     """Read ``path`` and build the model on ``device``/``dtype``; returns (model, contents).
 
     max_seq_len: positions the RoPE tables cover; 0 = the trained context length (``resolve_max_seq_len``).
     encoded: the matrices stay in their GGUF encoding (``model_weights``; the CPU in fp32 only).
-    rope_scaling, dual_chunk: ``build_model``'s.
+    rope_scaling, dual_chunk, int8: ``build_model``'s.
     """
     contents = read_gguf(path)
-    return build_model(contents, device, dtype, max_seq_len, encoded, rope_scaling, dual_chunk), contents
+    return build_model(contents, device, dtype, max_seq_len, encoded, rope_scaling, dual_chunk, int8), contents
 
 
 def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 max_seq_len: int = 0, encoded: bool = False,
                 rope_scaling: RopeScaling | None = None,
-                dual_chunk: DualChunk | None | str = FILE) -> Transformer:
+                dual_chunk: DualChunk | None | str = FILE, int8: bool = False) -> Transformer:
     """The model of a file ``read_gguf`` has read and checked, on ``device``/``dtype`` (RoPE tables for
     ``max_seq_len`` positions; 0 = the trained context length: ``resolve_max_seq_len``).
 
@@ -281,10 +285,13 @@ def build_model(contents: GGUFContents, device: str | torch.device = "cpu", dtyp
     dual_chunk: the file's dual chunk attention (``FILE``: its keys, or a known 1M release's), another, or None
     (off). A model whose positions end inside the first chunk has none (there DCA is plain attention), nor one
     with sliding-window or recurrent layers. Its cache is made with ``model.args.dual_chunk``.
+    int8: the matrices as int8 rows (``model_weights``; not with encoded, nor for experts' stacks).
     """
     if encoded and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise ValueError(f"weights in their GGUF encoding run on the CPU in float32, not {device}/{dtype}")
-    weights = model_weights(contents, dtype, device, encoded)
+    if int8 and (encoded or any(b.ffn == "moe" for b in contents.args.blocks)):
+        raise ValueError("int8 weights: dequantized, and for a model without experts (their stacks stay whole)")
+    weights = model_weights(contents, dtype, device, encoded, int8)
     args = contents.args
     if rope_scaling is not None:
         args = dataclasses.replace(args, rope_scaling=rope_scaling)
