@@ -360,58 +360,6 @@ def test_wrong_arguments_are_refused_before_any_work(tiny, call, error, message)
     assert (tiny.sequence.owner, tiny.cache.pos) == (s, held)  # the conversation in the cache is intact
 
 
-def test_weights_on_cuda_are_fp16_where_they_fit_else_int8_else_refused_up_front(tiny_llama, monkeypatch):
-    """CUDA holds the weights in fp16 where they fit the free device memory, else (auto) as int8 rows, said with
-    the memory they take; where neither fits, or the form asked does not, the model is refused before any
-    weight is read, with the figures (checked here without a GPU)."""
-    import ktquest.kv.memory as memory
-    from ktquest.models.loader import read_gguf
-
-    args = read_gguf(tiny_llama.path).args
-    cuda = torch.device("cuda")
-    full, int8 = args.n_params * 2, memory.int8_weight_bytes(args, torch.float16)
-    assert args.n_params < int8 < full * 0.52
-
-    def free(n):
-        monkeypatch.setattr(memory, "available_memory", lambda d: (n, "is free on cuda:0"))
-
-    free(full)
-    assert memory.choose_weights("auto", "dequantize", args, cuda, torch.float16) == (
-        "dequantize", f"weights: float16 on cuda, {full / 2**20:.1f} MiB ({full / 2**20:.1f} MiB is free on cuda:0)")
-    free(full - 1)
-    kind, note = memory.choose_weights("auto", "dequantize", args, cuda, torch.float16)
-    assert kind == "int8" and note.startswith(f"weights: int8 rows on cuda, {int8 / 2**20:.1f} MiB (in float16 "
-                                              f"they would need {full / 2**20:.1f} MiB;")
-    with pytest.raises(ConfigError, match=rf"^the model's weights in float16 would need {full / 2**20:.1f} MiB .*"
-                                          rf"; weights: int8 would need {int8 / 2**20:.1f} MiB; run it on the CPU"):
-        memory.choose_weights("dequantize", "dequantize", args, cuda, torch.float16)  # asked: not turned to int8
-    free(int8 - 1)
-    for asked, picked in (("auto", "dequantize"), ("int8", "int8")):
-        with pytest.raises(ConfigError, match=rf"^the model's weights as int8 rows would need "
-                                              rf"{int8 / 2**20:.1f} MiB .* is free on cuda:0; run it on the CPU"):
-            memory.choose_weights(asked, picked, args, cuda, torch.float16)
-    assert memory.choose_weights("auto", "gguf", args, torch.device("cpu"), torch.float32)[0] == "gguf"
-
-
-def test_int8_weights_hold_every_matrix_as_int8_rows(tiny_llama, tiny_qwen2):
-    """weights: int8 (here on the CPU): every matrix, the embedding table too, int8 rows with a scale a row;
-    the logits stay close to the dequantized model's and the greedy text mostly agrees."""
-    from ktquest.layers.linear import Linear
-
-    for tiny in (tiny_llama, tiny_qwen2):  # (qwen2: Q/K/V biases, tied embeddings)
-        ref = ktquest.load(tiny.path, Config(weights="dequantize", max_seq_len=256))
-        eng = ktquest.load(tiny.path, Config(weights="int8", max_seq_len=256))
-        assert eng.weights == "int8" and eng.weights_note.startswith("weights: int8 rows on cpu, ")
-        linears = [m for m in eng.model.modules() if isinstance(m, Linear)]
-        assert linears and all(m.w8.dtype == torch.int8 and m.weight is None for m in linears)
-        assert eng.model.tok_embeddings.w8.dtype == torch.int8
-        prompt = torch.tensor(eng.tokenizer.encode("the quick brown fox jumps over the lazy dog"))
-        want = ref.model(prompt, 0, ktquest.engine.make_cache(ref.config, ref.args, 256, ref.device, ref.dtype))
-        got = eng.model(prompt, 0, ktquest.engine.make_cache(eng.config, eng.args, 256, eng.device, eng.dtype))
-        assert float((got - want).abs().max() / want.abs().max()) < 0.05
-        assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) > 0.8
-
-
 OPENMP_PROBE = """
 import os, sys, ktquest
 print(os.environ.get("GOMP_SPINCOUNT"), end=" ")  # import alone: nothing set

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = make_cache(eng.config, args, max_len, eng.device, eng.dtype)
             sync()
             t0 = time.perf_counter()
-            logits = eng.prefill(tokens[:ctx], cache)
+            eng.prefill(tokens[:ctx], cache)
             sync()
             prefill_s = time.perf_counter() - t0
             row = dict(config=name_cfg, context=ctx, prefill_s=prefill_s, prefill_tok_s=ctx / prefill_s, steps={})

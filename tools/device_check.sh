@@ -48,7 +48,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
         2>&1 | tee "$OUT/pytest_cuda.log" | tail -30 || status=1
 fi
 if [ "$what" = decode ] || [ "$what" = all ]; then
-    while [ ! -f /tmp/q15.gguf ] || pgrep -f "out /tmp/q15.gguf" > /dev/null; do sleep 2; done
+    for _ in $(seq 90); do  # (at most 3 minutes: a failed write leaves no file, and its log says why)
+        [ -f /tmp/q15.gguf ] && ! pgrep -f "out /tmp/q15.gguf" > /dev/null && break
+        sleep 2
+    done
     timeout 90 python3 tools/bench_device_decode.py --model /tmp/q15.gguf --contexts 8192,32768,131072 \
         --configs quest --json "$OUT/bench_device_decode_1.5b.json" "$@" 2>&1 || status=1
     timeout 140 python3 tools/bench_device_decode.py --model /tmp/q15.gguf --contexts 8192,32768,131072,262144 \

@@ -195,18 +195,26 @@ def choose_weights(asked: str, picked: str, args, device: torch.device, dtype: t
     form, fits."""
     full, int8 = args.n_params * dtype.itemsize, int8_weight_bytes(args, dtype)
     name = str(dtype).removeprefix("torch.")
+    moe = any(b.ffn == "moe" for b in args.blocks)
+    if picked == "int8" and moe:
+        raise ConfigError("weights: int8 is for a model without experts (their stacks stay whole); use weights: "
+                          "auto or dequantize")
     if device.type != "cuda":
         size = {"gguf": "the file mapped in place", "int8": _size(int8), "dequantize": _size(full)}[picked]
         return picked, f"weights: {'int8 rows' if picked == 'int8' else picked} on {device.type}, {size}"
     have, where = available_memory(device)
-    moe = any(b.ffn == "moe" for b in args.blocks)
     if picked == "dequantize" and full <= have:
         return picked, f"weights: {name} on {device}, {_size(full)} ({_size(have)} {where})"
-    if (picked == "int8" or asked == "auto") and not moe and int8 <= have:
+    fallback = asked == "auto" and not moe
+    if (picked == "int8" or fallback) and int8 <= have:
         why = "asked" if picked == "int8" else f"in {name} they would need {_size(full)}"
         return "int8", f"weights: int8 rows on {device}, {_size(int8)} ({why}; {_size(have)} {where})"
-    what = (f"as int8 rows would need {_size(int8)}" if picked == "int8" or asked == "auto" and not moe
-            else f"in {name} would need {_size(full)}")
+    if picked == "int8":
+        what = f"as int8 rows would need {_size(int8)}"
+    elif fallback:
+        what = f"in {name} would need {_size(full)}, as int8 rows {_size(int8)},"
+    else:
+        what = f"in {name} would need {_size(full)}"
     hint = ("; weights: int8 would need " + _size(int8)) if asked == "dequantize" and not moe else ""
     raise ConfigError(f"the model's weights {what} ({args.n_params / 1e9:.2f}B parameters) and {_size(have)} "
                       f"{where}{hint}; run it on the CPU (device: cpu), where the weights stay in the file's "

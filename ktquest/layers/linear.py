@@ -17,8 +17,9 @@ A fused projection (q | k | v, gate | up) is several tensors stacked by rows, ea
 (Q4_K_M files quantize ``attn_v`` and some ``ffn_down`` to Q6_K): a ``QuantWeight`` of several parts.
 
 A third kind, ``Int8Weight`` (``weights: int8``: a GPU where the weights in fp16 do not fit), holds each row as
-int8 with one scale: half fp16's memory; a product casts the int8 rows to the activations' dtype first (the
-GPU's weight-only int8 kernels ran slower than that on an H200: tools/bench_int8_weights.py).
+int8 with one scale: half fp16's memory; a product scales panels of ``INT8_PANEL`` values of int8 rows into
+the activations' dtype first (a bounded temporary, also inside a captured CUDA graph; the GPU's weight-only int8
+kernels ran slower than that on an H200: tools/bench_int8_weights.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from ktquest.native import matrix
 
 # Rows up to this many tokens take the GEMV path; longer chunks are compute-bound and take the GEMM.
 GEMV_MAX_TOKENS = 4
+# Values of an Int8Weight's rows scaled into the activations' dtype at once by a product (32 MB in fp16).
+INT8_PANEL = 1 << 24
 # fp32 values in one dequantized panel of a prefill chunk's GEMM (128 MB): a 1.5B model's matrices fit in one,
 # so the GEMM writes y directly; larger ones are cut, and each panel's columns of y copied into place.
 PANEL_VALUES = 1 << 25
@@ -77,12 +80,22 @@ class Int8Weight:
     scale: torch.Tensor  # [out], the compute dtype
 
     @classmethod
-    def of(cls, w: torch.Tensor) -> Int8Weight:
-        """Each row of ``w`` rounded to int8 by its largest magnitude (a row of zeros: scale 1)."""
-        peak = w.abs().amax(1).float()
-        scale = torch.where(peak > 0, peak / 127, torch.ones_like(peak))
-        q = (w.float() / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return cls(q, scale.to(w.dtype))
+    def of(cls, w: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
+        """Each row of ``w`` rounded to int8 by its largest magnitude (a row of zeros: scale 1), ``INT8_PANEL``
+        values at a time (its temporaries stay that small); the scales in ``dtype`` (default: w's)."""
+        rows = max(1, INT8_PANEL // max(1, w.shape[1]))
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        for a in range(0, w.shape[0], rows):
+            part = w[a: a + rows].float()
+            peak = part.abs().amax(1)
+            s = torch.where(peak > 0, peak / 127, torch.ones_like(peak))
+            q[a: a + rows] = part.div_(s[:, None]).round_().clamp_(-127, 127)
+            scale[a: a + rows] = s
+        return cls(q, scale.to(dtype or w.dtype))
+
+    def to(self, device: torch.device | str) -> Int8Weight:
+        return Int8Weight(self.q.to(device), self.scale.to(device))
 
     def dequantize(self) -> torch.Tensor:
         return self.q.to(self.scale.dtype) * self.scale[:, None]
@@ -153,8 +166,11 @@ class Linear(torch.nn.Module):
         return (self.w8 if self.int8 is not None else self.weight).shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        if self.int8 is not None:  # the int8 rows cast to x's dtype, the row scales on the product
-            y = F.linear(x, self.w8.to(x.dtype)) * self.w8_scale
+        if self.int8 is not None:  # panels of int8 rows scaled into x's dtype (an unscaled product could overflow)
+            rows = max(1, INT8_PANEL // self.w8.shape[1])
+            parts = [F.linear(x, self.w8[a: a + rows].to(x.dtype) * self.w8_scale[a: a + rows, None])
+                     for a in range(0, self.w8.shape[0], rows)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
             y = y if self.bias is None else y + self.bias
         elif self.quant is None:
             y = F.linear(x, self.weight, self.bias)

@@ -27,6 +27,8 @@ class Lane(Protocol):
 
     def capture(self, fn: Callable[[], None], key: object) -> Callable[[], None]: ...
 
+    def release(self, key: object) -> None: ...
+
     def run(self, fn: Callable[[], None]) -> None: ...
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
@@ -70,6 +72,10 @@ class CudaLane:
             torch.cuda.synchronize(self.device)
             return fn
         return g.replay
+
+    def release(self, key: object) -> None:
+        """``key``'s graphs are gone: its pool goes with them (a new key of the same id takes a new one)."""
+        self.pools.pop(key, None)
 
     def run(self, fn: Callable[[], None]) -> None:
         fn()
@@ -116,6 +122,9 @@ class FakeLane:
         self.captured[key] = self.captured.get(key, 0) + 1
         name = getattr(fn, "__name__", "fn")
         return lambda: self.queue.append(("graph", fn, (key, name)))
+
+    def release(self, key: object) -> None:
+        self.log.append(("release", key))
 
     def run(self, fn: Callable[[], None]) -> None:
         self.queue.append(("run", fn, getattr(fn, "__name__", "fn")))

@@ -162,10 +162,13 @@ class DeviceDecoder:
         An entry holds its cache weakly (a new cache may get a dead one's id) and goes with it, or when the
         cache's device buffers are replaced (another generation)."""
         key = (id(cache), tok.generation, bucket, store)
+        stale = [k for k, e in self.steps.items()  # a dead cache's (its buffers), a replaced generation's
+                 if e[0]() is None or (e[0]() is cache and k[1] != tok.generation)]
+        for k in stale:
+            del self.steps[k]
+            self.lane.release(k)
         entry = self.steps.get(key)
         if entry is None or entry[0]() is not cache:
-            self.steps = {k: e for k, e in self.steps.items()
-                          if e[0]() is not None and not (e[0]() is cache and k[1] != tok.generation)}
             fns = self._build(cache, bucket, store)
             self.steps[key] = (weakref.ref(cache), fns, None)
             return [lambda f=f: self.lane.run(f) for f in fns]

@@ -163,7 +163,9 @@ def model_weights(contents: GGUFContents, dtype: torch.dtype = torch.float32,
     def matrix(name: str) -> torch.Tensor | QuantWeight | Int8Weight:
         if encoded:
             return encoded_weight(contents, name, converted)
-        return Int8Weight.of(tensor(name)) if int8 else tensor(name)
+        if int8:  # rounded on the host, a panel of rows at a time: the device holds the int8 rows alone
+            return Int8Weight.of(tensor(name, torch.float32, "cpu"), dtype).to(device)
+        return tensor(name)
 
     def experts(name: str) -> torch.Tensor | tuple[QuantWeight, ...]:
         return encoded_experts(contents, name, converted) if encoded else tensor(name)
