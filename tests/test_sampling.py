@@ -117,6 +117,35 @@ def test_top_k_over_odd_vocabularies(force_scalar, n, k):
     assert ids.tolist() == sorted(range(n), key=lambda i: (-ref[i], i))[:k]
 
 
+@pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.999, 0.0), (1.0, 0.05), (0.95, 0.05), (0.5, 1e-6)])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+def test_top_k_off_over_a_large_vocabulary(force_scalar, top_p, min_p, scale):
+    """Past 4096 ids with top-k off, only the ids a top-p or min-p cut can keep are ranked (cpp/sample: by the
+    mass a bin of logits holds): the kept candidates and their probabilities are the reference's, from a
+    distribution nearly flat (top-p keeps most ids) to a peaked one, with ties and NaN."""
+    logits = logits_of(int(scale * 10), n=20000, scale=scale)
+    logits[::1000] = logits[1]  # ties with one of the first ids
+    logits[7::3001] = np.nan
+    ids, probs = distribution(logits, temperature=0.7, top_k=0, top_p=top_p, min_p=min_p)
+    ref = np.where(np.isnan(logits), -np.inf, logits)
+    assert ids.tolist() == ref_kept(ref, 0, top_p, min_p)
+    np.testing.assert_allclose(probs, ref_probs(logits[ids], 0.7), rtol=1e-5, atol=1e-12)
+
+
+def test_with_no_cut_a_large_vocabulary_is_drawn_in_id_order():
+    """top-k off, top-p 1, min-p 0 past 4096 ids: nothing is ranked; u from the seeded stream picks the first id
+    whose cumulative tempered probability, in id order, passes it."""
+    logits = logits_of(3, n=8192, scale=4.0)
+    logits[100] = np.nan
+    gen = GenerationConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    s, rng = Sampler(gen), np.random.default_rng(11)
+    p = ref_probs(np.where(np.isnan(logits), -np.inf, logits), 0.9)
+    cdf = np.cumsum(p)
+    for _ in range(200):
+        want = int(np.searchsorted(cdf, rng.random(), side="right"))
+        assert s(torch.from_numpy(logits)) == want
+
+
 def test_truncation_edges():
     one_hot = np.full(50, -1e9, np.float32)
     one_hot[17] = 0.0  # all the mass on one token

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -70,21 +71,82 @@ int64_t sample_room(int64_t V, const SampleParams& p) {
   return p.top_k > 0 && p.top_k < V ? p.top_k : V;
 }
 
+namespace {
+
+// Past this many ids, a draw with top-k off ranks only what its cuts can keep (reachable) instead of the
+// whole vocabulary (19.5 ms a token at 151,936 ids through the candidates' heap).
+constexpr int64_t kRankAll = 4096;
+
+double weight(float x, double x0) { return x == x ? std::exp(double(x) - x0) : 0.0; }  // NaN: no mass
+
+// top-k off, top-p or min-p on: the candidates those cuts can keep, best first, into cand; total: the
+// mass of every id at temperature 1 (what top-p is measured against); returns the best logit. One pass sums
+// the mass by how far below the best each logit lies (kBins bins a nat, kNats nats, the rest in the last
+// bin); top-p's prefix ends in the first bin where the mass from the top reaches top_p of the total, so only
+// the ids down to the bin after it can be kept (one bin of margin for the sums' order), and with min-p only
+// those within log(min_p) of the best. Those are ranked.
+double reachable(const float* logits, int64_t V, const SampleParams& p, std::vector<Candidate>& cand,
+                 double& total) {
+  constexpr int kBins = 8, kNats = 64, kAll = kBins * kNats;
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i)
+    if (logits[i] > best) best = logits[i];
+  const double x0 = best;
+  if (!std::isfinite(x0)) return x0;
+  auto bin = [&](float x) { return int(std::min<double>(kAll - 1, (x0 - double(x)) * kBins)); };
+  std::vector<double> mass(kAll, 0.0);
+  total = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    const double w = weight(logits[i], x0);
+    total += w;
+    if (w > 0.0) mass[size_t(bin(logits[i]))] += w;
+  }
+  int last = kAll - 1;  // the last bin a kept id can lie in
+  if (p.top_p < 1.f) {
+    double from_top = 0.0;
+    for (int b = 0; b < kAll; ++b) {
+      from_top += mass[size_t(b)];
+      if (from_top >= double(p.top_p) * total) {
+        last = std::min(kAll - 1, b + 1);
+        break;
+      }
+    }
+  }
+  cand.clear();
+  for (int64_t i = 0; i < V; ++i) {
+    const float x = logits[i];
+    if (x == x && bin(x) <= last && (p.min_p <= 0.f || weight(x, x0) >= double(p.min_p)))
+      cand.push_back({x, int32_t(i)});
+  }
+  std::sort(cand.begin(), cand.end(), ranks_before);
+  return x0;
+}
+
+}  // namespace
+
 int64_t sample_distribution(float* logits, int64_t V, const int32_t* recent, int64_t n_recent,
                             const SampleParams& p, int32_t* ids, double* probs) {
   Penalties penalties(logits, V, recent, n_recent, p);
   const int64_t k = sample_room(V, p);
-  std::vector<Candidate> cand(static_cast<size_t>(k));  // [k], best first
-  const int64_t n = use_avx2() ? avx2::top_candidates(logits, V, k, cand.data())
-                               : scalar::top_candidates(logits, V, k, cand.data());
-  const double x0 = cand[0].logit;
+  std::vector<Candidate> cand;  // best first
+  double total = 0.0, x0;
+  int64_t n;
+  if (k == V && V > kRankAll && p.temperature != 0.f && (p.top_p < 1.f || p.min_p > 0.f)) {
+    x0 = reachable(logits, V, p, cand, total);
+    n = int64_t(cand.size());
+  } else {
+    cand.resize(static_cast<size_t>(k));
+    n = use_avx2() ? avx2::top_candidates(logits, V, k, cand.data())
+                   : scalar::top_candidates(logits, V, k, cand.data());
+    x0 = cand[0].logit;
+    for (int64_t i = 0; i < n && std::isfinite(x0); ++i) total += std::exp(double(cand[i].logit) - x0);
+  }
   if (!std::isfinite(x0))
     throw std::invalid_argument("sample: the largest logit is not finite (" + std::to_string(x0) + ")");
 
   // ---- top-p, then min-p: on probabilities at temperature 1 (the max subtracted before exp) ----
   double* w = probs;  // [n] weights, then the probabilities
-  double total = 0.0;
-  for (int64_t i = 0; i < n; ++i) total += w[i] = std::exp(double(cand[i].logit) - x0);
+  for (int64_t i = 0; i < n; ++i) w[i] = std::exp(double(cand[i].logit) - x0);
   int64_t keep = n;
   if (p.top_p < 1.f) {  // the smallest prefix whose mass reaches top_p (the mass above each one is below it)
     double before = 0.0;
@@ -112,6 +174,29 @@ int64_t sample_distribution(float* logits, int64_t V, const int32_t* recent, int
 int32_t sample_token(float* logits, int64_t V, const int32_t* recent, int64_t n_recent, const SampleParams& p,
                      double u) {
   const int64_t room = sample_room(V, p);
+  if (room == V && V > kRankAll && p.temperature != 0.f && p.top_p >= 1.f && p.min_p <= 0.f) {
+    // No cut: the tempered softmax over every id, drawn in id order (no ranking at all).
+    Penalties penalties(logits, V, recent, n_recent, p);
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < V; ++i)
+      if (logits[i] > best) best = logits[i];
+    if (!std::isfinite(best))
+      throw std::invalid_argument("sample: the largest logit is not finite (" + std::to_string(best) + ")");
+    const double T = double(p.temperature);
+    std::vector<double> w(static_cast<size_t>(V));
+    double total = 0.0;
+    for (int64_t i = 0; i < V; ++i) total += w[size_t(i)] = logits[i] == logits[i]
+                                                                 ? std::exp((double(logits[i]) - best) / T) : 0.0;
+    double cdf = 0.0;
+    int32_t last = 0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (w[size_t(i)] == 0.0) continue;
+      last = int32_t(i);
+      cdf += w[size_t(i)] / total;
+      if (cdf > u) return last;
+    }
+    return last;
+  }
   std::vector<int32_t> ids(static_cast<size_t>(room));
   std::vector<double> probs(static_cast<size_t>(room));
   const int64_t n = sample_distribution(logits, V, recent, n_recent, p, ids.data(), probs.data());

@@ -53,6 +53,9 @@ int64_t sample_distribution(float* logits, int64_t V, const int32_t* recent, int
 
 // sample_token: the sampled id: the first candidate of sample_distribution whose cumulative probability passes
 // u, a uniform draw in [0, 1) from the caller's seeded stream (so the result does not depend on threads).
+// With top-k off and neither top-p nor min-p over a vocabulary of more than 4096 ids, the same distribution is
+// walked in id order instead (nothing ranked: a seed's draws differ from the ranked walk's). With a cut and
+// top-k off, sample_distribution ranks only the ids the cut can keep.
 int32_t sample_token(float* logits, int64_t V, const int32_t* recent, int64_t n_recent, const SampleParams& p,
                      double u);
 

@@ -7,9 +7,10 @@ The chain follows llama.cpp's default order, so its knobs mean what users of lla
 
 temperature 0 is greedy: the argmax after the penalties. The chain is one native call a token
 (``cpp/sample/sampler.h``: a single AVX2 pass over the vocabulary for the top k, then the rest on the k
-candidates; no torch dispatch on the decode path), drawn at a uniform number from a numpy stream seeded by
-``GenerationConfig.seed``, so the tokens do not depend on thread counts. Its numpy reference is in
-tests/test_sampling.py.
+candidates; with top-k off, only the ids a top-p or min-p cut can keep are ranked, and with no cut at all the
+tempered softmax is walked in id order; no torch dispatch on the decode path), drawn at a uniform number from
+a numpy stream seeded by ``GenerationConfig.seed``, so the tokens do not depend on thread counts. Its numpy
+reference is in tests/test_sampling.py.
 """
 
 from __future__ import annotations
