@@ -294,15 +294,16 @@ class LongContextCache:
     def device_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.windows.k[layer], self.windows.v[layer]
 
-    def store_part(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def store_part(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor | None = None,
+                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The device token's store part in ``layer``: q [H, D], k/v [KVH, D] on the host -> (out [H, D], lse
-        [H]) fp32 over the context blocks the planner says (None where there are none); then k/v join the
-        store (after: the store part never sees the token itself)."""
+        [H]) fp32 over the context blocks the planner says, into ``out`` / ``lse`` where given (None where
+        there are none); then k/v join the store (after: the store part never sees the token itself)."""
         lb = self.geo.loc0 // self.shape.block_size
         part = None
         if lb > self.shape.ib:
-            part = passes.decode_context(self.shape, self.store, self.planner, layer, q[None], lb)
+            part = passes.decode_context(self.shape, self.store, self.planner, layer, q[None], lb, out=out, lse=lse)
         self.store.append(layer, k[None], v[None])
         return part
 

@@ -259,14 +259,15 @@ def prefill_blocks(s: Shape, store: KVStore, g: PassGeometry, layer: int, q: tor
 
 
 def decode_context(s: Shape, store: KVStore, planner: DecodePlanner, layer: int, q: torch.Tensor,
-                   lb: int, var: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   lb: int, var: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [1, H, D] (with dual chunk attention's block bounds var: [3, 1, H, D]) -> (out [H, D], lse [H]) fp32
-    on the CPU over the context blocks the planner says."""
+    on the CPU over the context blocks the planner says (into ``out`` / ``lse`` where given)."""
     qc = s.placement.to_host(q[..., 0, :, :].float()).contiguous()  # [H, D] or [3, H, D]
     blocks, select = planner.plan(layer, lb)
     if select is None:
-        return store.attend(layer, qc, blocks, variants=var)
+        return store.attend(layer, qc, blocks, out, lse, variants=var)
     out, lse, ids = store.select_attend(layer, qc, select.k, select.mode, select.exclude_ranges, select.allowed,
-                                        ada_alpha=select.ada_alpha, variants=var)
+                                        out, lse, ada_alpha=select.ada_alpha, variants=var)
     planner.record(layer, ids, lb)
     return out, lse

@@ -64,7 +64,8 @@ class DeviceDecoder:
         self.cos = torch.zeros(model.rope_cos.shape[0], D, dtype=model.rope_cos.dtype, device=dev)  # [tables, D]
         self.sin = torch.zeros_like(self.cos)
         self.qkv = torch.zeros(L, H + 2 * KVH, D, dtype=dt, device=dev)  # each layer's q | k | v
-        self.qkv_host = lane.host_buffer((L, H + 2 * KVH, D), dt)
+        self.qkv32 = torch.zeros(L, H + 2 * KVH, D, dtype=torch.float32, device=dev)  # ... as the store takes it
+        self.qkv_host = lane.host_buffer((L, H + 2 * KVH, D), torch.float32)
         self.gate = torch.zeros(L, H * D, dtype=dt, device=dev)  # attention's output gate (BlockSpec.attn_gate)
         self.w_out = torch.zeros(L, H, D, dtype=torch.float32, device=dev)  # the device buffers' attention
         self.w_lse = torch.zeros(L, H, dtype=torch.float32, device=dev)
@@ -115,7 +116,7 @@ class DeviceDecoder:
         self._replay(segs[0], "A0")
         if tok.store:
             for layer in range(self.L):
-                lane.to_host(self.qkv_host[layer], self.qkv[layer])
+                lane.to_host(self.qkv_host[layer], self.qkv32[layer])
                 ready = lane.mark()
                 self._replay(segs[1 + 2 * layer], f"W{layer}")
                 lane.wait(ready)
@@ -126,7 +127,7 @@ class DeviceDecoder:
             for seg in segs[1:]:
                 self._replay(seg, "")
             if appends:
-                lane.to_host(self.qkv_host, self.qkv)
+                lane.to_host(self.qkv_host, self.qkv32)
         lane.wait(lane.mark())
         if appends and not tok.store:
             for layer in range(self.L):
@@ -135,15 +136,11 @@ class DeviceDecoder:
     def _store_part(self, cache, layer: int) -> None:
         H, KVH, D = self.H, self.KVH, self.D
         t0 = time.perf_counter() if self.trace is not None else 0.0
-        qkv = self.qkv_host[layer]
-        part = cache.store_part(layer, qkv[:H].float(), qkv[H: H + KVH], qkv[H + KVH:])
-        host = self.part_host[layer]
-        if part is None:
+        qkv, host = self.qkv_host[layer], self.part_host[layer]
+        if cache.store_part(layer, qkv[:H], qkv[H: H + KVH], qkv[H + KVH:], host[: H * D].view(H, D),
+                            host[H * D:]) is None:  # (the part's out and LSE are written into the host buffer)
             host[: H * D] = 0.0
             host[H * D:] = float("-inf")
-        else:
-            host[: H * D] = part[0].reshape(-1)
-            host[H * D:] = part[1]
         if self.trace is not None:
             self.trace.append(("host", f"S{layer}", t0, time.perf_counter()))
 
@@ -233,6 +230,7 @@ class DeviceDecoder:
                             apply_rope(at.k_norm(qkv[:, H: H + KVH]), cos, sin)], 1)
         self.qkv[layer, : H + KVH].copy_(qk[0])
         self.qkv[layer, H + KVH:].copy_(qkv[0, H + KVH:])
+        self.qkv32[layer].copy_(self.qkv[layer])
         if at.gated:
             self.gate[layer].copy_(out[0, n:])
         k, v = buf
