@@ -226,7 +226,8 @@ def test_any_host_and_origin(worker):
 
 def test_flags_reach_the_server(monkeypatch):
     got = {}
-    engine = types.SimpleNamespace(context_note=None, context_warning=None, state_note=None)  # (what the command reads of it)
+    engine = types.SimpleNamespace(context_note=None, context_warning=None, state_note=None, weights="gguf",
+                                   weights_note=None)  # (what the command reads of it)
     monkeypatch.setattr("ktquest.engine.load", lambda model, cfg: engine)
     monkeypatch.setattr("ktquest.server.serve", lambda *a, **k: got.update(k))
     assert main(["serve", "--port", "9000", "--header-timeout", "2.5", "--idle-timeout", "1", "--max-connections",
