@@ -5,6 +5,7 @@ sampling on the bundled model."""
 from __future__ import annotations
 
 import collections
+import math
 
 import numpy as np
 import pytest
@@ -130,6 +131,38 @@ def test_top_k_off_over_a_large_vocabulary(force_scalar, top_p, min_p, scale):
     ref = np.where(np.isnan(logits), -np.inf, logits)
     assert ids.tolist() == ref_kept(ref, 0, top_p, min_p)
     np.testing.assert_allclose(probs, ref_probs(logits[ids], 0.7), rtol=1e-5, atol=1e-12)
+
+
+def empty_bin_logits() -> np.ndarray:
+    """100 logits within 0.12 nats of the best whose mass, summed in id order, reaches half the total but
+    summed best first falls short of it by an ulp; then nothing for 0.18 nats; then a tail that sets the total
+    (summed in id order as the sampler's pass does); -inf to 5,000 ids."""
+    for seed in range(1000):
+        rng = np.random.default_rng(seed)
+        x = [0.0] + [float(np.float32(-v)) for v in rng.uniform(0.0, 0.12, 99)]
+        head_ids = sum(math.exp(v) for v in x)
+        head_best = sum(math.exp(v) for v in sorted(x, reverse=True))
+        if not head_ids > head_best:
+            continue
+        total, ladder = head_ids, [float(np.float32(-0.3 - 0.125 * i)) for i in range(318)]
+        while not head_best < total * 0.5 <= head_ids:
+            step = next((v for v in ladder if (total + math.exp(v)) * 0.5 <= head_ids), None)
+            if step is None:
+                break
+            x.append(step)
+            total += math.exp(step)
+        if head_best < total * 0.5 <= head_ids:
+            return np.array(x + [-np.inf] * (5000 - len(x)), np.float32)
+    raise AssertionError("no such logits")
+
+
+def test_top_p_whose_prefix_closes_past_an_empty_bin():
+    """The binned sums say top-p's prefix ends in the first bin, the ranked ones say it needs one id more, past an
+    empty bin: it is still kept (the bins are all taken then)."""
+    logits = empty_bin_logits()
+    ids, _ = distribution(logits, temperature=1.0, top_k=0, top_p=0.5, min_p=0.0)
+    assert ids.tolist() == ref_kept(np.asarray(logits, np.float64), 0, 0.5, 0.0)
+    assert len(ids) == 101
 
 
 def test_with_no_cut_a_large_vocabulary_is_drawn_in_id_order():

@@ -112,14 +112,23 @@ double reachable(const float* logits, int64_t V, const SampleParams& p, std::vec
       }
     }
   }
-  cand.clear();
-  for (int64_t i = 0; i < V; ++i) {
-    const float x = logits[i];
-    if (x == x && bin(x) <= last && (p.min_p <= 0.f || weight(x, x0) >= double(p.min_p)))
-      cand.push_back({x, int32_t(i)});
+  for (;;) {
+    cand.clear();
+    bool left_out = false;  // an id with mass that only the bins left out (min-p would have kept it)
+    for (int64_t i = 0; i < V; ++i) {
+      const float x = logits[i];
+      if (!(x == x) || (p.min_p > 0.f && weight(x, x0) < double(p.min_p))) continue;
+      if (bin(x) <= last) cand.push_back({x, int32_t(i)});
+      else left_out = left_out || weight(x, x0) > 0.0;
+    }
+    std::sort(cand.begin(), cand.end(), ranks_before);
+    // The prefix must close among them. It may not where the sums' order moved the mass across an empty bin
+    // after the margin: then every bin is taken (rare: the sums differ in their last bits).
+    double before = 0.0;
+    for (size_t i = 0; i < cand.size() && before < double(p.top_p) * total; ++i) before += weight(cand[i].logit, x0);
+    if (!left_out || p.top_p >= 1.f || before >= double(p.top_p) * total) return x0;
+    last = kAll - 1;
   }
-  std::sort(cand.begin(), cand.end(), ranks_before);
-  return x0;
 }
 
 }  // namespace

@@ -4,8 +4,10 @@
 //     penalties (repeat, frequency, presence over the recent ids) -> top-k -> top-p -> min-p -> temperature -> draw
 //
 // ktquest/native/sample.py calls it once a token; its numpy twin (the reference) is in tests/test_sampling.py.
-// Only the top-k scan runs over the whole vocabulary, so only it has an AVX2 twin (sampler_avx2.cpp); every
-// other step works on the k candidates.
+// With top-k on, only its scan runs over the whole vocabulary, so only it has an AVX2 twin (sampler_avx2.cpp);
+// every other step works on the k candidates. With top-k off, a pass over every id sums the mass (and bins it
+// for top-p), and only the ids a cut can keep are ranked; that total is summed in id order, not best first,
+// so a prefix that lands exactly on top_p of it may keep one id more or less than a ranked sum would.
 #pragma once
 
 #include <cstdint>
