@@ -109,8 +109,11 @@ class ChatSession:
         messages = self._with_message(user_text)
         tokens = encode_chat(eng, messages)
         held = self.response_format
-        open_block = held is None and opens_prompt_thinking(eng, tokens)  # (a held reply is its format throughout)
-        split = ThinkSplit(open_block) if held is None else _AllAnswer()
+        open_block = opens_prompt_thinking(eng, tokens)
+        if held is not None and open_block:  # the think block the prompt opened first, then the format
+            held = held.after_thinking()
+        thinks = held is None or open_block  # (else a held reply is its format throughout)
+        split = ThinkSplit(open_block) if thinks else _AllAnswer()
 
         def pieces(out: list) -> None:
             for kind, text in out:
@@ -128,7 +131,7 @@ class ChatSession:
             # interrupted before the reply began: the turn is dropped; what was read of it stays in the cache,
             # so the same message sent again reads only the rest
             return Reply(text="", stats=stats)
-        thinking, answer = split_thinking(text, open_block) if held is None else (None, text)
+        thinking, answer = split_thinking(text, open_block) if thinks else (None, text)
         reply = {"role": "assistant", "content": answer}
         if thinking is not None:
             reply["reasoning_content"] = thinking

@@ -15,6 +15,7 @@ token's bytes; control tokens as 0xFF + their text, which no grammar matches) is
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from ktquest.formats.tokenizer import CONTROL, UNKNOWN, UNUSED, USER_DEFINED, Tokenizer
+from ktquest.turn import THINK_CLOSE
 
 JSON_OBJECT = {"type": "object"}  # JSON mode: any object
 
@@ -93,10 +95,20 @@ def ll_tokenizer(tok: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    """A reply's format: a JSON schema (JSON mode: any object), compiled to llguidance's grammar."""
+    """A reply's format: a JSON schema (JSON mode: any object), compiled to llguidance's grammar; ``lark``: the
+    same grammar in llguidance's Lark syntax, its ``start`` rule first (``after_thinking`` wraps it)."""
 
     grammar: str
     name: str
+    lark: str = ""
+
+    def after_thinking(self) -> ResponseFormat:
+        """The format after a think block the prompt opened (``turn.opens_thinking``): any text up to
+        ``</think>``, blanks, then the value. A thinking model's held reply thinks first, as it was trained to;
+        the server's reasoning_content and the chat's thinking take that part."""
+        body = re.sub(r"^start:", "answer:", self.lark, count=1, flags=re.M)
+        lark = "\n".join(["start: thought /\\s*/ answer", f'thought[suffix="{THINK_CLOSE}"]: /(?s:.*)/', body])
+        return ResponseFormat(llguidance.grammar_from("lark", lark), self.name, lark)
 
     @classmethod
     def parse(cls, fmt: dict | None) -> ResponseFormat | None:
@@ -107,7 +119,8 @@ class ResponseFormat:
         if kind == "text":
             return None
         if kind == "json_object":
-            return cls(llguidance.grammar_from("json_schema", json.dumps(JSON_OBJECT)), "json_object")
+            return cls(llguidance.grammar_from("json_schema", json.dumps(JSON_OBJECT)), "json_object",
+                       f"start: %json {json.dumps(JSON_OBJECT)}")
         if kind != "json_schema":
             raise FormatError(f"response_format type {kind!r} is not supported: text, json_object or json_schema")
         spec = fmt.get("json_schema")
@@ -118,7 +131,7 @@ class ResponseFormat:
         failed, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if failed:  # (warnings, a keyword it ignores, pass: the output still follows what it holds)
             raise FormatError(f"response_format json_schema: {msgs[0].strip()}")
-        return cls(grammar, str(spec.get("name", "json_schema")))
+        return cls(grammar, str(spec.get("name", "json_schema")), f"start: %json {json.dumps(schema)}")
 
     def constraint(self, tok: Tokenizer, vocab_size: int) -> Constraint:
         return Constraint(ll_tokenizer(tok, vocab_size), self.grammar, vocab_size)

@@ -268,7 +268,7 @@ class ToolUse:
             failed, msgs = True, [str(e)]
         if failed:
             raise FormatError(f"tools: a function's parameters cannot be held to: {msgs[0].strip()}")
-        return ResponseFormat(grammar, "tool_call")
+        return ResponseFormat(grammar, "tool_call", lark)
 
     def reader(self) -> CallReader | None:
         return None if self.syntax is None else CallReader(self.syntax, self.schemas)

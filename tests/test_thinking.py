@@ -24,6 +24,7 @@ from ktquest.cli import main
 from ktquest.sequence import common_prefix_len
 from ktquest.server.app import create_app
 from ktquest.server.worker import Worker
+from ktquest.structured import FormatError, ResponseFormat
 from ktquest.terminal import DIM, PLAIN, Thinking
 from ktquest.turn import ThinkSplit, opens_thinking, split_thinking
 
@@ -276,3 +277,34 @@ def test_server_reasoning_content(thinker, script):
         assert body["usage"]["prompt_tokens"] == len(eng.tokenizer.encode_messages(history))
         status, body = post("/v1/chat/completions", {**ask, "messages": [{**history[1], "reasoning_content": 1}]})
         assert status == 400 and body["error"]["param"] == "messages.0.reasoning_content"
+
+
+def test_a_held_reply_thinks_first_where_the_prompt_opened_the_block(opener, thinker, script):
+    """A reply held to a format (the chat's response_format, the server's) on a template whose generation prompt
+    opens <think>: it thinks up to </think>, then it is held to the format (the scripted thought would break a
+    format held from the first token); an answer that breaks it after </think> is refused. Where the prompt
+    opened no block the format holds from the first token, as before."""
+    eng = ktquest.load(opener.path, max_new_tokens=64, threads=1)
+    queue = script(eng)
+    value = '{"a": 1}'
+    queue.append(f"{THOUGHT}\n</think>\n\n{value}")
+    session = eng.chat_session()
+    session.response_format = ResponseFormat.parse({"type": "json_object"})
+    reply = session.send("the cat")
+    assert (reply.thinking, reply.text) == (THOUGHT, value)
+    queue.append(f"{THOUGHT}\n</think>\n\nthe dog")
+    with pytest.raises(FormatError, match="does not follow the grammar"):
+        session.send("the dog")
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "the cat"}],
+           "response_format": {"type": "json_object"}}
+    with _serving(create_app(Worker(eng), "tiny")) as post:
+        queue.append(f"{THOUGHT}\n</think>\n\n{value}")
+        status, body = post("/v1/chat/completions", ask)
+        assert status == 200
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": value, "reasoning_content": THOUGHT}
+    plain = ktquest.load(thinker.path, max_new_tokens=64, threads=1)
+    script(plain).append(REPLY)  # (<think> itself breaks JSON held from the first token)
+    session = plain.chat_session()
+    session.response_format = ResponseFormat.parse({"type": "json_object"})
+    with pytest.raises(FormatError):
+        session.send("the cat")

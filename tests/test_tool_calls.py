@@ -265,11 +265,13 @@ def test_bad_tool_requests_are_400s(served):
         assert status == 400 and needle in reply["error"]["message"], reply
 
 
-def _held_accepts(use: ToolUse, tok, text: str) -> bool:
-    """Whether the grammar a held reply follows takes ``text`` (tokenized as the tokenizer does) to its end."""
+def _held_accepts(use: ToolUse, tok, text: str, think: bool = False) -> bool:
+    """Whether the grammar a held reply follows takes ``text`` (tokenized as the tokenizer does) to its end
+    (``think``: after a think block the prompt opened)."""
     import torch
 
-    c = use.format().constraint(tok, len(tok.tokens))
+    fmt = use.format()
+    c = (fmt.after_thinking() if think else fmt).constraint(tok, len(tok.tokens))
     try:
         for t in tok.encode(text, add_bos=False, parse_special=False):
             if c.apply(torch.zeros(len(tok.tokens)))[t] == float("-inf"):  # (as generate asks it)
@@ -303,6 +305,9 @@ def test_held_grammars_take_the_calls_they_should(engine):
     assert _held_accepts(use, tok, call("hi", 3))
     assert not _held_accepts(use, tok, call("hi", "three"))
     assert not _held_accepts(use, tok, call("hi") + "\n" + call("again"))  # a named call is one call
+    assert _held_accepts(use, tok, "first, a thought\n</think>\n\n" + call("hi"), think=True)
+    assert not _held_accepts(use, tok, "first, a thought\n</think>\n\nno call", think=True)
+    assert not _held_accepts(use, tok, call("hi"), think=True)  # (the call is still thought: </think> first)
     ref = [{"type": "function", "function": {"name": "place", "parameters": {
         "type": "object", "required": ["at"], "properties": {"at": {"$ref": "#/$defs/Point"}},
         "$defs": {"Point": {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}}}}}]

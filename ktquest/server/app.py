@@ -196,12 +196,16 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
         try:
             loop = asyncio.get_running_loop()
             tokens = await loop.run_in_executor(None, prompt_tokens, engine, req, longest, tools)  # off the event loop
-            # (a reply held to a format is that format from its first token: no think block to split off)
-            split = isinstance(req, ChatRequest) and req.reasoning_format != "none" and fmt is None
+            split = isinstance(req, ChatRequest) and req.reasoning_format != "none"
+            open_block = split and opens_prompt_thinking(engine, tokens)
+            if fmt is not None and open_block:  # the think block the prompt opened first, then the format
+                fmt = fmt.after_thinking()
+            elif fmt is not None:  # (else a held reply is its format from its first token: nothing to split off)
+                split = False
             top = req.n_logprobs()
             collector = None if top is None else LogprobCollector(engine.tokenizer, top, engine.tokenizer.stop_ids)
             job = _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
-                       split=split, open_block=split and opens_prompt_thinking(engine, tokens), logprobs=collector,
+                       split=split, open_block=open_block and split, logprobs=collector,
                        response_format=fmt, tools=tools)
             with live_lock:
                 if shutting_down.is_set():
