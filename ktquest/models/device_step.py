@@ -179,7 +179,11 @@ class DeviceDecoder:
         """The token's segments as plain functions over the static buffers: A_0, then W_l, A_{l+1} a layer."""
         bufs = [cache.device_buffers(i) for i in range(self.L)]
         dense = not hasattr(cache, "store_part")  # a dense cache: SDPA over every row, no LSE needed
-        cols = torch.arange(bucket, device=self.x.device)
+        dev = self.x.device
+        cols = torch.arange(bucket, device=dev)
+        # the rows the token's query sees, made once a token for every layer: [0, width) but [skip)
+        ok = torch.zeros(bucket, dtype=torch.bool, device=dev)
+        bias = torch.zeros(bucket, dtype=torch.float32, device=dev)  # 0 where seen, -inf elsewhere
         last = self.L - 1
 
         def first():
@@ -188,11 +192,14 @@ class DeviceDecoder:
             self.x.copy_(e * m.emb_scale if m.emb_scale != 1.0 else e)
             self.cos.copy_(m.rope_cos.index_select(1, self.ints[1:2])[:, 0])
             self.sin.copy_(m.rope_sin.index_select(1, self.ints[1:2])[:, 0])
+            width, a, b = self.ints[3], self.ints[4], self.ints[5]
+            torch.logical_and(cols < width, (cols < a) | (cols >= b), out=ok)
+            bias.copy_(torch.where(ok, 0.0, float("-inf")))
             self._head(0, bufs[0])
 
         def window(layer):
             def fn():
-                self._window(layer, bufs[layer], bucket, cols, dense)
+                self._window(layer, bufs[layer], bucket, ok, bias, dense)
             fn.__name__ = f"W{layer}"
             return fn
 
@@ -238,20 +245,18 @@ class DeviceDecoder:
         k.index_copy_(1, row, self.qkv[layer, H: H + KVH, None])
         v.index_copy_(1, row, self.qkv[layer, H + KVH:, None])
 
-    def _window(self, layer: int, buf, bucket: int, cols: torch.Tensor, dense: bool) -> None:
-        """The query against rows [0, bucket) of the device buffers, those past ``width`` and in [skip) masked:
+    def _window(self, layer: int, buf, bucket: int, ok: torch.Tensor, bias: torch.Tensor, dense: bool) -> None:
+        """The query against rows [0, bucket) of the device buffers, those ``ok`` (``bias`` 0) and no others:
         out into w_out; its LSE into w_lse (a long-context cache merges it with the store part)."""
         KVH, G, D = self.KVH, self.G, self.D
         keys, vals = buf[0][:, :bucket], buf[1][:, :bucket]  # [KVH, B, D]
         q = self.qkv[layer, : self.H].view(KVH, G, D)
-        width, a, b = self.ints[3], self.ints[4], self.ints[5]
-        ok = (cols < width) & ((cols < a) | (cols >= b))  # [B]
         if dense:  # the query heads of a KV head as its rows (no GQA expansion); SDPA's fp32 accumulation
             o = F.scaled_dot_product_attention(q[None], keys[None], vals[None], attn_mask=ok[None, None, None])
             self.w_out[layer].copy_(o[0].reshape(self.H, D))
             return
-        sc = torch.bmm(q.float(), keys.float().transpose(1, 2)).mul_(self.scale)  # [KVH, G, B]
-        sc = sc.masked_fill_(~ok, float("-inf"))
+        # scores [KVH, G, B] with the rows not seen at -inf, in one kernel
+        sc = torch.baddbmm(bias[None, None], q.float(), keys.float().transpose(1, 2), alpha=self.scale)
         m = sc.amax(-1, keepdim=True)
         p = sc.sub_(m).exp_()
         total = p.sum(-1, keepdim=True)
