@@ -105,10 +105,18 @@ class ResponseFormat:
     def after_thinking(self) -> ResponseFormat:
         """The format after a think block the prompt opened (``turn.opens_thinking``): any text up to
         ``</think>``, blanks, then the value. A thinking model's held reply thinks first, as it was trained to;
-        the server's reasoning_content and the chat's thinking take that part."""
+        the server's reasoning_content and the chat's thinking take that part. A format without Lark text (made
+        by hand) is held from the first token as before. (The close tag is matched as text: a tokenizer whose
+        ``</think>`` is a control token would have to spell it.) FormatError where the wrapped grammar fails."""
+        if not self.lark:
+            return self
         body = re.sub(r"^start:", "answer:", self.lark, count=1, flags=re.M)
         lark = "\n".join(["start: thought /\\s*/ answer", f'thought[suffix="{THINK_CLOSE}"]: /(?s:.*)/', body])
-        return ResponseFormat(llguidance.grammar_from("lark", lark), self.name, lark)
+        grammar = llguidance.grammar_from("lark", lark)
+        failed, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            raise FormatError(f"response_format after a think block: {msgs[0].strip()}")
+        return ResponseFormat(grammar, self.name, lark)
 
     @classmethod
     def parse(cls, fmt: dict | None) -> ResponseFormat | None:

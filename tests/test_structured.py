@@ -125,3 +125,15 @@ def test_the_python_api_holds_a_completion_to_a_schema(bundled_gguf):
         eng.generate("x", response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}})
     with pytest.raises(TypeError, match="response_format must be dict or None"):
         eng.generate("x", response_format="json")
+
+
+def test_a_format_without_lark_text_is_held_from_the_first_token_after_a_think_block_too():
+    """A ResponseFormat made by hand from a compiled grammar has no Lark text to wrap: after_thinking keeps it."""
+    import llguidance
+
+    from ktquest.structured import ResponseFormat
+
+    fmt = ResponseFormat(llguidance.grammar_from("regex", "[0-9]+"), "digits")
+    assert fmt.after_thinking() is fmt
+    held = ResponseFormat.parse({"type": "json_object"}).after_thinking()
+    assert held.lark.startswith("start: thought") and "answer: %json" in held.lark

@@ -199,7 +199,10 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             split = isinstance(req, ChatRequest) and req.reasoning_format != "none"
             open_block = split and opens_prompt_thinking(engine, tokens)
             if fmt is not None and open_block:  # the think block the prompt opened first, then the format
-                fmt = fmt.after_thinking()
+                try:
+                    fmt = fmt.after_thinking()
+                except FormatError as e:
+                    raise APIError(400, str(e), param="response_format", code="invalid_value") from None
             elif fmt is not None:  # (else a held reply is its format from its first token: nothing to split off)
                 split = False
             top = req.n_logprobs()
