@@ -77,7 +77,16 @@ namespace {
 // whole vocabulary (19.5 ms a token at 151,936 ids through the candidates' heap).
 constexpr int64_t kRankAll = 4096;
 
-double weight(float x, double x0) { return x == x ? std::exp(double(x) - x0) : 0.0; }  // NaN: no mass
+// exp((x - x0) / T); NaN: no mass
+double weight(float x, double x0, double T = 1.0) { return x == x ? std::exp((double(x) - x0) / T) : 0.0; }
+
+// The largest logit (NaN skipped; -inf where every one is NaN or -inf).
+double best_logit(const float* logits, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i)
+    if (logits[i] > best) best = logits[i];
+  return best;
+}
 
 // top-k off, top-p or min-p on: the candidates those cuts can keep, best first, into cand; total: the
 // mass of every id at temperature 1 (what top-p is measured against); returns the best logit. One pass sums
@@ -88,10 +97,7 @@ double weight(float x, double x0) { return x == x ? std::exp(double(x) - x0) : 0
 double reachable(const float* logits, int64_t V, const SampleParams& p, std::vector<Candidate>& cand,
                  double& total) {
   constexpr int kBins = 8, kNats = 64, kAll = kBins * kNats;
-  float best = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < V; ++i)
-    if (logits[i] > best) best = logits[i];
-  const double x0 = best;
+  const double x0 = best_logit(logits, V);
   if (!std::isfinite(x0)) return x0;
   auto bin = [&](float x) { return int(std::min<double>(kAll - 1, (x0 - double(x)) * kBins)); };
   std::vector<double> mass(kAll, 0.0);
@@ -186,16 +192,12 @@ int32_t sample_token(float* logits, int64_t V, const int32_t* recent, int64_t n_
   if (room == V && V > kRankAll && p.temperature != 0.f && p.top_p >= 1.f && p.min_p <= 0.f) {
     // No cut: the tempered softmax over every id, drawn in id order (no ranking at all).
     Penalties penalties(logits, V, recent, n_recent, p);
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < V; ++i)
-      if (logits[i] > best) best = logits[i];
+    const double best = best_logit(logits, V);
     if (!std::isfinite(best))
       throw std::invalid_argument("sample: the largest logit is not finite (" + std::to_string(best) + ")");
-    const double T = double(p.temperature);
     std::vector<double> w(static_cast<size_t>(V));
     double total = 0.0;
-    for (int64_t i = 0; i < V; ++i) total += w[size_t(i)] = logits[i] == logits[i]
-                                                                 ? std::exp((double(logits[i]) - best) / T) : 0.0;
+    for (int64_t i = 0; i < V; ++i) total += w[size_t(i)] = weight(logits[i], best, double(p.temperature));
     double cdf = 0.0;
     int32_t last = 0;
     for (int64_t i = 0; i < V; ++i) {

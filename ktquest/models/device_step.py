@@ -194,7 +194,8 @@ class DeviceDecoder:
             self.sin.copy_(m.rope_sin.index_select(1, self.ints[1:2])[:, 0])
             width, a, b = self.ints[3], self.ints[4], self.ints[5]
             torch.logical_and(cols < width, (cols < a) | (cols >= b), out=ok)
-            bias.copy_(torch.where(ok, 0.0, float("-inf")))
+            if not dense:  # (SDPA takes ok itself)
+                bias.copy_(torch.where(ok, 0.0, float("-inf")))
             self._head(0, bufs[0])
 
         def window(layer):

@@ -208,7 +208,7 @@ def create_app(worker: Worker, model_id: str, queue: int = 8, max_body: int = MA
             top = req.n_logprobs()
             collector = None if top is None else LogprobCollector(engine.tokenizer, top, engine.tokenizer.stop_ids)
             job = _Job(tokens, _generation(engine.config.generation, req), req.stops(), ticket, key,
-                       split=split, open_block=open_block and split, logprobs=collector,
+                       split=split, open_block=open_block, logprobs=collector,
                        response_format=fmt, tools=tools)
             with live_lock:
                 if shutting_down.is_set():
