@@ -498,17 +498,17 @@ def _tiny_cfg(name: str, **lc) -> Config:
 
 @pytest.mark.parametrize("name", ["quest", "snapkv"])
 def test_retune_decodes_as_a_cache_loaded_with_the_knobs(tiny, name):
-    """A filled cache retuned (second_select_num, sticky_blocks, dense_layer_num) decodes bit for bit as one
+    """A filled cache retuned (second_select_num, sticky_blocks, dense_layer_num, rerank) decodes bit for bit as one
     loaded with those knobs and fed the same prompt; retuned back, as one loaded with the first; a knob the
     prompt was read with (block_size) is refused, naming it."""
     base = _tiny_cfg(name, preselect_block_count=12)
-    knobs = dict(second_select_num=3, sticky_blocks=2, dense_layer_num=0)
+    knobs = dict(second_select_num=3, sticky_blocks=2, dense_layer_num=0, rerank=3)
     other = dataclasses.replace(base, long_context=dataclasses.replace(base.long_context, **knobs))
     prompt = torch.arange(3, 180) * 7 % 250
     a, b, c = (LongContextCache(tiny.args, cfg, 256) for cfg in (base, other, base))
     la, lb, lc = (prefill(tiny, x, prompt, 32) for x in (a, b, c))
     old = a.retune(other.long_context)
-    assert old == base.long_context and a.store.sticky_blocks == 2
+    assert old == base.long_context and a.store.sticky_blocks == 2 and a.store.rerank == 3
     for _ in range(10):
         assert torch.equal(la, lb)
         tok = int(lb.argmax())

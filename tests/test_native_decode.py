@@ -42,6 +42,9 @@ def preset(name: str, **lc_overrides) -> Config:
     ("snapkv", {"preselect_refresh": 3}),                    # candidates refreshed by a selection from all
     ("snapkv", {"preselect_refresh": 2, "sticky_blocks": 1}),
     ("snapkv", {"preselect_refresh": 2, "layer_step": 2, "dense_layer_num": 0}),  # followers never refresh
+    ("quest", {"rerank": 4}),                                # the anchors' 12 picks cut to 3 by attention mass
+    ("snapkv", {"rerank": 2, "sticky_blocks": 1}),           # ... among the candidates, sticky blocks after it
+    ("ada_snapkv", {"rerank": 3, "preselect_refresh": 3}),   # ... Ada-KV's split by mass, refreshed
 ])
 def test_planned_token_matches_the_block_by_block_path(tiny_llama, name, kw):
     """A whole token in one native call (the cache's plan) gives the logits, the selections and the call

@@ -363,7 +363,7 @@ def test_timing_is_reported():
     store, q, *_ = make(2000, 2, 3, 64, 64)
     store.select_attend(0, q, 8)
     t = store.last_timing()
-    assert set(t) == {"score_ms", "topk_ms", "attend_ms"} and all(x >= 0 for x in t.values())
+    assert set(t) == {"score_ms", "topk_ms", "attend_ms", "rerank_ms"} and all(x >= 0 for x in t.values())
     assert t["attend_ms"] > 0
 
 

@@ -187,7 +187,7 @@ def bench_one(shape: str, T: int, args, flush: Flusher, bandwidth: ReadBandwidth
     # sparse: budget tokens per KV head (SEPARATE) or shared (SHARED)
     k_blocks = max(1, args.budget // bs)
     out, lse = torch.empty(H, D), torch.empty(H)
-    stages = {"score_ms": [], "topk_ms": [], "attend_ms": []}
+    stages = {"score_ms": [], "topk_ms": [], "attend_ms": [], "rerank_ms": []}
     selected = []
 
     def sparse_call():

@@ -34,6 +34,11 @@ namespace ktq {
 // per query head, log sum_r exp(q_g . k_r) (-inf for none), from which a caller weighs a block's share of the
 // attention once the final LSE is known (exp(tile_lse - lse)). A call that asks for it takes the row-by-row path.
 
+// tiles_lse: tile_lse alone (the logits of a run's rows, no softmax state, no values): [cur.count, G] each tile's
+// log sum_r exp(q_g . k_r) per query head (-inf for an empty tile, or one ~87 below the run's largest logit).
+//   s: scratch, at least G * round_up(cur.rows(), 8) + D floats
+// The store's second stage of selection (kvstore/rerank.h) weighs blocks by it before any of them is attended.
+
 constexpr int kMaxTiles = 8;
 struct Tiles {
   const uint8_t* k[kMaxTiles];
@@ -53,6 +58,7 @@ void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
                  int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
                  float* tile_lse = nullptr);
+void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse);
 }  // namespace scalar
 
 namespace avx2 {  // require D % 8 == 0
@@ -61,6 +67,7 @@ void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
                  int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
                  float* tile_lse = nullptr);
+void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse);
 }  // namespace avx2
 
 }  // namespace ktq

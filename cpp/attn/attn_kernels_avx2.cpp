@@ -139,9 +139,57 @@ void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t sc
   }
 }
 
+// ---- tile LSEs alone (tiles_lse): the logits, each head's run max, exp, then each tile's sum ----
+
+template <class Dc, int NG>
+void lse_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss, float* tl,
+               int tl_stride) {
+  logits<Dc, NG>(T, scale_off, rb, ns, D, q, s, ss, nullptr);
+  const int n = T.rows();
+  float m[NG];
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    float* sg = s + g * ss;
+    for (int r = n; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
+    __m256 mx = _mm256_set1_ps(kNegInf);
+    for (int r = 0; r < ss; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
+    m[g] = hmax(mx);
+    const __m256 vm = _mm256_set1_ps(m[g] == kNegInf ? 0.f : m[g]);
+    for (int r = 0; r < ss; r += 8) _mm256_storeu_ps(sg + r, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + r), vm)));
+  }
+  tile_lse_group<NG>(T, s, ss, m, tl, tl_stride);
+}
+
+template <class Dc>
+void lse_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scale_off, float* s, float* tl) {
+  const size_t rb = kv_row_bytes(t, D);
+  const int ns = kv_row_scales(t, D);
+  const int ss = (T.rows() + 7) & ~7;
+  for (int g0 = 0; g0 < G; g0 += 8) {
+    const int ng = std::min(8, G - g0);
+    const float* qg = q + g0 * D;
+    switch (ng) {
+#define KTQ_CASE(N) \
+  case N: lse_group<Dc, N>(T, scale_off, rb, ns, D, qg, s, ss, tl + g0, G); break;
+      KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
+#undef KTQ_CASE
+    }
+  }
+}
+
 }  // namespace
 
 // ---- entry points ----
+
+void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse) {
+  switch (t) {
+    case KVType::FP32: lse_any<DecF32>(t, D, G, q, cur, scale_off, s, tile_lse); break;
+    case KVType::FP16: lse_any<DecF16>(t, D, G, q, cur, scale_off, s, tile_lse); break;
+    case KVType::BF16: lse_any<DecBF16>(t, D, G, q, cur, scale_off, s, tile_lse); break;
+    case KVType::Q8_0: lse_any<DecQ8>(t, D, G, q, cur, scale_off, s, tile_lse); break;
+    case KVType::Q4_0: lse_any<DecQ4>(t, D, G, q, cur, scale_off, s, tile_lse); break;
+  }
+}
 
 void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* m,
                   float* l, float* acc, const Tiles* next, float* tile_lse) {

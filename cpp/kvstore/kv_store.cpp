@@ -28,7 +28,7 @@ std::string where(int64_t t, int h) { return " at token " + std::to_string(t) + 
 
 // ---- construction ----
 
-KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_(lay_), snap_(lay_) {
+KVStore::KVStore(const StoreConfig& c) : lay_(c), sel_(lay_), cand_(lay_), attn_(lay_), rerank_(lay_), snap_(lay_) {
   // lay_ validated c and computed every size (checked): what is reserved here is what store_bytes says.
   const StoreRegions& r = lay_.layer_regions();
   layers_.resize(c.n_layers);
@@ -124,6 +124,14 @@ void KVStore::set_sticky_blocks(int R) {
   lay_.cfg.sticky_blocks = R;
   for (StickyLayer& S : sticky_) S = StickyLayer{};
   forced_cols_ = 0;
+}
+
+void KVStore::set_rerank(int R) {
+  if (R < 1 || R > kMaxRerank)
+    throw std::invalid_argument("rerank must be in [1, " + std::to_string(kMaxRerank) + "] (1 = off), got " +
+                                std::to_string(R));
+  std::lock_guard<std::mutex> lk(mu_);
+  lay_.cfg.rerank = R;
 }
 
 // ---- append ----

@@ -3,6 +3,7 @@
 // The byte layout and why: layout.h. The parts of a decode step, each owning its workspaces:
 //   selection   select/selector.h     candidates, anchor scores, top k
 //   candidates  kvstore/cand_cache.h  a preselected candidate list's compact copies
+//   second stage kvstore/rerank.h     the anchors' picks weighed by attention mass (StoreConfig::rerank)
 // and a layer's state as bytes for KV files (kv_store_io.cpp).
 //   attention   kvstore/sparse_attn.h split-K attention over the selected blocks
 // The store owns the memory and the lock; its methods are grouped by concept: storage (kv_store.cpp:
@@ -24,6 +25,7 @@
 #include "common/mapped_buffer.h"
 #include "kvstore/cand_cache.h"
 #include "kvstore/layout.h"
+#include "kvstore/rerank.h"
 #include "kvstore/sparse_attn.h"
 #include "quant/kv_codec.h"
 #include "select/request.h"
@@ -137,6 +139,8 @@ class KVStore {
   // StoreConfig::sticky_blocks from now on (0..kMaxStickyBlocks, else std::invalid_argument); the blocks kept
   // so far are dropped (the next step selects without any).
   void set_sticky_blocks(int R);
+  // StoreConfig::rerank from now on (1..kMaxRerank, else std::invalid_argument).
+  void set_rerank(int R);
 
  private:
   const StoreLayer& layer_at(int layer) const;
@@ -155,7 +159,8 @@ class KVStore {
   void check_q(const float* q, int H, const QueryVariants& var = {}) const;
   void check_index() const;  // std::invalid_argument unless the store has an index
   void update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance);
-  // The selection of select() and select_attend(), with mu_ held and the selector's query set. Returns the
+  // The selection of select() and select_attend(), with mu_ held and the selector's query set (and the second
+  // stage's, with rerank > 1: then the selection is the second stage's, and never deferred). Returns the
   // layer's candidate cache when the request's candidates are cached (null: the selector scanned them), with
   // out_ids written, unless defer: then the cache's per-set pass (scores, then top k) is left to the caller
   // (select_attend runs it inside the attention's dispatch).
@@ -198,6 +203,9 @@ class KVStore {
   int forced_cols_ = 0;
   std::vector<float> block_lse_;  // [KVH, cols, G] this call's blocks' own LSEs
   SparseAttention attn_;
+  MassRerank rerank_;
+  std::vector<int32_t> wide_ids_;  // [n_sets, wide cols] the first stage's picks (rerank > 1)
+  bool reranked_ = false;          // the last selection ran the second stage
   SnapKVScorer snap_;
   StageTiming timing_;
 };

@@ -59,24 +59,40 @@ void KVStore::select(int layer, const float* q, int H, const SelectRequest& req,
   const StoreLayer& L = layer_at(layer);
   check_q(q, H, var);
   sel_.set_query(q, H, var);
+  if (lay_.cfg.rerank > 1) rerank_.set_query(q, H, var);
   select_locked(L, layer, H, req, out_ids, out_cols);
 }
 
 CandCache* KVStore::select_locked(const StoreLayer& L, int layer, int H, const SelectRequest& req, int32_t* out_ids,
                                   int out_cols, bool defer) {
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
-  if (req.allowed && linear_anchors(lay_.cfg.anchor_type)) {
-    // A candidate list: the layer's cached copy, unless a candidate is a partial block (then the selector
-    // goes on with the runs lookup() built).
-    if (CandCache* C = cand_.lookup(L, layer, lay_.n_blocks(L), n_sets, req, sel_)) {
-      if (!defer) cand_.select(*C, req, sel_, out_ids, out_cols, timing_);
-      return C;
-    }
-  } else {
-    sel_.build_runs(lay_.n_blocks(L), n_sets, &req);
+  const int64_t nb = lay_.n_blocks(L);
+  const int R = lay_.cfg.rerank;
+  timing_.rerank_s = 0;
+  reranked_ = false;
+  // A candidate list: the layer's cached copy, unless a candidate is a partial block (then the selector goes on
+  // with the runs lookup() built). (The first stage's request has the same candidates and exclusions.)
+  const SelectRequest& first = R > 1 ? rerank_.widen(req, n_sets, R) : req;
+  CandCache* C = nullptr;
+  if (req.allowed && linear_anchors(lay_.cfg.anchor_type)) C = cand_.lookup(L, layer, nb, n_sets, first, sel_);
+  else sel_.build_runs(nb, n_sets, &first);
+  bool keep_all = true;  // (every set keeps all its candidates: no second stage to run)
+  if (R > 1)
+    check_k(req, n_sets, out_cols, [&](int s) { return C ? C->count[s] : sel_.runs()[s].prefix.back(); }, &keep_all);
+  if (keep_all) {
+    if (!C) sel_.select_runs(L, H, req, out_ids, out_cols, timing_);
+    else if (!defer) cand_.select(*C, req, sel_, out_ids, out_cols, timing_);
+    return C;
   }
-  sel_.select_runs(L, H, req, out_ids, out_cols, timing_);
-  return nullptr;
+  // The second stage (rerank.h; never deferred): the first stage's R k picks a set, then the cut by mass.
+  const int cols = MassRerank::wide_cols(out_cols, R, nb);
+  wide_ids_.resize(size_t(n_sets) * cols);
+  if (C) cand_.select(*C, first, sel_, wide_ids_.data(), cols, timing_);
+  else sel_.select_runs(L, H, first, wide_ids_.data(), cols, timing_);
+  rerank_.run(L, H, req, n_sets, wide_ids_.data(), cols, out_ids, out_cols, timing_);
+  reranked_ = true;
+  for (int s = 0; C && s < n_sets; ++s) cand_.set_slots(*C, s, out_ids + int64_t(s) * out_cols, out_cols);
+  return C;
 }
 
 void KVStore::cache_candidates(int layer, const SelectRequest& req) {
@@ -122,8 +138,10 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
     forced_cols_ = 0;  // (none from a step before set_sticky_blocks(0))
   }
   // Cached candidates are selected set by set inside the attention's dispatch, unless Ada-KV's budgets need
-  // every set's scores before any set's top k (then select_locked selects them all first).
-  const bool in_pass = !req.ada;
+  // every set's scores before any set's top k, or a second stage every set's first picks (then select_locked
+  // selects them all first).
+  const bool in_pass = !req.ada && lay_.cfg.rerank == 1;  // (a second stage needs every set's first picks)
+  if (lay_.cfg.rerank > 1) rerank_.set_query(q, H, var);
   CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/in_pass);
   if (C) cand_.copy_tiles(L, *C);  // the attention reads the candidates' tiles from the cache's copy
   SparseAttention::Prologue pre;
@@ -138,7 +156,7 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
       for (int s = 0; s < n_sets; ++s) sticky_apply(L, H, req, s, out_ids + s * int64_t(out_cols), out_cols, C);
     attn_.run(L, H, bsets, false, out, lse, timing_, nullptr, &cand_, C, blse);
     if (C && !in_pass)  // (the cache's lookup and tile copy count with the attention, as in the pass)
-      timing_.attend_s = std::max(0.0, seconds_since(t0) - timing_.score_s - timing_.topk_s);
+      timing_.attend_s = std::max(0.0, seconds_since(t0) - timing_.score_s - timing_.topk_s - timing_.rerank_s);
     if (sticky) sticky_record(L, layer, H, bsets, lse);
     return;
   }

@@ -7,7 +7,8 @@
 // appended: a step refused before its append, or a token rolled back, leaves the layer as it was).
 //
 // Forced blocks are candidates of the new step (not excluded, in the candidate list if any), at most k of
-// them; the step keeps exactly its k picks: the forced ones, then the best of the others by their scores.
+// them; the step keeps exactly its k picks: the forced ones, then the best of the others by their scores (after
+// a second stage, rerank.h: by their masses).
 // Since its top k already holds the best k - |forced| of the others, that is a rewrite of its picks (the
 // lowest-scored unforced ones give way), the same after the flat scan, the index or the candidate cache.
 #include <algorithm>
@@ -85,8 +86,11 @@ void KVStore::sticky_apply(const StoreLayer& L, int H, const SelectRequest& req,
   const int32_t* slot = C ? cand_.slots() + s * int64_t(cols) : nullptr;
   for (int i = 0; i < n; ++i)
     if (std::find(want, want + nw, row[i]) == want + nw) {
-      // The score that chose the pick: the candidates' copy's (int8 with int8_candidates), else the anchors'.
-      const float v = C ? cand_.score(*C, s, slot[i]) : sel_.score_block(L, H, req.mode, s, row[i]);
+      // The score that chose the pick: the second stage's mass, the candidates' copy's (int8 with
+      // int8_candidates), else the anchors'.
+      const float v = reranked_ ? float(rerank_.mass_of(s, row[i]))
+                      : C       ? cand_.score(*C, s, slot[i])
+                                : sel_.score_block(L, H, req.mode, s, row[i]);
       rest.emplace_back(std::isnan(v) ? -std::numeric_limits<float>::infinity() : v, row[i]);  // NaN: as top k
     }
   std::sort(rest.begin(), rest.end(), [](const auto& a, const auto& b) {

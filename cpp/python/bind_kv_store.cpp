@@ -21,7 +21,8 @@ namespace {
 // A store's config from the constructor's arguments (the names checked against the enums' tables).
 StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                          const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                         bool int8_candidates, int index_group, float quest_centre = 0.f, int sticky_blocks = 0) {
+                         bool int8_candidates, int index_group, float quest_centre = 0.f, int sticky_blocks = 0,
+                         int rerank = 1) {
   StoreConfig c;
   c.n_layers = n_layers;
   c.n_kv_heads = n_kv_heads;
@@ -36,6 +37,7 @@ StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max
   c.index_group = index_group;
   c.quest_centre = quest_centre;
   c.sticky_blocks = sticky_blocks;
+  c.rerank = rerank;
   return c;
 }
 
@@ -45,15 +47,15 @@ void bind_kv_store(py::module_& m) {
   py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest/native/store.py).")
       .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                        const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                       bool int8_candidates, int index_group, float quest_centre, int sticky_blocks) {
+                       bool int8_candidates, int index_group, float quest_centre, int sticky_blocks, int rerank) {
              return new KVStore(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type,
                                              anchor_type, anchor_num, threads_num, int8_candidates, index_group,
-                                             quest_centre, sticky_blocks));
+                                             quest_centre, sticky_blocks, rerank));
            }),
            py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
            py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
            py::arg("threads_num"), py::arg("int8_candidates") = false, py::arg("index_group") = 0,
-           py::arg("quest_centre") = 0.f, py::arg("sticky_blocks") = 0)
+           py::arg("quest_centre") = 0.f, py::arg("sticky_blocks") = 0, py::arg("rerank") = 1)
       .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
       .def_property_readonly("anchor_elem_bytes", &KVStore::anchor_elem_bytes, "2 = fp16 anchors, 4 = fp32")
       .def("length", &KVStore::length, py::arg("layer"))
@@ -371,8 +373,8 @@ void bind_kv_store(py::module_& m) {
          "a fixed block list, or a selection into its out_ids).")
       .def("last_timing", [](const KVStore& st) {
         const StageTiming t = st.last_timing();
-        return py::make_tuple(t.score_s, t.topk_s, t.attend_s);
-      }, "(score_s, topk_s, attend_s) of the last select/attend call.")
+        return py::make_tuple(t.score_s, t.topk_s, t.attend_s, t.rerank_s);
+      }, "(score_s, topk_s, attend_s, rerank_s) of the last select/attend call.")
       .def("last_index_stats", [](const KVStore& st) {
         const IndexStats s = st.last_index_stats();
         return py::make_tuple(s.groups, s.blocks_scored, s.candidates);
@@ -382,12 +384,15 @@ void bind_kv_store(py::module_& m) {
            "Selections walk the hierarchical index (True, the default) or scan every block as a store without "
            "one does (False): the same picks, for timing one against the other on one store.")
       .def("set_sticky_blocks", &KVStore::set_sticky_blocks, py::arg("R"),
-           "sticky_blocks from now on (0..MAX_STICKY_BLOCKS); the blocks kept so far are dropped.");
+           "sticky_blocks from now on (0..MAX_STICKY_BLOCKS); the blocks kept so far are dropped.")
+      .def("set_rerank", &KVStore::set_rerank, py::arg("R"),
+           "rerank from now on (1..MAX_RERANK; 1 = the anchors' top k alone).");
 
   // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);
   m.attr("Q8_GROUP") = kQGroup;  // values per fp32 scale in the store's Q8_0/Q4_0 rows
   m.attr("MAX_STICKY_BLOCKS") = kMaxStickyBlocks;  // StoreConfig::sticky_blocks at most
+  m.attr("MAX_RERANK") = kMaxRerank;               // StoreConfig::rerank at most
   m.attr("ANCHOR_TYPES") = names_tuple(kAnchorTypeNames);
   m.attr("HEAD_MODES") = names_tuple(kHeadModeNames);
   py::list linear;  // the anchor types whose block score is one dot product with an anchor row

@@ -57,8 +57,9 @@ struct BlockSets {
 // the rest of the call.
 // With the hierarchical index (index_group) score_s is the group bounds' pass and topk_s the pruned walk
 // (the visited groups' block scores and the top k).
+// With a second stage (StoreConfig::rerank) rerank_s is its time (the picks' QK and the cut by mass).
 struct StageTiming {
-  double score_s = 0, topk_s = 0, attend_s = 0;
+  double score_s = 0, topk_s = 0, attend_s = 0, rerank_s = 0;
 };
 
 // What the last selection without a candidate list scored: group bounds (summed over sets; 0 without the

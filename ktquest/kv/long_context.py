@@ -72,7 +72,7 @@ class LongContextCache:
         try:  # the RAM check passed, yet the reservation can still fail (strict overcommit, address space)
             self.store = KVStore(self.n_layers, KVH, D, max_seq_len, bs, lc.kv_type, lc.anchor_type,
                                  lc.anchor_num, threads, lc.int8_candidates, lc.index_group, lc.quest_centre,
-                                 lc.sticky_blocks)
+                                 lc.sticky_blocks, lc.rerank)
         except MemoryError as e:
             raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}; lower max_seq_len") from None
         cap = lc.local_windows_len + bs + self.chunk_size  # the local part's rows
@@ -127,7 +127,7 @@ class LongContextCache:
     # ones choose the candidates again at the next decode step, from the prompt's recorded queries
     PRESELECT_KEYS = ("preselect_block", "preselect_block_count", "preselect_pool_kernel", "ada_budget",
                       "ada_alpha", "ada_gqa_merge")
-    RETUNABLE = ("second_select_num", "sticky_blocks", "token_step", "layer_step", "dense_layer_num",
+    RETUNABLE = ("second_select_num", "sticky_blocks", "rerank", "token_step", "layer_step", "dense_layer_num",
                  "preselect_refresh", *PRESELECT_KEYS)
 
     def retune(self, lc: LongContextConfig) -> LongContextConfig:
@@ -145,6 +145,7 @@ class LongContextCache:
                               f"is made (only {', '.join(self.RETUNABLE)} can); load the engine with it instead")
         old = self.lc
         self.store.set_sticky_blocks(lc.sticky_blocks)
+        self.store.set_rerank(lc.rerank)
         self.lc = self.planner.lc = lc
         self.planner.forget_selections()
         if any(k in self.PRESELECT_KEYS for k in changed):

@@ -13,3 +13,4 @@ HEAD_MODES: tuple[str, ...] = _C.HEAD_MODES  # SEPARATE (one selection per KV he
 Q8_GROUP: int = _C.Q8_GROUP  # values per scale of the Q8_0 / Q4_0 store types (head_dim must be a multiple)
 GGML_TYPES: tuple[str, ...] = _C.GGML_TYPES  # the GGUF tensor types the matrix kernels read in place
 MAX_STICKY_BLOCKS: int = _C.MAX_STICKY_BLOCKS  # long_context.sticky_blocks at most
+MAX_RERANK: int = _C.MAX_RERANK  # long_context.rerank at most

@@ -49,6 +49,9 @@ class KVStore(StoreReads):
     sticky_blocks (0..64): after each select_attend, the ``sticky_blocks`` blocks of each set that took the
     largest share of its heads' attention, and the block after each, stay among the layer's k picks at its
     next decode step (the next token; cpp/kvstore/sticky.cpp). 0 = off.
+    rerank (1..16): a second stage of selection: the anchors pick ``rerank`` times k blocks of each set, and the
+    k of those holding the most attention mass for the query (QK over their keys) are kept
+    (cpp/kvstore/rerank.h). 1 = off.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class KVStore(StoreReads):
         index_group: int = 0,
         quest_centre: float = 0.0,
         sticky_blocks: int = 0,
+        rerank: int = 1,
     ):
         self.n_layers = check_int(n_layers, "n_layers", 1)
         self.n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1)
@@ -84,6 +88,7 @@ class KVStore(StoreReads):
             raise TypeError(f"quest_centre must be a number, got {type(quest_centre).__name__}")
         self.quest_centre = float(quest_centre)
         self.sticky_blocks = check_int(sticky_blocks, "sticky_blocks", 0)
+        self.rerank = check_int(rerank, "rerank", 1)
         self._st = _C.KVStore(
             self.n_layers,
             self.n_kv_heads,
@@ -98,6 +103,7 @@ class KVStore(StoreReads):
             self.index_group,
             self.quest_centre,
             self.sticky_blocks,
+            self.rerank,
         )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 
@@ -411,9 +417,10 @@ class KVStore(StoreReads):
         return ids[0] if mode == "SHARED" else ids
 
     def last_timing(self) -> dict[str, float]:
-        """Milliseconds of the stages of the last select/attend call: score, topk, attend."""
-        s, t, a = self._st.last_timing()
-        return {"score_ms": s * 1e3, "topk_ms": t * 1e3, "attend_ms": a * 1e3}
+        """Milliseconds of the stages of the last select/attend call: score, topk, attend, and the second stage
+        (rerank; 0 without one)."""
+        s, t, a, r = self._st.last_timing()
+        return {"score_ms": s * 1e3, "topk_ms": t * 1e3, "attend_ms": a * 1e3, "rerank_ms": r * 1e3}
 
     def last_index_stats(self) -> dict[str, int]:
         """What the last selection without a candidate list scored, summed over its sets: ``groups`` (group
@@ -434,6 +441,12 @@ class KVStore(StoreReads):
         R = check_int(R, "sticky_blocks", 0)
         self._st.set_sticky_blocks(R)
         self.sticky_blocks = R
+
+    def set_rerank(self, R: int) -> None:
+        """``rerank`` from now on (a decode-time knob: ``LongContextCache.retune``)."""
+        R = check_int(R, "rerank", 1)
+        self._st.set_rerank(R)
+        self.rerank = R
 
     def _outputs(self, H: int, out, lse):
         """(out [H, D], lse [H]) tensors and their numpy views; shapes are checked by the binding."""
