@@ -133,8 +133,9 @@ class LongContextConfig:
     # The blocks of each KV head that took the largest share of its attention at a decode step, and the block
     # after each, stay selected at the layer's next step, within second_select_num (cpp/kvstore/sticky.cpp)
     sticky_blocks: int = 0
-    # A second stage of selection: the anchors pick rerank x second_select_num blocks, of which the ones holding
-    # the most attention mass for the query (QK over their keys) are kept (cpp/kvstore/rerank.h); 1 = off
+    # A second stage of a decode step's selection: the anchors pick rerank x second_select_num blocks, of which the
+    # ones holding the most attention mass for the query (QK over their keys) are kept (cpp/kvstore/rerank.h);
+    # 1 = off. (Sparse prefill's chunk selection is the anchors' alone.)
     rerank: int = 1
 
     def __post_init__(self) -> None:

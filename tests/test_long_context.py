@@ -508,7 +508,7 @@ def test_retune_decodes_as_a_cache_loaded_with_the_knobs(tiny, name):
     a, b, c = (LongContextCache(tiny.args, cfg, 256) for cfg in (base, other, base))
     la, lb, lc = (prefill(tiny, x, prompt, 32) for x in (a, b, c))
     old = a.retune(other.long_context)
-    assert old == base.long_context and a.store.sticky_blocks == 2 and a.store.rerank == 3
+    assert old == base.long_context and a.store.sticky_blocks == 2 and a.lc.rerank == 3
     for _ in range(10):
         assert torch.equal(la, lb)
         tok = int(lb.argmax())

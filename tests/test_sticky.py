@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_rerank import ref_masses
 from test_sparse_attention import FP32_ATOL, FP32_RTOL, ref_sparse, rows_of
 
 from ktquest import _C
@@ -53,10 +54,12 @@ def ref_forced(store: KVStore, q: torch.Tensor, ids: torch.Tensor, mode: str, R:
 
 
 def ref_apply(store: KVStore, q: torch.Tensor, picks: torch.Tensor, forced: list[list[int]], mode: str, excl,
-              allowed=None) -> list[list[int]]:
+              allowed=None, scores=None) -> list[list[int]]:
     """The picks of a plain selection made to hold the forced blocks that are candidates (at most k), the
-    lowest-scored other picks giving way (equal scores: the higher id first)."""
-    scores = store.block_scores(0, q, mode).reshape(-1, store.n_blocks(0))  # [n_sets, nb] fp32, as the kernel's
+    lowest-scored other picks giving way (equal scores: the higher id first); scores [n_sets, nb]: the anchors'
+    (by default), or the second stage's masses."""
+    if scores is None:
+        scores = store.block_scores(0, q, mode).reshape(-1, store.n_blocks(0))  # [n_sets, nb] fp32, as the kernel's
     rows = rows_of(picks, KVH)[: scores.shape[0]]
     out = []
     for s, row in enumerate(rows):
@@ -68,10 +71,10 @@ def ref_apply(store: KVStore, q: torch.Tensor, picks: torch.Tensor, forced: list
     return out
 
 
-def step(store, twin, q, k, mode, excl, allowed=None):
+def step(store, twin, q, k, mode, excl, allowed=None, rerank=1):
     """select_attend on both stores (the twin without sticky blocks); checks the output against torch."""
-    out, lse, ids = store.select_attend(0, q, k, mode, exclude_ranges=excl, allowed=allowed)
-    _, _, plain = twin.select_attend(0, q, k, mode, exclude_ranges=excl, allowed=allowed)
+    out, lse, ids = store.select_attend(0, q, k, mode, exclude_ranges=excl, allowed=allowed, rerank=rerank)
+    _, _, plain = twin.select_attend(0, q, k, mode, exclude_ranges=excl, allowed=allowed, rerank=rerank)
     ks, vs = store.read(0)
     ref_out, ref_lse = ref_sparse(q, ks, vs, rows_of(ids, KVH), BS)
     torch.testing.assert_close(out, ref_out, rtol=FP32_RTOL, atol=FP32_ATOL)
@@ -89,6 +92,36 @@ def decode_token(stores_, g):
 def near(k_all: torch.Tensor, t: int, g) -> torch.Tensor:
     """Queries close to the keys of token t (one per query head): a step that attends one stretch hard."""
     return k_all[t].repeat_interleave(G, 0) * 3 + 0.3 * torch.randn(KVH * G, D, generator=g)
+
+
+@pytest.mark.parametrize("with_list", [False, True])
+def test_after_a_second_stage_the_lightest_picks_give_way(force_scalar, with_list):
+    """With rerank (cpp/kvstore/rerank.h) the forced blocks displace the picks of least attention mass, the order
+    the second stage kept them by, over the store's blocks or a candidate list's copy."""
+    R, k, T, W = 3, 8, 1000, 3
+    store, twin, g = stores(T, R)
+    ks, _ = store.read(0)
+    nb = store.n_blocks(0)
+    excl = [(0, 2), (nb - 8, nb)]
+    allowed = [sorted(torch.randperm(nb - 10, generator=g)[:60].add(2).tolist()) for _ in range(KVH)]
+    a = torch.tensor(allowed, dtype=torch.int32) if with_list else None
+    q = near(ks, 8 * allowed[0][5], g)
+    ids, _ = step(store, twin, q, k, "SEPARATE", excl, a, rerank=W)
+    kept_any = False
+    for t in (allowed[1][50], allowed[2][12], allowed[0][30], allowed[1][3]):
+        forced = ref_forced(store, q, ids, "SEPARATE", R)
+        decode_token((store, twin), g)
+        q = near(ks, 8 * t, g)
+        ids, plain = step(store, twin, q, k, "SEPARATE", excl, a, rerank=W)
+        first = twin.select(0, q, k * W, "SEPARATE", excl, a)  # the first stage, then the masses of its picks
+        scores = torch.full((KVH, store.n_blocks(0)), float("-inf"), dtype=torch.float64)
+        for s, row in enumerate(ref_masses(twin, q, first, "SEPARATE")):
+            for m, b in row:
+                scores[s, b] = m
+        want = ref_apply(store, q, plain, forced, "SEPARATE", excl, allowed if with_list else None, scores)
+        assert rows_of(ids, KVH) == want
+        kept_any |= not torch.equal(ids, plain)
+    assert kept_any  # some step kept a block the second stage alone would have dropped
 
 
 @pytest.mark.parametrize("mode", ["SEPARATE", "SHARED"])

@@ -15,7 +15,9 @@ init_windows_len and local_windows_len) on top, as the presets count it. Selecti
 - each anchor type (``--anchors``) in each mode (``--modes``: SEPARATE per KV head, SHARED one for all);
 - ``+rerank R`` (``--rerank``): a second stage: the anchors' top R x k blocks, re-scored by the true maximum of
   q . k over each block's keys (the largest over the KV head's query heads), the best k kept (what an int8 copy
-  of the keys would approximate).
+  of the keys would approximate); ``--rerank-by mass``: by each block's true attention mass; ``--rerank-by
+  store``: the store's own second stage (``long_context.rerank``, cpp/kvstore/rerank.h), masses as shares over
+  the R k picks, what a decode step runs.
 
     python tools/budget_curve.py --model gemma3-270m --task niah_multikey_2 --length 32768 \\
         --shares 0.25,0.06,0.02,0.005 --json docs/results/issue63/budget_curve_gemma3_32k.json
@@ -96,13 +98,15 @@ def layer_rows(q, k, n: int, lc, shares: list[float], anchors: list[str], modes:
             for mode in modes:
                 for r in reranks:
                     sel = torch.zeros(KVH, W, nb, dtype=torch.bool)
-                    first = min(b1 - b0, kb * r)
+                    native = rerank_by == "store"  # the store's own second stage (long_context.rerank r)
+                    first = kb if native else min(b1 - b0, kb * r)
                     for w in range(W):
-                        ids = stores[a_type].select(0, q[w].contiguous(), first, mode=mode, exclude_ranges=exclude)
+                        ids = stores[a_type].select(0, q[w].contiguous(), first, mode=mode, exclude_ranges=exclude,
+                                                    rerank=r if native else 1)
                         ids = ids[None].expand(KVH, -1) if mode == "SHARED" else ids  # [KVH, cols]
                         for g in range(KVH):
                             chosen = ids[g][ids[g] >= 0].long()
-                            if r > 1 and len(chosen) > kb:  # second stage: the true block maxima
+                            if r > 1 and len(chosen) > kb:  # second stage: the true block maxima (or masses)
                                 chosen = chosen[kv_max[g, w, chosen].topk(kb).indices]
                             sel[g, w, chosen] = True
                     mass, hit = score(sel.repeat_interleave(G, 0))
@@ -146,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchors", default="QUEST,BLOCK_MAX,BLOCK_MEAN")
     ap.add_argument("--modes", default="SEPARATE,SHARED")
     ap.add_argument("--rerank", default="1,4", help="first-stage widths (1: the anchors alone)")
-    ap.add_argument("--rerank-by", choices=("max", "mass"), default="max",
-                    help="the second stage's score: a block's true max q.k, or its attention mass (tile LSE)")
+    ap.add_argument("--rerank-by", choices=("max", "mass", "store"), default="max",
+                    help="the second stage's score: a block's true max q.k, or its attention mass (tile LSE), "
+                         "both from the dense softmax; or the store's own second stage (long_context.rerank)")
     ap.add_argument("--cache", default=None, help="keep the recorded queries and keys in this .pt file (a second "
                                                   "run with the same arguments skips the prefill)")
     ap.add_argument("--queries", type=int, default=16)

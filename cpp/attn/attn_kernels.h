@@ -35,7 +35,7 @@ namespace ktq {
 // attention once the final LSE is known (exp(tile_lse - lse)). A call that asks for it takes the row-by-row path.
 
 // tiles_lse: tile_lse alone (the logits of a run's rows, no softmax state, no values): [cur.count, G] each tile's
-// log sum_r exp(q_g . k_r) per query head (-inf for an empty tile, or one ~87 below the run's largest logit).
+// log sum_r exp(q_g . k_r) per query head, against the tile's own largest logit (-inf for an empty tile).
 //   s: scratch, at least G * round_up(cur.rows(), 8) + D floats
 // The store's second stage of selection (kvstore/rerank.h) weighs blocks by it before any of them is attended.
 

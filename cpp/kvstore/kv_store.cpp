@@ -126,14 +126,6 @@ void KVStore::set_sticky_blocks(int R) {
   forced_cols_ = 0;
 }
 
-void KVStore::set_rerank(int R) {
-  if (R < 1 || R > kMaxRerank)
-    throw std::invalid_argument("rerank must be in [1, " + std::to_string(kMaxRerank) + "] (1 = off), got " +
-                                std::to_string(R));
-  std::lock_guard<std::mutex> lk(mu_);
-  lay_.cfg.rerank = R;
-}
-
 // ---- append ----
 
 void KVStore::update_anchors(StoreLayer& L, int h, int64_t pos, const float* key, float importance) {

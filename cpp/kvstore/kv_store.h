@@ -3,7 +3,7 @@
 // The byte layout and why: layout.h. The parts of a decode step, each owning its workspaces:
 //   selection   select/selector.h     candidates, anchor scores, top k
 //   candidates  kvstore/cand_cache.h  a preselected candidate list's compact copies
-//   second stage kvstore/rerank.h     the anchors' picks weighed by attention mass (StoreConfig::rerank)
+//   second stage kvstore/rerank.h     the anchors' picks weighed by attention mass (SelectRequest::rerank)
 // and a layer's state as bytes for KV files (kv_store_io.cpp).
 //   attention   kvstore/sparse_attn.h split-K attention over the selected blocks
 // The store owns the memory and the lock; its methods are grouped by concept: storage (kv_store.cpp:
@@ -111,7 +111,8 @@ class KVStore {
   // n_sets = KVH, SHARED: 1), ng = n_groups; as read(). std::invalid_argument without an index.
   bool group_bounds(int layer, const float* q, int H, HeadMode mode, int64_t ng, double* out,
                     const QueryVariants& var = {});
-  // Top-k blocks per set: out_ids [n_sets, out_cols], ascending, -1 padded. Ties -> lower block id.
+  // Top-k blocks per set: out_ids [n_sets, out_cols], ascending, -1 padded. Ties -> lower block id. With
+  // req.rerank > 1 (at most kMaxRerank, else std::invalid_argument) the second stage's k (rerank.h).
   void select(int layer, const float* q, int H, const SelectRequest& req, int32_t* out_ids, int out_cols,
               const QueryVariants& var = {});
   // softmax(q K^T / sqrt(D)) V over the given blocks. out: [H, D], lse: [H] (natural log, -inf and a
@@ -139,8 +140,6 @@ class KVStore {
   // StoreConfig::sticky_blocks from now on (0..kMaxStickyBlocks, else std::invalid_argument); the blocks kept
   // so far are dropped (the next step selects without any).
   void set_sticky_blocks(int R);
-  // StoreConfig::rerank from now on (1..kMaxRerank, else std::invalid_argument).
-  void set_rerank(int R);
 
  private:
   const StoreLayer& layer_at(int layer) const;

@@ -59,7 +59,7 @@ void KVStore::select(int layer, const float* q, int H, const SelectRequest& req,
   const StoreLayer& L = layer_at(layer);
   check_q(q, H, var);
   sel_.set_query(q, H, var);
-  if (lay_.cfg.rerank > 1) rerank_.set_query(q, H, var);
+  if (req.rerank > 1) rerank_.set_query(q, H, var);
   select_locked(L, layer, H, req, out_ids, out_cols);
 }
 
@@ -67,7 +67,10 @@ CandCache* KVStore::select_locked(const StoreLayer& L, int layer, int H, const S
                                   int out_cols, bool defer) {
   const int n_sets = req.mode == HeadMode::SHARED ? 1 : lay_.cfg.n_kv_heads;
   const int64_t nb = lay_.n_blocks(L);
-  const int R = lay_.cfg.rerank;
+  const int R = req.rerank;
+  if (R < 1 || R > kMaxRerank)
+    throw std::invalid_argument("rerank must be in [1, " + std::to_string(kMaxRerank) + "] (1 = off), got " +
+                                std::to_string(R));
   timing_.rerank_s = 0;
   reranked_ = false;
   // A candidate list: the layer's cached copy, unless a candidate is a partial block (then the selector goes on
@@ -140,8 +143,8 @@ void KVStore::select_attend(int layer, const float* q, int H, const SelectReques
   // Cached candidates are selected set by set inside the attention's dispatch, unless Ada-KV's budgets need
   // every set's scores before any set's top k, or a second stage every set's first picks (then select_locked
   // selects them all first).
-  const bool in_pass = !req.ada && lay_.cfg.rerank == 1;  // (a second stage needs every set's first picks)
-  if (lay_.cfg.rerank > 1) rerank_.set_query(q, H, var);
+  const bool in_pass = !req.ada && req.rerank == 1;  // (a second stage needs every set's first picks)
+  if (req.rerank > 1) rerank_.set_query(q, H, var);
   CandCache* C = select_locked(L, layer, H, req, out_ids, out_cols, /*defer=*/in_pass);
   if (C) cand_.copy_tiles(L, *C);  // the attention reads the candidates' tiles from the cache's copy
   SparseAttention::Prologue pre;

@@ -39,8 +39,6 @@ StoreLayout::StoreLayout(const StoreConfig& c) : cfg(c) {
   }
   if (c.index_group < 0)
     bad("index_group must be >= 0 (blocks per index group; 0 = no index), got " + std::to_string(c.index_group));
-  if (c.rerank < 1 || c.rerank > kMaxRerank)
-    bad("rerank must be in [1, " + std::to_string(kMaxRerank) + "] (1 = off), got " + std::to_string(c.rerank));
   if (c.sticky_blocks < 0 || c.sticky_blocks > kMaxStickyBlocks)
     bad("sticky_blocks must be in [0, " + std::to_string(kMaxStickyBlocks) + "] (0 = off), got " +
         std::to_string(c.sticky_blocks));

@@ -84,9 +84,6 @@ struct StoreConfig {
   // layer's next step (within its k: they displace its lowest-scored other picks). A number being copied
   // digit by digit keeps the block it is read from when the bounds alone would drop it. 0 = off.
   int sticky_blocks = 0;
-  // The second stage of selection (kvstore/rerank.h): the anchors pick rerank x k blocks of each set, and the k
-  // of those that hold the most attention mass for the query (QK over their keys, no V) are kept. 1 = off.
-  int rerank = 1;
 };
 
 // The store's operations (scoring, the cached candidates' pass, attention) use threads from this many bytes
@@ -95,7 +92,7 @@ struct StoreConfig {
 constexpr int64_t kParallelBytes = 128 << 10;
 
 constexpr int kMaxStickyBlocks = 64;  // StoreConfig::sticky_blocks at most
-constexpr int kMaxRerank = 16;        // StoreConfig::rerank at most
+constexpr int kMaxRerank = 16;        // SelectRequest::rerank at most
 
 // One layer's regions (pointers into the store's reserved memory) and how far it is filled.
 struct StoreLayer {

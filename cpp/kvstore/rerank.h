@@ -1,4 +1,4 @@
-// The store's second stage of selection (StoreConfig::rerank = R > 1): the anchors pick R k blocks of each set,
+// The store's second stage of selection (SelectRequest::rerank = R > 1): the anchors pick R k blocks of each set,
 // then each of those blocks is weighed by the attention mass it holds for this query, and the k heaviest are
 // kept. The anchors' scores are bounds (QUEST) or summaries (BLOCK_*) of q . k over a block; what they lose at a
 // small budget is the order among the blocks they keep (docs/accuracy.md, the budget curve): at 2% of a 32K

@@ -21,8 +21,7 @@ namespace {
 // A store's config from the constructor's arguments (the names checked against the enums' tables).
 StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                          const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                         bool int8_candidates, int index_group, float quest_centre = 0.f, int sticky_blocks = 0,
-                         int rerank = 1) {
+                         bool int8_candidates, int index_group, float quest_centre = 0.f, int sticky_blocks = 0) {
   StoreConfig c;
   c.n_layers = n_layers;
   c.n_kv_heads = n_kv_heads;
@@ -37,7 +36,6 @@ StoreConfig store_config(int n_layers, int n_kv_heads, int head_dim, int64_t max
   c.index_group = index_group;
   c.quest_centre = quest_centre;
   c.sticky_blocks = sticky_blocks;
-  c.rerank = rerank;
   return c;
 }
 
@@ -47,15 +45,15 @@ void bind_kv_store(py::module_& m) {
   py::class_<KVStore>(m, "KVStore", "Blocked KV cache with anchors and sparse decode attention (see ktquest/native/store.py).")
       .def(py::init([](int n_layers, int n_kv_heads, int head_dim, int64_t max_seq_len, int block_size,
                        const std::string& kv_type, const std::string& anchor_type, int anchor_num, int threads_num,
-                       bool int8_candidates, int index_group, float quest_centre, int sticky_blocks, int rerank) {
+                       bool int8_candidates, int index_group, float quest_centre, int sticky_blocks) {
              return new KVStore(store_config(n_layers, n_kv_heads, head_dim, max_seq_len, block_size, kv_type,
                                              anchor_type, anchor_num, threads_num, int8_candidates, index_group,
-                                             quest_centre, sticky_blocks, rerank));
+                                             quest_centre, sticky_blocks));
            }),
            py::arg("n_layers"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
            py::arg("block_size"), py::arg("kv_type"), py::arg("anchor_type"), py::arg("anchor_num"),
            py::arg("threads_num"), py::arg("int8_candidates") = false, py::arg("index_group") = 0,
-           py::arg("quest_centre") = 0.f, py::arg("sticky_blocks") = 0, py::arg("rerank") = 1)
+           py::arg("quest_centre") = 0.f, py::arg("sticky_blocks") = 0)
       .def_property_readonly("anchor_slots", &KVStore::anchor_slots)
       .def_property_readonly("anchor_elem_bytes", &KVStore::anchor_elem_bytes, "2 = fp16 anchors, 4 = fp32")
       .def("length", &KVStore::length, py::arg("layer"))
@@ -282,21 +280,21 @@ void bind_kv_store(py::module_& m) {
          "chunk attention's token bounds (succ, intra) with q [3, W, H, D].")
       .def("select", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode, const py::handle& k,
                         const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
-                        const py::handle& ada, const py::handle& variants) {
+                        const py::handle& ada, const py::handle& variants, int rerank) {
         py::array_t<float> q;
         QueryVariants var;
         const int H = query_arg(st, q_obj, q, variants, var);
         SelectArgs a;
-        select_args(st, a, mode, k, exclude, allowed, out_ids, ada);
+        select_args(st, a, mode, k, exclude, allowed, out_ids, ada, rerank);
         const float* qp = q.data();
         int32_t* ip = a.out_ids.mutable_data();
         const int cols = checked_int(a.out_ids.shape(1), "out_ids columns");
         py::gil_scoped_release nogil;
         st.select(layer, qp, H, a.req, ip, cols, var);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
-         py::arg("out_ids"), py::arg("ada") = py::none(), py::arg("variants") = py::none(),
+         py::arg("out_ids"), py::arg("ada") = py::none(), py::arg("variants") = py::none(), py::arg("rerank") = 1,
          "ada: None, or (num, den): the sum of k split over the sets by Ada-KV with alpha = num / den "
-         "(cpp/select/ada.h).")
+         "(cpp/select/ada.h). rerank: the second stage's width (cpp/kvstore/rerank.h; 1 = the anchors' top k).")
       .def("attend", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& blocks_obj,
                         const py::handle& out_obj, const py::handle& lse_obj, const py::handle& block_lse_obj,
                         const py::handle& variants) {
@@ -327,12 +325,12 @@ void bind_kv_store(py::module_& m) {
       .def("select_attend", [](KVStore& st, int layer, const py::handle& q_obj, const std::string& mode,
                                const py::handle& k, const py::handle& exclude, const py::handle& allowed,
                                const py::handle& out_ids, const py::handle& out_obj, const py::handle& lse_obj,
-                               const py::handle& ada, const py::handle& variants) {
+                               const py::handle& ada, const py::handle& variants, int rerank) {
         py::array_t<float> q;
         QueryVariants var;
         const int H = query_arg(st, q_obj, q, variants, var);
         SelectArgs a;
-        select_args(st, a, mode, k, exclude, allowed, out_ids, ada);
+        select_args(st, a, mode, k, exclude, allowed, out_ids, ada, rerank);
         auto out = array_arg<float>(out_obj, "out", {H, st.config().head_dim});
         auto lse = array_arg<float>(lse_obj, "lse", {H});
         if (!out.writeable() || !lse.writeable()) throw py::value_error("out/lse: must be writeable");
@@ -345,7 +343,7 @@ void bind_kv_store(py::module_& m) {
         st.select_attend(layer, qp, H, a.req, ip, cols, op, lp, var);
       }, py::arg("layer"), py::arg("q"), py::arg("mode"), py::arg("k"), py::arg("exclude"), py::arg("allowed"),
          py::arg("out_ids"), py::arg("out"), py::arg("lse"), py::arg("ada") = py::none(),
-         py::arg("variants") = py::none())
+         py::arg("variants") = py::none(), py::arg("rerank") = 1)
       .def("decode_step", [](KVStore& st, int layer, const py::handle& q_obj, const py::handle& k_obj,
                              const py::handle& v_obj, const py::handle& wk_obj, const py::handle& wv_obj, int64_t w0,
                              int64_t width, int64_t skip0, int64_t skip1, float scale, int n_threads,
@@ -385,14 +383,13 @@ void bind_kv_store(py::module_& m) {
            "one does (False): the same picks, for timing one against the other on one store.")
       .def("set_sticky_blocks", &KVStore::set_sticky_blocks, py::arg("R"),
            "sticky_blocks from now on (0..MAX_STICKY_BLOCKS); the blocks kept so far are dropped.")
-      .def("set_rerank", &KVStore::set_rerank, py::arg("R"),
-           "rerank from now on (1..MAX_RERANK; 1 = the anchors' top k alone).");
+;
 
   // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);
   m.attr("Q8_GROUP") = kQGroup;  // values per fp32 scale in the store's Q8_0/Q4_0 rows
   m.attr("MAX_STICKY_BLOCKS") = kMaxStickyBlocks;  // StoreConfig::sticky_blocks at most
-  m.attr("MAX_RERANK") = kMaxRerank;               // StoreConfig::rerank at most
+  m.attr("MAX_RERANK") = kMaxRerank;               // a selection's rerank at most
   m.attr("ANCHOR_TYPES") = names_tuple(kAnchorTypeNames);
   m.attr("HEAD_MODES") = names_tuple(kHeadModeNames);
   py::list linear;  // the anchor types whose block score is one dot product with an anchor row

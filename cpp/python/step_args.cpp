@@ -26,8 +26,12 @@ int query_arg(const KVStore& st, const py::handle& q_obj, py::array_t<float>& q,
 
 void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, const py::handle& k,
                  const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
-                 const py::handle& ada) {
+                 const py::handle& ada, int rerank) {
   a.req.mode = head_mode(mode);
+  if (rerank < 1 || rerank > kMaxRerank)
+    throw py::value_error("rerank must be in [1, " + std::to_string(kMaxRerank) + "] (1 = off), got " +
+                          std::to_string(rerank));
+  a.req.rerank = rerank;
   const int n_sets = a.req.mode == HeadMode::SHARED ? 1 : st.config().n_kv_heads;
   a.k = array_arg<int32_t>(k, "k", {n_sets});
   a.exclude = array_arg<int64_t>(exclude, "exclude", {-1, 2});
@@ -73,12 +77,12 @@ StorePlan StorePlan::attend(const py::object& store, const py::handle& blocks_ob
 
 StorePlan StorePlan::select(const py::object& store, const std::string& mode, const py::handle& k,
                             const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
-                            const py::handle& ada) {
+                            const py::handle& ada, int rerank) {
   const KVStore& st = store.cast<const KVStore&>();
   StorePlan p;
   p.store = store, p.st = &st;
   p.part = StorePart::SELECT;
-  select_args(st, p.sel, mode, k, exclude, allowed, out_ids, ada);
+  select_args(st, p.sel, mode, k, exclude, allowed, out_ids, ada, rerank);
   return p;
 }
 
@@ -122,10 +126,10 @@ void bind_store_plan(py::module_& m) {
       .def_static("attend", &StorePlan::attend, py::arg("store"), py::arg("blocks"),
                   "A fixed list: blocks int32 [1 (every KV head) or n_kv_heads, cols], ascending, -1 padded.")
       .def_static("select", &StorePlan::select, py::arg("store"), py::arg("mode"), py::arg("k"), py::arg("exclude"),
-                  py::arg("allowed"), py::arg("out_ids"), py::arg("ada") = py::none(),
+                  py::arg("allowed"), py::arg("out_ids"), py::arg("ada") = py::none(), py::arg("rerank") = 1,
                   "A fresh selection as KVStore.select_attend makes it (mode SHARED/SEPARATE, k int32 [n_sets], "
-                  "exclude int64 [n, 2] block ranges, allowed int32 [n_sets, N] or None, ada None or (num, den)); "
-                  "the picks land in out_ids int32 [n_sets, cols].")
+                  "exclude int64 [n, 2] block ranges, allowed int32 [n_sets, N] or None, ada None or (num, den), "
+                  "rerank the second stage's width); the picks land in out_ids int32 [n_sets, cols].")
       .def_property_readonly("out_ids", [](const StorePlan& p) -> py::object {
         if (p.part != StorePart::SELECT) return py::none();
         return p.sel.out_ids;

@@ -35,10 +35,11 @@ struct [[gnu::visibility("hidden")]] SelectArgs {
   SelectRequest req;
 };
 
-// ada: None, or (num, den) for Ada-KV budgets with alpha = num / den (SelectRequest::ada).
+// ada: None, or (num, den) for Ada-KV budgets with alpha = num / den (SelectRequest::ada). rerank: the second
+// stage's width (SelectRequest::rerank, 1..kMaxRerank).
 void select_args(const KVStore& st, SelectArgs& a, const std::string& mode, const py::handle& k,
                  const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
-                 const py::handle& ada);
+                 const py::handle& ada, int rerank);
 
 // _C.StorePlan: what one layer's decode step attends in the store (nothing, a fixed block list, or a fresh
 // selection into out_ids), checked once against the store it was made for and then run by many steps
@@ -54,7 +55,7 @@ struct [[gnu::visibility("hidden")]] StorePlan {
   static StorePlan attend(const py::object& store, const py::handle& blocks);
   static StorePlan select(const py::object& store, const std::string& mode, const py::handle& k,
                           const py::handle& exclude, const py::handle& allowed, const py::handle& out_ids,
-                          const py::handle& ada);
+                          const py::handle& ada, int rerank);
 };
 
 // The window arguments of a long_context decode step (KVStore.decode_step, each layer of decode_token) checked,

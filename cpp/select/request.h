@@ -25,6 +25,9 @@ struct SelectRequest {
   // the uniform floor share alpha = ada_num / ada_den; a set may then keep up to that sum.
   bool ada = false;
   int64_t ada_num = 0, ada_den = 1;
+  // A second stage (kvstore/rerank.h): the anchors pick rerank x k blocks of each set, and the k of those that
+  // hold the most attention mass for the query (QK over their keys, no V) are kept. 1 = the anchors' top k.
+  int rerank = 1;
 };
 
 // Dual chunk attention (ktquest/models/dual_chunk.py): a query comes in n = 3 rotations, q [3, H, D] (intra,
@@ -57,7 +60,7 @@ struct BlockSets {
 // the rest of the call.
 // With the hierarchical index (index_group) score_s is the group bounds' pass and topk_s the pruned walk
 // (the visited groups' block scores and the top k).
-// With a second stage (StoreConfig::rerank) rerank_s is its time (the picks' QK and the cut by mass).
+// With a second stage (SelectRequest::rerank) rerank_s is its time (the picks' QK and the cut by mass).
 struct StageTiming {
   double score_s = 0, topk_s = 0, attend_s = 0, rerank_s = 0;
 };

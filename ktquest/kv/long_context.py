@@ -72,7 +72,7 @@ class LongContextCache:
         try:  # the RAM check passed, yet the reservation can still fail (strict overcommit, address space)
             self.store = KVStore(self.n_layers, KVH, D, max_seq_len, bs, lc.kv_type, lc.anchor_type,
                                  lc.anchor_num, threads, lc.int8_candidates, lc.index_group, lc.quest_centre,
-                                 lc.sticky_blocks, lc.rerank)
+                                 lc.sticky_blocks)
         except MemoryError as e:
             raise ConfigError(f"max_seq_len={max_seq_len} is not allowed: {e}; lower max_seq_len") from None
         cap = lc.local_windows_len + bs + self.chunk_size  # the local part's rows
@@ -145,7 +145,6 @@ class LongContextCache:
                               f"is made (only {', '.join(self.RETUNABLE)} can); load the engine with it instead")
         old = self.lc
         self.store.set_sticky_blocks(lc.sticky_blocks)
-        self.store.set_rerank(lc.rerank)
         self.lc = self.planner.lc = lc
         self.planner.forget_selections()
         if any(k in self.PRESELECT_KEYS for k in changed):

@@ -268,6 +268,6 @@ def decode_context(s: Shape, store: KVStore, planner: DecodePlanner, layer: int,
     if select is None:
         return store.attend(layer, qc, blocks, out, lse, variants=var)
     out, lse, ids = store.select_attend(layer, qc, select.k, select.mode, select.exclude_ranges, select.allowed,
-                                        out, lse, ada_alpha=select.ada_alpha, variants=var)
+                                        out, lse, ada_alpha=select.ada_alpha, variants=var, rerank=select.rerank)
     planner.record(layer, ids, lb)
     return out, lse

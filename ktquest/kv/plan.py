@@ -283,7 +283,7 @@ class DecodePlanner:
         # Ada-KV (SEPARATE): the store splits the layer's total over its heads by this query's scores
         ada = lc.ada_alpha if lc.ada_budget and mode == "SEPARATE" else None
         return None, Select(lc.second_select_num, mode, self._exclusions(lb),
-                            None if allowed is None else self.allowed_np[layer], ada)
+                            None if allowed is None else self.allowed_np[layer], ada, lc.rerank)
 
     def _exclusions(self, lb: int) -> np.ndarray:
         """A selection's excluded blocks at context end lb: [2, 2] int64 ranges, the init window and the local

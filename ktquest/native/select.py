@@ -13,10 +13,12 @@ class Select:
     """A fresh selection's request, as select() and select_attend() take it: the top ``k`` blocks (an int, or
     one per KV head in SEPARATE mode) per set of ``mode``, never in the half-open block ``exclude_ranges``,
     among ``allowed`` (one id list per set; None: every block); with ``ada_alpha`` the sum of k split over the
-    sets by Ada-KV from this query's scores (uniform floor share ``ada_alpha``)."""
+    sets by Ada-KV from this query's scores (uniform floor share ``ada_alpha``); with ``rerank`` > 1 the anchors pick
+    ``rerank`` times k and a second stage keeps the k holding the most attention mass (cpp/kvstore/rerank.h)."""
 
     k: int | Sequence[int]
     mode: str = "SEPARATE"
     exclude_ranges: Sequence[tuple[int, int]] | np.ndarray = ()
     allowed: object = None
     ada_alpha: float | None = None
+    rerank: int = 1

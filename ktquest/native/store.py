@@ -49,9 +49,6 @@ class KVStore(StoreReads):
     sticky_blocks (0..64): after each select_attend, the ``sticky_blocks`` blocks of each set that took the
     largest share of its heads' attention, and the block after each, stay among the layer's k picks at its
     next decode step (the next token; cpp/kvstore/sticky.cpp). 0 = off.
-    rerank (1..16): a second stage of selection: the anchors pick ``rerank`` times k blocks of each set, and the
-    k of those holding the most attention mass for the query (QK over their keys) are kept
-    (cpp/kvstore/rerank.h). 1 = off.
     """
 
     def __init__(
@@ -69,7 +66,6 @@ class KVStore(StoreReads):
         index_group: int = 0,
         quest_centre: float = 0.0,
         sticky_blocks: int = 0,
-        rerank: int = 1,
     ):
         self.n_layers = check_int(n_layers, "n_layers", 1)
         self.n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1)
@@ -88,7 +84,6 @@ class KVStore(StoreReads):
             raise TypeError(f"quest_centre must be a number, got {type(quest_centre).__name__}")
         self.quest_centre = float(quest_centre)
         self.sticky_blocks = check_int(sticky_blocks, "sticky_blocks", 0)
-        self.rerank = check_int(rerank, "rerank", 1)
         self._st = _C.KVStore(
             self.n_layers,
             self.n_kv_heads,
@@ -103,7 +98,6 @@ class KVStore(StoreReads):
             self.index_group,
             self.quest_centre,
             self.sticky_blocks,
-            self.rerank,
         )
         self._k_cache: dict[tuple[str, object], tuple[np.ndarray, int]] = {}
 
@@ -310,16 +304,20 @@ class KVStore(StoreReads):
         allowed=None,
         ada_alpha: float | None = None,
         variants: tuple[int, int] | None = None,
+        rerank: int = 1,
     ) -> torch.Tensor:
         """Top-k blocks by anchor score (ties: the lower block id). Candidates: every block, or ``allowed``
         (one id list per KV head, or one list for SHARED), minus the half-open block ``exclude_ranges``.
         k: an int, or one per KV head (SEPARATE). ada_alpha: the sum of k split over the sets by Ada-KV
         (cpp/select/ada.h: ``ada_budgets`` over these scores). variants: dual chunk attention (block_scores).
+        rerank (1..MAX_RERANK): a second stage: the anchors pick ``rerank`` times k blocks of each set, and the k
+        of those holding the most attention mass for q (QK over their keys) are kept (cpp/kvstore/rerank.h;
+        with ada_alpha the budget is split by those masses). 1: the anchors' top k.
         Returns int32 ascending ids, -1 padded: [KVH, cols] (SEPARATE) or [cols] (SHARED)."""
         var = check_variants(variants)
         qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
-        self._st.select(layer, qn, mode, ks, excl, allow, ids, ada, var)
+        self._st.select(layer, qn, mode, ks, excl, allow, ids, ada, var, check_int(rerank, "rerank", 1))
         return self._step_ids(ids, mode)
 
     def attend(
@@ -367,14 +365,16 @@ class KVStore(StoreReads):
         lse: torch.Tensor | None = None,
         ada_alpha: float | None = None,
         variants: tuple[int, int] | None = None,
+        rerank: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """select() then attend() in one native call (the decode hot path): (out [H, D], lse [H], blocks).
-        variants: dual chunk attention (block_scores)."""
+        variants: dual chunk attention (block_scores); rerank: the second stage (select)."""
         var = check_variants(variants)
         qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
         out, lse, out_np, lse_np = self._outputs(qn.shape[-2], out, lse)
-        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np, ada, var)
+        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np, ada, var,
+                               check_int(rerank, "rerank", 1))
         return out, lse, self._step_ids(ids, mode)
 
     def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
@@ -402,7 +402,7 @@ class KVStore(StoreReads):
         if select is not None:
             mode, ks, excl, allow, ids, ada = self._request(layer, select.k, select.mode, select.exclude_ranges,
                                                             select.allowed, select.ada_alpha)
-            return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids, ada)
+            return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids, ada, check_int(select.rerank, "rerank", 1))
         if blocks is not None:
             n = blocks.shape[0] if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 else 1
             return _C.StorePlan.attend(self._st, padded_ids(blocks, "blocks", n))
@@ -441,12 +441,6 @@ class KVStore(StoreReads):
         R = check_int(R, "sticky_blocks", 0)
         self._st.set_sticky_blocks(R)
         self.sticky_blocks = R
-
-    def set_rerank(self, R: int) -> None:
-        """``rerank`` from now on (a decode-time knob: ``LongContextCache.retune``)."""
-        R = check_int(R, "rerank", 1)
-        self._st.set_rerank(R)
-        self.rerank = R
 
     def _outputs(self, H: int, out, lse):
         """(out [H, D], lse [H]) tensors and their numpy views; shapes are checked by the binding."""
