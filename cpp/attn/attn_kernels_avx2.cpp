@@ -153,7 +153,7 @@ inline float row_lse(const float* x, int n) {
   const float m = hmax(mx);
   if (m == kNegInf) return kNegInf;
   const __m256 vm = _mm256_set1_ps(m);
-  __m256 sum = exp_neg(_mm256_sub_ps(_mm256_load_ps(tail), vm));
+  __m256 sum = n8 < n ? exp_neg(_mm256_sub_ps(_mm256_load_ps(tail), vm)) : _mm256_setzero_ps();
   for (int r = 0; r < n8; r += 8) sum = _mm256_add_ps(sum, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(x + r), vm)));
   return m + std::log(hsum(sum));
 }

@@ -100,15 +100,20 @@ void MassRerank::run(const StoreLayer& L, int H, const SelectRequest& req, int n
   ThreadPool::global().parallel_for(n_sets, std::min(threads, n_sets), [&](int64_t s) {
     const int64_t c = count_[s];
     auto* ord = order_.data() + s * wide_cols;
-    const float* ls = lse_.data() + size_t(s) * wide_cols * hps;
-    for (int64_t j = 0; j < c; ++j) ord[j] = {0.0, wide[s * wide_cols + j]};
-    for (int g = 0; g < hps; ++g) {
-      float m = kNegInf;
-      for (int64_t j = 0; j < c; ++j) m = std::max(m, ls[j * hps + g]);
-      if (m == kNegInf) continue;  // (no key of this head's picks is within ~87 of its largest logit: none)
-      double sum = 0;
-      for (int64_t j = 0; j < c; ++j) sum += std::exp(double(ls[j * hps + g] - m));
-      for (int64_t j = 0; j < c; ++j) ord[j].first += std::exp(double(ls[j * hps + g] - m)) / sum;
+    float* ls = lse_.data() + size_t(s) * wide_cols * hps;  // [c, hps]: each pick's LSE, then its exp share
+    float* m = thread_scratch(2 * size_t(hps));             // per head: the largest LSE, then 1 / sum
+    float* sum = m + hps;
+    std::fill(m, m + hps, kNegInf);
+    std::fill(sum, sum + hps, 0.f);
+    for (int64_t j = 0; j < c; ++j)
+      for (int g = 0; g < hps; ++g) m[g] = std::max(m[g], ls[j * hps + g]);
+    for (int64_t j = 0; j < c; ++j)  // (a pick's tile has a key: its LSE is finite, and so is every m here)
+      for (int g = 0; g < hps; ++g) sum[g] += (ls[j * hps + g] = std::exp(ls[j * hps + g] - m[g]));
+    for (int g = 0; g < hps; ++g) m[g] = 1.f / sum[g];
+    for (int64_t j = 0; j < c; ++j) {
+      float w = 0.f;
+      for (int g = 0; g < hps; ++g) w += ls[j * hps + g] * m[g];
+      ord[j] = {double(w), wide[s * wide_cols + j]};
     }
   });
   mass_.resize(order_.size());
