@@ -194,3 +194,23 @@ def test_bad_widths_are_refused_by_name():
     with pytest.raises(ValueError, match=r"rerank must be in \[1, 16\]"):
         st.native.select(0, q.numpy(), "SEPARATE", np.full(KVH, 3, np.int32), np.zeros((0, 2), np.int64), None,
                          np.empty((KVH, 3), np.int32), rerank=17)
+
+
+def test_both_kernels_flush_a_dominated_run_alike():
+    """A pick ~120 logits above the rest: the others' shares are below fp32's range. Both twins count a term
+    past exp(-87.3) as 0 (attn_kernels.h tiles_lse, and the masses), so the rest tie at 0 and the lower ids win."""
+    st, q = make(800, "FP32", seed=6)
+    ks, vs = st.read(0)
+    ks[400:408] = q.view(KVH, G, D).sum(1) * 4  # block 50, every KV head
+    st.truncate(0, 0)
+    st.append(0, ks, vs)
+    picks = []
+    try:
+        for scalar in (False, True):
+            _C.set_force_scalar(scalar)
+            picks.append(st.select(0, q, 3, "SEPARATE", [(0, 1)], rerank=4))
+    finally:
+        _C.set_force_scalar(False)
+    assert torch.equal(picks[0], picks[1])
+    first = rows_of(st.select(0, q, 12, "SEPARATE", [(0, 1)]), KVH)
+    assert rows_of(picks[0], KVH) == [sorted([50, *[b for b in r if b != 50][:2]]) for r in first]

@@ -55,24 +55,31 @@ void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size
                 tile_lse ? tile_lse + size_t(i) * G : nullptr);
 }
 
-void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse) {
+void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse,
+               const Tiles*) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
-  for (int i = 0; i < cur.count; ++i) {
-    const int n = cur.n[i];
+  const int n = cur.rows();
+  float* row = s + size_t(G) * n;  // row: [D] one decoded K row; s: [G, n] the run's logits
+  for (int i = 0, off = 0; i < cur.count; off += cur.n[i++]) {
     const float* ksc = reinterpret_cast<const float*>(cur.k[i] + scale_off);
-    float* row = s + size_t(G) * n;  // row: [D] one decoded K row; s: [G, n] logits
-    for (int r = 0; r < n; ++r) {
+    for (int r = 0; r < cur.n[i]; ++r) {
       scalar::decode_row(t, cur.k[i] + r * rb, ksc + r * ns, D, row);
-      for (int g = 0; g < G; ++g) s[g * n + r] = dot(q + g * D, row, D);
+      for (int g = 0; g < G; ++g) s[g * n + off + r] = dot(q + g * D, row, D);
     }
-    for (int g = 0; g < G; ++g) {
-      const float* sg = s + g * n;
-      float mb = -std::numeric_limits<float>::infinity();
-      for (int r = 0; r < n; ++r) mb = std::max(mb, sg[r]);
+  }
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int g = 0; g < G; ++g) {
+    const float* sg = s + g * n;
+    float m = kNegInf;
+    for (int r = 0; r < n; ++r) m = std::max(m, sg[r]);
+    for (int i = 0, off = 0; i < cur.count; off += cur.n[i++]) {
       float sum = 0.f;
-      for (int r = 0; r < n; ++r) sum += std::exp(sg[r] - mb);
-      tile_lse[size_t(i) * G + g] = sum > 0.f ? mb + std::log(sum) : -std::numeric_limits<float>::infinity();
+      for (int r = 0; r < cur.n[i]; ++r) {
+        const float x = sg[off + r] - m;
+        sum += x < -87.33654f ? 0.f : std::exp(x);  // (as the AVX2 exp: 0 past the fp32 range)
+      }
+      tile_lse[size_t(i) * G + g] = sum > 0.f ? m + std::log(sum) : kNegInf;
     }
   }
 }

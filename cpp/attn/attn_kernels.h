@@ -35,8 +35,11 @@ namespace ktq {
 // attention once the final LSE is known (exp(tile_lse - lse)). A call that asks for it takes the row-by-row path.
 
 // tiles_lse: tile_lse alone (the logits of a run's rows, no softmax state, no values): [cur.count, G] each tile's
-// log sum_r exp(q_g . k_r) per query head, against the tile's own largest logit (-inf for an empty tile).
+// log sum_r exp(q_g . k_r) per query head, its exps taken against the run's largest logit of the head; a term
+// below exp(-87.33654) (the fp32 range) counts 0 in both twins, so a tile whose every logit lies that far below
+// the run's largest gets -inf (its share of any softmax with that key is below 1e-38), as does an empty tile.
 //   s: scratch, at least G * round_up(cur.rows(), 8) + D floats
+//   next: the next run, whose K tiles are prefetched alongside this one's logits (may be null)
 // The store's second stage of selection (kvstore/rerank.h) weighs blocks by it before any of them is attended.
 
 constexpr int kMaxTiles = 8;
@@ -58,7 +61,8 @@ void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
                  int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
                  float* tile_lse = nullptr);
-void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse);
+void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse,
+               const Tiles* next = nullptr);
 }  // namespace scalar
 
 namespace avx2 {  // require D % 8 == 0
@@ -67,7 +71,8 @@ void attend_tiles(KVType t, int D, int G, const float* q, const Tiles& cur, size
 void attend_tile(KVType t, int D, int G, const float* q, const uint8_t* k, const uint8_t* v, size_t scale_off,
                  int n, float* s, float* m, float* l, float* acc, const uint8_t* next_k, const uint8_t* next_v,
                  float* tile_lse = nullptr);
-void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse);
+void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse,
+               const Tiles* next = nullptr);
 }  // namespace avx2
 
 }  // namespace ktq

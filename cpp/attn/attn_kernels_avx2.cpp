@@ -139,39 +139,30 @@ void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t sc
   }
 }
 
-// ---- tile LSEs alone (tiles_lse): the run's logits, then each tile's own max and sum of exp per head ----
-
-// log sum exp of x[0, n) (-inf for n = 0): its max, then exp of the differences 8 at a time (a tail of n % 8
-// padded with -inf, whose exp is 0), as the scalar twin computes it up to exp's rounding.
-inline float row_lse(const float* x, int n) {
-  if (n == 0) return kNegInf;
-  alignas(32) float tail[8];
-  const int n8 = n & ~7;
-  for (int i = 0; i < 8; ++i) tail[i] = n8 + i < n ? x[n8 + i] : kNegInf;
-  __m256 mx = _mm256_load_ps(tail);
-  for (int r = 0; r < n8; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + r));
-  const float m = hmax(mx);
-  if (m == kNegInf) return kNegInf;
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 sum = n8 < n ? exp_neg(_mm256_sub_ps(_mm256_load_ps(tail), vm)) : _mm256_setzero_ps();
-  for (int r = 0; r < n8; r += 8) sum = _mm256_add_ps(sum, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(x + r), vm)));
-  return m + std::log(hsum(sum));
-}
+// ---- tile LSEs alone (tiles_lse): the run's logits, each head's run max and exps, then each tile's sum ----
 
 template <class Dc, int NG>
 void lse_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss, float* tl,
-               int tl_stride) {
-  logits<Dc, NG>(T, scale_off, rb, ns, D, q, s, ss, nullptr);
-  int off = 0;
-  for (int i = 0; i < T.count; ++i) {
+               int tl_stride, const Tiles* nx) {
+  logits<Dc, NG>(T, scale_off, rb, ns, D, q, s, ss, nx);
+  const int n = T.rows();
+  float m[NG];
 #pragma GCC unroll 8
-    for (int g = 0; g < NG; ++g) tl[size_t(i) * tl_stride + g] = row_lse(s + g * ss + off, T.n[i]);
-    off += T.n[i];
+  for (int g = 0; g < NG; ++g) {
+    float* sg = s + g * ss;
+    for (int r = n; r < ss; ++r) sg[r] = kNegInf;  // padding rows: exp -> 0
+    __m256 mx = _mm256_set1_ps(kNegInf);
+    for (int r = 0; r < ss; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
+    m[g] = hmax(mx);  // (finite: every tile has a key)
+    const __m256 vm = _mm256_set1_ps(m[g]);
+    for (int r = 0; r < ss; r += 8) _mm256_storeu_ps(sg + r, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + r), vm)));
   }
+  tile_lse_group<NG>(T, s, ss, m, tl, tl_stride);
 }
 
 template <class Dc>
-void lse_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scale_off, float* s, float* tl) {
+void lse_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scale_off, float* s, float* tl,
+             const Tiles* nx) {
   const size_t rb = kv_row_bytes(t, D);
   const int ns = kv_row_scales(t, D);
   const int ss = (T.rows() + 7) & ~7;
@@ -180,7 +171,7 @@ void lse_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scal
     const float* qg = q + g0 * D;
     switch (ng) {
 #define KTQ_CASE(N) \
-  case N: lse_group<Dc, N>(T, scale_off, rb, ns, D, qg, s, ss, tl + g0, G); break;
+  case N: lse_group<Dc, N>(T, scale_off, rb, ns, D, qg, s, ss, tl + g0, G, g0 == 0 ? nx : nullptr); break;
       KTQ_CASE(1) KTQ_CASE(2) KTQ_CASE(3) KTQ_CASE(4) KTQ_CASE(5) KTQ_CASE(6) KTQ_CASE(7) KTQ_CASE(8)
 #undef KTQ_CASE
     }
@@ -191,13 +182,14 @@ void lse_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t scal
 
 // ---- entry points ----
 
-void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse) {
+void tiles_lse(KVType t, int D, int G, const float* q, const Tiles& cur, size_t scale_off, float* s, float* tile_lse,
+               const Tiles* next) {
   switch (t) {
-    case KVType::FP32: lse_any<DecF32>(t, D, G, q, cur, scale_off, s, tile_lse); break;
-    case KVType::FP16: lse_any<DecF16>(t, D, G, q, cur, scale_off, s, tile_lse); break;
-    case KVType::BF16: lse_any<DecBF16>(t, D, G, q, cur, scale_off, s, tile_lse); break;
-    case KVType::Q8_0: lse_any<DecQ8>(t, D, G, q, cur, scale_off, s, tile_lse); break;
-    case KVType::Q4_0: lse_any<DecQ4>(t, D, G, q, cur, scale_off, s, tile_lse); break;
+    case KVType::FP32: lse_any<DecF32>(t, D, G, q, cur, scale_off, s, tile_lse, next); break;
+    case KVType::FP16: lse_any<DecF16>(t, D, G, q, cur, scale_off, s, tile_lse, next); break;
+    case KVType::BF16: lse_any<DecBF16>(t, D, G, q, cur, scale_off, s, tile_lse, next); break;
+    case KVType::Q8_0: lse_any<DecQ8>(t, D, G, q, cur, scale_off, s, tile_lse, next); break;
+    case KVType::Q4_0: lse_any<DecQ4>(t, D, G, q, cur, scale_off, s, tile_lse, next); break;
   }
 }
 

@@ -75,10 +75,10 @@ void MassRerank::run(const StoreLayer& L, int H, const SelectRequest& req, int n
     const int64_t j0 = (task - tstart[h]) * kChunkBlocks, j1 = std::min(count_[s], j0 + kChunkBlocks);
     float* scratch = thread_scratch(size_t(G) * ((per_run * bs + 7) & ~7) + D + size_t(kMaxTiles) * G);
     float* tl = scratch + size_t(G) * ((per_run * bs + 7) & ~7) + D;  // [run tiles, G]
-    for (int64_t j = j0; j < j1;) {
-      // A run: consecutive picks (any ids) of one query rotation, up to per_run of them.
-      Tiles run;
-      const int v = var_.of(row[j]);
+    // A run: consecutive picks (any ids) from j, of one query rotation, up to per_run of them; returns the rotation.
+    auto fill = [&](Tiles& run, int64_t j) {
+      run.count = 0;
+      if (j >= j1) return 0;
       const int64_t v_end = var_.end_of(row[j]);
       for (int64_t i = j; i < j1 && run.count < per_run && row[i] < v_end; ++i) {
         const int64_t b = row[i];
@@ -86,13 +86,23 @@ void MassRerank::run(const StoreLayer& L, int H, const SelectRequest& req, int n
         run.v[run.count] = nullptr;
         run.n[run.count++] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
       }
-      const float* q = qs_.data() + (size_t(v) * H + size_t(h) * G) * D;
-      if (simd) avx2::tiles_lse(kt, D, G, q, run, lay_.scale_off, scratch, tl);
-      else scalar::tiles_lse(kt, D, G, q, run, lay_.scale_off, scratch, tl);
-      for (int i = 0; i < run.count; ++i)
+      return var_.of(row[j]);
+    };
+    Tiles cur, nxt;
+    int vc = fill(cur, j0);
+    for (int i = 0; i < cur.count; ++i) prefetch_l2(cur.k[i], lay_.tile_bytes);  // (the next runs: by the kernel)
+    for (int64_t j = j0; j < j1;) {
+      const int vn = fill(nxt, j + cur.count);
+      const float* q = qs_.data() + (size_t(vc) * H + size_t(h) * G) * D;
+      const Tiles* pf = nxt.count ? &nxt : nullptr;
+      if (simd) avx2::tiles_lse(kt, D, G, q, cur, lay_.scale_off, scratch, tl, pf);
+      else scalar::tiles_lse(kt, D, G, q, cur, lay_.scale_off, scratch, tl, pf);
+      for (int i = 0; i < cur.count; ++i)
         std::copy(tl + size_t(i) * G, tl + size_t(i + 1) * G,
                   lse_.data() + (size_t(s) * wide_cols + j + i) * hps + (n_sets == 1 ? h * G : 0));
-      j += run.count;
+      j += cur.count;
+      cur = nxt;
+      vc = vn;
     }
   });
   // 2. Each set's masses: per query head, its shares over the set's picks, summed over the set's heads.
@@ -107,8 +117,13 @@ void MassRerank::run(const StoreLayer& L, int H, const SelectRequest& req, int n
     std::fill(sum, sum + hps, 0.f);
     for (int64_t j = 0; j < c; ++j)
       for (int g = 0; g < hps; ++g) m[g] = std::max(m[g], ls[j * hps + g]);
-    for (int64_t j = 0; j < c; ++j)  // (a pick's tile has a key: its LSE is finite, and so is every m here)
-      for (int g = 0; g < hps; ++g) sum[g] += (ls[j * hps + g] = std::exp(ls[j * hps + g] - m[g]));
+    // (m is finite: a pick's tile has a key. A share past fp32's range counts 0, as in tiles_lse: so every pick
+    // that far below the heaviest weighs 0, whichever run it was scored in, and ties go to the lower id.)
+    for (int64_t j = 0; j < c; ++j)
+      for (int g = 0; g < hps; ++g) {
+        const float x = ls[j * hps + g] - m[g];
+        sum[g] += (ls[j * hps + g] = x < -87.33654f ? 0.f : std::exp(x));
+      }
     for (int g = 0; g < hps; ++g) m[g] = 1.f / sum[g];
     for (int64_t j = 0; j < c; ++j) {
       float w = 0.f;
