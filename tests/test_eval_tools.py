@@ -608,3 +608,27 @@ def test_budget_curve_second_stage_by_mass_reaches_the_oracle():
     assert alone["mass"] <= alone["oracle_mass"] + 1e-6
     assert full["mass"] == pytest.approx(full["oracle_mass"], abs=1e-6)
     assert 0 < alone["top"] <= 1 and full["top"] >= alone["top"] - 0.05
+
+
+def test_budget_curve_store_second_stage_and_its_plot(tmp_path):
+    """--rerank-by store: the store's own second stage (long_context.rerank) over every candidate picks the
+    oracle's blocks when each KV head has one query head (its shares order the blocks as their true mass); the
+    curves plot from the run's JSON (--replot)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from budget_curve import layer_rows, main
+
+    g = torch.Generator().manual_seed(4)
+    n, D = 400, 16
+    q = torch.randn(4, 2, D, generator=g)
+    k = torch.randn(2, n, D, generator=g) * 2
+    lc = LongContextConfig(block_size=8, init_windows_len=8, local_windows_len=32, second_select_num=4)
+    rows = layer_rows(q, k, n, lc, [0.1, 0.2], ["QUEST"], ["SEPARATE"], [1, 16], 10, 1, 0, "store")  # 16 k >= 45
+    for share in (0.1, 0.2):
+        alone, full = (next(r for r in rows if (r["rerank"], r["share"]) == (x, share)) for x in (1, 16))
+        assert full["mass"] == pytest.approx(full["oracle_mass"], abs=1e-5)
+        assert alone["mass"] < full["mass"]
+    (tmp_path / "run.json").write_text(json.dumps({"task": "t", "n": n, "rows": rows}))
+    assert main(["--replot", str(tmp_path / "run.json"), "--png", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 10_000

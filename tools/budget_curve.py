@@ -28,10 +28,12 @@ Layers below the config's ``dense_layer_num`` are left out of the means (they at
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
 _TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TOOLS, os.path.dirname(_TOOLS)]
@@ -116,6 +118,51 @@ def layer_rows(q, k, n: int, lc, shares: list[float], anchors: list[str], modes:
     return rows
 
 
+def curves(rows: list[dict]) -> dict[str, dict[float, tuple[float, float]]]:
+    """Each selection's (mass, top) means by share, the oracle's last: {name: {share: (mass, top)}}."""
+    out: dict[str, dict[float, tuple[float, float]]] = {}
+    shares = sorted({r["share"] for r in rows})
+    for a, m, r in sorted({(x["anchor"], x["mode"], x["rerank"]) for x in rows}):
+        name = f"{a} {m}" + (f" +rerank {r}" if r > 1 else "")
+        sel = {s: [x for x in rows if (x["anchor"], x["mode"], x["rerank"], x["share"]) == (a, m, r, s)] for s in shares}
+        out[name] = {s: (sum(x["mass"] for x in v) / len(v), sum(x["top"] for x in v) / len(v)) for s, v in sel.items()}
+    sel = {s: [x for x in rows if x["share"] == s] for s in shares}
+    out["oracle"] = {s: (sum(x["oracle_mass"] for x in v) / len(v), sum(x["oracle_top"] for x in v) / len(v))
+                     for s, v in sel.items()}
+    return out
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """One column a run (its JSON: task, n, rows): attention mass held and top-token recall against the budget,
+    a line a selection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(2, len(runs), figsize=(5.5 * len(runs), 8), squeeze=False)
+    for j, run in enumerate(runs):
+        for name, by_share in curves(run["rows"]).items():
+            xs = sorted(by_share)
+            for i in range(2):
+                axes[i][j].plot([100 * x for x in xs], [by_share[x][i] for x in xs], "k--" if name == "oracle" else "-o",
+                                label=name)
+        for i, what in enumerate(("attention mass held", "share of the true top tokens held")):
+            ax = axes[i][j]
+            ax.set_xscale("log")
+            ax.set_xticks([100 * x for x in sorted({r["share"] for r in run["rows"]})])
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.set_xlabel("budget, % of the context")
+            ax.set_ylabel(what)
+            ax.set_title(f"{run['task']} at {run['n']} tokens")
+            ax.grid(True, alpha=0.3)
+        axes[0][j].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def table(rows: list[dict], shares: list[float]) -> str:
     keys = sorted({(r["anchor"], r["mode"], r["rerank"]) for r in rows})
     head = "| selection | " + " | ".join(f"{s:.1%}: mass / top" for s in shares) + " |"
@@ -160,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None, help="plot the curves here (with --replot: of those JSON files)")
+    ap.add_argument("--replot", default=None, metavar="JSON[,JSON]", help="only plot these runs' JSON (no model)")
     a = ap.parse_args(argv)
+    if a.replot:
+        plot([json.loads(Path(f).read_text()) for f in a.replot.split(",")], a.png or "budget_curve.png")
+        return 0
     import torch
 
     ktquest.set_openmp_spin()
@@ -200,9 +252,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{lc.block_size}, windows {lc.init_windows_len} + {lc.local_windows_len}, layers from "
           f"{lc.dense_layer_num} (mass: attention mass held; top: share of the true top {a.top_tokens} tokens)\n")
     print(table(rows, shares))
+    run = {"model": a.model, "task": a.task, "n": n, "queries": W, "config": a.config, "block_size": lc.block_size,
+           "rows": rows}
     if a.json:
-        write_json(a.json, {"model": a.model, "task": a.task, "n": n, "queries": W, "config": a.config,
-                            "block_size": lc.block_size, "rows": rows})
+        write_json(a.json, run)
+    if a.png:
+        plot([run], a.png)
     return 0
 
 
