@@ -366,6 +366,7 @@ def _child(group: str, n_examples: int) -> None:
                 ids = list(range(0, nb, 2))
                 allowed = ids if mode == "SHARED" else [ids] * KVH
             k = data.draw(st.integers(0, 3), label="k")
+            rr = data.draw(st.sampled_from([1, 2, 16]), label="rerank")  # the second stage's width
             print(f"  {op} ({mode}, {length} tokens)", file=sys.stderr, flush=True)
             if op == "scores":
                 dst.block_scores(0, q, mode)
@@ -373,9 +374,9 @@ def _child(group: str, n_examples: int) -> None:
                     dst.group_bounds(0, q, mode)
                     dst.bounds(0)
             elif op == "select":
-                dst.select(0, q, k, mode, allowed=allowed)
+                dst.select(0, q, k, mode, allowed=allowed, rerank=rr)
             elif op == "select_attend":
-                dst.select_attend(0, q, k, mode, allowed=allowed)
+                dst.select_attend(0, q, k, mode, allowed=allowed, rerank=rr)
             elif op == "attend":
                 dst.attend(0, q, torch.arange(nb, dtype=torch.int32))
             elif op == "read":

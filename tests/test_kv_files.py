@@ -267,3 +267,20 @@ def test_store_bytes_altered_and_checksummed_again_refused(tiny_llama, tmp_path)
     assert s.send("and now?").stats.prompt_tokens < 80  # goes on from its cache: the document is not read again
     r = eng.load_session(path).send("again").stats
     assert r.prompt_tokens < r.context_tokens - 80  # the file as saved: the document (80 tokens) is not read again
+
+
+def test_a_file_from_before_a_decode_key_existed_reads_at_its_default():
+    """A file written before a long_context key was added (e.g. ``rerank``) was made as that key's default makes
+    a cache: its fingerprint gains the key at the default, so it loads under the default and not under another."""
+    from ktquest.config import Config, to_dict
+    from ktquest.kv.compat import with_later_keys
+
+    now = to_dict(Config())["long_context"]
+    now.pop("threads_num")
+    old = {"mode": "long_context", "long_context": {k: v for k, v in now.items() if k != "rerank"}}
+    assert with_later_keys(old)["long_context"] == now
+    assert with_later_keys(old) == {"mode": "long_context", "long_context": now}
+    assert with_later_keys(old) != {"mode": "long_context", "long_context": {**now, "rerank": 4}}
+    kept = {"mode": "long_context", "long_context": {**now, "rerank": 4}}
+    assert with_later_keys(kept) == kept  # a key the file has is its own
+    assert with_later_keys({"mode": "dense"}) == {"mode": "dense"} and with_later_keys(None) is None

@@ -497,6 +497,27 @@ def _tiny_cfg(name: str, **lc) -> Config:
 
 
 @pytest.mark.parametrize("name", ["quest", "snapkv"])
+@pytest.mark.parametrize("native", [True, False])
+def test_rerank_reaches_the_store_on_the_forward_pass(tiny, name, native):
+    """long_context.rerank through the model's forward pass, on the native per-layer step (decode_native ->
+    step_plan) and on torch's (decode_context -> select_attend, as off the CPU): the store runs the second stage
+    (its time is reported) and picks other blocks than the anchors' top k alone."""
+    picks, staged = {}, {}
+    prompt = torch.arange(3, 180) * 7 % 250
+    for rr in (1, 4):
+        cache = LongContextCache(tiny.args, _tiny_cfg(name, preselect_block_count=24, dense_layer_num=0, rerank=rr), 256)
+        cache.shape = dataclasses.replace(cache.shape, native_decode=native)
+        logits, seen, ran = prefill(tiny, cache, prompt, 32), [], []
+        for _ in range(8):
+            logits = decode_one_token(tiny, cache, int(logits.argmax()))
+            seen += [cache.selection(i).ids.clone() for i in range(tiny.args.n_layers)]
+            ran.append(cache.store.last_timing()["rerank_ms"] > 0)
+        picks[rr], staged[rr] = seen, ran
+    assert all(staged[4]) and not any(staged[1])
+    assert any(not torch.equal(a, b) for a, b in zip(picks[1], picks[4]))
+
+
+@pytest.mark.parametrize("name", ["quest", "snapkv"])
 def test_retune_decodes_as_a_cache_loaded_with_the_knobs(tiny, name):
     """A filled cache retuned (second_select_num, sticky_blocks, dense_layer_num, rerank) decodes bit for bit as one
     loaded with those knobs and fed the same prompt; retuned back, as one loaded with the first; a knob the

@@ -214,3 +214,12 @@ def test_both_kernels_flush_a_dominated_run_alike():
     assert torch.equal(picks[0], picks[1])
     first = rows_of(st.select(0, q, 12, "SEPARATE", [(0, 1)]), KVH)
     assert rows_of(picks[0], KVH) == [sorted([50, *[b for b in r if b != 50][:2]]) for r in first]
+
+
+def test_the_config_key_is_checked():
+    from ktquest.config import ConfigError, LongContextConfig
+
+    assert LongContextConfig(rerank=16).rerank == 16
+    for bad in (0, 17, 2.0):
+        with pytest.raises(ConfigError, match="long_context.rerank"):
+            LongContextConfig(rerank=bad)

@@ -113,7 +113,8 @@ def measure(
     anchors: list[str],
     on_layer=None,
 ) -> tuple[list[dict], list[dict]]:
-    """Recall rows (anchor, layer, head) and QUEST rows (layer, head), averaged over the recorded queries; the
+    """Recall rows (anchor, layer, head) and QUEST rows (layer, head), averaged over the recorded queries (each
+    anchor type's selection with the config's ``rerank`` second stage, as a decode step makes it); the
     model's global layers (a sliding-window model's windows never reach the store: its ``HybridCache`` holds the
     global layers in a dense cache of their own, renumbered, and ``dense_layer_num`` counts them)."""
     dense, layers = global_layers(rec.inner)
@@ -170,7 +171,8 @@ def measure(
             store.append(0, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), importance)
             sel = torch.zeros(H, W, nb, dtype=torch.bool)
             for w in range(W):
-                ids = store.select(0, q[w].contiguous(), budget, mode=mode, exclude_ranges=exclude)
+                ids = store.select(0, q[w].contiguous(), budget, mode=mode, exclude_ranges=exclude,
+                                   rerank=lc.rerank)  # (the config's second stage, if any)
                 ids = ids[None].expand(KVH, -1) if mode == "SHARED" else ids  # [KVH, k]
                 for g in range(KVH):
                     chosen = ids[g][ids[g] >= 0].long()

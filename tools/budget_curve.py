@@ -44,6 +44,7 @@ import ktquest  # noqa: E402
 from ktquest.config import load_config  # noqa: E402
 from ktquest.eval.ruler import RULER_TASKS, make_ruler_sample  # noqa: E402
 from ktquest.generate import prefill  # noqa: E402
+from ktquest.native.enums import MAX_RERANK  # noqa: E402
 from ktquest.native.store import KVStore  # noqa: E402
 
 
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", default=None, help="plot the curves here (with --replot: of those JSON files)")
     ap.add_argument("--replot", default=None, metavar="JSON[,JSON]", help="only plot these runs' JSON (no model)")
     a = ap.parse_args(argv)
+    if a.rerank_by == "store" and max(int(x) for x in a.rerank.split(",")) > MAX_RERANK:
+        ap.error(f"--rerank {a.rerank}: the store's second stage is at most {MAX_RERANK} wide")
     if a.replot:
         plot([json.loads(Path(f).read_text()) for f in a.replot.split(",")], a.png or "budget_curve.png")
         return 0

@@ -382,8 +382,7 @@ void bind_kv_store(py::module_& m) {
            "Selections walk the hierarchical index (True, the default) or scan every block as a store without "
            "one does (False): the same picks, for timing one against the other on one store.")
       .def("set_sticky_blocks", &KVStore::set_sticky_blocks, py::arg("R"),
-           "sticky_blocks from now on (0..MAX_STICKY_BLOCKS); the blocks kept so far are dropped.")
-;
+           "sticky_blocks from now on (0..MAX_STICKY_BLOCKS); the blocks kept so far are dropped.");
 
   // ---- what C++ owns and tells Python: the enums' names, the store's byte layout ----
   m.attr("KV_TYPES") = names_tuple(kKVTypeNames);

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ktquest.config import show, to_dict
+from ktquest.config import Config, show, to_dict
 from ktquest.kv import files
 from ktquest.kv.files import KVFileError
 from ktquest.kv.sliding import HybridCache
@@ -68,6 +68,16 @@ def cache_fingerprint(eng: Engine) -> dict:
     return out
 
 
+def with_later_keys(config):
+    """A file's config fingerprint with the long_context keys added since it was written (``rerank``, ...) at
+    their defaults: what the cache was made with then, when those knobs did not exist."""
+    if not isinstance(config, dict) or not isinstance(config.get("long_context"), dict):
+        return config
+    now = {k: v for k, v in to_dict(Config())["long_context"].items() if k != "threads_num"}
+    return {**config, "long_context": {**{k: v for k, v in now.items() if k not in config["long_context"]},
+                                       **config["long_context"]}}
+
+
 def rope_fingerprint(args, max_len: int) -> str:
     """A digest of the RoPE frequencies and cos/sin multiplier of each of the model's tables (``rope_variants``)
     for a cache of ``max_len`` tokens: the rotation every cached key went through."""
@@ -89,9 +99,10 @@ def read(path: str | os.PathLike, cache, model: dict, config: dict, vocab_size: 
         name = theirs.get("name") if isinstance(theirs, dict) else None
         raise KVFileError(f"{path} was written for another model ({show(name)}); this is {model['name']!r} "
                           f"({model['bytes']:,} bytes)")
-    if header.get("config") != config:
+    theirs = with_later_keys(header.get("config"))
+    if theirs != config:
         raise KVFileError(f"{path} was written with a config whose KV cache differs: "
-                          f"{differences(header.get('config'), config)}")
+                          f"{differences(theirs, config)}")
     tokens, meta = arrays.pop("tokens", None), header.get("cache")
     cache.check_state(meta, arrays, str(path))
     if tokens is None or tokens.dim() != 1 or tokens.dtype != torch.int32 or len(tokens) != meta["pos"] or \
