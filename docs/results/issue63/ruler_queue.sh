@@ -3,10 +3,11 @@
 # (model, length, task, store). One prefill a store: quest's store answers quest, ada_quest and ada_snapkv
 # (--variant: their shipped decode knobs; the three presets share block size, windows and store type).
 # A run whose JSON exists is skipped and a killed run resumes (--resume), so the queue can be stopped at any time
-# and started again. Usage: MODEL=smollm2-135m LENGTH=4096 [OUT=/work/runs/issue63] [THREADS=2] bash ruler_queue.sh
+# and started again; the outputs live beside this script (runs/), so they survive between sessions.
+# Usage: MODEL=smollm2-135m LENGTH=4096 [OUT=docs/results/issue63/runs] [THREADS=2] bash ruler_queue.sh
 cd "$(dirname "$0")/../../.."
 MODEL=${MODEL:-smollm2-135m}; LENGTH=${LENGTH:-4096}; THREADS=${THREADS:-2}; TRIALS=${TRIALS:-20}
-OUT=${OUT:-/work/runs/issue63}/${MODEL}_${LENGTH}; mkdir -p "$OUT"
+OUT=${OUT:-docs/results/issue63/runs}/${MODEL}_${LENGTH}; mkdir -p "$OUT"
 TASKS=${TASKS:-"niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3 niah_multivalue niah_multiquery vt cwe fwe"}
 V="--variant ada_quest:ada_budget=true --variant ada_snapkv:preselect_block=true,preselect_block_count=768,ada_budget=true,preselect_refresh=16"
 EXTRA=""; [ "$MODEL" = gemma3-270m ] && EXTRA="--set sliding_window_keep=$LENGTH"
