@@ -90,9 +90,13 @@ CandCache* KVStore::select_locked(const StoreLayer& L, int layer, int H, const S
   // The second stage (rerank.h; never deferred): the first stage's R k picks a set, then the cut by mass.
   const int cols = MassRerank::wide_cols(out_cols, R, nb);
   wide_ids_.resize(size_t(n_sets) * cols);
-  if (C) cand_.select(*C, first, sel_, wide_ids_.data(), cols, timing_);
-  else sel_.select_runs(L, H, first, wide_ids_.data(), cols, timing_);
-  rerank_.run(L, H, req, n_sets, wide_ids_.data(), cols, out_ids, out_cols, timing_);
+  if (C) {
+    cand_.select(*C, first, sel_, wide_ids_.data(), cols, timing_);
+    cand_.copy_tiles(L, *C);  // (the stage reads the picks' K from the candidates' compact copy, as attention does)
+  } else {
+    sel_.select_runs(L, H, first, wide_ids_.data(), cols, timing_);
+  }
+  rerank_.run(L, H, req, n_sets, wide_ids_.data(), cols, out_ids, out_cols, timing_, &cand_, C);
   reranked_ = true;
   for (int s = 0; C && s < n_sets; ++s) cand_.set_slots(*C, s, out_ids + int64_t(s) * out_cols, out_cols);
   return C;

@@ -43,7 +43,8 @@ void MassRerank::set_query(const float* q, int H, const QueryVariants& var) {
 }
 
 void MassRerank::run(const StoreLayer& L, int H, const SelectRequest& req, int n_sets, const int32_t* wide,
-                     int wide_cols, int32_t* out_ids, int out_cols, StageTiming& t) {
+                     int wide_cols, int32_t* out_ids, int out_cols, StageTiming& t, const CandCaches* caches,
+                     const CandCache* kvc) {
   const auto t0 = Clock::now();
   const int D = lay_.cfg.head_dim, KVH = lay_.cfg.n_kv_heads, G = H / KVH, bs = lay_.cfg.block_size;
   const int hps = n_sets == 1 ? H : G;  // query heads per set
@@ -80,9 +81,12 @@ void MassRerank::run(const StoreLayer& L, int H, const SelectRequest& req, int n
       run.count = 0;
       if (j >= j1) return 0;
       const int64_t v_end = var_.end_of(row[j]);
+      const int32_t* cand = kvc ? kvc->ids.data() + s * kvc->stride : nullptr;  // (ascending)
       for (int64_t i = j; i < j1 && run.count < per_run && row[i] < v_end; ++i) {
         const int64_t b = row[i];
-        run.k[run.count] = lay_.k_tile(L, h, b);
+        run.k[run.count] = kvc ? caches->tile(*kvc, s, kvc->mode == HeadMode::SHARED ? h : 0,
+                                              std::lower_bound(cand, cand + kvc->count[s], row[i]) - cand)
+                               : lay_.k_tile(L, h, b);
         run.v[run.count] = nullptr;
         run.n[run.count++] = b == nb - 1 ? int(L.len - b * bs) : bs;  // the last block may be partial
       }

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvstore/cand_cache.h"
 #include "kvstore/layout.h"
 #include "select/ada.h"
 #include "select/request.h"
@@ -39,9 +40,11 @@ class MassRerank {
   void set_query(const float* q, int H, const QueryVariants& var);
   // wide [n_sets, wide_cols]: the first stage's picks (ascending valid ids, then -1). Writes out_ids [n_sets,
   // out_cols]: of each set's picks the req.k_per_set[s] (Ada-KV: the split of their sum by mass) of largest
-  // mass, ascending, -1 padded. t.rerank_s.
+  // mass, ascending, -1 padded. t.rerank_s. kvc: the picks are kvc's candidates, whose K tiles are read from its
+  // compact copy (caches->tile; copied: copy_tiles) instead of the store's.
   void run(const StoreLayer& L, int H, const SelectRequest& req, int n_sets, const int32_t* wide, int wide_cols,
-           int32_t* out_ids, int out_cols, StageTiming& t);
+           int32_t* out_ids, int out_cols, StageTiming& t, const CandCaches* caches = nullptr,
+           const CandCache* kvc = nullptr);
   // The mass the last run gave block b of set s (one of its first-stage picks; else -inf). Needs wide as run saw it.
   double mass_of(int s, int32_t b) const;
 
