@@ -50,11 +50,10 @@ void MassRerank::run(const StoreLayer& L, int H, const SelectRequest& req, int n
   const int hps = n_sets == 1 ? H : G;  // query heads per set
   const int64_t nb = lay_.n_blocks(L);
   count_.assign(n_sets, 0);
-  int64_t cmax = 0, n_picks = 0;
+  int64_t n_picks = 0;
   for (int s = 0; s < n_sets; ++s) {
     const int32_t* row = wide + int64_t(s) * wide_cols;
     while (count_[s] < wide_cols && row[count_[s]] >= 0) ++count_[s];
-    cmax = std::max(cmax, count_[s]);
     n_picks += count_[s];
   }
   // 1. Every pick's LSE per query head: tasks of kChunkBlocks picks of one KV head (SHARED: each KV head reads
