@@ -144,6 +144,9 @@ void tiles_any(KVType t, int D, int G, const float* q, const Tiles& T, size_t sc
 template <class Dc, int NG>
 void lse_group(const Tiles& T, size_t scale_off, size_t rb, int ns, int D, const float* q, float* s, int ss, float* tl,
                int tl_stride, const Tiles* nx) {
+  if (nx && ns)
+    for (int i = 0; i < nx->count; ++i)  // the next tiles' scales (their rows stream in with this run's logits)
+      prefetch_lines(nx->k[i] + scale_off, size_t(scale_off / rb) * ns * 4);
   logits<Dc, NG>(T, scale_off, rb, ns, D, q, s, ss, nx);
   const int n = T.rows();
   float m[NG];
