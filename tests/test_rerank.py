@@ -223,3 +223,19 @@ def test_the_config_key_is_checked():
     for bad in (0, 17, 2.0):
         with pytest.raises(ConfigError, match="long_context.rerank"):
             LongContextConfig(rerank=bad)
+
+
+def test_the_benchmark_runs(capsys):
+    """tools/bench_rerank.py end to end on a small store (with a SnapKV candidate list): a row per width."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_rerank.py"
+    spec = importlib.util.spec_from_file_location("bench_rerank", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--shapes", "smollm2-135m", "--contexts", "8192", "--calls", "2", "--reranks", "3",
+                       "--threads", "1", "--kv-type", "Q8_0", "--candidates", "96", "--k", "16"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| smollm2-135m")]
+    assert [r.split("|")[4].strip() for r in rows] == ["1", "3"]
+    assert float(rows[1].split("|")[9]) > 0  # the second stage's time
