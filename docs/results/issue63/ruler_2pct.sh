@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 63: RULER at a 2% budget on Gemma 3 270M at 32K: dense, quest.yaml at 82 blocks of 8 a KV head (655 tokens,
+# Issue 63: RULER at a 2% budget on Gemma 3 270M at 32K: dense, quest.yaml at 82 blocks of 8 a KV head (656 tokens,
 # 2% of 32,768) in all 3 global layers (dense_layer_num 0: quest.yaml's 2 dense layers would be 2 of the 3 layers
 # in the store) with the anchors alone, and with the store's second stage by attention mass (long_context.rerank
 # 4 and 8: --variant, one prefill answers all three). 20 samples a task; a run whose JSON exists is skipped, a
