@@ -16,14 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ktquest.config_file import ConfigError, check_utf8, find_config, parse_override, read_config_file, show
-from ktquest.native.enums import (
-    ANCHOR_TYPES,
-    HEAD_MODES,
-    KV_TYPES,
-    LINEAR_ANCHORS,
-    MAX_RERANK,
-    MAX_STICKY_BLOCKS,
-)
+from ktquest.native import enums
+from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES, LINEAR_ANCHORS, MAX_STICKY_BLOCKS
 
 INT_MAX = 2**31 - 1  # every integer key but these two: the kernels take 32-bit sizes
 SEED_MAX = 2**63 - 1  # numpy's and torch's seeds both take a non-negative int64
@@ -133,10 +127,7 @@ class LongContextConfig:
     # The blocks of each KV head that took the largest share of its attention at a decode step, and the block
     # after each, stay selected at the layer's next step, within second_select_num (cpp/kvstore/sticky.cpp)
     sticky_blocks: int = 0
-    # A second stage of a decode step's selection: the anchors pick rerank x second_select_num blocks, of which the
-    # ones holding the most attention mass for the query (QK over their keys) are kept (cpp/kvstore/rerank.h);
-    # 1 = off. (Sparse prefill's chunk selection is the anchors' alone.)
-    rerank: int = 1
+    rerank: int = 1  # decode's second stage: of rerank x k anchor picks, the k of most attention (rerank.h)
 
     def __post_init__(self) -> None:
         p = "long_context."
@@ -177,7 +168,8 @@ class LongContextConfig:
         _check(0.0 <= self.quest_centre <= 1.0, p + "quest_centre", self.quest_centre, "a number in [0, 1]")
         _check(0 <= self.sticky_blocks <= MAX_STICKY_BLOCKS, p + "sticky_blocks", self.sticky_blocks,
                f"an integer in [0, {MAX_STICKY_BLOCKS}] (0 = off)")
-        _check(1 <= self.rerank <= MAX_RERANK, p + "rerank", self.rerank, f"an integer in [1, {MAX_RERANK}] (1 = off)")
+        _check(1 <= self.rerank <= enums.MAX_RERANK, p + "rerank", self.rerank,
+               f"an integer in [1, {enums.MAX_RERANK}] (1 = off)")
         if self.sticky_blocks:
             _check(self.token_step == 1, p + "sticky_blocks", self.sticky_blocks,
                    f"0 with token_step {self.token_step} (a step's blocks are kept for the next token's selection, "

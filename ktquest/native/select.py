@@ -7,6 +7,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ktquest.native.enums import MAX_RERANK
+
+
+def check_rerank(r) -> int:
+    """A selection's second-stage width (``Select.rerank``), checked: an integer in [1, MAX_RERANK]."""
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 1 <= r <= MAX_RERANK:
+        raise ValueError(f"rerank={r!r} is not allowed: an integer in [1, {MAX_RERANK}] (1 = off)")
+    return int(r)
+
 
 @dataclass(slots=True, frozen=True)
 class Select:

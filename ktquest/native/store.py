@@ -24,19 +24,12 @@ import torch
 from ktquest import _C
 from ktquest.native.ada import alpha_fraction
 from ktquest.native.args import as_numpy, check_int, check_name, check_tensor, check_variants, padded_ids
-from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES, MAX_RERANK
-from ktquest.native.select import Select
+from ktquest.native.enums import ANCHOR_TYPES, HEAD_MODES, KV_TYPES
+from ktquest.native.select import Select, check_rerank
 from ktquest.native.store_reads import StoreReads
 
 _IN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NO_RANGES = np.zeros((0, 2), np.int64)
-
-
-def _rerank(r) -> int:
-    """A selection's second-stage width, checked: an integer in [1, MAX_RERANK]."""
-    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 1 <= r <= MAX_RERANK:
-        raise ValueError(f"rerank={r!r} is not allowed: an integer in [1, {MAX_RERANK}] (1 = off)")
-    return int(r)
 
 
 class KVStore(StoreReads):
@@ -324,7 +317,7 @@ class KVStore(StoreReads):
         var = check_variants(variants)
         qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
-        self._st.select(layer, qn, mode, ks, excl, allow, ids, ada, var, _rerank(rerank))
+        self._st.select(layer, qn, mode, ks, excl, allow, ids, ada, var, check_rerank(rerank))
         return self._step_ids(ids, mode)
 
     def attend(
@@ -380,7 +373,7 @@ class KVStore(StoreReads):
         qn = self._q(q, var)
         mode, ks, excl, allow, ids, ada = self._request(layer, k, mode, exclude_ranges, allowed, ada_alpha)
         out, lse, out_np, lse_np = self._outputs(qn.shape[-2], out, lse)
-        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np, ada, var, _rerank(rerank))
+        self._st.select_attend(layer, qn, mode, ks, excl, allow, ids, out_np, lse_np, ada, var, check_rerank(rerank))
         return out, lse, self._step_ids(ids, mode)
 
     def decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win_k: torch.Tensor,
@@ -408,7 +401,7 @@ class KVStore(StoreReads):
         if select is not None:
             mode, ks, excl, allow, ids, ada = self._request(layer, select.k, select.mode, select.exclude_ranges,
                                                             select.allowed, select.ada_alpha)
-            return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids, ada, _rerank(select.rerank))
+            return _C.StorePlan.select(self._st, mode, ks, excl, allow, ids, ada, check_rerank(select.rerank))
         if blocks is not None:
             n = blocks.shape[0] if isinstance(blocks, torch.Tensor) and blocks.dim() == 2 else 1
             return _C.StorePlan.attend(self._st, padded_ids(blocks, "blocks", n))
@@ -421,19 +414,6 @@ class KVStore(StoreReads):
             return None
         ids = torch.from_numpy(ids)
         return ids[0] if mode == "SHARED" else ids
-
-    def last_timing(self) -> dict[str, float]:
-        """Milliseconds of the stages of the last select/attend call: score, topk, attend, and the second stage
-        (rerank; 0 without one)."""
-        s, t, a, r = self._st.last_timing()
-        return {"score_ms": s * 1e3, "topk_ms": t * 1e3, "attend_ms": a * 1e3, "rerank_ms": r * 1e3}
-
-    def last_index_stats(self) -> dict[str, int]:
-        """What the last selection without a candidate list scored, summed over its sets: ``groups`` (group
-        bounds, 0 without the index), ``blocks_scored`` (blocks whose anchors were scored) and ``candidates``
-        (candidate blocks)."""
-        g, b, c = self._st.last_index_stats()
-        return {"groups": g, "blocks_scored": b, "candidates": c}
 
     def set_walk_index(self, on: bool) -> None:
         """Selections walk the hierarchical index (True, the default) or scan every block as a store without

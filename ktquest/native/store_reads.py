@@ -1,6 +1,6 @@
 """The ``KVStore``'s read-backs (ktquest/native/store.py): what a layer holds, dequantised to fp32 tensors (its K/V,
-its keys slab by slab, its anchors and index rows), for tests, tools and the torch twins of the native operators.
-The store's native object is ``self._st``."""
+its keys slab by slab, its anchors and index rows), for tests, tools and the torch twins of the native operators;
+and what the last selection did (its stages' times, what it scored). The store's native object is ``self._st``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from ktquest.native.args import check_int
 
 
 class StoreReads:
-    """A mixin of ``KVStore``: the methods that copy a layer's contents out (none runs on the decode path)."""
+    """A mixin of ``KVStore``: the methods that copy a layer's contents or the last call's statistics out (none runs
+    on the decode path)."""
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What is stored, dequantised: (k, v), each [length, KVH, D] fp32."""
@@ -52,3 +53,16 @@ class StoreReads:
         rows of each group's blocks (QUEST: of their min rows, then of their max rows), kept as fp16 rounded
         outward (min down, max up). ValueError without an index."""
         return torch.from_numpy(self._st.read_bounds(layer))
+
+    def last_timing(self) -> dict[str, float]:
+        """Milliseconds of the stages of the last select/attend call: score, topk, attend, and the second stage
+        (rerank; 0 without one)."""
+        s, t, a, r = self._st.last_timing()
+        return {"score_ms": s * 1e3, "topk_ms": t * 1e3, "attend_ms": a * 1e3, "rerank_ms": r * 1e3}
+
+    def last_index_stats(self) -> dict[str, int]:
+        """What the last selection without a candidate list scored, summed over its sets: ``groups`` (group
+        bounds, 0 without the index), ``blocks_scored`` (blocks whose anchors were scored) and ``candidates``
+        (candidate blocks)."""
+        g, b, c = self._st.last_index_stats()
+        return {"groups": g, "blocks_scored": b, "candidates": c}
